@@ -1,0 +1,176 @@
+//! llama.cpp `llama-server` adapter.
+//!
+//! Reads `/health` (503 while the model loads), `/slots` (one entry per slot
+//! with `is_processing`), `/metrics` (`llamacpp:requests_deferred`, needs
+//! `--metrics`) and `/v1/models`. Without `/slots` (server started with
+//! `--no-slots`) the slot count comes from `/props` `total_slots` and the
+//! busy count from `llamacpp:requests_processing`.
+
+use async_trait::async_trait;
+use flowgate::BackendHealth;
+use reqwest::{Client, StatusCode};
+use serde::Deserialize;
+
+use crate::backend::{Backend, BackendStatus};
+use crate::prom;
+
+pub struct LlamaCpp {
+    client: Client,
+    base: String,
+    api_key: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Slot {
+    #[serde(default)]
+    is_processing: bool,
+}
+
+#[derive(Debug, Deserialize)]
+struct Props {
+    total_slots: u32,
+}
+
+#[derive(Debug, Deserialize)]
+struct Models {
+    data: Vec<ModelEntry>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ModelEntry {
+    id: String,
+}
+
+/// Counts (total, busy) slots from a `/slots` body.
+pub fn parse_slots(body: &[u8]) -> Result<(u32, u32), String> {
+    let slots: Vec<Slot> =
+        serde_json::from_slice(body).map_err(|e| format!("/slots is not a slot list: {e}"))?;
+    let total = u32::try_from(slots.len()).map_err(|_| "too many slots".to_string())?;
+    let busy = slots.iter().filter(|s| s.is_processing).count() as u32;
+    Ok((total, busy))
+}
+
+/// Model ids from a `/v1/models` body.
+pub fn parse_models(body: &[u8]) -> Result<Vec<String>, String> {
+    let m: Models =
+        serde_json::from_slice(body).map_err(|e| format!("/v1/models is not a model list: {e}"))?;
+    Ok(m.data.into_iter().map(|e| e.id).collect())
+}
+
+/// Reads a gauge that must be a small non-negative count.
+fn count(samples: &[prom::Sample], name: &str) -> Option<u32> {
+    prom::first(samples, name)
+        .filter(|v| v.is_finite() && *v >= 0.0)
+        .map(|v| v.min(f64::from(u32::MAX)) as u32)
+}
+
+impl LlamaCpp {
+    pub fn new(client: Client, base: String, api_key: Option<String>) -> Self {
+        LlamaCpp {
+            client,
+            base,
+            api_key,
+        }
+    }
+
+    async fn get(&self, path: &str) -> Result<(StatusCode, bytes::Bytes), String> {
+        let mut req = self.client.get(format!("{}{path}", self.base));
+        if let Some(key) = &self.api_key {
+            req = req.bearer_auth(key);
+        }
+        let resp = req.send().await.map_err(|e| format!("GET {path}: {e}"))?;
+        let status = resp.status();
+        let body = resp.bytes().await.map_err(|e| format!("GET {path}: {e}"))?;
+        Ok((status, body))
+    }
+
+    async fn get_ok(&self, path: &str) -> Result<bytes::Bytes, String> {
+        match self.get(path).await? {
+            (s, body) if s.is_success() => Ok(body),
+            (s, _) => Err(format!("GET {path}: HTTP {s}")),
+        }
+    }
+
+    async fn slots(&self, metrics: &[prom::Sample]) -> Result<(u32, u32), String> {
+        match self.get("/slots").await? {
+            (s, body) if s.is_success() => parse_slots(&body),
+            // `--no-slots`: fall back to /props and the metrics.
+            (StatusCode::NOT_IMPLEMENTED, _) => {
+                let body = self.get_ok("/props").await?;
+                let props: Props = serde_json::from_slice(&body)
+                    .map_err(|e| format!("/props has no total_slots: {e}"))?;
+                let busy = count(metrics, "llamacpp:requests_processing").unwrap_or(0);
+                Ok((props.total_slots, busy.min(props.total_slots)))
+            }
+            (s, _) => Err(format!("GET /slots: HTTP {s}")),
+        }
+    }
+}
+
+#[async_trait]
+impl Backend for LlamaCpp {
+    async fn poll(&self) -> BackendStatus {
+        let health = match self.get("/health").await {
+            Ok((s, _)) if s.is_success() => BackendHealth::Ready,
+            Ok((StatusCode::SERVICE_UNAVAILABLE, _)) => BackendHealth::Loading,
+            Ok((s, _)) => return BackendStatus::unreachable(format!("GET /health: HTTP {s}")),
+            Err(e) => return BackendStatus::unreachable(e),
+        };
+        if health == BackendHealth::Loading {
+            let mut st = BackendStatus::unreachable("model is loading".into());
+            st.health = BackendHealth::Loading;
+            return st;
+        }
+        let (metrics, models) = tokio::join!(self.get("/metrics"), self.get_ok("/v1/models"));
+        // Metrics are optional (`--metrics`); without them nothing waits.
+        let samples = match metrics {
+            Ok((s, body)) if s.is_success() => prom::parse(&String::from_utf8_lossy(&body)),
+            _ => Vec::new(),
+        };
+        let (slots_total, slots_busy) = match self.slots(&samples).await {
+            Ok(v) => v,
+            Err(e) => return BackendStatus::unreachable(e),
+        };
+        let models = match models.and_then(|b| parse_models(&b)) {
+            Ok(m) => m,
+            Err(e) => return BackendStatus::unreachable(e),
+        };
+        BackendStatus {
+            health,
+            models,
+            slots_total,
+            slots_busy,
+            requests_waiting: count(&samples, "llamacpp:requests_deferred").unwrap_or(0),
+            kv_cache_usage: None,
+            last_error: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prom::tests::fixture;
+
+    #[test]
+    fn slots_from_the_fixtures() {
+        assert_eq!(parse_slots(fixture("llamacpp/slots_idle.txt").as_bytes()), Ok((4, 0)));
+        let (total, busy) = parse_slots(fixture("llamacpp/slots_busy.txt").as_bytes()).unwrap();
+        assert_eq!(total, 4);
+        assert!(busy >= 1 && busy <= 4, "busy = {busy}");
+        assert!(parse_slots(br#"{"error":1}"#).is_err());
+    }
+
+    #[test]
+    fn models_from_the_fixture() {
+        let m = parse_models(fixture("llamacpp/v1_models.txt").as_bytes()).unwrap();
+        assert_eq!(m, ["models/SmolLM2-135M-Instruct.Q4_1.gguf"]);
+    }
+
+    #[test]
+    fn deferred_requests_from_the_metrics_fixture() {
+        let s = prom::parse(&fixture("llamacpp/metrics_busy.txt"));
+        assert_eq!(count(&s, "llamacpp:requests_deferred"), Some(3));
+        assert_eq!(count(&[], "llamacpp:requests_deferred"), None);
+    }
+}

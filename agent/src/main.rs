@@ -1,0 +1,292 @@
+//! `agent`: watches one model server and reports its capacity to the
+//! balancer every monitoring interval. See the README for flags.
+
+mod backend;
+mod llamacpp;
+mod prom;
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use flowgate::protocol::{MAX_MONITORING_INTERVAL, MIN_MONITORING_INTERVAL};
+use flowgate::{AgentReport, BackendKind, PROTOCOL_VERSION};
+use reqwest::Client;
+use tracing::{error, info, warn};
+use tracing_subscriber::EnvFilter;
+
+use crate::backend::Backend;
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum BackendArg {
+    /// llama.cpp's llama-server (needs `--metrics` for the deferred count)
+    Llamacpp,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Flowgate agent: polls one model server (health, slots, queue, models) and
+/// reports it to the balancer's management API.
+#[derive(Debug, Parser)]
+#[command(name = "agent", version, about, long_about = None)]
+struct Cli {
+    /// Kind of model server
+    #[arg(long, value_enum, default_value = "llamacpp")]
+    backend: BackendArg,
+
+    /// Address the agent polls: `host:port` or `http://host:port`
+    #[arg(long, value_name = "ADDR")]
+    backend_addr: String,
+
+    /// `ip:port` the balancer should send inference traffic to
+    /// [default: --backend-addr, resolved]
+    #[arg(long, value_name = "IP:PORT")]
+    external_addr: Option<SocketAddr>,
+
+    /// The balancer's management address: `host:port` or `http://host:port`
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8060")]
+    management_addr: String,
+
+    /// Name shown in the balancer's agent list [default: the backend address]
+    #[arg(long)]
+    name: Option<String>,
+
+    /// How often to poll and report: `1s`, `250ms`, or milliseconds. The
+    /// balancer stops routing to an agent after 3 missed reports.
+    /// Allowed: 50ms..=60s
+    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = parse_interval)]
+    monitoring_interval: Duration,
+
+    /// API key sent to the model server as `Authorization: Bearer`
+    #[arg(long, env = "FLOWGATE_BACKEND_API_KEY", hide_env_values = true)]
+    backend_api_key: Option<String>,
+
+    /// Log filter (error, warn, info, debug, trace or a tracing directive);
+    /// env RUST_LOG wins
+    #[arg(long, default_value = "info")]
+    log_level: String,
+
+    /// Log line format
+    #[arg(long, value_enum, default_value = "text")]
+    log_format: LogFormat,
+}
+
+fn parse_interval(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => (&s[..i], &s[i..]),
+        None => (s, "ms"),
+    };
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration like 1s or 250ms"))?;
+    let d = match unit {
+        "ms" => Duration::from_millis(n),
+        "s" => Duration::from_secs(n),
+        _ => return Err(format!("unknown unit {unit:?}: use ms or s")),
+    };
+    if !(MIN_MONITORING_INTERVAL..=MAX_MONITORING_INTERVAL).contains(&d) {
+        return Err(format!("{s} is outside 50ms..=60s"));
+    }
+    Ok(d)
+}
+
+/// `host:port` or `http://host:port[/]` → `http://host:port`.
+fn base_url(addr: &str) -> Result<String, String> {
+    let trimmed = addr.trim().trim_end_matches('/');
+    if trimmed.starts_with("https://") {
+        return Err(format!("{addr}: https is not supported yet; use http"));
+    }
+    let hostport = trimmed.strip_prefix("http://").unwrap_or(trimmed);
+    if hostport.is_empty() || hostport.contains('/') || !hostport.contains(':') {
+        return Err(format!("{addr:?} is not host:port or http://host:port"));
+    }
+    Ok(format!("http://{hostport}"))
+}
+
+async fn resolve(base: &str) -> Result<SocketAddr, String> {
+    let hostport = base.trim_start_matches("http://");
+    tokio::net::lookup_host(hostport)
+        .await
+        .map_err(|e| format!("cannot resolve {hostport}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{hostport} resolves to no address"))
+}
+
+struct Reporter {
+    client: Client,
+    url: String,
+    agent_id: String,
+}
+
+impl Reporter {
+    async fn send(&self, report: &AgentReport) -> Result<String, String> {
+        let resp = self
+            .client
+            .post(format!("{}/report", self.url))
+            .json(report)
+            .send()
+            .await
+            .map_err(|e| format!("balancer unreachable: {e}"))?;
+        let status = resp.status();
+        let body = resp.text().await.unwrap_or_default();
+        if status.is_success() {
+            Ok(body)
+        } else {
+            Err(format!("balancer refused the report: HTTP {status}: {body}"))
+        }
+    }
+
+    async fn deregister(&self) {
+        match self.client.delete(&self.url).send().await {
+            Ok(r) if r.status().is_success() => info!(agent = self.agent_id, "deregistered"),
+            Ok(r) => warn!("deregistration answered HTTP {}", r.status()),
+            Err(e) => warn!("could not deregister: {e}"),
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("install SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), String> {
+    let backend_base = base_url(&cli.backend_addr)?;
+    let management_base = base_url(&cli.management_addr)?;
+    let external_addr = match cli.external_addr {
+        Some(a) => a,
+        None => resolve(&backend_base).await?,
+    };
+    let poll_timeout = cli.monitoring_interval.max(Duration::from_secs(2));
+    let client = Client::builder()
+        .timeout(poll_timeout)
+        .connect_timeout(Duration::from_secs(1))
+        .build()
+        .map_err(|e| format!("http client: {e}"))?;
+    let backend: Box<dyn Backend> = match cli.backend {
+        BackendArg::Llamacpp => Box::new(llamacpp::LlamaCpp::new(
+            client.clone(),
+            backend_base.clone(),
+            cli.backend_api_key.clone(),
+        )),
+    };
+    let agent_id = format!("agent-{}", uuid::Uuid::new_v4().simple());
+    let name = cli.name.clone().unwrap_or_else(|| backend_base.clone());
+    let reporter = Reporter {
+        client,
+        url: format!("{management_base}/api/v1/agents/{agent_id}"),
+        agent_id: agent_id.clone(),
+    };
+    info!(
+        agent = agent_id,
+        backend = backend_base,
+        external = %external_addr,
+        balancer = management_base,
+        interval_ms = cli.monitoring_interval.as_millis() as u64,
+        "agent starting"
+    );
+
+    let mut ticker = tokio::time::interval(cli.monitoring_interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let shutdown = shutdown_signal();
+    tokio::pin!(shutdown);
+    let mut last_problem: Option<String> = None;
+    loop {
+        tokio::select! {
+            () = &mut shutdown => break,
+            _ = ticker.tick() => {}
+        }
+        let status = backend.poll().await;
+        let report = AgentReport {
+            protocol_version: PROTOCOL_VERSION,
+            agent_id: agent_id.clone(),
+            name: name.clone(),
+            backend: BackendKind::Llamacpp,
+            external_addr: external_addr.to_string(),
+            models: status.models,
+            health: status.health,
+            slots_total: status.slots_total,
+            slots_busy: status.slots_busy.min(status.slots_total),
+            requests_waiting: status.requests_waiting,
+            kv_cache_usage: status.kv_cache_usage,
+            monitoring_interval_ms: cli.monitoring_interval.as_millis() as u64,
+            draining: false,
+            last_error: status.last_error.clone(),
+        };
+        // Log a problem once when it appears and once when it clears.
+        let problem = match reporter.send(&report).await {
+            Ok(_) => status.last_error.map(|e| format!("backend not ready: {e}")),
+            Err(e) => Some(e),
+        };
+        if problem != last_problem {
+            match &problem {
+                Some(p) => warn!("{p}"),
+                None => info!(
+                    slots = report.slots_total,
+                    busy = report.slots_busy,
+                    "reporting to the balancer"
+                ),
+            }
+            last_problem = problem;
+        }
+    }
+    reporter.deregister().await;
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = EnvFilter::try_from_default_env()
+        .or_else(|_| EnvFilter::try_new(&cli.log_level))
+        .unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            error!("{e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn intervals() {
+        assert_eq!(parse_interval("1s"), Ok(Duration::from_secs(1)));
+        assert_eq!(parse_interval("250ms"), Ok(Duration::from_millis(250)));
+        assert_eq!(parse_interval("50"), Ok(Duration::from_millis(50)));
+        assert!(parse_interval("10ms").is_err());
+        assert!(parse_interval("2h").is_err());
+        assert!(parse_interval("fast").is_err());
+    }
+
+    #[test]
+    fn addresses() {
+        assert_eq!(base_url("127.0.0.1:8080"), Ok("http://127.0.0.1:8080".into()));
+        assert_eq!(base_url("http://h:1/"), Ok("http://h:1".into()));
+        assert!(base_url("https://h:1").is_err());
+        assert!(base_url("h").is_err());
+        assert!(base_url("http://h:1/x").is_err());
+    }
+}

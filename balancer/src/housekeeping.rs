@@ -1,0 +1,69 @@
+//! Background work: dropping agents that stopped reporting, and leaving the
+//! process as soon as a graceful shutdown has nothing left to finish.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use pingora_core::server::{ExecutionPhase, Server, ShutdownWatch};
+use pingora_core::services::background::BackgroundService;
+use tracing::{info, warn};
+
+use crate::state::Shared;
+
+/// Longest pause between two stale-agent sweeps.
+const MAX_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+
+pub struct Housekeeping {
+    pub shared: Arc<Shared>,
+}
+
+#[async_trait]
+impl BackgroundService for Housekeeping {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        loop {
+            let (dropped, next) = self.shared.drop_stale();
+            for agent in dropped {
+                warn!(agent, "agent missed 3 reports: dropped (in-flight requests finish)");
+            }
+            let now = Instant::now();
+            let wake = next
+                .map_or(now + MAX_SWEEP_INTERVAL, |t| t.min(now + MAX_SWEEP_INTERVAL))
+                .max(now + Duration::from_millis(5));
+            tokio::select! {
+                () = tokio::time::sleep_until(wake.into()) => {}
+                _ = shutdown.changed() => return,
+            }
+        }
+    }
+}
+
+/// On SIGTERM Pingora stops accepting connections, then waits out the whole
+/// grace period before it exits. This watcher exits as soon as no request is
+/// in flight or buffered, so a drained balancer stops at once and a busy one
+/// gets up to the grace period.
+pub fn exit_when_drained(server: &Server, shared: Arc<Shared>, grace: Duration) {
+    let mut phases = server.watch_execution_phase();
+    std::thread::Builder::new()
+        .name("shutdown-watch".into())
+        .spawn(move || loop {
+            match phases.blocking_recv() {
+                Ok(ExecutionPhase::GracefulTerminate) => {
+                    shared.begin_shutdown();
+                    info!(grace_s = grace.as_secs(), "SIGTERM: draining in-flight requests");
+                    loop {
+                        let snap = shared.snapshot();
+                        if snap.in_flight == 0 && snap.buffered == 0 {
+                            info!("drained: exiting");
+                            std::process::exit(0);
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                }
+                Ok(_) => {}
+                Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {}
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+            }
+        })
+        .expect("spawn shutdown watcher thread");
+}

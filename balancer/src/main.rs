@@ -1,0 +1,123 @@
+//! `balancer`: Flowgate's reverse proxy. See the README for flags and routes.
+
+mod housekeeping;
+mod management;
+mod metrics;
+mod proxy;
+mod settings;
+mod state;
+
+use std::net::{SocketAddr, TcpListener};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use flowgate::BufferConfig;
+use pingora_core::server::configuration::{Opt, ServerConf};
+use pingora_core::server::Server;
+use pingora_core::services::background::background_service;
+use pingora_core::services::listening::Service;
+use tracing::{error, info};
+use tracing_subscriber::EnvFilter;
+
+use crate::settings::{Cli, LogFormat, Settings};
+use crate::state::Shared;
+
+fn init_logging(s: &Settings) {
+    let filter = EnvFilter::try_from_default_env()
+        .or_else(|_| EnvFilter::try_new(&s.log_level))
+        .unwrap_or_else(|e| {
+            eprintln!("balancer: invalid log level {:?} ({e}); using info", s.log_level);
+            EnvFilter::new("info")
+        });
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match s.log_format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+/// Pingora reports a busy port only deep in its start-up; check first so the
+/// operator gets one clear line.
+fn check_bindable(what: &str, addr: SocketAddr) -> Result<(), String> {
+    TcpListener::bind(addr)
+        .map(drop)
+        .map_err(|e| format!("cannot listen on {what} {addr}: {e}"))
+}
+
+fn main() -> ExitCode {
+    let settings = match Settings::from_cli(Cli::parse()) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("balancer: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    init_logging(&settings);
+    for (what, addr) in [
+        ("--inference-addr", settings.inference_addr),
+        ("--management-addr", settings.management_addr),
+    ] {
+        if let Err(e) = check_bindable(what, addr) {
+            error!("{e}");
+            return ExitCode::from(1);
+        }
+    }
+
+    let conf = ServerConf {
+        threads: settings.threads,
+        grace_period_seconds: Some(settings.shutdown_grace_period.as_secs()),
+        graceful_shutdown_timeout_seconds: Some(1),
+        ..ServerConf::default()
+    };
+    let mut server = Server::new_with_opt_and_conf(Opt::default(), conf);
+    server.bootstrap();
+
+    let shared = Shared::new(BufferConfig {
+        max_buffered: settings.max_buffered_requests,
+        timeout: settings.buffered_request_timeout,
+    });
+
+    let mut inference = pingora_proxy::http_proxy_service_with_name(
+        &server.configuration,
+        proxy::Inference {
+            shared: Arc::clone(&shared),
+            max_request_bytes: settings.max_request_bytes,
+            connect_timeout: settings.upstream_connect_timeout,
+            retry_after: Duration::from_secs(1),
+        },
+        "inference",
+    );
+    inference.add_tcp(&settings.inference_addr.to_string());
+
+    let mut management = Service::new(
+        "management".to_string(),
+        management::Management {
+            shared: Arc::clone(&shared),
+        },
+    );
+    management.add_tcp(&settings.management_addr.to_string());
+
+    let housekeeping = background_service(
+        "housekeeping",
+        housekeeping::Housekeeping {
+            shared: Arc::clone(&shared),
+        },
+    );
+
+    server.add_service(inference);
+    server.add_service(management);
+    server.add_service(housekeeping);
+
+    housekeeping::exit_when_drained(&server, shared, settings.shutdown_grace_period);
+    info!(
+        inference = %settings.inference_addr,
+        management = %settings.management_addr,
+        max_buffered_requests = settings.max_buffered_requests,
+        buffered_request_timeout_ms = settings.buffered_request_timeout.as_millis() as u64,
+        max_request_bytes = settings.max_request_bytes,
+        "flowgate balancer starting"
+    );
+    server.run_forever()
+}

@@ -1,0 +1,170 @@
+//! The management port: agent reports, the agent list, metrics, health.
+//!
+//! - `POST   /api/v1/agents/{id}/report`  register or update (JSON `AgentReport`)
+//! - `DELETE /api/v1/agents/{id}`         deregister
+//! - `GET    /api/v1/agents`              reports + the balancer's in-flight view
+//! - `GET    /metrics`                    Prometheus text exposition
+//! - `GET    /health`                     liveness
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use flowgate::openai::error_body;
+use flowgate::protocol::{valid_agent_id, ReportError};
+use flowgate::{AgentReport, ReportOutcome};
+use http::{Method, Response, StatusCode};
+use pingora_core::apps::http_app::ServeHttp;
+use pingora_core::protocols::http::ServerSession;
+use serde_json::json;
+use tracing::{info, warn};
+
+use crate::state::Shared;
+
+/// Largest accepted report body.
+const MAX_REPORT_BYTES: usize = 256 * 1024;
+
+pub struct Management {
+    pub shared: Arc<Shared>,
+}
+
+fn json_response(status: StatusCode, body: Vec<u8>) -> Response<Vec<u8>> {
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .header("content-length", body.len())
+        .body(body)
+        .expect("valid response")
+}
+
+fn error(status: StatusCode, code: &str, message: &str) -> Response<Vec<u8>> {
+    json_response(status, error_body(message, "invalid_request_error", code))
+}
+
+async fn read_body(session: &mut ServerSession) -> Result<Vec<u8>, Response<Vec<u8>>> {
+    let mut body = Vec::new();
+    loop {
+        match session.read_request_body().await {
+            Ok(Some(chunk)) => {
+                if body.len() + chunk.len() > MAX_REPORT_BYTES {
+                    return Err(error(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        "request_too_large",
+                        &format!("body exceeds {MAX_REPORT_BYTES} bytes"),
+                    ));
+                }
+                body.extend_from_slice(&chunk);
+            }
+            Ok(None) => return Ok(body),
+            Err(e) => {
+                return Err(error(
+                    StatusCode::BAD_REQUEST,
+                    "bad_body",
+                    &format!("could not read the body: {e}"),
+                ))
+            }
+        }
+    }
+}
+
+impl Management {
+    async fn report(&self, session: &mut ServerSession, agent_id: &str) -> Response<Vec<u8>> {
+        let body = match read_body(session).await {
+            Ok(b) => b,
+            Err(resp) => return resp,
+        };
+        let result = serde_json::from_slice::<AgentReport>(&body)
+            .map_err(|e| format!("invalid report: {e}"))
+            .and_then(|report| {
+                if report.agent_id != agent_id {
+                    return Err(ReportError::AgentIdMismatch {
+                        path: agent_id.to_string(),
+                        body: report.agent_id,
+                    }
+                    .to_string());
+                }
+                self.shared.report(report).map_err(|e| e.to_string())
+            });
+        let metrics = &self.shared.metrics.reports;
+        match result {
+            Ok(outcome) => {
+                metrics.with_label_values(&["accepted"]).inc();
+                let (status, endpoint) = match outcome {
+                    ReportOutcome::Registered(id) => {
+                        info!(agent = agent_id, endpoint = id.0, "agent registered");
+                        ("registered", id)
+                    }
+                    ReportOutcome::Updated(id) => ("updated", id),
+                    ReportOutcome::TookOver(id) => {
+                        warn!(agent = agent_id, endpoint = id.0, "agent took over an endpoint another agent reported");
+                        ("took_over", id)
+                    }
+                };
+                let body = json!({"status": status, "endpoint_id": endpoint.0});
+                json_response(StatusCode::OK, body.to_string().into_bytes())
+            }
+            Err(msg) => {
+                metrics.with_label_values(&["refused"]).inc();
+                warn!(agent = agent_id, "refused report: {msg}");
+                error(StatusCode::BAD_REQUEST, "invalid_report", &msg)
+            }
+        }
+    }
+
+    fn agents(&self) -> Response<Vec<u8>> {
+        let snap = self.shared.snapshot();
+        let body = json!({
+            "buffered_requests": snap.buffered,
+            "max_buffered_requests": snap.config.max_buffered,
+            "in_flight_requests": snap.in_flight,
+            "endpoints": snap.endpoints,
+        });
+        json_response(StatusCode::OK, body.to_string().into_bytes())
+    }
+
+    fn metrics(&self) -> Response<Vec<u8>> {
+        let body = self.shared.metrics.render(&self.shared.snapshot());
+        Response::builder()
+            .status(StatusCode::OK)
+            .header("content-type", "text/plain; version=0.0.4")
+            .header("content-length", body.len())
+            .body(body)
+            .expect("valid response")
+    }
+}
+
+#[async_trait]
+impl ServeHttp for Management {
+    async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
+        let method = session.req_header().method.clone();
+        let path = session.req_header().uri.path().to_string();
+        let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
+        match (&method, segments.as_slice()) {
+            (&Method::GET, ["health"]) => {
+                json_response(StatusCode::OK, br#"{"status":"ok"}"#.to_vec())
+            }
+            (&Method::GET, ["metrics"]) => self.metrics(),
+            (&Method::GET, ["api", "v1", "agents"]) => self.agents(),
+            (m, ["api", "v1", "agents", id, rest @ ..]) if !valid_agent_id(id) => {
+                let _ = (m, rest);
+                error(StatusCode::BAD_REQUEST, "bad_agent_id", "agent id must be 1..=128 bytes of [A-Za-z0-9._-]")
+            }
+            (&Method::POST, ["api", "v1", "agents", id, "report"]) => {
+                let id = id.to_string();
+                self.report(session, &id).await
+            }
+            (&Method::DELETE, ["api", "v1", "agents", id]) => {
+                if self.shared.deregister(id) {
+                    info!(agent = *id, "agent deregistered");
+                    json_response(StatusCode::OK, br#"{"status":"deregistered"}"#.to_vec())
+                } else {
+                    error(StatusCode::NOT_FOUND, "unknown_agent", &format!("no agent {id}"))
+                }
+            }
+            _ => error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                &format!("no route for {method} {path}"),
+            ),
+        }
+    }
+}

@@ -1,0 +1,459 @@
+//! The inference port: a Pingora `ProxyHttp` that reads the request body,
+//! waits for a slot, then proxies the request unchanged to the endpoint the
+//! slot belongs to and streams the response back.
+//!
+//! Request bodies and Pingora: the body must be read before an endpoint is
+//! chosen, which consumes it. Pingora replays a consumed body upstream only
+//! from its retry buffer (64 KiB). So the body is read in `request_filter`
+//! with the retry buffer armed just for its last ≤ 64 KiB; that makes Pingora
+//! enter its replay path, where `request_body_filter` swaps in the whole body.
+//! Chunked bodies (no `Content-Length`) over 64 KiB cannot be armed that way
+//! and are refused with 411 and a clear message.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use flowgate::openai::error_body;
+use flowgate::Reject;
+use http::{Method, StatusCode};
+use pingora_core::upstreams::peer::HttpPeer;
+use pingora_core::{Error, ErrorSource, ErrorType, Result};
+use pingora_http::ResponseHeader;
+use pingora_proxy::{FailToProxy, ProxyHttp, Session};
+use serde::Deserialize;
+use tracing::{info, warn};
+
+use crate::state::{AdmitError, LeaseGuard, Shared};
+
+/// Pingora's retry buffer size (`BODY_BUF_LIMIT` in pingora-core).
+const PINGORA_RETRY_BUFFER: usize = 64 * 1024;
+
+/// Paths proxied to model servers (POST only).
+const INFERENCE_PATHS: [&str; 4] = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/completion",
+];
+
+pub struct Inference {
+    pub shared: Arc<Shared>,
+    pub max_request_bytes: usize,
+    pub connect_timeout: Duration,
+    pub retry_after: Duration,
+}
+
+/// Per-request state.
+pub struct RequestCtx {
+    start: Instant,
+    /// The whole request body, sent upstream by `request_body_filter`.
+    body: Option<Bytes>,
+    lease: Option<LeaseGuard>,
+    upstream: Option<SocketAddr>,
+    waited: Duration,
+    /// Set for requests that count as inference outcomes in metrics.
+    inference: bool,
+    /// Why the balancer answered itself, for metrics and the access log.
+    reason: &'static str,
+    /// The request's `model` field, for the access log.
+    model: String,
+}
+
+/// Fields the balancer reads from an inference request body. Deserialising
+/// into it also checks that the body is one JSON object.
+#[derive(Debug, Deserialize)]
+struct InferenceFields {
+    #[serde(default)]
+    model: Option<serde_json::Value>,
+}
+
+fn parse_fields(body: &[u8]) -> std::result::Result<InferenceFields, String> {
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    if first != Some(&b'{') {
+        return Err("request body must be a JSON object".into());
+    }
+    serde_json::from_slice(body).map_err(|e| format!("request body is not valid JSON: {e}"))
+}
+
+/// A reply the balancer gives itself instead of proxying.
+struct Refusal {
+    status: StatusCode,
+    kind: &'static str,
+    code: &'static str,
+    message: String,
+    reason: &'static str,
+}
+
+impl Refusal {
+    fn new(status: StatusCode, kind: &'static str, code: &'static str, message: String) -> Self {
+        Refusal {
+            status,
+            kind,
+            code,
+            message,
+            reason: code,
+        }
+    }
+
+    fn from_reject(r: Reject) -> Self {
+        let (kind, code) = match r {
+            Reject::BufferFull | Reject::NoEndpoints => ("server_error", "service_unavailable"),
+            Reject::Timeout => ("server_error", "timeout"),
+        };
+        Refusal {
+            status: StatusCode::from_u16(r.http_status()).expect("valid status"),
+            kind,
+            code,
+            message: r.to_string(),
+            reason: r.reason(),
+        }
+    }
+}
+
+impl Inference {
+    async fn send_json(
+        &self,
+        session: &mut Session,
+        status: StatusCode,
+        body: Vec<u8>,
+        extra: &[(&'static str, String)],
+    ) -> Result<()> {
+        let mut h = ResponseHeader::build(status, Some(4 + extra.len()))?;
+        h.insert_header("content-type", "application/json")?;
+        h.insert_header("content-length", body.len().to_string())?;
+        for (k, v) in extra {
+            h.insert_header(*k, v.as_str())?;
+        }
+        session.write_response_header(Box::new(h), false).await?;
+        session.write_response_body(Some(Bytes::from(body)), true).await
+    }
+
+    async fn refuse(&self, session: &mut Session, ctx: &mut RequestCtx, r: Refusal) -> Result<bool> {
+        let mut extra = vec![("x-flowgate-drop-reason", r.reason.to_string())];
+        if r.status == StatusCode::SERVICE_UNAVAILABLE {
+            extra.push(("retry-after", self.retry_after.as_secs().max(1).to_string()));
+        }
+        ctx.reason = r.reason;
+        let body = error_body(&r.message, r.kind, r.code);
+        self.send_json(session, r.status, body, &extra).await?;
+        Ok(true)
+    }
+
+    /// Reads the whole request body (see the module docs for the replay
+    /// trick). Refuses bodies over the limit before reading them if the
+    /// client announced the size.
+    async fn read_body(&self, session: &mut Session) -> Result<std::result::Result<Bytes, Refusal>> {
+        let max = self.max_request_bytes;
+        let too_large = || {
+            Refusal::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                "request_too_large",
+                format!("request body exceeds the limit of {max} bytes"),
+            )
+        };
+        let declared = match session.req_header().headers.get(http::header::CONTENT_LENGTH) {
+            Some(v) => match v.to_str().ok().and_then(|s| s.trim().parse::<usize>().ok()) {
+                Some(n) => Some(n),
+                None => {
+                    return Ok(Err(Refusal::new(
+                        StatusCode::BAD_REQUEST,
+                        "invalid_request_error",
+                        "bad_content_length",
+                        "Content-Length is not a number".into(),
+                    )))
+                }
+            },
+            None => None,
+        };
+        if declared.is_some_and(|n| n > max) {
+            return Ok(Err(too_large()));
+        }
+        let expects_continue = session
+            .req_header()
+            .headers
+            .get(http::header::EXPECT)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+        if expects_continue {
+            session.write_continue_response().await?;
+        }
+        let mut buf = BytesMut::with_capacity(declared.unwrap_or(0));
+        let mut armed = false;
+        loop {
+            let remaining = declared.map_or(0, |n| n.saturating_sub(buf.len()));
+            if !armed && (declared.is_none() || remaining <= PINGORA_RETRY_BUFFER) {
+                session.enable_retry_buffering();
+                armed = true;
+            }
+            match session.read_request_body().await? {
+                Some(chunk) => {
+                    if buf.len() + chunk.len() > max {
+                        return Ok(Err(too_large()));
+                    }
+                    buf.extend_from_slice(&chunk);
+                }
+                None => break,
+            }
+        }
+        if !buf.is_empty() && session.get_retry_buffer().is_none() {
+            return Ok(Err(Refusal::new(
+                StatusCode::LENGTH_REQUIRED,
+                "invalid_request_error",
+                "length_required",
+                format!(
+                    "chunked request bodies over {PINGORA_RETRY_BUFFER} bytes are not supported: \
+                     send a Content-Length header"
+                ),
+            )));
+        }
+        Ok(Ok(buf.freeze()))
+    }
+
+    fn models_body(&self) -> Vec<u8> {
+        let snap = self.shared.snapshot();
+        let mut models: Vec<&str> = snap
+            .endpoints
+            .iter()
+            .filter(|e| !e.stale)
+            .filter_map(|e| e.agent.as_ref())
+            .flat_map(|a| a.models.iter().map(String::as_str))
+            .collect();
+        models.sort_unstable();
+        models.dedup();
+        let data: Vec<serde_json::Value> = models
+            .into_iter()
+            .map(|id| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "flowgate"}))
+            .collect();
+        serde_json::to_vec(&serde_json::json!({"object": "list", "data": data}))
+            .expect("json serialises")
+    }
+
+    /// Answers `/health`, `/v1/models` and unknown routes; `None` means
+    /// "proxy this request".
+    async fn route_local(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<Option<bool>> {
+        let method = session.req_header().method.clone();
+        let path = session.req_header().uri.path().to_string();
+        let not_allowed = |allow: &'static str| {
+            (
+                StatusCode::METHOD_NOT_ALLOWED,
+                error_body(
+                    &format!("{method} is not allowed on {path}"),
+                    "invalid_request_error",
+                    "method_not_allowed",
+                ),
+                vec![("allow", allow.to_string())],
+            )
+        };
+        let (status, body, extra) = match path.as_str() {
+            "/health" if method == Method::GET => {
+                if self.shared.is_shutting_down() {
+                    (StatusCode::SERVICE_UNAVAILABLE, br#"{"status":"shutting_down"}"#.to_vec(), vec![])
+                } else {
+                    (StatusCode::OK, br#"{"status":"ok"}"#.to_vec(), vec![])
+                }
+            }
+            "/health" => not_allowed("GET"),
+            "/v1/models" if method == Method::GET => (StatusCode::OK, self.models_body(), vec![]),
+            "/v1/models" => not_allowed("GET"),
+            p if INFERENCE_PATHS.contains(&p) => {
+                if method == Method::POST {
+                    return Ok(None);
+                }
+                not_allowed("POST")
+            }
+            _ => (
+                StatusCode::NOT_FOUND,
+                error_body(
+                    &format!("no route for {method} {path}"),
+                    "invalid_request_error",
+                    "not_found",
+                ),
+                vec![],
+            ),
+        };
+        ctx.reason = "local";
+        self.send_json(session, status, body, &extra).await?;
+        Ok(Some(true))
+    }
+}
+
+#[async_trait]
+impl ProxyHttp for Inference {
+    type CTX = RequestCtx;
+
+    fn new_ctx(&self) -> RequestCtx {
+        RequestCtx {
+            start: Instant::now(),
+            body: None,
+            lease: None,
+            upstream: None,
+            waited: Duration::ZERO,
+            inference: false,
+            reason: "",
+            model: String::new(),
+        }
+    }
+
+    async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
+        if let Some(done) = self.route_local(session, ctx).await? {
+            return Ok(done);
+        }
+        ctx.inference = true;
+        let body = match self.read_body(session).await? {
+            Ok(b) => b,
+            Err(refusal) => {
+                // The client may still be sending: do not reuse the connection.
+                session.set_keepalive(None);
+                return self.refuse(session, ctx, refusal).await;
+            }
+        };
+        match parse_fields(&body) {
+            Ok(fields) => {
+                ctx.model = match fields.model {
+                    Some(serde_json::Value::String(m)) => m,
+                    _ => String::new(),
+                }
+            }
+            Err(message) => {
+                let r = Refusal::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request_error",
+                    "invalid_json",
+                    message,
+                );
+                return self.refuse(session, ctx, r).await;
+            }
+        }
+        ctx.body = Some(body);
+
+        let shared = Arc::clone(&self.shared);
+        let client_gone = async {
+            // Resolves when the client closes the connection (or sends bytes
+            // it should not while waiting for its answer).
+            let _ = session.downstream_session.read_body_or_idle(true).await;
+        };
+        match shared.admit(client_gone).await {
+            Ok((lease, waited)) => {
+                ctx.upstream = Some(lease.addr());
+                ctx.lease = Some(lease);
+                ctx.waited = waited;
+                Ok(false)
+            }
+            Err(AdmitError::Rejected(r)) => self.refuse(session, ctx, Refusal::from_reject(r)).await,
+            Err(AdmitError::ClientGone) => {
+                ctx.reason = "client-gone";
+                Err(Error::explain(
+                    ErrorType::ConnectionClosed,
+                    "client disconnected while its request was buffered",
+                )
+                .into_down())
+            }
+        }
+    }
+
+    async fn upstream_peer(&self, _session: &mut Session, ctx: &mut RequestCtx) -> Result<Box<HttpPeer>> {
+        let addr = ctx.upstream.ok_or_else(|| {
+            Error::explain(ErrorType::InternalError, "no endpoint lease for this request")
+        })?;
+        let mut peer = HttpPeer::new(addr, false, String::new());
+        peer.options.connection_timeout = Some(self.connect_timeout);
+        Ok(Box::new(peer))
+    }
+
+    async fn upstream_request_filter(
+        &self,
+        _session: &mut Session,
+        upstream_request: &mut pingora_http::RequestHeader,
+        _ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        // The balancer already answered `100 Continue` and holds the body.
+        upstream_request.remove_header(&http::header::EXPECT);
+        Ok(())
+    }
+
+    async fn request_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        // Pingora hands us the retry buffer (the body's tail) once, with
+        // end_of_stream set, on every attempt: send the whole body instead.
+        if let Some(full) = &ctx.body {
+            *body = end_of_stream.then(|| full.clone());
+        }
+        Ok(())
+    }
+
+    async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut RequestCtx) -> FailToProxy {
+        let downstream_dead = e.esource() == &ErrorSource::Downstream
+            && matches!(
+                e.etype(),
+                ErrorType::WriteError | ErrorType::ReadError | ErrorType::ConnectionClosed
+            );
+        let code = if downstream_dead || session.response_written().is_some() {
+            0
+        } else {
+            ctx.reason = "upstream-error";
+            let msg = format!("the model server failed: {e}");
+            let body = error_body(&msg, "server_error", "upstream_error");
+            let extra = [("x-flowgate-drop-reason", "upstream-error".to_string())];
+            if let Err(we) = self.send_json(session, StatusCode::BAD_GATEWAY, body, &extra).await {
+                warn!("could not send the 502 to the client: {we}");
+            }
+            502
+        };
+        FailToProxy {
+            error_code: code,
+            can_reuse_downstream: false,
+        }
+    }
+
+    async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
+        if let Some(lease) = ctx.lease.take() {
+            lease.release();
+        }
+        let status = session
+            .response_written()
+            .map(|h| h.status.as_u16())
+            .unwrap_or(if ctx.reason == "client-gone" || e.is_some() { 499 } else { 0 });
+        let reason = if ctx.reason.is_empty() && e.is_some() {
+            "client-gone"
+        } else {
+            ctx.reason
+        };
+        if ctx.inference {
+            self.shared.metrics.record_outcome(status, reason);
+        }
+        info!(
+            target: "access",
+            method = %session.req_header().method,
+            path = session.req_header().uri.path(),
+            model = ctx.model.as_str(),
+            status,
+            reason,
+            upstream = ctx.upstream.map(|a| a.to_string()).unwrap_or_default(),
+            wait_ms = ctx.waited.as_millis() as u64,
+            duration_ms = ctx.start.elapsed().as_millis() as u64,
+            error = e.map(|e| e.to_string()).unwrap_or_default(),
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_fields;
+
+    #[test]
+    fn only_json_objects_are_inference_requests() {
+        assert!(parse_fields(br#" {"model":"m","messages":[]}"#).is_ok());
+        assert!(parse_fields(br#"{"messages":[]}"#).unwrap().model.is_none());
+        assert!(parse_fields(b"[1,2]").is_err());
+        assert!(parse_fields(b"").is_err());
+        assert!(parse_fields(br#"{"model":"#).is_err());
+    }
+}

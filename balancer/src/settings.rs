@@ -1,0 +1,280 @@
+//! Command-line flags, the optional TOML config file, and their merge.
+//!
+//! Precedence: a flag given on the command line beats the config file, which
+//! beats the built-in default. Every setting has the same name in both
+//! places (`--max-buffered-requests` ⇔ `max_buffered_requests`).
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use serde::Deserialize;
+
+pub const DEFAULT_INFERENCE_ADDR: &str = "127.0.0.1:8061";
+pub const DEFAULT_MANAGEMENT_ADDR: &str = "127.0.0.1:8060";
+pub const DEFAULT_MAX_BUFFERED_REQUESTS: usize = 30;
+pub const DEFAULT_BUFFERED_REQUEST_TIMEOUT_MS: u64 = 10_000;
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = 16 * 1024 * 1024;
+pub const DEFAULT_SHUTDOWN_GRACE_PERIOD_S: u64 = 30;
+pub const DEFAULT_UPSTREAM_CONNECT_TIMEOUT_MS: u64 = 5_000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Flowgate balancer: an OpenAI-compatible reverse proxy that holds requests
+/// in a buffer until a model server reported by an agent has a free slot.
+#[derive(Debug, Parser)]
+#[command(name = "balancer", version, about, long_about = None)]
+pub struct Cli {
+    /// TOML file with any of the settings below (snake_case keys); flags
+    /// given on the command line override it.
+    #[arg(long, value_name = "FILE", env = "FLOWGATE_CONFIG")]
+    pub config: Option<PathBuf>,
+
+    /// Address of the OpenAI-compatible inference API [default: 127.0.0.1:8061]
+    #[arg(long, value_name = "IP:PORT")]
+    pub inference_addr: Option<SocketAddr>,
+
+    /// Address of the management API (agent reports, /api/v1/agents,
+    /// /metrics) [default: 127.0.0.1:8060]
+    #[arg(long, value_name = "IP:PORT")]
+    pub management_addr: Option<SocketAddr>,
+
+    /// Most requests that may wait for a free slot; more are answered 503.
+    /// 0 disables buffering [default: 30]
+    #[arg(long, value_name = "N")]
+    pub max_buffered_requests: Option<usize>,
+
+    /// Milliseconds a request may wait for a free slot before it is
+    /// answered 504 [default: 10000]
+    #[arg(long, value_name = "MS")]
+    pub buffered_request_timeout: Option<u64>,
+
+    /// Largest accepted request body in bytes; larger ones are answered 413
+    /// [default: 16777216 (16 MiB)]
+    #[arg(long, value_name = "BYTES")]
+    pub max_request_bytes: Option<usize>,
+
+    /// Seconds to let in-flight and buffered requests finish after SIGTERM;
+    /// the process exits as soon as none are left [default: 30]
+    #[arg(long, value_name = "SECONDS")]
+    pub shutdown_grace_period: Option<u64>,
+
+    /// Milliseconds to wait for a TCP connection to a model server
+    /// [default: 5000]
+    #[arg(long, value_name = "MS")]
+    pub upstream_connect_timeout: Option<u64>,
+
+    /// Worker threads for the proxy [default: number of CPUs]
+    #[arg(long, value_name = "N")]
+    pub threads: Option<usize>,
+
+    /// Log filter: error, warn, info, debug, trace, or a tracing directive
+    /// such as `info,pingora_core=warn` [default: info; env RUST_LOG wins]
+    #[arg(long, value_name = "FILTER")]
+    pub log_level: Option<String>,
+
+    /// Log line format [default: text]
+    #[arg(long, value_enum)]
+    pub log_format: Option<LogFormat>,
+}
+
+/// The config file: the same settings as the flags.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileConfig {
+    pub inference_addr: Option<SocketAddr>,
+    pub management_addr: Option<SocketAddr>,
+    pub max_buffered_requests: Option<usize>,
+    pub buffered_request_timeout: Option<u64>,
+    pub max_request_bytes: Option<usize>,
+    pub shutdown_grace_period: Option<u64>,
+    pub upstream_connect_timeout: Option<u64>,
+    pub threads: Option<usize>,
+    pub log_level: Option<String>,
+    pub log_format: Option<LogFormat>,
+}
+
+/// Effective settings after merging flags, file and defaults.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub inference_addr: SocketAddr,
+    pub management_addr: SocketAddr,
+    pub max_buffered_requests: usize,
+    pub buffered_request_timeout: Duration,
+    pub max_request_bytes: usize,
+    pub shutdown_grace_period: Duration,
+    pub upstream_connect_timeout: Duration,
+    pub threads: usize,
+    pub log_level: String,
+    pub log_format: LogFormat,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("invalid config file {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: Box<toml::de::Error>,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl FileConfig {
+    pub fn load(path: &Path) -> Result<Self, SettingsError> {
+        let text = std::fs::read_to_string(path).map_err(|source| SettingsError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        toml::from_str(&text).map_err(|source| SettingsError::Parse {
+            path: path.to_owned(),
+            source: Box::new(source),
+        })
+    }
+}
+
+impl Settings {
+    /// Loads the config file named by `cli` (if any) and merges.
+    pub fn from_cli(cli: Cli) -> Result<Self, SettingsError> {
+        let file = match &cli.config {
+            Some(p) => FileConfig::load(p)?,
+            None => FileConfig::default(),
+        };
+        Self::merge(cli, file)
+    }
+
+    pub fn merge(cli: Cli, file: FileConfig) -> Result<Self, SettingsError> {
+        let default_addr = |s: &str| s.parse::<SocketAddr>().expect("valid default address");
+        let s = Settings {
+            inference_addr: cli
+                .inference_addr
+                .or(file.inference_addr)
+                .unwrap_or_else(|| default_addr(DEFAULT_INFERENCE_ADDR)),
+            management_addr: cli
+                .management_addr
+                .or(file.management_addr)
+                .unwrap_or_else(|| default_addr(DEFAULT_MANAGEMENT_ADDR)),
+            max_buffered_requests: cli
+                .max_buffered_requests
+                .or(file.max_buffered_requests)
+                .unwrap_or(DEFAULT_MAX_BUFFERED_REQUESTS),
+            buffered_request_timeout: Duration::from_millis(
+                cli.buffered_request_timeout
+                    .or(file.buffered_request_timeout)
+                    .unwrap_or(DEFAULT_BUFFERED_REQUEST_TIMEOUT_MS),
+            ),
+            max_request_bytes: cli
+                .max_request_bytes
+                .or(file.max_request_bytes)
+                .unwrap_or(DEFAULT_MAX_REQUEST_BYTES),
+            shutdown_grace_period: Duration::from_secs(
+                cli.shutdown_grace_period
+                    .or(file.shutdown_grace_period)
+                    .unwrap_or(DEFAULT_SHUTDOWN_GRACE_PERIOD_S),
+            ),
+            upstream_connect_timeout: Duration::from_millis(
+                cli.upstream_connect_timeout
+                    .or(file.upstream_connect_timeout)
+                    .unwrap_or(DEFAULT_UPSTREAM_CONNECT_TIMEOUT_MS),
+            ),
+            threads: cli.threads.or(file.threads).unwrap_or_else(|| {
+                std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+            }),
+            log_level: cli
+                .log_level
+                .or(file.log_level)
+                .unwrap_or_else(|| "info".to_string()),
+            log_format: cli.log_format.or(file.log_format).unwrap_or(LogFormat::Text),
+        };
+        s.validate()?;
+        Ok(s)
+    }
+
+    fn validate(&self) -> Result<(), SettingsError> {
+        let invalid = |m: &str| Err(SettingsError::Invalid(m.to_string()));
+        if self.inference_addr == self.management_addr {
+            return invalid("inference_addr and management_addr must differ");
+        }
+        if self.buffered_request_timeout.is_zero() {
+            return invalid("buffered_request_timeout must be at least 1 ms");
+        }
+        if self.max_request_bytes == 0 {
+            return invalid("max_request_bytes must be at least 1");
+        }
+        if self.upstream_connect_timeout.is_zero() {
+            return invalid("upstream_connect_timeout must be at least 1 ms");
+        }
+        if self.threads == 0 {
+            return invalid("threads must be at least 1");
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cli(args: &[&str]) -> Cli {
+        Cli::try_parse_from(std::iter::once("balancer").chain(args.iter().copied())).unwrap()
+    }
+
+    #[test]
+    fn defaults_match_the_documentation() {
+        let s = Settings::merge(cli(&[]), FileConfig::default()).unwrap();
+        assert_eq!(s.inference_addr.to_string(), "127.0.0.1:8061");
+        assert_eq!(s.management_addr.to_string(), "127.0.0.1:8060");
+        assert_eq!(s.max_buffered_requests, 30);
+        assert_eq!(s.buffered_request_timeout, Duration::from_secs(10));
+        assert_eq!(s.max_request_bytes, 16 << 20);
+        assert_eq!(s.shutdown_grace_period, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn flags_override_the_file_which_overrides_defaults() {
+        let file: FileConfig =
+            toml::from_str("max_buffered_requests = 5\nbuffered_request_timeout = 250\n").unwrap();
+        let s = Settings::merge(cli(&["--max-buffered-requests", "7"]), file).unwrap();
+        assert_eq!(s.max_buffered_requests, 7);
+        assert_eq!(s.buffered_request_timeout, Duration::from_millis(250));
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_clear_errors() {
+        let err = toml::from_str::<FileConfig>("max_bufered_requests = 5").unwrap_err();
+        assert!(err.to_string().contains("unknown field"), "{err}");
+        let err = Settings::merge(
+            cli(&["--inference-addr", "127.0.0.1:9", "--management-addr", "127.0.0.1:9"]),
+            FileConfig::default(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("must differ"));
+        assert!(Settings::merge(cli(&["--max-request-bytes", "0"]), FileConfig::default()).is_err());
+    }
+
+    #[test]
+    fn example_configs_load() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config");
+        let mut n = 0;
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.file_name().unwrap().to_string_lossy().starts_with("balancer") {
+                let file = FileConfig::load(&path).unwrap();
+                Settings::merge(cli(&[]), file).unwrap();
+                n += 1;
+            }
+        }
+        assert!(n > 0, "config/ holds at least one balancer example");
+    }
+}

@@ -1,0 +1,222 @@
+//! Agent → balancer report protocol (JSON over HTTP on the management port).
+//!
+//! An agent sends `POST /api/v1/agents/{agent_id}/report` with an
+//! [`AgentReport`] body every monitoring interval; the first report registers
+//! the agent. `DELETE /api/v1/agents/{agent_id}` deregisters it. The format is
+//! versioned by [`PROTOCOL_VERSION`]; unknown fields are ignored so newer
+//! agents can add optional data without breaking older balancers.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// The report format version this build speaks.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The shortest monitoring interval an agent may announce.
+pub const MIN_MONITORING_INTERVAL: Duration = Duration::from_millis(50);
+/// The longest monitoring interval an agent may announce.
+pub const MAX_MONITORING_INTERVAL: Duration = Duration::from_secs(60);
+
+/// Longest accepted agent id / name, in bytes.
+pub const MAX_ID_LEN: usize = 128;
+
+/// The kind of model server an agent watches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    Llamacpp,
+    Vllm,
+    Sglang,
+}
+
+/// What the agent last saw of its model server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendHealth {
+    /// The server answers and is loading its model: no traffic yet.
+    Loading,
+    /// The server is ready to take requests.
+    Ready,
+    /// The server could not be reached or answered garbage: no traffic.
+    Unreachable,
+}
+
+/// One report from an agent about one model server.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AgentReport {
+    pub protocol_version: u32,
+    /// Stable for the life of the agent process.
+    pub agent_id: String,
+    /// Human-readable name (defaults to the agent id).
+    pub name: String,
+    pub backend: BackendKind,
+    /// `ip:port` the balancer sends inference traffic to.
+    pub external_addr: String,
+    /// Model ids the server answers for.
+    #[serde(default)]
+    pub models: Vec<String>,
+    pub health: BackendHealth,
+    /// Parallel request slots of the server.
+    pub slots_total: u32,
+    /// Slots the server reported busy (all clients, not only this balancer).
+    pub slots_busy: u32,
+    /// Requests waiting inside the server (llama.cpp: `requests_deferred`).
+    #[serde(default)]
+    pub requests_waiting: u32,
+    /// KV-cache use 0..=1 when the engine exposes it.
+    #[serde(default)]
+    pub kv_cache_usage: Option<f64>,
+    /// How often the agent reports, in milliseconds. The balancer treats the
+    /// agent as stale after three missed intervals.
+    pub monitoring_interval_ms: u64,
+    /// The agent asks for no new work (in-flight requests finish).
+    #[serde(default)]
+    pub draining: bool,
+    /// Why the backend is not ready, when it is not.
+    #[serde(default)]
+    pub last_error: Option<String>,
+}
+
+/// Why a report was refused. Mapped to HTTP 400 at the edge.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReportError {
+    #[error("unsupported protocol_version {0} (this balancer speaks {PROTOCOL_VERSION})")]
+    UnsupportedVersion(u32),
+    #[error("agent_id must be 1..={MAX_ID_LEN} bytes of [A-Za-z0-9._-]")]
+    BadAgentId,
+    #[error("agent_id in the body ({body}) differs from the one in the path ({path})")]
+    AgentIdMismatch { path: String, body: String },
+    #[error("name must be at most {MAX_ID_LEN} bytes")]
+    NameTooLong,
+    #[error("external_addr {0:?} is not an ip:port socket address")]
+    BadExternalAddr(String),
+    #[error("monitoring_interval_ms {0} is outside 50..=60000")]
+    BadInterval(u64),
+    #[error("slots_busy {busy} exceeds slots_total {total}")]
+    BusyOverTotal { busy: u32, total: u32 },
+    #[error("kv_cache_usage {0} is not a number in 0..=1")]
+    BadKvUsage(String),
+}
+
+/// Whether `id` is acceptable as an agent id (it appears in URL paths).
+pub fn valid_agent_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= MAX_ID_LEN
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+impl AgentReport {
+    /// Checks every field; returns the parsed traffic address.
+    pub fn validate(&self) -> Result<SocketAddr, ReportError> {
+        if self.protocol_version != PROTOCOL_VERSION {
+            return Err(ReportError::UnsupportedVersion(self.protocol_version));
+        }
+        if !valid_agent_id(&self.agent_id) {
+            return Err(ReportError::BadAgentId);
+        }
+        if self.name.len() > MAX_ID_LEN {
+            return Err(ReportError::NameTooLong);
+        }
+        let addr: SocketAddr = self
+            .external_addr
+            .parse()
+            .map_err(|_| ReportError::BadExternalAddr(self.external_addr.clone()))?;
+        let interval = Duration::from_millis(self.monitoring_interval_ms);
+        if !(MIN_MONITORING_INTERVAL..=MAX_MONITORING_INTERVAL).contains(&interval) {
+            return Err(ReportError::BadInterval(self.monitoring_interval_ms));
+        }
+        if self.slots_busy > self.slots_total {
+            return Err(ReportError::BusyOverTotal {
+                busy: self.slots_busy,
+                total: self.slots_total,
+            });
+        }
+        if let Some(kv) = self.kv_cache_usage {
+            if !(0.0..=1.0).contains(&kv) {
+                return Err(ReportError::BadKvUsage(kv.to_string()));
+            }
+        }
+        Ok(addr)
+    }
+
+    pub fn monitoring_interval(&self) -> Duration {
+        Duration::from_millis(self.monitoring_interval_ms)
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub(crate) fn report(id: &str, addr: &str, slots: u32) -> AgentReport {
+        AgentReport {
+            protocol_version: PROTOCOL_VERSION,
+            agent_id: id.to_string(),
+            name: id.to_string(),
+            backend: BackendKind::Llamacpp,
+            external_addr: addr.to_string(),
+            models: vec!["m".into()],
+            health: BackendHealth::Ready,
+            slots_total: slots,
+            slots_busy: 0,
+            requests_waiting: 0,
+            kv_cache_usage: None,
+            monitoring_interval_ms: 1000,
+            draining: false,
+            last_error: None,
+        }
+    }
+
+    #[test]
+    fn valid_report_round_trips_through_json() {
+        let r = report("a-1", "127.0.0.1:8080", 4);
+        let json = serde_json::to_string(&r).unwrap();
+        let back: AgentReport = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, r);
+        assert_eq!(back.validate().unwrap(), "127.0.0.1:8080".parse().unwrap());
+    }
+
+    #[test]
+    fn unknown_fields_are_ignored_and_optional_fields_default() {
+        let json = r#"{"protocol_version":1,"agent_id":"x","name":"x","backend":"vllm",
+            "external_addr":"[::1]:9","health":"loading","slots_total":2,"slots_busy":1,
+            "monitoring_interval_ms":50,"future_field":{"a":1}}"#;
+        let r: AgentReport = serde_json::from_str(json).unwrap();
+        assert_eq!(r.requests_waiting, 0);
+        assert!(!r.draining);
+        assert!(r.validate().is_ok());
+    }
+
+    #[test]
+    fn each_bad_field_has_its_own_error() {
+        let ok = report("a", "127.0.0.1:1", 4);
+        let mut r = ok.clone();
+        r.protocol_version = 2;
+        assert_eq!(r.validate(), Err(ReportError::UnsupportedVersion(2)));
+        let mut r = ok.clone();
+        r.agent_id = "has space".into();
+        assert_eq!(r.validate(), Err(ReportError::BadAgentId));
+        let mut r = ok.clone();
+        r.agent_id = "x".repeat(MAX_ID_LEN + 1);
+        assert_eq!(r.validate(), Err(ReportError::BadAgentId));
+        let mut r = ok.clone();
+        r.external_addr = "localhost:80".into();
+        assert!(matches!(r.validate(), Err(ReportError::BadExternalAddr(_))));
+        let mut r = ok.clone();
+        r.monitoring_interval_ms = 10;
+        assert_eq!(r.validate(), Err(ReportError::BadInterval(10)));
+        let mut r = ok.clone();
+        r.slots_busy = 5;
+        assert!(matches!(r.validate(), Err(ReportError::BusyOverTotal { .. })));
+        let mut r = ok.clone();
+        r.kv_cache_usage = Some(f64::NAN);
+        assert!(matches!(r.validate(), Err(ReportError::BadKvUsage(_))));
+        let mut r = ok;
+        r.kv_cache_usage = Some(1.5);
+        assert!(matches!(r.validate(), Err(ReportError::BadKvUsage(_))));
+    }
+}

@@ -71,7 +71,10 @@ pub enum Admission {
     /// Go now.
     Ready(Lease),
     /// Wait for a grant; the request must be expired by this deadline.
-    Queued { ticket: Ticket, deadline: Instant },
+    Queued {
+        ticket: Ticket,
+        deadline: Instant,
+    },
     Rejected(Reject),
 }
 

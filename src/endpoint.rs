@@ -159,7 +159,10 @@ impl Registry {
                 id
             }
         };
-        let ep = self.endpoints.get_mut(&id).expect("indexed endpoint exists");
+        let ep = self
+            .endpoints
+            .get_mut(&id)
+            .expect("indexed endpoint exists");
         let outcome = match &ep.agent {
             None => ReportOutcome::Registered(id),
             Some(a) if a.report.agent_id == report.agent_id => ReportOutcome::Updated(id),
@@ -278,7 +281,10 @@ impl Registry {
     }
 
     pub(crate) fn total_in_flight(&self) -> u64 {
-        self.endpoints.values().map(|e| u64::from(e.in_flight)).sum()
+        self.endpoints
+            .values()
+            .map(|e| u64::from(e.in_flight))
+            .sum()
     }
 
     pub(crate) fn snapshot(&self, now: Instant) -> Vec<EndpointSnapshot> {
@@ -404,7 +410,11 @@ mod tests {
         assert!(r.acquire(t0 + Duration::from_millis(2999)).is_some());
         assert!(r.acquire(stale).is_none(), "stale after 3 intervals");
         assert_eq!(r.drop_stale(stale), vec!["a".to_string()]);
-        assert_eq!(r.snapshot(stale).len(), 1, "kept while requests are in flight");
+        assert_eq!(
+            r.snapshot(stale).len(),
+            1,
+            "kept while requests are in flight"
+        );
         r.release(lease);
         assert_eq!(r.snapshot(stale).len(), 1, "one more lease is out");
     }

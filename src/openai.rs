@@ -32,9 +32,12 @@ pub fn error_body(message: &str, kind: &str, code: &str) -> Vec<u8> {
 mod tests {
     #[test]
     fn body_has_the_openai_shape() {
-        let v: serde_json::Value =
-            serde_json::from_slice(&super::error_body("too \"big\"", "invalid_request_error", "x"))
-                .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&super::error_body(
+            "too \"big\"",
+            "invalid_request_error",
+            "x",
+        ))
+        .unwrap();
         assert_eq!(v["error"]["message"], "too \"big\"");
         assert_eq!(v["error"]["type"], "invalid_request_error");
         assert_eq!(v["error"]["code"], "x");

@@ -211,7 +211,10 @@ pub(crate) mod tests {
         assert_eq!(r.validate(), Err(ReportError::BadInterval(10)));
         let mut r = ok.clone();
         r.slots_busy = 5;
-        assert!(matches!(r.validate(), Err(ReportError::BusyOverTotal { .. })));
+        assert!(matches!(
+            r.validate(),
+            Err(ReportError::BusyOverTotal { .. })
+        ));
         let mut r = ok.clone();
         r.kv_cache_usage = Some(f64::NAN);
         assert!(matches!(r.validate(), Err(ReportError::BadKvUsage(_))));

@@ -154,10 +154,18 @@ mod tests {
 
     #[test]
     fn slots_from_the_fixtures() {
-        assert_eq!(parse_slots(fixture("llamacpp/slots_idle.txt").as_bytes()), Ok((4, 0)));
-        let (total, busy) = parse_slots(fixture("llamacpp/slots_busy.txt").as_bytes()).unwrap();
-        assert_eq!(total, 4);
-        assert!(busy >= 1 && busy <= 4, "busy = {busy}");
+        assert_eq!(
+            parse_slots(fixture("llamacpp/slots_idle.txt").as_bytes()),
+            Ok((4, 0))
+        );
+        assert_eq!(
+            parse_slots(fixture("llamacpp/slots_busy.txt").as_bytes()),
+            Ok((4, 4))
+        );
+        assert_eq!(
+            parse_slots(br#"[{"id":0,"is_processing":true},{"id":1,"is_processing":false}]"#),
+            Ok((2, 1))
+        );
         assert!(parse_slots(br#"{"error":1}"#).is_err());
     }
 

@@ -138,7 +138,9 @@ impl Reporter {
         if status.is_success() {
             Ok(body)
         } else {
-            Err(format!("balancer refused the report: HTTP {status}: {body}"))
+            Err(format!(
+                "balancer refused the report: HTTP {status}: {body}"
+            ))
         }
     }
 
@@ -249,7 +251,9 @@ fn main() -> ExitCode {
     let filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(&cli.log_level))
         .unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match cli.log_format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),
@@ -283,7 +287,10 @@ mod tests {
 
     #[test]
     fn addresses() {
-        assert_eq!(base_url("127.0.0.1:8080"), Ok("http://127.0.0.1:8080".into()));
+        assert_eq!(
+            base_url("127.0.0.1:8080"),
+            Ok("http://127.0.0.1:8080".into())
+        );
         assert_eq!(base_url("http://h:1/"), Ok("http://h:1".into()));
         assert!(base_url("https://h:1").is_err());
         assert!(base_url("h").is_err());

@@ -86,10 +86,16 @@ pub(crate) mod tests {
     use super::*;
 
     pub(crate) fn fixture(path: &str) -> String {
-        let full = format!("{}/../../shared/fixtures/{path}", env!("CARGO_MANIFEST_DIR"));
+        let full = format!(
+            "{}/../../shared/fixtures/{path}",
+            env!("CARGO_MANIFEST_DIR")
+        );
         let raw = std::fs::read_to_string(&full).unwrap_or_else(|e| panic!("{full}: {e}"));
         // Fixtures are raw HTTP responses: keep the body.
-        match raw.split_once("\r\n\r\n").or_else(|| raw.split_once("\n\n")) {
+        match raw
+            .split_once("\r\n\r\n")
+            .or_else(|| raw.split_once("\n\n"))
+        {
             Some((_, body)) if raw.starts_with("HTTP/") => body.to_string(),
             _ => raw,
         }
@@ -101,7 +107,10 @@ pub(crate) mod tests {
             "# HELP x y\n# TYPE x gauge\nx 3\nvllm:num_requests_running{engine=\"0\",model_name=\"a \\\"q\\\"\"} 2.5 1700000000\nbad line here\n+Inf\nh_bucket{le=\"+Inf\"} +Inf\n",
         );
         assert_eq!(first(&s, "x"), Some(3.0));
-        let v = s.iter().find(|s| s.name == "vllm:num_requests_running").unwrap();
+        let v = s
+            .iter()
+            .find(|s| s.name == "vllm:num_requests_running")
+            .unwrap();
         assert_eq!(v.value, 2.5);
         assert_eq!(v.labels[1], ("model_name".into(), "a \"q\"".into()));
         assert_eq!(first(&s, "h_bucket"), Some(f64::INFINITY));

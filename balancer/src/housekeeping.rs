@@ -24,11 +24,16 @@ impl BackgroundService for Housekeeping {
         loop {
             let (dropped, next) = self.shared.drop_stale();
             for agent in dropped {
-                warn!(agent, "agent missed 3 reports: dropped (in-flight requests finish)");
+                warn!(
+                    agent,
+                    "agent missed 3 reports: dropped (in-flight requests finish)"
+                );
             }
             let now = Instant::now();
             let wake = next
-                .map_or(now + MAX_SWEEP_INTERVAL, |t| t.min(now + MAX_SWEEP_INTERVAL))
+                .map_or(now + MAX_SWEEP_INTERVAL, |t| {
+                    t.min(now + MAX_SWEEP_INTERVAL)
+                })
                 .max(now + Duration::from_millis(5));
             tokio::select! {
                 () = tokio::time::sleep_until(wake.into()) => {}
@@ -50,7 +55,10 @@ pub fn exit_when_drained(server: &Server, shared: Arc<Shared>, grace: Duration) 
             match phases.blocking_recv() {
                 Ok(ExecutionPhase::GracefulTerminate) => {
                     shared.begin_shutdown();
-                    info!(grace_s = grace.as_secs(), "SIGTERM: draining in-flight requests");
+                    info!(
+                        grace_s = grace.as_secs(),
+                        "SIGTERM: draining in-flight requests"
+                    );
                     loop {
                         let snap = shared.snapshot();
                         if snap.in_flight == 0 && snap.buffered == 0 {

@@ -28,10 +28,15 @@ fn init_logging(s: &Settings) {
     let filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(&s.log_level))
         .unwrap_or_else(|e| {
-            eprintln!("balancer: invalid log level {:?} ({e}); using info", s.log_level);
+            eprintln!(
+                "balancer: invalid log level {:?} ({e}); using info",
+                s.log_level
+            );
             EnvFilter::new("info")
         });
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match s.log_format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder.json().flatten_event(true).init(),

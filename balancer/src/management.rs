@@ -95,7 +95,11 @@ impl Management {
                     }
                     ReportOutcome::Updated(id) => ("updated", id),
                     ReportOutcome::TookOver(id) => {
-                        warn!(agent = agent_id, endpoint = id.0, "agent took over an endpoint another agent reported");
+                        warn!(
+                            agent = agent_id,
+                            endpoint = id.0,
+                            "agent took over an endpoint another agent reported"
+                        );
                         ("took_over", id)
                     }
                 };
@@ -146,7 +150,11 @@ impl ServeHttp for Management {
             (&Method::GET, ["api", "v1", "agents"]) => self.agents(),
             (m, ["api", "v1", "agents", id, rest @ ..]) if !valid_agent_id(id) => {
                 let _ = (m, rest);
-                error(StatusCode::BAD_REQUEST, "bad_agent_id", "agent id must be 1..=128 bytes of [A-Za-z0-9._-]")
+                error(
+                    StatusCode::BAD_REQUEST,
+                    "bad_agent_id",
+                    "agent id must be 1..=128 bytes of [A-Za-z0-9._-]",
+                )
             }
             (&Method::POST, ["api", "v1", "agents", id, "report"]) => {
                 let id = id.to_string();
@@ -157,7 +165,11 @@ impl ServeHttp for Management {
                     info!(agent = *id, "agent deregistered");
                     json_response(StatusCode::OK, br#"{"status":"deregistered"}"#.to_vec())
                 } else {
-                    error(StatusCode::NOT_FOUND, "unknown_agent", &format!("no agent {id}"))
+                    error(
+                        StatusCode::NOT_FOUND,
+                        "unknown_agent",
+                        &format!("no agent {id}"),
+                    )
                 }
             }
             _ => error(

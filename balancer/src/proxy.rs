@@ -31,6 +31,10 @@ use crate::state::{AdmitError, LeaseGuard, Shared};
 /// Pingora's retry buffer size (`BODY_BUF_LIMIT` in pingora-core).
 const PINGORA_RETRY_BUFFER: usize = 64 * 1024;
 
+/// After refusing a body, how long to keep reading (and discarding) what the
+/// client still sends, so it gets to read the refusal instead of a reset.
+const LINGER: Duration = Duration::from_secs(2);
+
 /// Paths proxied to model servers (POST only).
 const INFERENCE_PATHS: [&str; 4] = [
     "/v1/chat/completions",
@@ -128,10 +132,17 @@ impl Inference {
             h.insert_header(*k, v.as_str())?;
         }
         session.write_response_header(Box::new(h), false).await?;
-        session.write_response_body(Some(Bytes::from(body)), true).await
+        session
+            .write_response_body(Some(Bytes::from(body)), true)
+            .await
     }
 
-    async fn refuse(&self, session: &mut Session, ctx: &mut RequestCtx, r: Refusal) -> Result<bool> {
+    async fn refuse(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        r: Refusal,
+    ) -> Result<bool> {
         let mut extra = vec![("x-flowgate-drop-reason", r.reason.to_string())];
         if r.status == StatusCode::SERVICE_UNAVAILABLE {
             extra.push(("retry-after", self.retry_after.as_secs().max(1).to_string()));
@@ -145,7 +156,10 @@ impl Inference {
     /// Reads the whole request body (see the module docs for the replay
     /// trick). Refuses bodies over the limit before reading them if the
     /// client announced the size.
-    async fn read_body(&self, session: &mut Session) -> Result<std::result::Result<Bytes, Refusal>> {
+    async fn read_body(
+        &self,
+        session: &mut Session,
+    ) -> Result<std::result::Result<Bytes, Refusal>> {
         let max = self.max_request_bytes;
         let too_large = || {
             Refusal::new(
@@ -155,7 +169,11 @@ impl Inference {
                 format!("request body exceeds the limit of {max} bytes"),
             )
         };
-        let declared = match session.req_header().headers.get(http::header::CONTENT_LENGTH) {
+        let declared = match session
+            .req_header()
+            .headers
+            .get(http::header::CONTENT_LENGTH)
+        {
             Some(v) => match v.to_str().ok().and_then(|s| s.trim().parse::<usize>().ok()) {
                 Some(n) => Some(n),
                 None => {
@@ -233,7 +251,11 @@ impl Inference {
 
     /// Answers `/health`, `/v1/models` and unknown routes; `None` means
     /// "proxy this request".
-    async fn route_local(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<Option<bool>> {
+    async fn route_local(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+    ) -> Result<Option<bool>> {
         let method = session.req_header().method.clone();
         let path = session.req_header().uri.path().to_string();
         let not_allowed = |allow: &'static str| {
@@ -250,7 +272,11 @@ impl Inference {
         let (status, body, extra) = match path.as_str() {
             "/health" if method == Method::GET => {
                 if self.shared.is_shutting_down() {
-                    (StatusCode::SERVICE_UNAVAILABLE, br#"{"status":"shutting_down"}"#.to_vec(), vec![])
+                    (
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        br#"{"status":"shutting_down"}"#.to_vec(),
+                        vec![],
+                    )
                 } else {
                     (StatusCode::OK, br#"{"status":"ok"}"#.to_vec(), vec![])
                 }
@@ -305,9 +331,15 @@ impl ProxyHttp for Inference {
         let body = match self.read_body(session).await? {
             Ok(b) => b,
             Err(refusal) => {
-                // The client may still be sending: do not reuse the connection.
+                // The client may still be sending: answer, drain what it
+                // sends for a short while (closing on unread data would
+                // reset the connection and lose the answer), then close.
                 session.set_keepalive(None);
-                return self.refuse(session, ctx, refusal).await;
+                let answered = self.refuse(session, ctx, refusal).await;
+                if !session.is_body_done() {
+                    let _ = tokio::time::timeout(LINGER, session.drain_request_body()).await;
+                }
+                return answered;
             }
         };
         match parse_fields(&body) {
@@ -342,7 +374,9 @@ impl ProxyHttp for Inference {
                 ctx.waited = waited;
                 Ok(false)
             }
-            Err(AdmitError::Rejected(r)) => self.refuse(session, ctx, Refusal::from_reject(r)).await,
+            Err(AdmitError::Rejected(r)) => {
+                self.refuse(session, ctx, Refusal::from_reject(r)).await
+            }
             Err(AdmitError::ClientGone) => {
                 ctx.reason = "client-gone";
                 Err(Error::explain(
@@ -354,9 +388,16 @@ impl ProxyHttp for Inference {
         }
     }
 
-    async fn upstream_peer(&self, _session: &mut Session, ctx: &mut RequestCtx) -> Result<Box<HttpPeer>> {
+    async fn upstream_peer(
+        &self,
+        _session: &mut Session,
+        ctx: &mut RequestCtx,
+    ) -> Result<Box<HttpPeer>> {
         let addr = ctx.upstream.ok_or_else(|| {
-            Error::explain(ErrorType::InternalError, "no endpoint lease for this request")
+            Error::explain(
+                ErrorType::InternalError,
+                "no endpoint lease for this request",
+            )
         })?;
         let mut peer = HttpPeer::new(addr, false, String::new());
         peer.options.connection_timeout = Some(self.connect_timeout);
@@ -389,7 +430,12 @@ impl ProxyHttp for Inference {
         Ok(())
     }
 
-    async fn fail_to_proxy(&self, session: &mut Session, e: &Error, ctx: &mut RequestCtx) -> FailToProxy {
+    async fn fail_to_proxy(
+        &self,
+        session: &mut Session,
+        e: &Error,
+        ctx: &mut RequestCtx,
+    ) -> FailToProxy {
         let downstream_dead = e.esource() == &ErrorSource::Downstream
             && matches!(
                 e.etype(),
@@ -402,7 +448,10 @@ impl ProxyHttp for Inference {
             let msg = format!("the model server failed: {e}");
             let body = error_body(&msg, "server_error", "upstream_error");
             let extra = [("x-flowgate-drop-reason", "upstream-error".to_string())];
-            if let Err(we) = self.send_json(session, StatusCode::BAD_GATEWAY, body, &extra).await {
+            if let Err(we) = self
+                .send_json(session, StatusCode::BAD_GATEWAY, body, &extra)
+                .await
+            {
                 warn!("could not send the 502 to the client: {we}");
             }
             502
@@ -420,7 +469,11 @@ impl ProxyHttp for Inference {
         let status = session
             .response_written()
             .map(|h| h.status.as_u16())
-            .unwrap_or(if ctx.reason == "client-gone" || e.is_some() { 499 } else { 0 });
+            .unwrap_or(if ctx.reason == "client-gone" || e.is_some() {
+                499
+            } else {
+                0
+            });
         let reason = if ctx.reason.is_empty() && e.is_some() {
             "client-gone"
         } else {

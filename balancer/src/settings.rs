@@ -195,7 +195,10 @@ impl Settings {
                 .log_level
                 .or(file.log_level)
                 .unwrap_or_else(|| "info".to_string()),
-            log_format: cli.log_format.or(file.log_format).unwrap_or(LogFormat::Text),
+            log_format: cli
+                .log_format
+                .or(file.log_format)
+                .unwrap_or(LogFormat::Text),
         };
         s.validate()?;
         Ok(s)
@@ -255,12 +258,19 @@ mod tests {
         let err = toml::from_str::<FileConfig>("max_bufered_requests = 5").unwrap_err();
         assert!(err.to_string().contains("unknown field"), "{err}");
         let err = Settings::merge(
-            cli(&["--inference-addr", "127.0.0.1:9", "--management-addr", "127.0.0.1:9"]),
+            cli(&[
+                "--inference-addr",
+                "127.0.0.1:9",
+                "--management-addr",
+                "127.0.0.1:9",
+            ]),
             FileConfig::default(),
         )
         .unwrap_err();
         assert!(err.to_string().contains("must differ"));
-        assert!(Settings::merge(cli(&["--max-request-bytes", "0"]), FileConfig::default()).is_err());
+        assert!(
+            Settings::merge(cli(&["--max-request-bytes", "0"]), FileConfig::default()).is_err()
+        );
     }
 
     #[test]
@@ -269,7 +279,12 @@ mod tests {
         let mut n = 0;
         for entry in std::fs::read_dir(dir).unwrap() {
             let path = entry.unwrap().path();
-            if path.file_name().unwrap().to_string_lossy().starts_with("balancer") {
+            if path
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("balancer")
+            {
                 let file = FileConfig::load(&path).unwrap();
                 Settings::merge(cli(&[]), file).unwrap();
                 n += 1;

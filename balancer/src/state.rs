@@ -155,7 +155,10 @@ impl Shared {
         outcome.map(|lease| (guard(lease), waited))
     }
 
-    pub fn report(&self, report: AgentReport) -> Result<ReportOutcome, flowgate::protocol::ReportError> {
+    pub fn report(
+        &self,
+        report: AgentReport,
+    ) -> Result<ReportOutcome, flowgate::protocol::ReportError> {
         self.with_dispatch(|d| d.report(report, Instant::now()))
     }
 

@@ -1,1 +1,1 @@
-pub fn x(){}
+//! Helpers for the black-box tests: see `tests/common/mod.rs`.

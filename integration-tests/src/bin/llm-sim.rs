@@ -1,1 +1,539 @@
-fn main(){}
+//! `llm-sim`: an OpenAI-compatible fake model server that looks like
+//! llama.cpp's `llama-server` to the agent. For tests and benchmarks only.
+//!
+//! It has `--slots` parallel slots; requests beyond them wait inside the
+//! simulator (reported as `llamacpp:requests_deferred`, as llama-server
+//! does). Every knob can be set per request with a header:
+//!
+//! | header               | meaning                                         |
+//! |----------------------|-------------------------------------------------|
+//! | `x-sim-ttft-ms`      | time to first token                             |
+//! | `x-sim-tpot-ms`      | time per output token                           |
+//! | `x-sim-output-tokens`| tokens to generate                              |
+//! | `x-sim-fault`        | `status=CODE`, `hang`, `drop-mid-stream`, `slow-stream` |
+//! | `x-sim-tag`          | recorded in arrival order at `GET /sim/stats`   |
+//!
+//! Responses carry `x-sim-body-bytes` and `x-sim-body-sha256` of the request
+//! body received, so tests can check that bodies arrive intact.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use clap::Parser;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::header::HeaderValue;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::json;
+use sha2::{Digest, Sha256};
+use tokio::net::TcpListener;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type Body = http_body_util::combinators::BoxBody<Bytes, BoxError>;
+
+/// A fake llama-server for tests and benchmarks.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "llm-sim", version, about)]
+struct Cli {
+    /// Address to listen on (port 0 picks a free port; the chosen address is
+    /// printed as `listening on IP:PORT`)
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: SocketAddr,
+    /// Parallel request slots
+    #[arg(long, default_value_t = 4)]
+    slots: u32,
+    /// Model id served
+    #[arg(long, default_value = "sim-model")]
+    model: String,
+    /// Milliseconds to first token
+    #[arg(long, default_value_t = 20)]
+    ttft_ms: u64,
+    /// Milliseconds per further output token
+    #[arg(long, default_value_t = 5)]
+    tpot_ms: u64,
+    /// Output tokens per request
+    #[arg(long, default_value_t = 8)]
+    output_tokens: u32,
+    /// Milliseconds after start during which /health answers 503 (loading)
+    #[arg(long, default_value_t = 0)]
+    loading_ms: u64,
+    /// Fault applied to every inference request unless a header says
+    /// otherwise: status=CODE, hang, drop-mid-stream, slow-stream
+    #[arg(long)]
+    fault: Option<String>,
+    /// Worker threads (1 = a single core)
+    #[arg(long, default_value_t = 1)]
+    threads: usize,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Fault {
+    Status(u16),
+    Hang,
+    DropMidStream,
+    SlowStream,
+}
+
+fn parse_fault(s: &str) -> Option<Fault> {
+    match s.trim() {
+        "hang" => Some(Fault::Hang),
+        "drop-mid-stream" => Some(Fault::DropMidStream),
+        "slow-stream" => Some(Fault::SlowStream),
+        other => other
+            .strip_prefix("status=")
+            .and_then(|c| c.parse().ok())
+            .map(Fault::Status),
+    }
+}
+
+#[derive(Default)]
+struct Stats {
+    arrivals: Vec<String>,
+    max_processing: u64,
+    max_deferred: u64,
+}
+
+struct Sim {
+    cli: Cli,
+    started: Instant,
+    slots: Arc<Semaphore>,
+    processing: AtomicU64,
+    deferred: AtomicU64,
+    requests_total: AtomicU64,
+    tokens_total: AtomicU64,
+    bytes_received: AtomicU64,
+    next_id: AtomicU64,
+    stats: Mutex<Stats>,
+}
+
+/// Counts a request as processing while alive (it holds a slot).
+struct Processing {
+    sim: Arc<Sim>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Processing {
+    fn new(sim: Arc<Sim>, permit: OwnedSemaphorePermit) -> Self {
+        let now = sim.processing.fetch_add(1, Ordering::SeqCst) + 1;
+        let mut st = sim.stats.lock().unwrap();
+        st.max_processing = st.max_processing.max(now);
+        drop(st);
+        Processing {
+            sim,
+            _permit: permit,
+        }
+    }
+}
+
+impl Drop for Processing {
+    fn drop(&mut self) {
+        self.sim.processing.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+fn full(status: StatusCode, content_type: &str, body: impl Into<Bytes>) -> Response<Body> {
+    let mut r = Response::new(
+        Full::new(body.into())
+            .map_err(|never| match never {})
+            .boxed(),
+    );
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert("content-type", HeaderValue::from_str(content_type).unwrap());
+    r
+}
+
+fn json_resp(status: StatusCode, v: serde_json::Value) -> Response<Body> {
+    full(status, "application/json; charset=utf-8", v.to_string())
+}
+
+fn header<'a>(req: &'a Request<Incoming>, name: &str) -> Option<&'a str> {
+    req.headers().get(name).and_then(|v| v.to_str().ok())
+}
+
+fn header_num(req: &Request<Incoming>, name: &str, default: u64) -> u64 {
+    header(req, name)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+impl Sim {
+    fn metrics(&self) -> String {
+        let mut out = String::new();
+        let mut metric = |name: &str, kind: &str, help: &str, v: u64| {
+            out.push_str(&format!(
+                "# HELP llamacpp:{name} {help}\n# TYPE llamacpp:{name} {kind}\nllamacpp:{name} {v}\n"
+            ));
+        };
+        metric(
+            "prompt_tokens_total",
+            "counter",
+            "Number of prompt tokens processed",
+            self.requests_total.load(Ordering::Relaxed) * 10,
+        );
+        metric(
+            "tokens_predicted_total",
+            "counter",
+            "Number of generation tokens processed",
+            self.tokens_total.load(Ordering::Relaxed),
+        );
+        metric(
+            "requests_processing",
+            "gauge",
+            "Number of requests processing",
+            self.processing.load(Ordering::SeqCst),
+        );
+        metric(
+            "requests_deferred",
+            "gauge",
+            "Number of requests deferred",
+            self.deferred.load(Ordering::SeqCst),
+        );
+        out
+    }
+
+    fn slots_json(&self) -> serde_json::Value {
+        let busy = self.processing.load(Ordering::SeqCst) as u32;
+        let slots: Vec<_> = (0..self.cli.slots)
+            .map(|i| json!({"id": i, "n_ctx": 4096, "speculative": false, "is_processing": i < busy}))
+            .collect();
+        json!(slots)
+    }
+
+    fn stats_json(&self) -> serde_json::Value {
+        let st = self.stats.lock().unwrap();
+        json!({
+            "requests_total": self.requests_total.load(Ordering::SeqCst),
+            "processing": self.processing.load(Ordering::SeqCst),
+            "deferred": self.deferred.load(Ordering::SeqCst),
+            "max_processing": st.max_processing,
+            "max_deferred": st.max_deferred,
+            "bytes_received_total": self.bytes_received.load(Ordering::SeqCst),
+            "arrivals": st.arrivals,
+        })
+    }
+
+    fn reset(&self) {
+        let mut st = self.stats.lock().unwrap();
+        *st = Stats::default();
+        self.requests_total.store(0, Ordering::SeqCst);
+        self.bytes_received.store(0, Ordering::SeqCst);
+    }
+}
+
+async fn route(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    let path = req.uri().path().to_string();
+    let resp = match (req.method(), path.as_str()) {
+        (&Method::GET, "/health") => {
+            if sim.started.elapsed() < Duration::from_millis(sim.cli.loading_ms) {
+                json_resp(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    json!({"error": {"message": "Loading model", "type": "unavailable_error", "code": 503}}),
+                )
+            } else {
+                json_resp(StatusCode::OK, json!({"status": "ok"}))
+            }
+        }
+        (&Method::GET, "/slots") => json_resp(StatusCode::OK, sim.slots_json()),
+        (&Method::GET, "/props") => json_resp(
+            StatusCode::OK,
+            json!({"total_slots": sim.cli.slots, "model_alias": sim.cli.model, "model_path": sim.cli.model}),
+        ),
+        (&Method::GET, "/metrics") => {
+            full(StatusCode::OK, "text/plain; version=0.0.4", sim.metrics())
+        }
+        (&Method::GET, "/v1/models") => json_resp(
+            StatusCode::OK,
+            json!({"object": "list", "data": [{"id": sim.cli.model, "object": "model", "created": 0, "owned_by": "llamacpp"}]}),
+        ),
+        (&Method::GET, "/sim/stats") => json_resp(StatusCode::OK, sim.stats_json()),
+        (&Method::POST, "/sim/reset") => {
+            sim.reset();
+            json_resp(StatusCode::OK, json!({"status": "reset"}))
+        }
+        (
+            &Method::POST,
+            "/v1/chat/completions" | "/v1/completions" | "/completion" | "/v1/embeddings",
+        ) => inference(sim, req, path).await,
+        _ => json_resp(
+            StatusCode::NOT_FOUND,
+            json!({"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}),
+        ),
+    };
+    Ok(resp)
+}
+
+async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Response<Body> {
+    let ttft = Duration::from_millis(header_num(&req, "x-sim-ttft-ms", sim.cli.ttft_ms));
+    let tpot = Duration::from_millis(header_num(&req, "x-sim-tpot-ms", sim.cli.tpot_ms));
+    let tokens = header_num(
+        &req,
+        "x-sim-output-tokens",
+        u64::from(sim.cli.output_tokens),
+    ) as u32;
+    let fault = header(&req, "x-sim-fault")
+        .and_then(parse_fault)
+        .or_else(|| sim.cli.fault.as_deref().and_then(parse_fault));
+    let tag = header(&req, "x-sim-tag").map(str::to_string);
+    if let Some(tag) = tag {
+        let mut st = sim.stats.lock().unwrap();
+        if st.arrivals.len() < 100_000 {
+            st.arrivals.push(tag);
+        }
+    }
+    sim.requests_total.fetch_add(1, Ordering::SeqCst);
+
+    let body = match req.into_body().collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) => {
+            return json_resp(
+                StatusCode::BAD_REQUEST,
+                json!({"error": {"message": format!("body: {e}"), "type": "invalid_request_error", "code": 400}}),
+            )
+        }
+    };
+    sim.bytes_received
+        .fetch_add(body.len() as u64, Ordering::SeqCst);
+    let digest = hex(&Sha256::digest(&body));
+    let parsed: serde_json::Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => {
+            return json_resp(
+                StatusCode::BAD_REQUEST,
+                json!({"error": {"message": format!("invalid JSON: {e}"), "type": "invalid_request_error", "code": 400}}),
+            )
+        }
+    };
+    let stream = parsed
+        .get("stream")
+        .and_then(|v| v.as_bool())
+        .unwrap_or(false);
+
+    // Wait for a slot like llama-server does (FIFO), counted as deferred.
+    let permit = match Arc::clone(&sim.slots).try_acquire_owned() {
+        Ok(p) => p,
+        Err(_) => {
+            let now = sim.deferred.fetch_add(1, Ordering::SeqCst) + 1;
+            {
+                let mut st = sim.stats.lock().unwrap();
+                st.max_deferred = st.max_deferred.max(now);
+            }
+            let p = Arc::clone(&sim.slots).acquire_owned().await;
+            sim.deferred.fetch_sub(1, Ordering::SeqCst);
+            p.expect("semaphore never closed")
+        }
+    };
+    let processing = Processing::new(Arc::clone(&sim), permit);
+
+    match fault {
+        Some(Fault::Status(code)) => {
+            let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            return json_resp(
+                status,
+                json!({"error": {"message": "simulated failure", "type": "server_error", "code": code}}),
+            );
+        }
+        Some(Fault::Hang) => {
+            let _hold = processing;
+            std::future::pending::<()>().await;
+            unreachable!()
+        }
+        _ => {}
+    }
+
+    let id = sim.next_id.fetch_add(1, Ordering::Relaxed);
+    let model = sim.cli.model.clone();
+    let mut resp = if stream {
+        stream_response(sim, processing, path, id, model, tokens, ttft, tpot, fault)
+    } else {
+        tokio::time::sleep(ttft + tpot * tokens.saturating_sub(1)).await;
+        sim.tokens_total
+            .fetch_add(u64::from(tokens), Ordering::Relaxed);
+        drop(processing);
+        json_resp(StatusCode::OK, final_body(&path, id, &model, tokens))
+    };
+    let h = resp.headers_mut();
+    h.insert("x-sim-body-bytes", HeaderValue::from(body.len() as u64));
+    h.insert("x-sim-body-sha256", HeaderValue::from_str(&digest).unwrap());
+    resp
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn text(tokens: u32) -> String {
+    (0..tokens).map(|i| format!("tok{i} ")).collect()
+}
+
+fn final_body(path: &str, id: u64, model: &str, tokens: u32) -> serde_json::Value {
+    let usage =
+        json!({"prompt_tokens": 10, "completion_tokens": tokens, "total_tokens": 10 + tokens});
+    match path {
+        "/v1/chat/completions" => json!({
+            "id": format!("chatcmpl-sim-{id}"), "object": "chat.completion", "created": 0, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text(tokens)}, "finish_reason": "length"}],
+            "usage": usage,
+        }),
+        "/v1/embeddings" => json!({
+            "object": "list", "model": model,
+            "data": [{"object": "embedding", "index": 0, "embedding": [0.1, -0.2, 0.3, 0.0]}],
+            "usage": {"prompt_tokens": 10, "total_tokens": 10},
+        }),
+        "/completion" => {
+            json!({"content": text(tokens), "tokens_predicted": tokens, "stop": true, "model": model})
+        }
+        _ => json!({
+            "id": format!("cmpl-sim-{id}"), "object": "text_completion", "created": 0, "model": model,
+            "choices": [{"index": 0, "text": text(tokens), "finish_reason": "length"}],
+            "usage": usage,
+        }),
+    }
+}
+
+fn chunk(path: &str, id: u64, model: &str, i: u32) -> String {
+    let v = match path {
+        "/v1/chat/completions" => json!({
+            "id": format!("chatcmpl-sim-{id}"), "object": "chat.completion.chunk", "created": 0, "model": model,
+            "choices": [{"index": 0, "delta": {"content": format!("tok{i} ")}, "finish_reason": null}],
+        }),
+        "/completion" => json!({"content": format!("tok{i} "), "stop": false}),
+        _ => json!({
+            "id": format!("cmpl-sim-{id}"), "object": "text_completion", "created": 0, "model": model,
+            "choices": [{"index": 0, "text": format!("tok{i} "), "finish_reason": null}],
+        }),
+    };
+    format!("data: {v}\n\n")
+}
+
+#[allow(clippy::too_many_arguments)]
+fn stream_response(
+    sim: Arc<Sim>,
+    processing: Processing,
+    path: String,
+    id: u64,
+    model: String,
+    tokens: u32,
+    ttft: Duration,
+    tpot: Duration,
+    fault: Option<Fault>,
+) -> Response<Body> {
+    let tpot = if fault == Some(Fault::SlowStream) {
+        tpot.max(Duration::from_millis(200))
+    } else {
+        tpot
+    };
+    // State: (next token index, slot guard). The guard lives as long as the
+    // body: a client that goes away drops it and frees the slot.
+    let frames = futures_util::stream::unfold((0u32, Some(processing)), move |(i, guard)| {
+        let sim = Arc::clone(&sim);
+        let path = path.clone();
+        let model = model.clone();
+        let fault = fault.clone();
+        async move {
+            let guard = guard?;
+            if i > tokens {
+                return None;
+            }
+            if i == tokens {
+                sim.tokens_total
+                    .fetch_add(u64::from(tokens), Ordering::Relaxed);
+                drop(guard);
+                let done: Result<Frame<Bytes>, BoxError> =
+                    Ok(Frame::data(Bytes::from_static(b"data: [DONE]\n\n")));
+                return Some((done, (i + 1, None)));
+            }
+            tokio::time::sleep(if i == 0 { ttft } else { tpot }).await;
+            if fault == Some(Fault::DropMidStream) && i == tokens / 2 {
+                let err: BoxError = "simulated connection drop".into();
+                return Some((Err(err), (tokens + 1, None)));
+            }
+            let frame = Ok(Frame::data(Bytes::from(chunk(&path, id, &model, i))));
+            Some((frame, (i + 1, Some(guard))))
+        }
+    });
+    let mut r = Response::new(BodyExt::boxed(StreamBody::new(frames)));
+    r.headers_mut().insert(
+        "content-type",
+        HeaderValue::from_static("text/event-stream"),
+    );
+    r
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let runtime = if cli.threads <= 1 {
+        tokio::runtime::Builder::new_current_thread()
+    } else {
+        let mut b = tokio::runtime::Builder::new_multi_thread();
+        b.worker_threads(cli.threads);
+        b
+    }
+    .enable_all()
+    .build()
+    .expect("tokio runtime");
+    runtime.block_on(serve(cli));
+}
+
+async fn serve(cli: Cli) {
+    let listener = match TcpListener::bind(cli.listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("llm-sim: cannot listen on {}: {e}", cli.listen);
+            std::process::exit(1);
+        }
+    };
+    let addr = listener.local_addr().expect("local addr");
+    println!("listening on {addr}");
+    let sim = Arc::new(Sim {
+        slots: Arc::new(Semaphore::new(cli.slots as usize)),
+        cli,
+        started: Instant::now(),
+        processing: AtomicU64::new(0),
+        deferred: AtomicU64::new(0),
+        requests_total: AtomicU64::new(0),
+        tokens_total: AtomicU64::new(0),
+        bytes_received: AtomicU64::new(0),
+        next_id: AtomicU64::new(0),
+        stats: Mutex::new(Stats::default()),
+    });
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("llm-sim: accept: {e}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let sim = Arc::clone(&sim);
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| route(Arc::clone(&sim), req));
+            let _ = http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn faults_parse() {
+        assert_eq!(parse_fault("status=503"), Some(Fault::Status(503)));
+        assert_eq!(parse_fault("hang"), Some(Fault::Hang));
+        assert_eq!(parse_fault("drop-mid-stream"), Some(Fault::DropMidStream));
+        assert_eq!(parse_fault("nonsense"), None);
+    }
+}

@@ -1,0 +1,294 @@
+//! Buffering rules seen from a client: 503 when full, 504 after the timeout,
+//! FIFO order, one wake-up per freed slot, disconnects, scale from zero.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// One slot held by a slow request, so the next ones must wait.
+async fn hold_slot(
+    b: &Balancer,
+    ttft_ms: &'static str,
+    tag: &'static str,
+) -> tokio::task::JoinHandle<u16> {
+    let c = client();
+    let url = b.url("/v1/chat/completions");
+    let h = tokio::spawn(async move {
+        c.post(url)
+            .header("x-sim-ttft-ms", ttft_ms)
+            .header("x-sim-tag", tag)
+            .json(&chat_body())
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
+    });
+    wait_for(
+        "the slot holder to be in flight",
+        Duration::from_secs(5),
+        || async { (b.in_flight().await == 1).then_some(()) },
+    )
+    .await;
+    h
+}
+
+#[tokio::test]
+async fn full_buffer_answers_503_with_retry_after() {
+    let b = Balancer::start(&["--max-buffered-requests", "2"]).await;
+    let sim = Sim::start(&["--slots", "1"]);
+    let _agent = agent(&sim, &b, "100ms");
+    b.wait_eligible(1).await;
+
+    let holder = hold_slot(&b, "1500", "holder").await;
+    let waiters: Vec<_> = (0..2)
+        .map(|_| {
+            let c = client();
+            let url = b.url("/v1/chat/completions");
+            tokio::spawn(async move {
+                c.post(url)
+                    .json(&chat_body())
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+                    .as_u16()
+            })
+        })
+        .collect();
+    b.wait_buffered(2).await;
+
+    let start = Instant::now();
+    let resp = chat(&b, &[]).await;
+    assert!(
+        start.elapsed() < Duration::from_millis(500),
+        "refused at once"
+    );
+    assert_eq!(resp.headers()["retry-after"], "1");
+    assert_eq!(resp.headers()["x-flowgate-drop-reason"], "buffer-full");
+    let err = assert_openai_error(resp, 503).await;
+    assert!(err["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("buffer is full"));
+
+    assert_eq!(holder.await.unwrap(), 200);
+    for w in waiters {
+        assert_eq!(w.await.unwrap(), 200, "buffered requests are served");
+    }
+    b.wait_in_flight(0, Duration::from_secs(5)).await;
+}
+
+#[tokio::test]
+async fn buffering_disabled_refuses_at_once() {
+    let b = Balancer::start(&["--max-buffered-requests", "0"]).await;
+    let resp = chat(&b, &[]).await;
+    assert_eq!(resp.headers()["x-flowgate-drop-reason"], "no-endpoints");
+    assert_openai_error(resp, 503).await;
+
+    let sim = Sim::start(&["--slots", "1"]);
+    let _agent = agent(&sim, &b, "100ms");
+    b.wait_eligible(1).await;
+    let holder = hold_slot(&b, "800", "holder").await;
+    let resp = chat(&b, &[]).await;
+    assert_eq!(resp.headers()["x-flowgate-drop-reason"], "buffer-full");
+    assert_openai_error(resp, 503).await;
+    assert_eq!(holder.await.unwrap(), 200);
+}
+
+#[tokio::test]
+async fn waiting_past_the_timeout_answers_504() {
+    let timeout_ms = 400u64;
+    let b = Balancer::start(&["--buffered-request-timeout", &timeout_ms.to_string()]).await;
+    let sim = Sim::start(&["--slots", "1"]);
+    let _agent = agent(&sim, &b, "100ms");
+    b.wait_eligible(1).await;
+
+    let holder = hold_slot(&b, "2000", "holder").await;
+    let start = Instant::now();
+    let resp = chat(&b, &[("x-sim-tag", "late")]).await;
+    let waited = start.elapsed().as_secs_f64() / (timeout_ms as f64 / 1000.0);
+    assert_eq!(resp.headers()["x-flowgate-drop-reason"], "ttl-expired");
+    assert_openai_error(resp, 504).await;
+    assert!(
+        (0.95..2.5).contains(&waited),
+        "waited {waited:.2}× the timeout"
+    );
+    assert_eq!(b.buffered().await, 0, "the expired request left the buffer");
+
+    assert_eq!(holder.await.unwrap(), 200);
+    let stats = sim.stats().await;
+    assert_eq!(
+        stats["arrivals"],
+        serde_json::json!(["holder"]),
+        "the 504 never reached the backend"
+    );
+}
+
+#[tokio::test]
+async fn waiters_are_served_in_arrival_order_one_per_freed_slot() {
+    let b = Balancer::start(&[]).await;
+    let sim = Sim::start(&["--slots", "1", "--ttft-ms", "30", "--tpot-ms", "1"]);
+    let _agent = agent(&sim, &b, "100ms");
+    b.wait_eligible(1).await;
+
+    let holder = hold_slot(&b, "500", "holder").await;
+    let mut waiters = Vec::new();
+    for i in 0..6u64 {
+        let c = client();
+        let url = b.url("/v1/chat/completions");
+        let tag = format!("w{i}");
+        waiters.push(tokio::spawn(async move {
+            c.post(url)
+                .header("x-sim-tag", tag)
+                .json(&chat_body())
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }));
+        // Fix the arrival order before sending the next one.
+        b.wait_buffered(i + 1).await;
+    }
+    assert_eq!(holder.await.unwrap(), 200);
+    for w in waiters {
+        assert_eq!(w.await.unwrap(), 200);
+    }
+    let stats = sim.stats().await;
+    assert_eq!(
+        stats["arrivals"],
+        serde_json::json!(["holder", "w0", "w1", "w2", "w3", "w4", "w5"])
+    );
+    assert_eq!(
+        stats["max_processing"], 1,
+        "one freed slot woke exactly one waiter"
+    );
+    assert_eq!(
+        stats["max_deferred"], 0,
+        "nothing queued inside the backend"
+    );
+}
+
+#[tokio::test]
+async fn a_client_that_leaves_the_buffer_takes_nothing() {
+    let b = Balancer::start(&[]).await;
+    let sim = Sim::start(&["--slots", "1"]);
+    let _agent = agent(&sim, &b, "100ms");
+    b.wait_eligible(1).await;
+
+    let holder = hold_slot(&b, "1500", "holder").await;
+    let body = serde_json::to_vec(&chat_body()).unwrap();
+    let mut raw = tokio::net::TcpStream::connect(b.inference).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nx-sim-tag: leaver\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    raw.write_all(head.as_bytes()).await.unwrap();
+    raw.write_all(&body).await.unwrap();
+    b.wait_buffered(1).await;
+    let left = Instant::now();
+    drop(raw);
+    b.wait_buffered(0).await;
+    assert!(
+        left.elapsed() < Duration::from_millis(500),
+        "left the buffer at once"
+    );
+    assert_eq!(holder.await.unwrap(), 200);
+    b.wait_in_flight(0, Duration::from_secs(5)).await;
+    // The freed slot went to nobody: the next request is served at once.
+    assert_eq!(chat(&b, &[("x-sim-tag", "next")]).await.status(), 200);
+    assert_eq!(
+        sim.stats().await["arrivals"],
+        serde_json::json!(["holder", "next"])
+    );
+}
+
+#[tokio::test]
+async fn a_client_that_leaves_mid_stream_frees_its_slot() {
+    let b = Balancer::start(&[]).await;
+    let sim = Sim::start(&["--slots", "1"]);
+    let _agent = agent(&sim, &b, "100ms");
+    b.wait_eligible(1).await;
+
+    let body = serde_json::json!({"stream": true, "messages": []}).to_string();
+    let mut raw = tokio::net::TcpStream::connect(b.inference).await.unwrap();
+    let req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-sim-tpot-ms: 100\r\nx-sim-output-tokens: 100\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    raw.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = raw.read(&mut buf).await.unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).contains("200 OK"));
+    assert_eq!(b.in_flight().await, 1);
+    let left = Instant::now();
+    drop(raw);
+    // The stream had ~10 s to go; the slot must come back long before.
+    b.wait_in_flight(0, Duration::from_secs(3)).await;
+    wait_for(
+        "the backend to stop generating",
+        Duration::from_secs(3),
+        || async { (sim.stats().await["processing"] == 0).then_some(()) },
+    )
+    .await;
+    assert!(left.elapsed() < Duration::from_secs(3));
+    assert_eq!(
+        chat(&b, &[]).await.status(),
+        200,
+        "the slot is usable again"
+    );
+}
+
+#[tokio::test]
+async fn requests_sent_before_any_agent_are_served_once_one_registers() {
+    let b = Balancer::start(&[]).await;
+    let tasks: Vec<_> = (0..3)
+        .map(|_| {
+            let c = client();
+            let url = b.url("/v1/chat/completions");
+            tokio::spawn(async move {
+                c.post(url)
+                    .json(&chat_body())
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+                    .as_u16()
+            })
+        })
+        .collect();
+    b.wait_buffered(3).await;
+    let sim = Sim::start(&["--slots", "2"]);
+    let _agent = agent(&sim, &b, "100ms");
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    assert_eq!(sim.stats().await["max_deferred"], 0);
+}
+
+#[tokio::test]
+async fn a_loading_backend_gets_no_traffic_until_ready() {
+    let b = Balancer::start(&[]).await;
+    let sim = Sim::start(&["--slots", "2", "--loading-ms", "1200"]);
+    let _agent = agent(&sim, &b, "100ms");
+    wait_for(
+        "the agent to report loading",
+        Duration::from_secs(5),
+        || async {
+            let a = b.agents().await;
+            (a["endpoints"][0]["agent"]["health"] == "loading").then_some(())
+        },
+    )
+    .await;
+    let start = Instant::now();
+    let resp = chat(&b, &[]).await;
+    assert_eq!(resp.status(), 200);
+    assert!(
+        start.elapsed() > Duration::from_millis(300),
+        "it waited for the model to load"
+    );
+}

@@ -1,0 +1,330 @@
+//! Harness for black-box tests: spawns the real `balancer`, `agent` and
+//! `llm-sim` binaries on 127.0.0.1 with ports picked here, waits on
+//! conditions with deadlines, and kills every process when dropped.
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// Path of a workspace binary, next to the test executable's directory.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target/<profile>/deps");
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: run `cargo build --workspace --bins` first (scripts/test does)",
+        path.display()
+    );
+    path
+}
+
+/// A free TCP port on 127.0.0.1 (bound and released; the OS does not hand
+/// it out again immediately).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// A child process killed (SIGKILL) and reaped on drop.
+pub struct Proc {
+    pub child: Child,
+    pub name: &'static str,
+}
+
+impl Proc {
+    pub fn spawn(name: &'static str, args: &[String]) -> Proc {
+        let child = Command::new(bin(name))
+            .args(args)
+            .env(
+                "RUST_LOG",
+                std::env::var("FLOWGATE_TEST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
+        Proc { child, name }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([format!("-{sig}"), self.pid().to_string()])
+            .status()
+            .expect("run kill")
+            .success();
+        assert!(ok, "kill -{sig} {} failed", self.pid());
+    }
+
+    /// Waits for the process to exit on its own.
+    pub fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+
+    /// Resident set size in KiB (Linux).
+    pub fn rss_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .expect("read /proc status");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmRSS")
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `cond` until it returns `Some`, or panics with `what` after `within`.
+pub async fn wait_for<T, F, Fut>(what: &str, within: Duration, mut cond: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = cond().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {within:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .unwrap()
+}
+
+pub struct Sim {
+    pub proc: Proc,
+    pub addr: SocketAddr,
+}
+
+impl Sim {
+    pub fn start(args: &[&str]) -> Sim {
+        let mut all: Vec<String> = vec!["--listen".into(), "127.0.0.1:0".into()];
+        all.extend(args.iter().map(|s| s.to_string()));
+        let mut proc = Proc::spawn("llm-sim", &all);
+        let stdout = proc.child.stdout.take().expect("piped stdout");
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("read llm-sim banner");
+        let addr = line
+            .trim()
+            .strip_prefix("listening on ")
+            .unwrap_or_else(|| panic!("unexpected llm-sim banner {line:?}"))
+            .parse()
+            .expect("llm-sim address");
+        Sim { proc, addr }
+    }
+
+    pub async fn stats(&self) -> Value {
+        client()
+            .get(format!("http://{}/sim/stats", self.addr))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+}
+
+pub struct Balancer {
+    pub proc: Proc,
+    pub inference: SocketAddr,
+    pub management: SocketAddr,
+}
+
+impl Balancer {
+    pub async fn start(args: &[&str]) -> Balancer {
+        let inference: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let management: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let mut all: Vec<String> = vec![
+            "--inference-addr".into(),
+            inference.to_string(),
+            "--management-addr".into(),
+            management.to_string(),
+            "--threads".into(),
+            "2".into(),
+            "--shutdown-grace-period".into(),
+            "5".into(),
+        ];
+        all.extend(args.iter().map(|s| s.to_string()));
+        let b = Balancer {
+            proc: Proc::spawn("balancer", &all),
+            inference,
+            management,
+        };
+        let c = client();
+        wait_for("balancer to listen", Duration::from_secs(10), || {
+            let c = c.clone();
+            let urls = [b.url("/health"), b.mgmt("/health")];
+            async move {
+                for u in urls {
+                    c.get(u)
+                        .send()
+                        .await
+                        .ok()?
+                        .status()
+                        .is_success()
+                        .then_some(())?;
+                }
+                Some(())
+            }
+        })
+        .await;
+        b
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.inference)
+    }
+
+    pub fn mgmt(&self, path: &str) -> String {
+        format!("http://{}{path}", self.management)
+    }
+
+    pub async fn agents(&self) -> Value {
+        client()
+            .get(self.mgmt("/api/v1/agents"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    }
+
+    pub async fn buffered(&self) -> u64 {
+        self.agents().await["buffered_requests"].as_u64().unwrap()
+    }
+
+    pub async fn in_flight(&self) -> u64 {
+        self.agents().await["in_flight_requests"].as_u64().unwrap()
+    }
+
+    /// Waits until `n` eligible endpoints are registered.
+    pub async fn wait_eligible(&self, n: usize) {
+        wait_for(
+            &format!("{n} eligible endpoints"),
+            Duration::from_secs(10),
+            || async {
+                let a = self.agents().await;
+                let count = a["endpoints"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .filter(|e| e["eligible"] == true)
+                    .count();
+                (count == n).then_some(())
+            },
+        )
+        .await;
+    }
+
+    pub async fn wait_buffered(&self, n: u64) {
+        wait_for(
+            &format!("{n} buffered requests"),
+            Duration::from_secs(10),
+            || async { (self.buffered().await == n).then_some(()) },
+        )
+        .await;
+    }
+
+    pub async fn wait_in_flight(&self, n: u64, within: Duration) {
+        wait_for(&format!("{n} in-flight requests"), within, || async {
+            (self.in_flight().await == n).then_some(())
+        })
+        .await;
+    }
+}
+
+/// Starts an agent watching `sim` and reporting to `balancer`.
+pub fn agent(sim: &Sim, balancer: &Balancer, interval: &str) -> Proc {
+    Proc::spawn(
+        "agent",
+        &[
+            "--backend-addr".into(),
+            sim.addr.to_string(),
+            "--management-addr".into(),
+            balancer.management.to_string(),
+            "--monitoring-interval".into(),
+            interval.into(),
+        ],
+    )
+}
+
+pub fn chat_body() -> Value {
+    serde_json::json!({"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]})
+}
+
+/// Sends a chat completion with optional simulator headers.
+pub async fn chat(b: &Balancer, headers: &[(&str, &str)]) -> reqwest::Response {
+    chat_with(&client(), b, headers, chat_body()).await
+}
+
+pub async fn chat_with(
+    c: &reqwest::Client,
+    b: &Balancer,
+    headers: &[(&str, &str)],
+    body: Value,
+) -> reqwest::Response {
+    let mut req = c.post(b.url("/v1/chat/completions")).json(&body);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    req.send().await.expect("request reaches the balancer")
+}
+
+/// Asserts an OpenAI-style error body and returns its parsed value.
+pub async fn assert_openai_error(resp: reqwest::Response, status: u16) -> Value {
+    assert_eq!(resp.status().as_u16(), status);
+    let ct = resp.headers()["content-type"].to_str().unwrap().to_string();
+    assert!(ct.starts_with("application/json"), "content-type {ct}");
+    let v: Value = resp.json().await.unwrap();
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{v}"
+    );
+    assert!(v["error"]["type"].is_string(), "{v}");
+    assert!(v["error"]["code"].is_string(), "{v}");
+    v
+}

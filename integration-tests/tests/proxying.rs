@@ -1,0 +1,363 @@
+//! Proxying seen from a client: routes, bodies of any size, streaming,
+//! errors, agents coming and going, metrics, graceful shutdown.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+async fn fleet(slots: &str) -> (Balancer, Sim, Proc) {
+    let b = Balancer::start(&["--max-request-bytes", "8388608"]).await;
+    let sim = Sim::start(&["--slots", slots]);
+    let a = agent(&sim, &b, "100ms");
+    b.wait_eligible(1).await;
+    (b, sim, a)
+}
+
+#[tokio::test]
+async fn openai_routes_are_proxied_and_models_come_from_agents() {
+    let (b, _sim, _a) = fleet("2").await;
+    let c = client();
+    let v: Value = chat(&b, &[]).await.json().await.unwrap();
+    assert_eq!(v["object"], "chat.completion");
+    for (path, body) in [
+        ("/v1/completions", json!({"prompt": "x"})),
+        ("/completion", json!({"prompt": "x"})),
+        ("/v1/embeddings", json!({"input": "x"})),
+    ] {
+        let r = c.post(b.url(path)).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+    }
+    let models: Value = c
+        .get(b.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], "sim-model");
+    assert_eq!(models["object"], "list");
+
+    let agents = b.agents().await;
+    assert_eq!(agents["endpoints"][0]["agent"]["slots_total"], 2);
+    assert_eq!(agents["endpoints"][0]["in_flight"], 0);
+
+    let health = c.get(b.url("/health")).send().await.unwrap();
+    assert_eq!(health.status(), 200);
+}
+
+#[tokio::test]
+async fn bad_requests_get_openai_errors() {
+    let (b, sim, _a) = fleet("2").await;
+    let c = client();
+    let r = c
+        .post(b.url("/v1/chat/completions"))
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["x-flowgate-drop-reason"], "invalid_json");
+    assert_openai_error(r, 400).await;
+    let r = c
+        .post(b.url("/v1/chat/completions"))
+        .body("[1]")
+        .send()
+        .await
+        .unwrap();
+    assert_openai_error(r, 400).await;
+    let r = c.get(b.url("/v1/nope")).send().await.unwrap();
+    assert_openai_error(r, 404).await;
+    let r = c.get(b.url("/v1/chat/completions")).send().await.unwrap();
+    assert_eq!(r.headers()["allow"], "POST");
+    assert_openai_error(r, 405).await;
+    let r = c
+        .post(b.mgmt("/api/v1/agents/x/report"))
+        .body("{}")
+        .send()
+        .await
+        .unwrap();
+    assert_openai_error(r, 400).await;
+    assert_eq!(
+        sim.stats().await["requests_total"],
+        0,
+        "nothing reached the backend"
+    );
+}
+
+#[tokio::test]
+async fn multi_mib_bodies_reach_the_backend_intact_and_oversized_get_413() {
+    let (b, _sim, _a) = fleet("2").await;
+    let c = client();
+    // 5 MiB of varied text, so a lost or reordered chunk changes the hash.
+    let prompt: String = (0..5 * 1024 * 1024 / 16)
+        .map(|i| format!("{i:015x} "))
+        .collect();
+    for body in [
+        json!({"prompt": prompt}),
+        json!({"prompt": "small"}),
+        json!({"prompt": "x".repeat(64 * 1024 - 20)}),
+        json!({"prompt": "y".repeat(64 * 1024 + 20)}),
+    ] {
+        let bytes = serde_json::to_vec(&body).unwrap();
+        let r = c
+            .post(b.url("/v1/completions"))
+            .body(bytes.clone())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(
+            r.headers()["x-sim-body-bytes"],
+            bytes.len().to_string().as_str()
+        );
+        let want: String = Sha256::digest(&bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(r.headers()["x-sim-body-sha256"], want.as_str());
+    }
+    // A chunked body (no Content-Length) within 64 KiB is proxied too.
+    let small = serde_json::to_vec(&json!({"prompt": "chunked"})).unwrap();
+    let stream = futures_util::stream::iter([Ok::<_, std::io::Error>(small.clone())]);
+    let r = c
+        .post(b.url("/v1/completions"))
+        .body(reqwest::Body::wrap_stream(stream))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.headers()["x-sim-body-bytes"],
+        small.len().to_string().as_str()
+    );
+
+    let over = vec![b' '; 8 * 1024 * 1024 + 1];
+    let r = c
+        .post(b.url("/v1/completions"))
+        .body(over)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["x-flowgate-drop-reason"], "request_too_large");
+    assert_openai_error(r, 413).await;
+    b.wait_in_flight(0, Duration::from_secs(2)).await;
+}
+
+#[tokio::test]
+async fn streams_pass_through_chunk_by_chunk() {
+    let (b, _sim, _a) = fleet("2").await;
+    let start = Instant::now();
+    let resp = client()
+        .post(b.url("/v1/chat/completions"))
+        .header("x-sim-ttft-ms", "50")
+        .header("x-sim-tpot-ms", "100")
+        .header("x-sim-output-tokens", "15")
+        .json(&json!({"stream": true, "messages": []}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let mut stream = resp.bytes_stream();
+    let mut first_chunk_at = None;
+    let mut body = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        first_chunk_at.get_or_insert_with(|| start.elapsed());
+        body.extend_from_slice(&chunk.unwrap());
+    }
+    let total = start.elapsed();
+    let first = first_chunk_at.unwrap();
+    assert!(
+        first.as_secs_f64() < total.as_secs_f64() * 0.25,
+        "first chunk after {first:?} of {total:?}: the stream was buffered"
+    );
+    let text = String::from_utf8(body).unwrap();
+    assert_eq!(text.matches("data: {").count(), 15);
+    assert!(text.ends_with("data: [DONE]\n\n"));
+}
+
+#[tokio::test]
+async fn backend_errors_pass_through_and_unreachable_backends_get_502() {
+    let (b, _sim, _a) = fleet("2").await;
+    let r = chat(&b, &[("x-sim-fault", "status=500")]).await;
+    assert_eq!(
+        r.status(),
+        500,
+        "the backend's own answer is passed through"
+    );
+    b.wait_in_flight(0, Duration::from_secs(2)).await;
+
+    // An agent that points the balancer at a port nobody listens on.
+    let b2 = Balancer::start(&[]).await;
+    let sim = Sim::start(&["--slots", "1"]);
+    let dead = format!("127.0.0.1:{}", free_port());
+    let _a = Proc::spawn(
+        "agent",
+        &[
+            "--backend-addr".into(),
+            sim.addr.to_string(),
+            "--external-addr".into(),
+            dead,
+            "--management-addr".into(),
+            b2.management.to_string(),
+            "--monitoring-interval".into(),
+            "100ms".into(),
+        ],
+    );
+    b2.wait_eligible(1).await;
+    let r = chat(&b2, &[]).await;
+    assert_eq!(r.headers()["x-flowgate-drop-reason"], "upstream-error");
+    assert_openai_error(r, 502).await;
+    b2.wait_in_flight(0, Duration::from_secs(2)).await;
+}
+
+#[tokio::test]
+async fn a_lost_agent_gets_no_new_work_and_its_requests_finish() {
+    let b = Balancer::start(&[]).await;
+    let sim1 = Sim::start(&["--slots", "1"]);
+    let sim2 = Sim::start(&["--slots", "1"]);
+    let mut a1 = agent(&sim1, &b, "100ms");
+    let _a2 = agent(&sim2, &b, "100ms");
+    b.wait_eligible(2).await;
+
+    // One long request on each server.
+    let long = |tag: &'static str| {
+        let c = client();
+        let url = b.url("/v1/chat/completions");
+        tokio::spawn(async move {
+            c.post(url)
+                .header("x-sim-ttft-ms", "700")
+                .header("x-sim-tag", tag)
+                .json(&chat_body())
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        })
+    };
+    let r1 = long("a");
+    let r2 = long("b");
+    b.wait_in_flight(2, Duration::from_secs(3)).await;
+    a1.child.kill().unwrap(); // no deregistration: the reports just stop
+    let lost = Instant::now();
+    b.wait_eligible(1).await;
+    let noticed = lost.elapsed();
+    assert!(
+        noticed < Duration::from_millis(1000),
+        "stale after {noticed:?} (3 × 100 ms interval)"
+    );
+    assert_eq!(
+        r1.await.unwrap(),
+        200,
+        "in-flight requests to a lost agent finish"
+    );
+    assert_eq!(r2.await.unwrap(), 200);
+
+    let before = sim1.stats().await["requests_total"].as_u64().unwrap();
+    for _ in 0..4 {
+        assert_eq!(chat(&b, &[]).await.status(), 200);
+    }
+    assert_eq!(
+        sim1.stats().await["requests_total"].as_u64().unwrap(),
+        before,
+        "no new work for the lost server"
+    );
+    wait_for(
+        "the lost agent to be dropped",
+        Duration::from_secs(3),
+        || async { (b.agents().await["endpoints"].as_array().unwrap().len() == 1).then_some(()) },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_deregistered_agent_is_gone_at_once() {
+    let (b, _sim, a) = fleet("1").await;
+    a.signal("TERM");
+    wait_for(
+        "the agent to deregister",
+        Duration::from_secs(3),
+        || async {
+            b.agents().await["endpoints"]
+                .as_array()
+                .unwrap()
+                .is_empty()
+                .then_some(())
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn metrics_are_valid_prometheus_text() {
+    let (b, _sim, _a) = fleet("2").await;
+    assert_eq!(chat(&b, &[]).await.status(), 200);
+    let _ = client().get(b.url("/v1/nope")).send().await.unwrap();
+    let resp = client().get(b.mgmt("/metrics")).send().await.unwrap();
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/plain"));
+    let text = resp.text().await.unwrap();
+    let scrape = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).unwrap();
+    fn find<'a>(
+        scrape: &'a prometheus_parse::Scrape,
+        name: &'a str,
+    ) -> impl Iterator<Item = &'a prometheus_parse::Sample> {
+        scrape.samples.iter().filter(move |s| s.metric == name)
+    }
+    let served = find(&scrape, "flowgate_requests_total")
+        .find(|s| s.labels.get("code") == Some("200"))
+        .expect("a 200 outcome");
+    assert!(matches!(served.value, prometheus_parse::Value::Counter(v) if v >= 1.0));
+    for name in [
+        "flowgate_buffered_requests",
+        "flowgate_in_flight_requests",
+        "flowgate_endpoint_in_flight_requests",
+        "flowgate_endpoint_slots",
+        "flowgate_agents",
+    ] {
+        assert!(find(&scrape, name).next().is_some(), "{name} is exported");
+    }
+    let idle = find(&scrape, "flowgate_endpoint_slots")
+        .find(|s| s.labels.get("state") == Some("idle"))
+        .unwrap();
+    assert!(matches!(idle.value, prometheus_parse::Value::Gauge(v) if v == 2.0));
+    assert!(text.contains("flowgate_buffer_wait_seconds_bucket"));
+    assert!(text.contains("# TYPE flowgate_buffer_wait_seconds histogram"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_lets_in_flight_requests_finish_then_exits() {
+    let (mut b, _sim, _a) = fleet("1").await;
+    let c = client();
+    let url = b.url("/v1/chat/completions");
+    let running = tokio::spawn(async move {
+        c.post(url)
+            .header("x-sim-ttft-ms", "800")
+            .json(&chat_body())
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
+    });
+    b.wait_in_flight(1, Duration::from_secs(3)).await;
+    b.proc.signal("TERM");
+    let sent = Instant::now();
+    assert_eq!(
+        running.await.unwrap(),
+        200,
+        "the in-flight request finished"
+    );
+    let status = tokio::task::block_in_place(|| b.proc.wait_exit(Duration::from_secs(4)))
+        .expect("exits well before the 5 s grace period once drained");
+    assert!(status.success(), "{status:?}");
+    assert!(sent.elapsed() < Duration::from_secs(4));
+}

@@ -1,0 +1,297 @@
+//! Against the real llama.cpp `llama-server` with the tiny SmolLM2 model
+//! (built and fetched by scripts/setup; scripts/test exports their paths in
+//! FLOWGATE_LLAMA_SERVER and FLOWGATE_MODEL).
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+
+fn required_path(var: &str) -> PathBuf {
+    let p = std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| {
+        panic!("{var} is not set: run the tests with scripts/test, which builds llama-server and fetches the model")
+    });
+    assert!(
+        p.exists(),
+        "{var}={} does not exist: run scripts/setup",
+        p.display()
+    );
+    p
+}
+
+struct Llama {
+    proc: Proc,
+    addr: String,
+}
+
+impl Llama {
+    /// Starts llama-server with `slots` parallel slots, one thread.
+    async fn start(slots: u32) -> Llama {
+        let port = free_port();
+        let args: Vec<String> = [
+            "-m",
+            required_path("FLOWGATE_MODEL").to_str().unwrap(),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+            "--metrics",
+            "-np",
+            &slots.to_string(),
+            "-c",
+            &(1024 * slots).to_string(),
+            "-t",
+            "1",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let child = std::process::Command::new(required_path("FLOWGATE_LLAMA_SERVER"))
+            .args(&args)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn llama-server");
+        let l = Llama {
+            proc: Proc {
+                child,
+                name: "llama-server",
+            },
+            addr: format!("127.0.0.1:{port}"),
+        };
+        let c = client();
+        let url = format!("http://{}/health", l.addr);
+        wait_for(
+            "llama-server to load the model",
+            Duration::from_secs(60),
+            || {
+                let c = c.clone();
+                let url = url.clone();
+                async move {
+                    c.get(url)
+                        .send()
+                        .await
+                        .ok()?
+                        .status()
+                        .is_success()
+                        .then_some(())
+                }
+            },
+        )
+        .await;
+        l
+    }
+}
+
+/// `llamacpp:requests_deferred` of the llama-server at `addr`.
+async fn deferred(c: &reqwest::Client, addr: &str) -> Option<u64> {
+    {
+        let text = c
+            .get(format!("http://{addr}/metrics"))
+            .send()
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        text.lines()
+            .find_map(|l| l.strip_prefix("llamacpp:requests_deferred "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .map(|v| v as u64)
+    }
+}
+
+fn agent_for(l: &Llama, b: &Balancer) -> Proc {
+    Proc::spawn(
+        "agent",
+        &[
+            "--backend-addr".into(),
+            l.addr.clone(),
+            "--management-addr".into(),
+            b.management.to_string(),
+            "--monitoring-interval".into(),
+            "100ms".into(),
+        ],
+    )
+}
+
+fn chat_req(content: &str, max_tokens: u32, stream: bool) -> Value {
+    json!({
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": stream,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_llama_server_end_to_end() {
+    let b = Balancer::start(&[]).await;
+    let l1 = Llama::start(2).await;
+    let l2 = Llama::start(2).await;
+    let _a1 = agent_for(&l1, &b);
+    let _a2 = agent_for(&l2, &b);
+    b.wait_eligible(2).await;
+    let c = client();
+
+    // The agent reports the real slot count and model.
+    let agents = b.agents().await;
+    for e in agents["endpoints"].as_array().unwrap() {
+        assert_eq!(e["agent"]["slots_total"], 2, "{e}");
+        assert_eq!(e["agent"]["health"], "ready");
+    }
+    let models: Value = c
+        .get(b.url("/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let model = models["data"][0]["id"].as_str().unwrap().to_string();
+    assert!(model.contains("SmolLM2"), "{models}");
+
+    // Chat.
+    let r: Value = c
+        .post(b.url("/v1/chat/completions"))
+        .json(&chat_req("Name a colour.", 16, false))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let answer = r["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(!answer.trim().is_empty(), "{r}");
+    assert!(r["usage"]["completion_tokens"].as_u64().unwrap() > 0);
+
+    // Streamed chat: several SSE events, then [DONE].
+    let resp = c
+        .post(b.url("/v1/chat/completions"))
+        .json(&chat_req("Count to five.", 16, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut text = String::new();
+    let mut chunks = 0;
+    let mut s = resp.bytes_stream();
+    while let Some(chunk) = s.next().await {
+        chunks += 1;
+        text.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+    }
+    assert!(text.matches("data: {").count() >= 3, "{text}");
+    assert!(chunks >= 2, "the stream arrived in one piece: not streamed");
+    assert!(text.trim_end().ends_with("data: [DONE]"));
+
+    // Completions.
+    let r: Value = c
+        .post(b.url("/v1/completions"))
+        .json(&json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(r["choices"][0]["text"].is_string(), "{r}");
+
+    // More concurrent requests than slots: the extra ones wait in the
+    // balancer, never inside llama-server.
+    let max_deferred = Arc::new(AtomicU64::new(0));
+    let max_buffered = Arc::new(AtomicU64::new(0));
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = {
+        let (max_deferred, max_buffered, done) = (
+            Arc::clone(&max_deferred),
+            Arc::clone(&max_buffered),
+            Arc::clone(&done),
+        );
+        let addrs = [l1.addr.clone(), l2.addr.clone()];
+        let mgmt = b.mgmt("/api/v1/agents");
+        tokio::spawn(async move {
+            let c = client();
+            while !done.load(Ordering::SeqCst) {
+                for addr in &addrs {
+                    if let Some(d) = deferred(&c, addr).await {
+                        max_deferred.fetch_max(d, Ordering::SeqCst);
+                    }
+                }
+                if let Ok(r) = c.get(&mgmt).send().await {
+                    if let Ok(v) = r.json::<Value>().await {
+                        let n = v["buffered_requests"].as_u64().unwrap_or(0);
+                        max_buffered.fetch_max(n, Ordering::SeqCst);
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+    };
+    let tasks: Vec<_> = (0..10)
+        .map(|i| {
+            let c = c.clone();
+            let url = b.url("/v1/chat/completions");
+            tokio::spawn(async move {
+                let body = chat_req(&format!("Tell me about the number {i}."), 24, false);
+                c.post(url)
+                    .json(&body)
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+                    .as_u16()
+            })
+        })
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    done.store(true, Ordering::SeqCst);
+    watcher.await.unwrap();
+    assert_eq!(
+        max_deferred.load(Ordering::SeqCst),
+        0,
+        "llama-server queued requests itself"
+    );
+    assert!(
+        max_buffered.load(Ordering::SeqCst) > 0,
+        "the extra requests waited in the balancer"
+    );
+    b.wait_in_flight(0, Duration::from_secs(5)).await;
+
+    // Kill one server mid-run: the balancer stops routing to it within the
+    // staleness window and the other server serves the rest.
+    let mut l1 = l1;
+    l1.proc.child.kill().unwrap();
+    let killed = Instant::now();
+    b.wait_eligible(1).await;
+    assert!(
+        killed.elapsed() < Duration::from_millis(1500),
+        "noticed after {:?}",
+        killed.elapsed()
+    );
+    for i in 0..4 {
+        let r = c
+            .post(b.url("/v1/chat/completions"))
+            .json(&chat_req(&format!("Say {i}."), 8, false))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    let agents = b.agents().await;
+    let survivor = agents["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["eligible"] == true)
+        .unwrap();
+    assert_eq!(survivor["addr"].as_str().unwrap(), l2.addr);
+}

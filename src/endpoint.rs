@@ -16,7 +16,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde::Serialize;
 
@@ -314,14 +314,10 @@ impl Registry {
     }
 }
 
-/// How long after `at` an agent with `interval` turns stale.
-pub fn stale_after(interval: Duration) -> Duration {
-    interval * STALE_AFTER_INTERVALS
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
     use crate::protocol::tests::report;
 
     fn addr(s: &str) -> SocketAddr {

@@ -317,8 +317,8 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
     use crate::protocol::tests::report;
+    use std::time::Duration;
 
     fn addr(s: &str) -> SocketAddr {
         s.parse().unwrap()

@@ -1,8 +1,9 @@
-//! Command-line flags, the optional TOML config file, and their merge.
+//! Command-line flags, the optional YAML config file, and their merge.
 //!
 //! Precedence: a flag given on the command line beats the config file, which
 //! beats the built-in default. Every setting has the same name in both
-//! places (`--max-buffered-requests` ⇔ `max_buffered_requests`).
+//! places, kebab-case as a flag and camelCase in YAML
+//! (`--max-buffered-requests` ⇔ `maxBufferedRequests`).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -31,8 +32,8 @@ pub enum LogFormat {
 #[derive(Debug, Parser)]
 #[command(name = "balancer", version, about, long_about = None)]
 pub struct Cli {
-    /// TOML file with any of the settings below (snake_case keys); flags
-    /// given on the command line override it.
+    /// YAML file with any of the settings below (camelCase keys, e.g.
+    /// `maxBufferedRequests: 30`); flags given on the command line override it
     #[arg(long, value_name = "FILE", env = "FLOWGATE_CONFIG")]
     pub config: Option<PathBuf>,
 
@@ -86,7 +87,7 @@ pub struct Cli {
 
 /// The config file: the same settings as the flags.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
 pub struct FileConfig {
     pub inference_addr: Option<SocketAddr>,
     pub management_addr: Option<SocketAddr>,
@@ -125,19 +126,26 @@ pub enum SettingsError {
     #[error("invalid config file {path}: {source}")]
     Parse {
         path: PathBuf,
-        source: Box<toml::de::Error>,
+        source: Box<serde_saphyr::Error>,
     },
     #[error("{0}")]
     Invalid(String),
 }
 
 impl FileConfig {
+    pub fn parse(text: &str) -> Result<Self, serde_saphyr::Error> {
+        if text.trim().is_empty() {
+            return Ok(FileConfig::default());
+        }
+        serde_saphyr::from_str(text)
+    }
+
     pub fn load(path: &Path) -> Result<Self, SettingsError> {
         let text = std::fs::read_to_string(path).map_err(|source| SettingsError::Read {
             path: path.to_owned(),
             source,
         })?;
-        toml::from_str(&text).map_err(|source| SettingsError::Parse {
+        Self::parse(&text).map_err(|source| SettingsError::Parse {
             path: path.to_owned(),
             source: Box::new(source),
         })
@@ -246,8 +254,8 @@ mod tests {
 
     #[test]
     fn flags_override_the_file_which_overrides_defaults() {
-        let file: FileConfig =
-            toml::from_str("max_buffered_requests = 5\nbuffered_request_timeout = 250\n").unwrap();
+        let file =
+            FileConfig::parse("maxBufferedRequests: 5\nbufferedRequestTimeout: 250\n").unwrap();
         let s = Settings::merge(cli(&["--max-buffered-requests", "7"]), file).unwrap();
         assert_eq!(s.max_buffered_requests, 7);
         assert_eq!(s.buffered_request_timeout, Duration::from_millis(250));
@@ -255,8 +263,11 @@ mod tests {
 
     #[test]
     fn unknown_keys_and_bad_values_are_clear_errors() {
-        let err = toml::from_str::<FileConfig>("max_bufered_requests = 5").unwrap_err();
+        let err = FileConfig::parse("maxBuferedRequests: 5").unwrap_err();
         assert!(err.to_string().contains("unknown field"), "{err}");
+        let err = FileConfig::parse("maxBufferedRequests: many").unwrap_err();
+        assert!(err.to_string().contains("line 1"), "{err}");
+        assert!(FileConfig::parse("").is_ok());
         let err = Settings::merge(
             cli(&[
                 "--inference-addr",

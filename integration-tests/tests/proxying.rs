@@ -217,6 +217,51 @@ async fn backend_errors_pass_through_and_unreachable_backends_get_502() {
 }
 
 #[tokio::test]
+async fn a_backend_that_drops_mid_stream_frees_the_slot_and_cuts_the_stream() {
+    let (b, sim, _a) = fleet("1").await;
+    let resp = chat_with(
+        &client(),
+        &b,
+        &[
+            ("x-sim-fault", "drop-mid-stream"),
+            ("x-sim-output-tokens", "10"),
+        ],
+        json!({"stream": true, "messages": []}),
+    )
+    .await;
+    assert_eq!(resp.status(), 200, "headers were already sent");
+    let mut stream = resp.bytes_stream();
+    let mut text = String::new();
+    let mut broken = false;
+    while let Some(chunk) = stream.next().await {
+        match chunk {
+            Ok(c) => text.push_str(&String::from_utf8_lossy(&c)),
+            Err(_) => {
+                broken = true;
+                break;
+            }
+        }
+    }
+    assert!(
+        broken,
+        "the client must see an error, not a clean end: {text}"
+    );
+    assert!(!text.contains("[DONE]"));
+    b.wait_in_flight(0, Duration::from_secs(2)).await;
+    wait_for(
+        "the backend slot to be free",
+        Duration::from_secs(2),
+        || async { (sim.stats().await["processing"] == 0).then_some(()) },
+    )
+    .await;
+    assert_eq!(
+        chat(&b, &[]).await.status(),
+        200,
+        "the slot is usable again"
+    );
+}
+
+#[tokio::test]
 async fn a_lost_agent_gets_no_new_work_and_its_requests_finish() {
     let b = Balancer::start(&[]).await;
     let sim1 = Sim::start(&["--slots", "1"]);

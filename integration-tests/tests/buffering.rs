@@ -14,51 +14,17 @@ async fn hold_slot(
     ttft_ms: &'static str,
     tag: &'static str,
 ) -> tokio::task::JoinHandle<u16> {
-    let c = client();
-    let url = b.url("/v1/chat/completions");
-    let h = tokio::spawn(async move {
-        c.post(url)
-            .header("x-sim-ttft-ms", ttft_ms)
-            .header("x-sim-tag", tag)
-            .json(&chat_body())
-            .send()
-            .await
-            .unwrap()
-            .status()
-            .as_u16()
-    });
-    wait_for(
-        "the slot holder to be in flight",
-        Duration::from_secs(5),
-        || async { (b.in_flight().await == 1).then_some(()) },
-    )
-    .await;
+    let h = spawn_chat(b, &[("x-sim-ttft-ms", ttft_ms), ("x-sim-tag", tag)]);
+    b.wait_in_flight(1, Duration::from_secs(5)).await;
     h
 }
 
 #[tokio::test]
 async fn full_buffer_answers_503_with_retry_after() {
-    let b = Balancer::start(&["--max-buffered-requests", "2"]).await;
-    let sim = Sim::start(&["--slots", "1"]);
-    let _agent = agent(&sim, &b, "100ms");
-    b.wait_eligible(1).await;
+    let (b, sim, _agent) = fleet(&["--max-buffered-requests", "2"], &["--slots", "1"]).await;
 
     let holder = hold_slot(&b, "1500", "holder").await;
-    let waiters: Vec<_> = (0..2)
-        .map(|_| {
-            let c = client();
-            let url = b.url("/v1/chat/completions");
-            tokio::spawn(async move {
-                c.post(url)
-                    .json(&chat_body())
-                    .send()
-                    .await
-                    .unwrap()
-                    .status()
-                    .as_u16()
-            })
-        })
-        .collect();
+    let waiters: Vec<_> = (0..2).map(|_| spawn_chat(&b, &[])).collect();
     b.wait_buffered(2).await;
 
     let start = Instant::now();
@@ -80,6 +46,7 @@ async fn full_buffer_answers_503_with_retry_after() {
         assert_eq!(w.await.unwrap(), 200, "buffered requests are served");
     }
     b.wait_in_flight(0, Duration::from_secs(5)).await;
+    assert_eq!(sim.stats().await["max_deferred"], 0, "they waited in the balancer");
 }
 
 #[tokio::test]
@@ -102,10 +69,11 @@ async fn buffering_disabled_refuses_at_once() {
 #[tokio::test]
 async fn waiting_past_the_timeout_answers_504() {
     let timeout_ms = 400u64;
-    let b = Balancer::start(&["--buffered-request-timeout", &timeout_ms.to_string()]).await;
-    let sim = Sim::start(&["--slots", "1"]);
-    let _agent = agent(&sim, &b, "100ms");
-    b.wait_eligible(1).await;
+    let (b, sim, _agent) = fleet(
+        &["--buffered-request-timeout", &timeout_ms.to_string()],
+        &["--slots", "1"],
+    )
+    .await;
 
     let holder = hold_slot(&b, "2000", "holder").await;
     let start = Instant::now();
@@ -130,27 +98,12 @@ async fn waiting_past_the_timeout_answers_504() {
 
 #[tokio::test]
 async fn waiters_are_served_in_arrival_order_one_per_freed_slot() {
-    let b = Balancer::start(&[]).await;
-    let sim = Sim::start(&["--slots", "1", "--ttft-ms", "30", "--tpot-ms", "1"]);
-    let _agent = agent(&sim, &b, "100ms");
-    b.wait_eligible(1).await;
+    let (b, sim, _agent) = fleet(&[], &["--slots", "1", "--ttft-ms", "30", "--tpot-ms", "1"]).await;
 
     let holder = hold_slot(&b, "500", "holder").await;
     let mut waiters = Vec::new();
     for i in 0..6u64 {
-        let c = client();
-        let url = b.url("/v1/chat/completions");
-        let tag = format!("w{i}");
-        waiters.push(tokio::spawn(async move {
-            c.post(url)
-                .header("x-sim-tag", tag)
-                .json(&chat_body())
-                .send()
-                .await
-                .unwrap()
-                .status()
-                .as_u16()
-        }));
+        waiters.push(spawn_chat(&b, &[("x-sim-tag", &format!("w{i}"))]));
         // Fix the arrival order before sending the next one.
         b.wait_buffered(i + 1).await;
     }
@@ -175,10 +128,7 @@ async fn waiters_are_served_in_arrival_order_one_per_freed_slot() {
 
 #[tokio::test]
 async fn a_client_that_leaves_the_buffer_takes_nothing() {
-    let b = Balancer::start(&[]).await;
-    let sim = Sim::start(&["--slots", "1"]);
-    let _agent = agent(&sim, &b, "100ms");
-    b.wait_eligible(1).await;
+    let (b, sim, _agent) = fleet(&[], &["--slots", "1"]).await;
 
     let holder = hold_slot(&b, "1500", "holder").await;
     let body = serde_json::to_vec(&chat_body()).unwrap();
@@ -209,10 +159,7 @@ async fn a_client_that_leaves_the_buffer_takes_nothing() {
 
 #[tokio::test]
 async fn a_client_that_leaves_mid_stream_frees_its_slot() {
-    let b = Balancer::start(&[]).await;
-    let sim = Sim::start(&["--slots", "1"]);
-    let _agent = agent(&sim, &b, "100ms");
-    b.wait_eligible(1).await;
+    let (b, sim, _agent) = fleet(&[], &["--slots", "1"]).await;
 
     let body = serde_json::json!({"stream": true, "messages": []}).to_string();
     let mut raw = tokio::net::TcpStream::connect(b.inference).await.unwrap();
@@ -246,21 +193,7 @@ async fn a_client_that_leaves_mid_stream_frees_its_slot() {
 #[tokio::test]
 async fn requests_sent_before_any_agent_are_served_once_one_registers() {
     let b = Balancer::start(&[]).await;
-    let tasks: Vec<_> = (0..3)
-        .map(|_| {
-            let c = client();
-            let url = b.url("/v1/chat/completions");
-            tokio::spawn(async move {
-                c.post(url)
-                    .json(&chat_body())
-                    .send()
-                    .await
-                    .unwrap()
-                    .status()
-                    .as_u16()
-            })
-        })
-        .collect();
+    let tasks: Vec<_> = (0..3).map(|_| spawn_chat(&b, &[])).collect();
     b.wait_buffered(3).await;
     let sim = Sim::start(&["--slots", "2"]);
     let _agent = agent(&sim, &b, "100ms");

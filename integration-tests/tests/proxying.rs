@@ -10,17 +10,13 @@ use futures_util::StreamExt;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-async fn fleet(slots: &str) -> (Balancer, Sim, Proc) {
-    let b = Balancer::start(&["--max-request-bytes", "8388608"]).await;
-    let sim = Sim::start(&["--slots", slots]);
-    let a = agent(&sim, &b, "100ms");
-    b.wait_eligible(1).await;
-    (b, sim, a)
+async fn fleet_with(slots: &str) -> (Balancer, Sim, Proc) {
+    fleet(&["--max-request-bytes", "8388608"], &["--slots", slots]).await
 }
 
 #[tokio::test]
 async fn openai_routes_are_proxied_and_models_come_from_agents() {
-    let (b, _sim, _a) = fleet("2").await;
+    let (b, _sim, _a) = fleet_with("2").await;
     let c = client();
     let v: Value = chat(&b, &[]).await.json().await.unwrap();
     assert_eq!(v["object"], "chat.completion");
@@ -53,7 +49,7 @@ async fn openai_routes_are_proxied_and_models_come_from_agents() {
 
 #[tokio::test]
 async fn bad_requests_get_openai_errors() {
-    let (b, sim, _a) = fleet("2").await;
+    let (b, sim, _a) = fleet_with("2").await;
     let c = client();
     let r = c
         .post(b.url("/v1/chat/completions"))
@@ -91,7 +87,7 @@ async fn bad_requests_get_openai_errors() {
 
 #[tokio::test]
 async fn multi_mib_bodies_reach_the_backend_intact_and_oversized_get_413() {
-    let (b, _sim, _a) = fleet("2").await;
+    let (b, _sim, _a) = fleet_with("2").await;
     let c = client();
     // 5 MiB of varied text, so a lost or reordered chunk changes the hash.
     let prompt: String = (0..5 * 1024 * 1024 / 16)
@@ -150,7 +146,7 @@ async fn multi_mib_bodies_reach_the_backend_intact_and_oversized_get_413() {
 
 #[tokio::test]
 async fn streams_pass_through_chunk_by_chunk() {
-    let (b, _sim, _a) = fleet("2").await;
+    let (b, _sim, _a) = fleet_with("2").await;
     let start = Instant::now();
     let resp = client()
         .post(b.url("/v1/chat/completions"))
@@ -183,7 +179,7 @@ async fn streams_pass_through_chunk_by_chunk() {
 
 #[tokio::test]
 async fn backend_errors_pass_through_and_unreachable_backends_get_502() {
-    let (b, _sim, _a) = fleet("2").await;
+    let (b, _sim, _a) = fleet_with("2").await;
     let r = chat(&b, &[("x-sim-fault", "status=500")]).await;
     assert_eq!(
         r.status(),
@@ -218,7 +214,7 @@ async fn backend_errors_pass_through_and_unreachable_backends_get_502() {
 
 #[tokio::test]
 async fn a_backend_that_drops_mid_stream_frees_the_slot_and_cuts_the_stream() {
-    let (b, sim, _a) = fleet("1").await;
+    let (b, sim, _a) = fleet_with("1").await;
     let resp = chat_with(
         &client(),
         &b,
@@ -271,21 +267,7 @@ async fn a_lost_agent_gets_no_new_work_and_its_requests_finish() {
     b.wait_eligible(2).await;
 
     // One long request on each server.
-    let long = |tag: &'static str| {
-        let c = client();
-        let url = b.url("/v1/chat/completions");
-        tokio::spawn(async move {
-            c.post(url)
-                .header("x-sim-ttft-ms", "700")
-                .header("x-sim-tag", tag)
-                .json(&chat_body())
-                .send()
-                .await
-                .unwrap()
-                .status()
-                .as_u16()
-        })
-    };
+    let long = |tag| spawn_chat(&b, &[("x-sim-ttft-ms", "700"), ("x-sim-tag", tag)]);
     let r1 = long("a");
     let r2 = long("b");
     b.wait_in_flight(2, Duration::from_secs(3)).await;
@@ -323,7 +305,7 @@ async fn a_lost_agent_gets_no_new_work_and_its_requests_finish() {
 
 #[tokio::test]
 async fn a_deregistered_agent_is_gone_at_once() {
-    let (b, _sim, a) = fleet("1").await;
+    let (b, _sim, a) = fleet_with("1").await;
     a.signal("TERM");
     wait_for(
         "the agent to deregister",
@@ -341,7 +323,7 @@ async fn a_deregistered_agent_is_gone_at_once() {
 
 #[tokio::test]
 async fn metrics_are_valid_prometheus_text() {
-    let (b, _sim, _a) = fleet("2").await;
+    let (b, _sim, _a) = fleet_with("2").await;
     assert_eq!(chat(&b, &[]).await.status(), 200);
     let _ = client().get(b.url("/v1/nope")).send().await.unwrap();
     let resp = client().get(b.mgmt("/metrics")).send().await.unwrap();
@@ -380,19 +362,8 @@ async fn metrics_are_valid_prometheus_text() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn sigterm_lets_in_flight_requests_finish_then_exits() {
-    let (mut b, _sim, _a) = fleet("1").await;
-    let c = client();
-    let url = b.url("/v1/chat/completions");
-    let running = tokio::spawn(async move {
-        c.post(url)
-            .header("x-sim-ttft-ms", "800")
-            .json(&chat_body())
-            .send()
-            .await
-            .unwrap()
-            .status()
-            .as_u16()
-    });
+    let (mut b, _sim, _a) = fleet_with("1").await;
+    let running = spawn_chat(&b, &[("x-sim-ttft-ms", "800")]);
     b.wait_in_flight(1, Duration::from_secs(3)).await;
     b.proc.signal("TERM");
     let sent = Instant::now();

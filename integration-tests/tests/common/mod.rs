@@ -153,6 +153,14 @@ impl Sim {
         Sim { proc, addr }
     }
 
+    /// Waits until the simulator is generating nothing.
+    pub async fn wait_idle(&self, within: Duration) {
+        wait_for("the backend to be idle", within, || async {
+            (self.stats().await["processing"] == 0).then_some(())
+        })
+        .await;
+    }
+
     pub async fn stats(&self) -> Value {
         client()
             .get(format!("http://{}/sim/stats", self.addr))
@@ -288,6 +296,36 @@ pub fn agent(sim: &Sim, balancer: &Balancer, interval: &str) -> Proc {
             interval.into(),
         ],
     )
+}
+
+/// A balancer and one simulator with an agent (100 ms interval), ready.
+pub async fn fleet(balancer_args: &[&str], sim_args: &[&str]) -> (Balancer, Sim, Proc) {
+    let b = Balancer::start(balancer_args).await;
+    let sim = Sim::start(sim_args);
+    let a = agent(&sim, &b, "100ms");
+    b.wait_eligible(1).await;
+    (b, sim, a)
+}
+
+/// Sends a chat completion in the background; resolves to its status.
+pub fn spawn_chat(b: &Balancer, headers: &[(&str, &str)]) -> tokio::task::JoinHandle<u16> {
+    let c = client();
+    let url = b.url("/v1/chat/completions");
+    let headers: Vec<(String, String)> = headers
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    tokio::spawn(async move {
+        let mut req = c.post(url).json(&chat_body());
+        for (k, v) in headers {
+            req = req.header(k, v);
+        }
+        req.send()
+            .await
+            .expect("request reaches the balancer")
+            .status()
+            .as_u16()
+    })
 }
 
 pub fn chat_body() -> Value {

@@ -46,7 +46,11 @@ async fn full_buffer_answers_503_with_retry_after() {
         assert_eq!(w.await.unwrap(), 200, "buffered requests are served");
     }
     b.wait_in_flight(0, Duration::from_secs(5)).await;
-    assert_eq!(sim.stats().await["max_deferred"], 0, "they waited in the balancer");
+    assert_eq!(
+        sim.stats().await["max_deferred"],
+        0,
+        "they waited in the balancer"
+    );
 }
 
 #[tokio::test]

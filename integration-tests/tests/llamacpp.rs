@@ -147,27 +147,16 @@ async fn real_llama_server_end_to_end() {
         assert_eq!(e["agent"]["slots_total"], 2, "{e}");
         assert_eq!(e["agent"]["health"], "ready");
     }
-    let models: Value = c
-        .get(b.url("/v1/models"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models = get_json(&b.url("/v1/models")).await;
     let model = models["data"][0]["id"].as_str().unwrap().to_string();
     assert!(model.contains("SmolLM2"), "{models}");
 
     // Chat.
-    let r: Value = c
-        .post(b.url("/v1/chat/completions"))
-        .json(&chat_req("Name a colour.", 16, false))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let r = post_json(
+        &b.url("/v1/chat/completions"),
+        &chat_req("Name a colour.", 16, false),
+    )
+    .await;
     let answer = r["choices"][0]["message"]["content"].as_str().unwrap();
     assert!(!answer.trim().is_empty(), "{r}");
     assert!(r["usage"]["completion_tokens"].as_u64().unwrap() > 0);
@@ -192,15 +181,11 @@ async fn real_llama_server_end_to_end() {
     assert!(text.trim_end().ends_with("data: [DONE]"));
 
     // Completions.
-    let r: Value = c
-        .post(b.url("/v1/completions"))
-        .json(&json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let r = post_json(
+        &b.url("/v1/completions"),
+        &json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}),
+    )
+    .await;
     assert!(r["choices"][0]["text"].is_string(), "{r}");
 
     // More concurrent requests than slots: the extra ones wait in the

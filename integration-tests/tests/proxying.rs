@@ -28,14 +28,7 @@ async fn openai_routes_are_proxied_and_models_come_from_agents() {
         let r = c.post(b.url(path)).json(&body).send().await.unwrap();
         assert_eq!(r.status(), 200, "{path}");
     }
-    let models: Value = c
-        .get(b.url("/v1/models"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let models = get_json(&b.url("/v1/models")).await;
     assert_eq!(models["data"][0]["id"], "sim-model");
     assert_eq!(models["object"], "list");
 

@@ -122,6 +122,27 @@ where
     }
 }
 
+/// GETs `url` and parses the JSON answer.
+pub async fn get_json(url: &str) -> Value {
+    let resp = client()
+        .get(url)
+        .send()
+        .await
+        .expect("GET reaches the server");
+    resp.json().await.expect("JSON answer")
+}
+
+/// POSTs `body` as JSON to `url` and parses the JSON answer.
+pub async fn post_json(url: &str, body: &Value) -> Value {
+    let resp = client()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .expect("POST reaches the server");
+    resp.json().await.expect("JSON answer")
+}
+
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .timeout(Duration::from_secs(60))
@@ -162,14 +183,7 @@ impl Sim {
     }
 
     pub async fn stats(&self) -> Value {
-        client()
-            .get(format!("http://{}/sim/stats", self.addr))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
+        get_json(&format!("http://{}/sim/stats", self.addr)).await
     }
 }
 
@@ -229,14 +243,7 @@ impl Balancer {
     }
 
     pub async fn agents(&self) -> Value {
-        client()
-            .get(self.mgmt("/api/v1/agents"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
+        get_json(&self.mgmt("/api/v1/agents")).await
     }
 
     pub async fn buffered(&self) -> u64 {

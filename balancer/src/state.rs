@@ -5,6 +5,10 @@
 //! *while the lock is held*. So once a waiter, holding the lock, finds that
 //! it is no longer in the buffer, its grant (or the closed channel that means
 //! "expired") is already in its channel.
+//!
+//! A grant travels as a [`LeaseGuard`], so a grant that nobody reads (its
+//! waiter was dropped) still gives its slot back, and a waiter dropped while
+//! queued leaves the buffer at once ([`QueuedTicket`]).
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -17,7 +21,7 @@ use tokio::sync::oneshot;
 
 use crate::metrics::Metrics;
 
-type Waker = oneshot::Sender<Lease>;
+type Waker = oneshot::Sender<LeaseGuard>;
 
 pub struct Shared {
     dispatcher: Mutex<Dispatcher<Waker>>,
@@ -80,16 +84,16 @@ impl Shared {
     }
 
     /// Runs `f` on the dispatcher, then hands free slots to waiters.
-    fn with_dispatch<R>(&self, f: impl FnOnce(&mut Dispatcher<Waker>) -> R) -> R {
+    fn with_dispatch<R>(self: &Arc<Self>, f: impl FnOnce(&mut Dispatcher<Waker>) -> R) -> R {
         let mut d = self.lock();
         let r = f(&mut d);
-        Self::deliver(&mut d);
+        self.deliver(&mut d);
         r
     }
 
     /// Delivers grants under the lock; a lease whose waiter vanished (the
-    /// receiver was dropped without cancelling) goes back into the pool.
-    fn deliver(d: &mut Dispatcher<Waker>) {
+    /// receiver was dropped) goes straight back into the pool.
+    fn deliver(self: &Arc<Self>, d: &mut Dispatcher<Waker>) {
         loop {
             let now = Instant::now();
             let grants = d.dispatch(now);
@@ -97,14 +101,22 @@ impl Shared {
                 return;
             }
             for g in grants {
-                if let Err(lease) = g.waiter.send(g.lease) {
-                    d.release(lease);
+                let guard = LeaseGuard {
+                    shared: Arc::clone(self),
+                    lease: Some(g.lease),
+                };
+                if let Err(mut unsent) = g.waiter.send(guard) {
+                    // Release under the lock we hold (the guard's own Drop
+                    // would take it again).
+                    if let Some(lease) = unsent.lease.take() {
+                        d.release(lease);
+                    }
                 }
             }
         }
     }
 
-    fn release(&self, lease: Lease) {
+    fn release(self: &Arc<Self>, lease: Lease) {
         self.with_dispatch(|d| d.release(lease));
     }
 
@@ -118,16 +130,23 @@ impl Shared {
         let (tx, mut rx) = oneshot::channel();
         let start = Instant::now();
         let admission = self.lock().submit(tx, start);
-        let guard = |lease| LeaseGuard {
-            shared: Arc::clone(self),
-            lease: Some(lease),
-        };
         let (ticket, deadline) = match admission {
-            Admission::Ready(lease) => return Ok((guard(lease), Duration::ZERO)),
+            Admission::Ready(lease) => {
+                let guard = LeaseGuard {
+                    shared: Arc::clone(self),
+                    lease: Some(lease),
+                };
+                return Ok((guard, Duration::ZERO));
+            }
             Admission::Rejected(r) => return Err(AdmitError::Rejected(r)),
             Admission::Queued { ticket, deadline } => (ticket, deadline),
         };
         self.metrics.buffered_total.inc();
+        // Leaves the buffer however this future ends, dropped included.
+        let _queued = QueuedTicket {
+            shared: self,
+            ticket,
+        };
         tokio::pin!(client_gone);
         let outcome = tokio::select! {
             granted = &mut rx => granted.map_err(|_| AdmitError::Rejected(Reject::Timeout)),
@@ -140,29 +159,23 @@ impl Shared {
                     rx.try_recv().map_err(|_| AdmitError::Rejected(Reject::Timeout))
                 }
             }
-            () = &mut client_gone => {
-                let cancelled = self.lock().cancel(ticket);
-                if !cancelled {
-                    if let Ok(lease) = rx.try_recv() {
-                        self.release(lease);
-                    }
-                }
-                Err(AdmitError::ClientGone)
-            }
+            // A grant that raced with the disconnect is dropped with `rx`,
+            // which releases its slot.
+            () = &mut client_gone => Err(AdmitError::ClientGone),
         };
         let waited = start.elapsed();
         self.metrics.buffer_wait.observe(waited.as_secs_f64());
-        outcome.map(|lease| (guard(lease), waited))
+        outcome.map(|lease| (lease, waited))
     }
 
     pub fn report(
-        &self,
+        self: &Arc<Self>,
         report: AgentReport,
     ) -> Result<ReportOutcome, flowgate::protocol::ReportError> {
         self.with_dispatch(|d| d.report(report, Instant::now()))
     }
 
-    pub fn deregister(&self, agent_id: &str) -> bool {
+    pub fn deregister(self: &Arc<Self>, agent_id: &str) -> bool {
         self.with_dispatch(|d| d.deregister(agent_id))
     }
 
@@ -193,9 +206,101 @@ impl Shared {
     }
 }
 
+/// Removes a queued request from the buffer when its waiter ends, however
+/// it ends (a no-op once it was granted or expired).
+struct QueuedTicket<'a> {
+    shared: &'a Shared,
+    ticket: flowgate::Ticket,
+}
+
+impl Drop for QueuedTicket<'_> {
+    fn drop(&mut self) {
+        self.shared.lock().cancel(self.ticket);
+    }
+}
+
 pub struct Snapshot {
     pub buffered: usize,
     pub in_flight: u64,
     pub endpoints: Vec<flowgate::EndpointSnapshot>,
     pub config: BufferConfig,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flowgate::{BackendHealth, BackendKind, PROTOCOL_VERSION};
+
+    fn shared_with_one_slot() -> Arc<Shared> {
+        let shared = Shared::new(BufferConfig {
+            max_buffered: 4,
+            timeout: Duration::from_secs(10),
+        });
+        shared
+            .report(AgentReport {
+                protocol_version: PROTOCOL_VERSION,
+                agent_id: "a".into(),
+                name: "a".into(),
+                backend: BackendKind::Llamacpp,
+                external_addr: "127.0.0.1:1".into(),
+                models: vec![],
+                health: BackendHealth::Ready,
+                slots_total: 1,
+                slots_busy: 0,
+                requests_waiting: 0,
+                kv_cache_usage: None,
+                monitoring_interval_ms: 1000,
+                draining: false,
+                last_error: None,
+            })
+            .unwrap();
+        shared
+    }
+
+    /// Polls `fut` briefly so it enqueues itself, leaving it pending.
+    async fn enqueue<F: Future>(fut: &mut std::pin::Pin<Box<F>>) {
+        assert!(
+            tokio::time::timeout(Duration::from_millis(20), fut.as_mut())
+                .await
+                .is_err()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_waiter_dropped_after_its_grant_gives_the_slot_back() {
+        let shared = shared_with_one_slot();
+        let (first, _) = shared.admit(std::future::pending()).await.unwrap();
+        let mut waiting = Box::pin(shared.admit(std::future::pending()));
+        enqueue(&mut waiting).await;
+        assert_eq!(shared.snapshot().buffered, 1);
+        first.release(); // the grant goes into the waiter's channel
+        assert_eq!(shared.snapshot().in_flight, 1);
+        drop(waiting); // ... and the waiter never reads it
+        let snap = shared.snapshot();
+        assert_eq!((snap.in_flight, snap.buffered), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_waiter_dropped_while_queued_leaves_the_buffer() {
+        let shared = shared_with_one_slot();
+        let (first, _) = shared.admit(std::future::pending()).await.unwrap();
+        let mut waiting = Box::pin(shared.admit(std::future::pending()));
+        enqueue(&mut waiting).await;
+        drop(waiting);
+        assert_eq!(shared.snapshot().buffered, 0);
+        first.release();
+        assert_eq!(shared.snapshot().in_flight, 0);
+    }
+
+    #[tokio::test]
+    async fn a_client_gone_while_queued_takes_nothing() {
+        let shared = shared_with_one_slot();
+        let (first, _) = shared.admit(std::future::pending()).await.unwrap();
+        let gone = shared.admit(async {}).await;
+        assert_eq!(gone.err(), Some(AdmitError::ClientGone));
+        let snap = shared.snapshot();
+        assert_eq!((snap.in_flight, snap.buffered), (1, 0));
+        first.release();
+        assert_eq!(shared.snapshot().in_flight, 0);
+    }
 }

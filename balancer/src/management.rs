@@ -148,14 +148,11 @@ impl ServeHttp for Management {
             }
             (&Method::GET, ["metrics"]) => self.metrics(),
             (&Method::GET, ["api", "v1", "agents"]) => self.agents(),
-            (m, ["api", "v1", "agents", id, rest @ ..]) if !valid_agent_id(id) => {
-                let _ = (m, rest);
-                error(
-                    StatusCode::BAD_REQUEST,
-                    "bad_agent_id",
-                    "agent id must be 1..=128 bytes of [A-Za-z0-9._-]",
-                )
-            }
+            (_, ["api", "v1", "agents", id, ..]) if !valid_agent_id(id) => error(
+                StatusCode::BAD_REQUEST,
+                "bad_agent_id",
+                "agent id must be 1..=128 bytes of [A-Za-z0-9._-]",
+            ),
             (&Method::POST, ["api", "v1", "agents", id, "report"]) => {
                 let id = id.to_string();
                 self.report(session, &id).await

@@ -45,6 +45,13 @@ pub struct LeaseGuard {
 }
 
 impl LeaseGuard {
+    fn new(shared: &Arc<Shared>, lease: Lease) -> Self {
+        LeaseGuard {
+            shared: Arc::clone(shared),
+            lease: Some(lease),
+        }
+    }
+
     pub fn addr(&self) -> SocketAddr {
         self.lease.as_ref().expect("lease held until release").addr
     }
@@ -101,11 +108,7 @@ impl Shared {
                 return;
             }
             for g in grants {
-                let guard = LeaseGuard {
-                    shared: Arc::clone(self),
-                    lease: Some(g.lease),
-                };
-                if let Err(mut unsent) = g.waiter.send(guard) {
+                if let Err(mut unsent) = g.waiter.send(LeaseGuard::new(self, g.lease)) {
                     // Release under the lock we hold (the guard's own Drop
                     // would take it again).
                     if let Some(lease) = unsent.lease.take() {
@@ -131,13 +134,7 @@ impl Shared {
         let start = Instant::now();
         let admission = self.lock().submit(tx, start);
         let (ticket, deadline) = match admission {
-            Admission::Ready(lease) => {
-                let guard = LeaseGuard {
-                    shared: Arc::clone(self),
-                    lease: Some(lease),
-                };
-                return Ok((guard, Duration::ZERO));
-            }
+            Admission::Ready(lease) => return Ok((LeaseGuard::new(self, lease), Duration::ZERO)),
             Admission::Rejected(r) => return Err(AdmitError::Rejected(r)),
             Admission::Queued { ticket, deadline } => (ticket, deadline),
         };

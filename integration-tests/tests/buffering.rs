@@ -61,7 +61,7 @@ async fn buffering_disabled_refuses_at_once() {
     assert_openai_error(resp, 503).await;
 
     let sim = Sim::start(&["--slots", "1"]);
-    let _agent = agent(&sim, &b, "100ms");
+    let _agent = agent(&sim, &b);
     b.wait_eligible(1).await;
     let holder = hold_slot(&b, "800", "holder").await;
     let resp = chat(&b, &[]).await;
@@ -200,7 +200,7 @@ async fn requests_sent_before_any_agent_are_served_once_one_registers() {
     let tasks: Vec<_> = (0..3).map(|_| spawn_chat(&b, &[])).collect();
     b.wait_buffered(3).await;
     let sim = Sim::start(&["--slots", "2"]);
-    let _agent = agent(&sim, &b, "100ms");
+    let _agent = agent(&sim, &b);
     for t in tasks {
         assert_eq!(t.await.unwrap(), 200);
     }
@@ -211,7 +211,7 @@ async fn requests_sent_before_any_agent_are_served_once_one_registers() {
 async fn a_loading_backend_gets_no_traffic_until_ready() {
     let b = Balancer::start(&[]).await;
     let sim = Sim::start(&["--slots", "2", "--loading-ms", "1200"]);
-    let _agent = agent(&sim, &b, "100ms");
+    let _agent = agent(&sim, &b);
     wait_for(
         "the agent to report loading",
         Duration::from_secs(5),

@@ -108,20 +108,6 @@ async fn deferred(c: &reqwest::Client, addr: &str) -> Option<u64> {
     }
 }
 
-fn agent_for(l: &Llama, b: &Balancer) -> Proc {
-    Proc::spawn(
-        "agent",
-        &[
-            "--backend-addr".into(),
-            l.addr.clone(),
-            "--management-addr".into(),
-            b.management.to_string(),
-            "--monitoring-interval".into(),
-            "100ms".into(),
-        ],
-    )
-}
-
 fn chat_req(content: &str, max_tokens: u32, stream: bool) -> Value {
     json!({
         "messages": [{"role": "user", "content": content}],
@@ -136,8 +122,8 @@ async fn real_llama_server_end_to_end() {
     let b = Balancer::start(&[]).await;
     let l1 = Llama::start(2).await;
     let l2 = Llama::start(2).await;
-    let _a1 = agent_for(&l1, &b);
-    let _a2 = agent_for(&l2, &b);
+    let _a1 = agent_at(&l1.addr, &b, &[]);
+    let _a2 = agent_at(&l2.addr, &b, &[]);
     b.wait_eligible(2).await;
     let c = client();
 

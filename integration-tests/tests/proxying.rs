@@ -44,21 +44,20 @@ async fn openai_routes_are_proxied_and_models_come_from_agents() {
 async fn bad_requests_get_openai_errors() {
     let (b, sim, _a) = fleet_with("2").await;
     let c = client();
-    let r = c
-        .post(b.url("/v1/chat/completions"))
-        .body("{not json")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.headers()["x-flowgate-drop-reason"], "invalid_json");
-    assert_openai_error(r, 400).await;
-    let r = c
-        .post(b.url("/v1/chat/completions"))
-        .body("[1]")
-        .send()
-        .await
-        .unwrap();
-    assert_openai_error(r, 400).await;
+    for malformed in ["{not json", "[1]"] {
+        let r = c
+            .post(b.url("/v1/chat/completions"))
+            .body(malformed)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(
+            r.headers()["x-flowgate-drop-reason"],
+            "invalid_json",
+            "{malformed}"
+        );
+        assert_openai_error(r, 400).await;
+    }
     let r = c.get(b.url("/v1/nope")).send().await.unwrap();
     assert_openai_error(r, 404).await;
     let r = c.get(b.url("/v1/chat/completions")).send().await.unwrap();
@@ -185,19 +184,7 @@ async fn backend_errors_pass_through_and_unreachable_backends_get_502() {
     let b2 = Balancer::start(&[]).await;
     let sim = Sim::start(&["--slots", "1"]);
     let dead = format!("127.0.0.1:{}", free_port());
-    let _a = Proc::spawn(
-        "agent",
-        &[
-            "--backend-addr".into(),
-            sim.addr.to_string(),
-            "--external-addr".into(),
-            dead,
-            "--management-addr".into(),
-            b2.management.to_string(),
-            "--monitoring-interval".into(),
-            "100ms".into(),
-        ],
-    );
+    let _a = agent_at(&sim.addr.to_string(), &b2, &["--external-addr", &dead]);
     b2.wait_eligible(1).await;
     let r = chat(&b2, &[]).await;
     assert_eq!(r.headers()["x-flowgate-drop-reason"], "upstream-error");
@@ -255,8 +242,8 @@ async fn a_lost_agent_gets_no_new_work_and_its_requests_finish() {
     let b = Balancer::start(&[]).await;
     let sim1 = Sim::start(&["--slots", "1"]);
     let sim2 = Sim::start(&["--slots", "1"]);
-    let mut a1 = agent(&sim1, &b, "100ms");
-    let _a2 = agent(&sim2, &b, "100ms");
+    let mut a1 = agent(&sim1, &b);
+    let _a2 = agent(&sim2, &b);
     b.wait_eligible(2).await;
 
     // One long request on each server.

@@ -27,7 +27,7 @@ async fn two_hundred_clients_against_four_slots() {
         Sim::start(&["--slots", "2", "--ttft-ms", "15", "--tpot-ms", "2"]),
         Sim::start(&["--slots", "2", "--ttft-ms", "15", "--tpot-ms", "2"]),
     ];
-    let _agents: Vec<_> = sims.iter().map(|s| agent(s, &b, "100ms")).collect();
+    let _agents: Vec<_> = sims.iter().map(|s| agent(s, &b)).collect();
     b.wait_eligible(2).await;
 
     let outcomes: Arc<Mutex<BTreeMap<u16, u64>>> = Arc::default();

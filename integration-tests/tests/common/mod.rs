@@ -290,26 +290,31 @@ impl Balancer {
     }
 }
 
+/// Starts an agent watching the model server at `backend_addr`, reporting
+/// to `balancer` every 100 ms, with `extra_args` appended.
+pub fn agent_at(backend_addr: &str, balancer: &Balancer, extra_args: &[&str]) -> Proc {
+    let mut args: Vec<String> = vec![
+        "--backend-addr".into(),
+        backend_addr.into(),
+        "--management-addr".into(),
+        balancer.management.to_string(),
+        "--monitoring-interval".into(),
+        "100ms".into(),
+    ];
+    args.extend(extra_args.iter().map(|a| a.to_string()));
+    Proc::spawn("agent", &args)
+}
+
 /// Starts an agent watching `sim` and reporting to `balancer`.
-pub fn agent(sim: &Sim, balancer: &Balancer, interval: &str) -> Proc {
-    Proc::spawn(
-        "agent",
-        &[
-            "--backend-addr".into(),
-            sim.addr.to_string(),
-            "--management-addr".into(),
-            balancer.management.to_string(),
-            "--monitoring-interval".into(),
-            interval.into(),
-        ],
-    )
+pub fn agent(sim: &Sim, balancer: &Balancer) -> Proc {
+    agent_at(&sim.addr.to_string(), balancer, &[])
 }
 
 /// A balancer and one simulator with an agent (100 ms interval), ready.
 pub async fn fleet(balancer_args: &[&str], sim_args: &[&str]) -> (Balancer, Sim, Proc) {
     let b = Balancer::start(balancer_args).await;
     let sim = Sim::start(sim_args);
-    let a = agent(&sim, &b, "100ms");
+    let a = agent(&sim, &b);
     b.wait_eligible(1).await;
     (b, sim, a)
 }

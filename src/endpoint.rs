@@ -13,10 +13,18 @@
 //!   behind a release therefore never hides a slot the balancer just freed.
 //! - An endpoint whose agent went away stays known while requests are in
 //!   flight to it (ineligible for new work) and is forgotten when they finish.
+//!
+//! Saturation detector: an eligible endpoint takes new work only while it
+//! is not saturated ([`Saturation`]): a free slot by the balancer's own
+//! count, fewer waiting requests than `queue_depth_threshold`, KV-cache use
+//! below `kv_cache_util_threshold`, and metrics younger than the staleness
+//! threshold. The threshold is never shorter than two of the agent's own
+//! report intervals, so an agent that reports less often than the threshold
+//! slows dispatch down instead of freezing it.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
@@ -24,6 +32,54 @@ use crate::protocol::{AgentReport, BackendHealth};
 
 /// Reports older than this many monitoring intervals make an agent stale.
 pub const STALE_AFTER_INTERVALS: u32 = 3;
+
+/// When an endpoint counts as saturated (GIE's `saturationDetector`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SaturationConfig {
+    /// Saturated when the server reports at least this many waiting requests.
+    pub queue_depth_threshold: u32,
+    /// Saturated when the server reports at least this KV-cache use (0..=1).
+    pub kv_cache_util_threshold: f64,
+    /// Saturated when the last report is older than this (or than two of the
+    /// agent's intervals, whichever is longer).
+    pub metrics_staleness_threshold: Duration,
+}
+
+impl Default for SaturationConfig {
+    fn default() -> Self {
+        SaturationConfig {
+            queue_depth_threshold: 5,
+            kv_cache_util_threshold: 0.8,
+            metrics_staleness_threshold: Duration::from_millis(200),
+        }
+    }
+}
+
+/// Why an endpoint takes no new work for now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Saturation {
+    /// Every slot is in use (by the balancer's count plus foreign load).
+    SlotsFull,
+    /// The server's own waiting queue reached the threshold.
+    QueueDepth,
+    /// KV-cache use reached the threshold.
+    KvCache,
+    /// The last report is too old to trust.
+    StaleMetrics,
+}
+
+impl Saturation {
+    /// The reason as a metric label (same as its JSON form).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Saturation::SlotsFull => "slots-full",
+            Saturation::QueueDepth => "queue-depth",
+            Saturation::KvCache => "kv-cache",
+            Saturation::StaleMetrics => "stale-metrics",
+        }
+    }
+}
 
 /// Identifies an endpoint for the life of the process (never reused).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -80,6 +136,30 @@ impl Endpoint {
         self.agent.as_ref().map_or(0, |a| a.report.slots_total)
     }
 
+    /// Why the endpoint cannot take work now, if it cannot (checked on
+    /// eligible endpoints).
+    pub(crate) fn saturation(&self, now: Instant, config: &SaturationConfig) -> Option<Saturation> {
+        let a = self.agent.as_ref()?;
+        let staleness = config
+            .metrics_staleness_threshold
+            .max(a.report.monitoring_interval() * 2);
+        if now.saturating_duration_since(a.received_at) > staleness {
+            Some(Saturation::StaleMetrics)
+        } else if self.free_slots() == 0 {
+            Some(Saturation::SlotsFull)
+        } else if a.report.requests_waiting >= config.queue_depth_threshold {
+            Some(Saturation::QueueDepth)
+        } else if a
+            .report
+            .kv_cache_usage
+            .is_some_and(|kv| kv >= config.kv_cache_util_threshold)
+        {
+            Some(Saturation::KvCache)
+        } else {
+            None
+        }
+    }
+
     /// Slots the balancer may still fill.
     pub(crate) fn free_slots(&self) -> u32 {
         self.slots_total()
@@ -99,6 +179,8 @@ pub struct EndpointSnapshot {
     pub report_age_ms: Option<u64>,
     pub stale: bool,
     pub eligible: bool,
+    /// Why an eligible endpoint takes no new work now (`null`: it does).
+    pub saturation: Option<Saturation>,
     pub in_flight: u32,
     pub foreign_busy: u32,
     pub free_slots: u32,
@@ -117,6 +199,7 @@ pub enum ReportOutcome {
 /// All endpoints the balancer knows.
 #[derive(Debug, Default)]
 pub(crate) struct Registry {
+    saturation: SaturationConfig,
     endpoints: HashMap<EndpointId, Endpoint>,
     by_addr: HashMap<SocketAddr, EndpointId>,
     by_agent: HashMap<String, EndpointId>,
@@ -125,6 +208,13 @@ pub(crate) struct Registry {
 }
 
 impl Registry {
+    pub(crate) fn new(saturation: SaturationConfig) -> Self {
+        Registry {
+            saturation,
+            ..Registry::default()
+        }
+    }
+
     /// Applies a validated report (`addr` is its parsed `external_addr`).
     pub(crate) fn apply_report(
         &mut self,
@@ -231,13 +321,15 @@ impl Registry {
             .collect()
     }
 
-    /// Picks the eligible endpoint with the most free slots; ties go to the
-    /// one that got work least recently, so equal servers share the load.
+    /// Picks the eligible, unsaturated endpoint with the most free slots;
+    /// ties go to the one that got work least recently, so equal servers
+    /// share the load.
     pub(crate) fn acquire(&mut self, now: Instant) -> Option<Lease> {
+        let config = self.saturation;
         let ep = self
             .endpoints
             .values_mut()
-            .filter(|e| e.free_slots() > 0 && e.eligible(now))
+            .filter(|e| e.eligible(now) && e.saturation(now, &config).is_none())
             .max_by(|a, b| {
                 a.free_slots()
                     .cmp(&b.free_slots())
@@ -304,6 +396,11 @@ impl Registry {
                     .as_ref()
                     .is_some_and(|a| now >= Endpoint::stale_deadline(a)),
                 eligible: e.eligible(now),
+                saturation: if e.eligible(now) {
+                    e.saturation(now, &self.saturation)
+                } else {
+                    None
+                },
                 in_flight: e.in_flight,
                 foreign_busy: e.foreign_busy,
                 free_slots: e.free_slots(),
@@ -403,8 +500,13 @@ mod tests {
         let mut r = registry_with(2, t0);
         let lease = r.acquire(t0).unwrap();
         let stale = t0 + Duration::from_secs(3);
-        assert!(r.acquire(t0 + Duration::from_millis(2999)).is_some());
-        assert!(r.acquire(stale).is_none(), "stale after 3 intervals");
+        assert!(r.acquire(t0 + Duration::from_millis(1999)).is_some());
+        assert!(
+            r.acquire(t0 + Duration::from_millis(2001)).is_none(),
+            "metrics older than 2 intervals saturate"
+        );
+        assert!(r.snapshot(stale - Duration::from_millis(1))[0].eligible);
+        assert!(!r.snapshot(stale)[0].eligible, "stale after 3 intervals");
         assert_eq!(r.drop_stale(stale), vec!["a".to_string()]);
         assert_eq!(
             r.snapshot(stale).len(),

@@ -6,14 +6,23 @@
 //!
 //! - [`protocol`]: the agent → balancer report format.
 //! - [`endpoint`]: per-endpoint capacity accounting and selection.
-//! - [`dispatcher`]: the FIFO request buffer in front of the endpoints.
+//! - [`flow`]: flow-controlled queues (priority bands, tenant fairness,
+//!   ordering, capacity limits, deadlines).
+//! - [`dispatcher`]: the queues in front of the endpoints: admission,
+//!   dispatch, expiry.
 //! - [`openai`]: OpenAI-style error bodies shared by the binaries.
 
 pub mod dispatcher;
 pub mod endpoint;
+pub mod flow;
 pub mod openai;
 pub mod protocol;
 
-pub use dispatcher::{Admission, BufferConfig, Dispatcher, Grant, Reject, Ticket};
-pub use endpoint::{EndpointId, EndpointSnapshot, Lease, ReportOutcome};
+pub use dispatcher::{Admission, Dispatcher, DispatcherConfig, Done, Reject, RequestMeta, Ticket};
+pub use endpoint::{
+    EndpointId, EndpointSnapshot, Lease, ReportOutcome, Saturation, SaturationConfig,
+};
+pub use flow::{
+    BandConfig, FairnessPolicy, FlowControlConfig, FlowKey, FlowSnapshot, OrderingPolicy,
+};
 pub use protocol::{AgentReport, BackendHealth, BackendKind, PROTOCOL_VERSION};

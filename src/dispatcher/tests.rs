@@ -1,0 +1,669 @@
+//! Unit and property tests of the dispatcher, with a controlled clock.
+
+use super::*;
+use crate::flow::{BandConfig, FairnessPolicy, OrderingPolicy};
+use crate::protocol::tests::report;
+use proptest::prelude::*;
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+const MS: Duration = Duration::from_millis(1);
+
+fn config(max: usize) -> DispatcherConfig {
+    DispatcherConfig {
+        flow: FlowControlConfig {
+            max_requests: max,
+            ..FlowControlConfig::default()
+        },
+        ..DispatcherConfig::default()
+    }
+}
+
+fn dispatcher(max: usize) -> Dispatcher<&'static str> {
+    Dispatcher::new(config(max))
+}
+
+fn req(tenant: &str, priority: i32) -> RequestMeta {
+    RequestMeta {
+        flow: FlowKey::new(tenant, priority),
+        bytes: 100,
+        ttl: None,
+    }
+}
+
+fn anon() -> RequestMeta {
+    req("default", 0)
+}
+
+fn queued(a: Admission) -> Ticket {
+    match a {
+        Admission::Queued { ticket, .. } => ticket,
+        other => panic!("expected Queued, got {other:?}"),
+    }
+}
+
+fn ready(a: Admission) -> Lease {
+    match a {
+        Admission::Ready(l) => l,
+        other => panic!("expected Ready, got {other:?}"),
+    }
+}
+
+fn rejected(a: Admission) -> Reject {
+    match a {
+        Admission::Rejected(r) => r,
+        other => panic!("expected Rejected, got {other:?}"),
+    }
+}
+
+/// Waiters granted by a dispatch, in order; panics on a refusal.
+fn granted<T: Copy + std::fmt::Debug>(done: &[Done<T>]) -> Vec<T> {
+    done.iter()
+        .map(|d| match &d.result {
+            Ok(_) => d.waiter,
+            Err(r) => panic!("{:?} refused: {r:?}", d.waiter),
+        })
+        .collect()
+}
+
+/// Serves `n` requests one at a time through a single slot, returning the
+/// order in which waiters got it.
+fn serve_one_by_one(d: &mut Dispatcher<&'static str>, first: Lease, n: usize) -> Vec<&'static str> {
+    let now = Instant::now();
+    let mut lease = first;
+    let mut order = Vec::new();
+    for _ in 0..n {
+        d.release(lease);
+        let mut done = d.dispatch(now);
+        assert_eq!(done.len(), 1, "one freed slot, one wake-up");
+        let g = done.pop().unwrap();
+        order.push(g.waiter);
+        lease = g.result.unwrap();
+    }
+    d.release(lease);
+    order
+}
+
+#[test]
+fn requests_wait_when_no_agent_exists_and_run_once_one_registers() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    queued(d.submit(anon(), "first", t0));
+    queued(d.submit(anon(), "second", t0));
+    assert!(d.dispatch(t0).is_empty());
+    d.report(report("a", "127.0.0.1:1", 4), t0 + MS).unwrap();
+    let done = d.dispatch(t0 + MS);
+    assert_eq!(granted(&done), ["first", "second"]);
+    assert_eq!(done[0].waited, MS);
+    assert_eq!(d.buffered(), 0);
+    assert_eq!(d.buffered_bytes(), 0);
+}
+
+#[test]
+fn fifo_in_a_flow_and_exactly_one_wakeup_per_freed_slot() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    d.report(report("a", "127.0.0.1:1", 1), t0).unwrap();
+    let running = ready(d.submit(anon(), "running", t0));
+    for name in ["w1", "w2", "w3"] {
+        queued(d.submit(anon(), name, t0));
+    }
+    assert_eq!(serve_one_by_one(&mut d, running, 3), ["w1", "w2", "w3"]);
+}
+
+#[test]
+fn newcomers_do_not_overtake_waiters() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    queued(d.submit(anon(), "old", t0));
+    d.report(report("a", "127.0.0.1:1", 1), t0).unwrap();
+    // A slot is free but "old" has not been dispatched yet.
+    queued(d.submit(anon(), "new", t0));
+    assert_eq!(granted(&d.dispatch(t0)), ["old"]);
+}
+
+#[test]
+fn higher_priority_always_goes_first() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    d.report(report("a", "127.0.0.1:1", 1), t0).unwrap();
+    let running = ready(d.submit(anon(), "running", t0));
+    queued(d.submit(req("batch", -1), "background", t0));
+    queued(d.submit(req("x", 0), "normal", t0 + MS));
+    queued(d.submit(req("y", 10), "urgent", t0 + 2 * MS));
+    queued(d.submit(req("x", 0), "normal2", t0 + 3 * MS));
+    assert_eq!(
+        serve_one_by_one(&mut d, running, 4),
+        ["urgent", "normal", "normal2", "background"]
+    );
+}
+
+#[test]
+fn round_robin_gives_flows_equal_turns_whatever_they_queued() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    d.report(report("a", "127.0.0.1:1", 1), t0).unwrap();
+    let running = ready(d.submit(anon(), "running", t0));
+    for name in ["n1", "n2", "n3", "n4"] {
+        queued(d.submit(req("noisy", 0), name, t0));
+    }
+    queued(d.submit(req("quiet", 0), "q1", t0 + MS));
+    queued(d.submit(req("quiet", 0), "q2", t0 + MS));
+    assert_eq!(
+        serve_one_by_one(&mut d, running, 6),
+        ["n1", "q1", "n2", "q2", "n3", "n4"]
+    );
+}
+
+#[test]
+fn global_strict_serves_all_flows_of_a_band_in_arrival_order() {
+    let t0 = Instant::now();
+    let mut c = config(30);
+    c.flow.default_band.fairness = FairnessPolicy::GlobalStrict;
+    let mut d = Dispatcher::new(c);
+    d.report(report("a", "127.0.0.1:1", 1), t0).unwrap();
+    let running = ready(d.submit(anon(), "running", t0));
+    for (i, (tenant, name)) in [
+        ("noisy", "n1"),
+        ("noisy", "n2"),
+        ("quiet", "q1"),
+        ("noisy", "n3"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        queued(d.submit(req(tenant, 0), name, t0 + MS * i as u32));
+    }
+    assert_eq!(
+        serve_one_by_one(&mut d, running, 4),
+        ["n1", "n2", "q1", "n3"]
+    );
+}
+
+#[test]
+fn edf_serves_the_earliest_deadline_first() {
+    let t0 = Instant::now();
+    let mut c = config(30);
+    c.flow.default_band.ordering = OrderingPolicy::Edf;
+    let mut d = Dispatcher::new(c);
+    d.report(report("a", "127.0.0.1:1", 1), t0).unwrap();
+    let running = ready(d.submit(anon(), "running", t0));
+    for (name, ttl_ms) in [
+        ("slow", 5_000),
+        ("fast", 100),
+        ("default", 10_000),
+        ("mid", 1_000),
+    ] {
+        let mut r = anon();
+        r.ttl = Some(Duration::from_millis(ttl_ms));
+        queued(d.submit(r, name, t0));
+    }
+    assert_eq!(
+        serve_one_by_one(&mut d, running, 4),
+        ["fast", "mid", "slow", "default"]
+    );
+}
+
+#[test]
+fn a_band_over_its_own_limit_sheds_and_a_full_buffer_refuses() {
+    let t0 = Instant::now();
+    let mut c = config(4);
+    c.flow.bands.insert(
+        -1,
+        BandConfig {
+            max_requests: Some(2),
+            ..BandConfig::default()
+        },
+    );
+    let mut d = Dispatcher::new(c);
+    queued(d.submit(req("b", -1), "b1", t0));
+    queued(d.submit(req("b", -1), "b2", t0));
+    assert_eq!(rejected(d.submit(req("b", -1), "b3", t0)), Reject::Shed);
+    assert_eq!(Reject::Shed.http_status(), 429);
+    queued(d.submit(req("x", 0), "x1", t0));
+    queued(d.submit(req("x", 0), "x2", t0));
+    // Full, and nothing below priority 0 ... except band -1: evicts.
+    assert_eq!(
+        rejected(d.submit(req("y", -5), "y", t0)),
+        Reject::BufferFull
+    );
+    assert_eq!(Reject::BufferFull.http_status(), 503);
+}
+
+#[test]
+fn a_full_buffer_evicts_the_newest_request_of_the_largest_lower_flow() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(5);
+    queued(d.submit(req("small", -1), "s1", t0));
+    queued(d.submit(req("big", -1), "b1", t0));
+    queued(d.submit(req("big", -1), "b2", t0 + MS));
+    queued(d.submit(req("big", -1), "b3", t0 + MS));
+    queued(d.submit(req("x", 0), "x1", t0));
+    queued(d.submit(req("urgent", 10), "u1", t0));
+    queued(d.submit(req("urgent", 10), "u2", t0));
+    let done = d.dispatch(t0);
+    let evicted: Vec<_> = done
+        .iter()
+        .map(|d| (d.waiter, d.result.as_ref().err().copied()))
+        .collect();
+    assert_eq!(
+        evicted,
+        [("b3", Some(Reject::Evicted)), ("b2", Some(Reject::Evicted))]
+    );
+    assert_eq!(Reject::Evicted.http_status(), 429);
+    assert_eq!(d.buffered(), 5);
+    // Equal priority never evicts.
+    assert_eq!(
+        rejected(d.submit(req("y", -1), "y", t0)),
+        Reject::BufferFull
+    );
+}
+
+#[test]
+fn byte_limits_count_bodies_globally_and_per_band() {
+    let t0 = Instant::now();
+    let mut c = config(100);
+    c.flow.max_bytes = 1_000;
+    c.flow.bands.insert(
+        5,
+        BandConfig {
+            max_bytes: Some(300),
+            ..BandConfig::default()
+        },
+    );
+    let mut d = Dispatcher::new(c);
+    let sized = |p: i32, bytes: u64| RequestMeta {
+        flow: FlowKey::new("t", p),
+        bytes,
+        ttl: None,
+    };
+    queued(d.submit(sized(5, 300), "a", t0));
+    assert_eq!(rejected(d.submit(sized(5, 1), "b", t0)), Reject::Shed);
+    queued(d.submit(sized(0, 700), "c", t0));
+    assert_eq!(rejected(d.submit(sized(0, 1), "d", t0)), Reject::BufferFull);
+    assert_eq!(d.buffered_bytes(), 1_000);
+    d.report(report("a", "127.0.0.1:1", 2), t0).unwrap();
+    assert_eq!(granted(&d.dispatch(t0)), ["a", "c"]);
+    assert_eq!(d.buffered_bytes(), 0);
+}
+
+#[test]
+fn zero_capacity_disables_buffering() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(0);
+    assert_eq!(rejected(d.submit(anon(), "x", t0)), Reject::NoEndpoints);
+    d.report(report("a", "127.0.0.1:1", 1), t0).unwrap();
+    let _lease = ready(d.submit(anon(), "x", t0));
+    assert_eq!(rejected(d.submit(anon(), "y", t0)), Reject::BufferFull);
+}
+
+#[test]
+fn expired_requests_are_answered_504_and_never_block_the_ones_behind() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    let old = queued(d.submit(anon(), "old", t0));
+    let mut short = req("other", 0);
+    short.ttl = Some(Duration::from_secs(3));
+    queued(d.submit(short, "short", t0 + Duration::from_secs(1)));
+    queued(d.submit(anon(), "young", t0 + Duration::from_secs(5)));
+    let due = t0 + Duration::from_secs(10);
+    d.report(report("a", "127.0.0.1:1", 1), due).unwrap();
+    let done = d.dispatch(due);
+    let seen: Vec<_> = done
+        .iter()
+        .map(|d| (d.waiter, d.result.as_ref().err().copied()))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            ("short", Some(Reject::Timeout)),
+            ("old", Some(Reject::Timeout)),
+            ("young", None)
+        ],
+        "expired in deadline order, then the live one served"
+    );
+    assert!(!d.cancel(old), "the expired waiter was removed");
+}
+
+#[test]
+fn ttls_are_cut_to_the_maximum() {
+    let d = dispatcher(30);
+    assert_eq!(d.ttl(None), Duration::from_secs(10));
+    assert_eq!(d.ttl(Some(MS)), MS);
+    assert_eq!(
+        d.ttl(Some(Duration::from_secs(3600))),
+        Duration::from_secs(60)
+    );
+}
+
+#[test]
+fn cancelled_waiters_leave_at_once_and_take_nothing() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    let gone = queued(d.submit(anon(), "gone", t0));
+    queued(d.submit(anon(), "stays", t0));
+    assert!(d.cancel(gone));
+    assert!(!d.cancel(gone));
+    d.report(report("a", "127.0.0.1:1", 1), t0).unwrap();
+    assert_eq!(granted(&d.dispatch(t0)), ["stays"]);
+    assert_eq!(d.in_flight(), 1);
+}
+
+#[test]
+fn a_round_robin_flow_emptied_by_cancel_loses_its_turn_cleanly() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    d.report(report("a", "127.0.0.1:1", 1), t0).unwrap();
+    let running = ready(d.submit(anon(), "running", t0));
+    let b = queued(d.submit(req("b", 0), "b1", t0));
+    queued(d.submit(req("a", 0), "a1", t0));
+    queued(d.submit(req("a", 0), "a2", t0));
+    assert!(d.cancel(b));
+    // b emptied and lost its turn: back of the ring with its new request.
+    queued(d.submit(req("b", 0), "b2", t0));
+    assert_eq!(serve_one_by_one(&mut d, running, 3), ["a1", "b2", "a2"]);
+    assert!(d.flows().is_empty());
+}
+
+#[test]
+fn a_granted_waiter_cannot_be_cancelled_so_its_lease_must_be_released() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    let t = queued(d.submit(anon(), "w", t0));
+    d.report(report("a", "127.0.0.1:1", 1), t0).unwrap();
+    let g = d.dispatch(t0).pop().unwrap();
+    assert!(!d.cancel(t));
+    d.release(g.result.unwrap());
+    assert_eq!(d.in_flight(), 0);
+}
+
+#[test]
+fn bad_reports_are_refused_and_change_nothing() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    let mut r = report("a", "127.0.0.1:1", 1);
+    r.slots_busy = 9;
+    assert!(d.report(r, t0).is_err());
+    assert!(d.endpoints(t0).is_empty());
+}
+
+#[test]
+fn saturated_endpoints_hold_the_head_and_nothing_passes_it() {
+    use crate::endpoint::Saturation;
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    let mut r = report("a", "127.0.0.1:1", 4);
+    r.requests_waiting = 5;
+    d.report(r.clone(), t0).unwrap();
+    assert_eq!(d.endpoints(t0)[0].saturation, Some(Saturation::QueueDepth));
+    queued(d.submit(req("x", 10), "high", t0));
+    queued(d.submit(req("x", -1), "low", t0));
+    assert!(d.dispatch(t0).is_empty());
+
+    r.requests_waiting = 0;
+    r.kv_cache_usage = Some(0.8);
+    d.report(r.clone(), t0).unwrap();
+    assert_eq!(d.endpoints(t0)[0].saturation, Some(Saturation::KvCache));
+    assert!(d.dispatch(t0).is_empty());
+
+    r.kv_cache_usage = Some(0.79);
+    d.report(r.clone(), t0).unwrap();
+    assert_eq!(d.endpoints(t0)[0].saturation, None);
+    assert_eq!(granted(&d.dispatch(t0)), ["high", "low"]);
+}
+
+#[test]
+fn stale_metrics_saturate_after_the_threshold_or_two_agent_intervals() {
+    use crate::endpoint::Saturation;
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    let mut r = report("fast", "127.0.0.1:1", 4);
+    r.monitoring_interval_ms = 100;
+    d.report(r, t0).unwrap();
+    let mut r = report("slow", "127.0.0.1:2", 4);
+    r.monitoring_interval_ms = 1_000;
+    d.report(r, t0).unwrap();
+    let at = |ms: u64| {
+        d.endpoints(t0 + Duration::from_millis(ms))
+            .into_iter()
+            .map(|e| (e.eligible, e.saturation))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(at(200), [(true, None), (true, None)]);
+    assert_eq!(
+        at(201),
+        [(true, Some(Saturation::StaleMetrics)), (true, None)],
+        "200 ms threshold"
+    );
+    assert_eq!(
+        at(2_001),
+        [(false, None), (true, Some(Saturation::StaleMetrics))],
+        "two intervals of a slow agent; the fast one missed three and is out"
+    );
+}
+
+#[test]
+fn round_robin_shares_are_equal_between_greedy_flows() {
+    // Three tenants keep 50, 200 and 1,000 requests queued at all times.
+    let t0 = Instant::now();
+    let mut d: Dispatcher<usize> = Dispatcher::new(config(10_000));
+    d.report(report("a", "127.0.0.1:1", 1), t0).unwrap();
+    let mut lease = match d.submit(anon(), usize::MAX, t0) {
+        Admission::Ready(l) => Some(l),
+        other => panic!("{other:?}"),
+    };
+    let depth = [50, 200, 1_000];
+    let mut queued_now = [0; 3];
+    let refill = |d: &mut Dispatcher<usize>, q: &mut [usize; 3]| {
+        for (i, &want) in depth.iter().enumerate() {
+            while q[i] < want {
+                let r = req(["a", "b", "c"][i], 0);
+                assert!(matches!(d.submit(r, i, t0), Admission::Queued { .. }));
+                q[i] += 1;
+            }
+        }
+    };
+    refill(&mut d, &mut queued_now);
+    let mut served = [0usize; 3];
+    for _ in 0..3_000 {
+        if let Some(l) = lease.take() {
+            d.release(l);
+        }
+        let done = d.dispatch(t0).pop().unwrap();
+        served[done.waiter] += 1;
+        queued_now[done.waiter] -= 1;
+        lease = Some(done.result.unwrap());
+        refill(&mut d, &mut queued_now);
+    }
+    for s in served {
+        let share = s as f64 / 3_000.0;
+        assert!((share - 1.0 / 3.0).abs() <= 0.05 / 3.0, "shares {served:?}");
+    }
+}
+
+// ---- property tests -------------------------------------------------------
+
+#[derive(Debug, Clone)]
+enum Op {
+    Submit {
+        tenant: u8,
+        priority: i8,
+        bytes: u16,
+        ttl_ms: Option<u16>,
+    },
+    Cancel(usize),
+    Release(usize),
+    Advance(u16),
+    Report {
+        slots: u8,
+        waiting: u8,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0u8..6, -2i8..3, 1u16..2_000, proptest::option::of(1u16..3_000)).prop_map(
+            |(tenant, priority, bytes, ttl_ms)| Op::Submit { tenant, priority, bytes, ttl_ms }
+        ),
+        1 => any::<usize>().prop_map(Op::Cancel),
+        3 => any::<usize>().prop_map(Op::Release),
+        2 => (0u16..500).prop_map(Op::Advance),
+        1 => (0u8..4, 0u8..7).prop_map(|(slots, waiting)| Op::Report { slots, waiting }),
+    ]
+}
+
+fn band_policy() -> impl Strategy<Value = (FairnessPolicy, OrderingPolicy)> {
+    (
+        prop_oneof![
+            Just(FairnessPolicy::RoundRobin),
+            Just(FairnessPolicy::GlobalStrict)
+        ],
+        prop_oneof![Just(OrderingPolicy::Fcfs), Just(OrderingPolicy::Edf)],
+    )
+}
+
+/// Everything a request went through, to check each ends exactly once.
+#[derive(Debug, Default)]
+struct Ledger {
+    ended: HashSet<usize>,
+    /// id → (priority, deadline) of requests queued now.
+    waiting: BTreeMap<usize, (i32, Instant)>,
+    tickets: HashMap<usize, Ticket>,
+}
+
+impl Ledger {
+    fn end(&mut self, id: usize) {
+        assert!(self.ended.insert(id), "request {id} ended twice");
+        self.waiting.remove(&id);
+    }
+}
+
+fn check_dispatch(
+    ledger: &mut Ledger,
+    done: Vec<Done<usize>>,
+    leases: &mut Vec<Lease>,
+    now: Instant,
+) {
+    let mut last_expired: Option<Instant> = None;
+    let mut last_granted_priority = i32::MAX;
+    for d in done {
+        let (priority, deadline) = ledger.waiting[&d.waiter];
+        assert_eq!(priority, d.flow.priority);
+        match d.result {
+            Ok(lease) => {
+                assert!(deadline > now, "an expired request was served");
+                assert!(
+                    priority <= last_granted_priority,
+                    "priority inverted within a dispatch"
+                );
+                last_granted_priority = priority;
+                leases.push(lease);
+            }
+            Err(Reject::Timeout) => {
+                assert!(deadline <= now, "expired before its deadline");
+                assert!(
+                    last_expired.is_none_or(|l| l <= deadline),
+                    "expiry out of deadline order"
+                );
+                last_expired = Some(deadline);
+            }
+            Err(Reject::Evicted) => {}
+            Err(other) => panic!("unexpected {other:?} from dispatch"),
+        }
+        ledger.end(d.waiter);
+    }
+    if last_granted_priority != i32::MAX {
+        // Nothing of higher priority than the last grant may be left behind.
+        let max_left = ledger.waiting.values().map(|w| w.0).max();
+        assert!(
+            max_left.is_none_or(|p| p <= last_granted_priority),
+            "a request of priority {max_left:?} was passed by one of {last_granted_priority}"
+        );
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn no_request_is_lost_served_twice_or_passed_by_lower_priority(
+        ops in proptest::collection::vec(op(), 1..300),
+        (fairness, ordering) in band_policy(),
+        max_requests in 0usize..20,
+        band_limit in proptest::option::of(0usize..6),
+    ) {
+        let t0 = Instant::now();
+        let mut c = config(max_requests);
+        c.flow.max_bytes = 20_000;
+        c.flow.default_band.fairness = fairness;
+        c.flow.default_band.ordering = ordering;
+        c.flow.bands.insert(-1, BandConfig { max_requests: band_limit, ..c.flow.default_band });
+        let mut d: Dispatcher<usize> = Dispatcher::new(c);
+        let mut now = t0;
+        let mut ledger = Ledger::default();
+        let mut leases: Vec<Lease> = Vec::new();
+        let mut next_id = 0;
+        for op in ops {
+            match op {
+                Op::Submit { tenant, priority, bytes, ttl_ms } => {
+                    let id = next_id;
+                    next_id += 1;
+                    let meta = RequestMeta {
+                        flow: FlowKey::new(format!("t{tenant}"), i32::from(priority)),
+                        bytes: u64::from(bytes),
+                        ttl: ttl_ms.map(|t| Duration::from_millis(u64::from(t))),
+                    };
+                    let deadline = now + d.ttl(meta.ttl);
+                    match d.submit(meta, id, now) {
+                        Admission::Ready(lease) => {
+                            prop_assert!(ledger.waiting.is_empty(), "went ahead of waiters");
+                            ledger.ended.insert(id);
+                            leases.push(lease);
+                        }
+                        Admission::Queued { ticket, deadline: dl } => {
+                            prop_assert_eq!(dl, deadline);
+                            ledger.waiting.insert(id, (i32::from(priority), deadline));
+                            ledger.tickets.insert(id, ticket);
+                        }
+                        Admission::Rejected(_) => {
+                            ledger.ended.insert(id);
+                        }
+                    }
+                }
+                Op::Cancel(i) => {
+                    if let Some(&id) = ledger.waiting.keys().nth(i % ledger.waiting.len().max(1)) {
+                        prop_assert!(d.cancel(ledger.tickets[&id]));
+                        ledger.end(id);
+                    }
+                }
+                Op::Release(i) => {
+                    if !leases.is_empty() {
+                        let l = leases.swap_remove(i % leases.len());
+                        d.release(l);
+                    }
+                }
+                Op::Advance(ms) => now += Duration::from_millis(u64::from(ms)),
+                Op::Report { slots, waiting } => {
+                    let mut r = report("a", "127.0.0.1:1", u32::from(slots));
+                    r.requests_waiting = u32::from(waiting);
+                    d.report(r, now).unwrap();
+                }
+            }
+            let done = d.dispatch(now);
+            check_dispatch(&mut ledger, done, &mut leases, now);
+            prop_assert_eq!(d.buffered(), ledger.waiting.len());
+            prop_assert_eq!(d.in_flight(), leases.len() as u64);
+        }
+        // Let everything finish: all that waits is either served or expires.
+        for l in leases.drain(..) {
+            d.release(l);
+        }
+        now += Duration::from_secs(3_600);
+        let done = d.dispatch(now);
+        check_dispatch(&mut ledger, done, &mut leases, now);
+        prop_assert!(ledger.waiting.is_empty());
+        prop_assert_eq!(ledger.ended.len(), next_id, "every request ended exactly once");
+        prop_assert_eq!(d.buffered(), 0);
+        prop_assert_eq!(d.buffered_bytes(), 0);
+        prop_assert!(d.flows().is_empty());
+    }
+}

@@ -1,0 +1,688 @@
+//! Flow-controlled queues: where requests wait while no endpoint can take them.
+//!
+//! Model: the Gateway API Inference Extension's flow control layer.
+//!
+//! - Every request belongs to a flow, [`FlowKey`] = (fairness id, priority).
+//! - Flows of the same priority form a *band*. Bands are strict: every queued
+//!   request of a higher band is dispatched before any of a lower band.
+//! - Inside a band a [`FairnessPolicy`] picks the flow that goes next:
+//!   `global-strict` (the best head across all flows, a single FIFO when
+//!   ordering is FCFS) or `round-robin` (each flow with work gets one turn in
+//!   rotation, so a noisy tenant cannot starve a quiet one). Both are
+//!   work-conserving: a lone flow may use every turn.
+//! - Inside a flow an [`OrderingPolicy`] picks the request: `fcfs` (arrival
+//!   order) or `edf` (earliest deadline first).
+//! - Capacity: `maxRequests` / `maxBytes` globally and per band. A band over
+//!   its own limit sheds the newcomer ([`Reject::Shed`], 429). When the whole
+//!   buffer is full, a newcomer evicts queued work of strictly lower
+//!   priority (the newest request of that band's largest flow, answered 429)
+//!   if that frees enough room; otherwise it is refused
+//!   ([`Reject::BufferFull`], 503).
+//! - Every request has a deadline; [`FlowQueues::expire`] removes the ones
+//!   past it, earliest first.
+//!
+//! All operations are O(log n) in the number of queued requests (plus
+//! O(flows of one band) for the rare eviction).
+//!
+//! [`Reject::Shed`]: crate::Reject::Shed
+//! [`Reject::BufferFull`]: crate::Reject::BufferFull
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+/// Fairness id of requests that name none.
+pub const DEFAULT_FAIRNESS_ID: &str = "default";
+/// Longest accepted fairness id, in bytes.
+pub const MAX_FAIRNESS_ID_LEN: usize = 128;
+
+/// Identifies a flow: who sent the request and how urgent it is.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FlowKey {
+    pub fairness_id: Arc<str>,
+    pub priority: i32,
+}
+
+impl FlowKey {
+    pub fn new(fairness_id: impl Into<Arc<str>>, priority: i32) -> Self {
+        FlowKey {
+            fairness_id: fairness_id.into(),
+            priority,
+        }
+    }
+}
+
+/// Whether `id` may be used as a fairness id: 1..=128 visible ASCII bytes.
+pub fn valid_fairness_id(id: &str) -> bool {
+    !id.is_empty() && id.len() <= MAX_FAIRNESS_ID_LEN && id.bytes().all(|b| b.is_ascii_graphic())
+}
+
+/// How a band shares dispatch turns between its flows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FairnessPolicy {
+    /// One order across all flows of the band (GIE's default).
+    #[serde(rename = "global-strict", alias = "global-strict-fairness-policy")]
+    GlobalStrict,
+    /// Flows with queued work take turns, one request each.
+    #[serde(rename = "round-robin", alias = "round-robin-fairness-policy")]
+    RoundRobin,
+}
+
+/// How a flow orders its own requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum OrderingPolicy {
+    /// First come, first served.
+    #[serde(rename = "fcfs", alias = "fcfs-ordering-policy")]
+    Fcfs,
+    /// Earliest deadline first.
+    #[serde(rename = "edf", alias = "edf-ordering-policy")]
+    Edf,
+}
+
+/// Limits and policies of one priority band.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BandConfig {
+    /// Most requests the band may hold; `None`: only the global limit.
+    pub max_requests: Option<usize>,
+    /// Most body bytes the band may hold; `None`: only the global limit.
+    pub max_bytes: Option<u64>,
+    pub fairness: FairnessPolicy,
+    pub ordering: OrderingPolicy,
+}
+
+impl Default for BandConfig {
+    fn default() -> Self {
+        BandConfig {
+            max_requests: None,
+            max_bytes: None,
+            fairness: FairnessPolicy::RoundRobin,
+            ordering: OrderingPolicy::Fcfs,
+        }
+    }
+}
+
+/// Flow control settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FlowControlConfig {
+    /// Most requests that may wait in all bands; 0 disables buffering.
+    pub max_requests: usize,
+    /// Most body bytes that may wait in all bands.
+    pub max_bytes: u64,
+    /// Bands with their own limits or policies, by priority.
+    pub bands: BTreeMap<i32, BandConfig>,
+    /// Policies of any priority not listed in `bands` (no band limits).
+    pub default_band: BandConfig,
+}
+
+impl Default for FlowControlConfig {
+    fn default() -> Self {
+        FlowControlConfig {
+            max_requests: 30,
+            max_bytes: 256 << 20,
+            bands: BTreeMap::new(),
+            default_band: BandConfig::default(),
+        }
+    }
+}
+
+impl FlowControlConfig {
+    pub fn band(&self, priority: i32) -> BandConfig {
+        self.bands
+            .get(&priority)
+            .copied()
+            .unwrap_or(self.default_band)
+    }
+}
+
+/// Why a request could not be queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueFull {
+    /// The band's own limit: shed (429).
+    Band,
+    /// The global limit, with nothing of lower priority to evict (503).
+    Global,
+}
+
+/// A queued request's place; used to take it out again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Ticket {
+    flow: FlowIdx,
+    key: OrderKey,
+}
+
+impl Ticket {
+    /// Arrival number, unique for the life of the queues.
+    pub fn seq(&self) -> u64 {
+        self.key.seq
+    }
+}
+
+/// A request taken out of the queues, with what it carried.
+#[derive(Debug)]
+pub struct Removed<T> {
+    pub handle: T,
+    pub key: FlowKey,
+    pub bytes: u64,
+    pub enqueued_at: Instant,
+    pub deadline: Instant,
+}
+
+/// One flow's current queue, for metrics and the management API.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct FlowSnapshot {
+    pub fairness_id: String,
+    pub priority: i32,
+    pub requests: usize,
+    pub bytes: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct FlowIdx(u32);
+
+/// Position inside a flow: `rank` is the arrival time (FCFS) or the
+/// deadline (EDF); `seq` breaks ties and makes every key unique.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct OrderKey {
+    rank: Instant,
+    seq: u64,
+}
+
+#[derive(Debug)]
+struct Item<T> {
+    handle: T,
+    bytes: u64,
+    enqueued_at: Instant,
+    deadline: Instant,
+}
+
+#[derive(Debug)]
+struct Flow<T> {
+    key: FlowKey,
+    items: BTreeMap<OrderKey, Item<T>>,
+    bytes: u64,
+    /// Round-robin only: the token of this flow's live entry in its band's
+    /// ring, if it has one.
+    ring_token: Option<u64>,
+}
+
+#[derive(Debug)]
+enum Turns {
+    /// Heads of the band's non-empty flows, best first.
+    GlobalStrict(BTreeSet<(OrderKey, FlowIdx)>),
+    /// Flows waiting for a turn, as (flow, token). An entry is live while
+    /// the flow's `ring_token` equals its token; a flow emptied by a cancel
+    /// leaves a dead entry behind, skipped when its turn comes (and swept
+    /// when dead entries outnumber live ones), so a flow that empties always
+    /// loses its place.
+    RoundRobin {
+        ring: VecDeque<(FlowIdx, u64)>,
+        dead: usize,
+    },
+}
+
+#[derive(Debug)]
+struct Band {
+    requests: usize,
+    bytes: u64,
+    turns: Turns,
+    /// Flows of this band that exist (empty ones included).
+    flows: usize,
+}
+
+impl Band {
+    fn new(config: BandConfig) -> Self {
+        Band {
+            requests: 0,
+            bytes: 0,
+            turns: match config.fairness {
+                FairnessPolicy::GlobalStrict => Turns::GlobalStrict(BTreeSet::new()),
+                FairnessPolicy::RoundRobin => Turns::RoundRobin {
+                    ring: VecDeque::new(),
+                    dead: 0,
+                },
+            },
+            flows: 0,
+        }
+    }
+}
+
+/// The queues of all bands. `T` is the caller's handle for each request
+/// (the balancer stores the channel that wakes the waiting request).
+#[derive(Debug)]
+pub struct FlowQueues<T> {
+    config: FlowControlConfig,
+    bands: BTreeMap<i32, Band>,
+    flows: Vec<Option<Flow<T>>>,
+    free_flows: Vec<FlowIdx>,
+    flow_index: HashMap<FlowKey, FlowIdx>,
+    /// (deadline, order key, flow) of every queued request.
+    deadlines: BTreeSet<(Instant, OrderKey, FlowIdx)>,
+    requests: usize,
+    bytes: u64,
+    next_seq: u64,
+    next_ring_token: u64,
+}
+
+impl<T> FlowQueues<T> {
+    pub fn new(config: FlowControlConfig) -> Self {
+        FlowQueues {
+            config,
+            bands: BTreeMap::new(),
+            flows: Vec::new(),
+            free_flows: Vec::new(),
+            flow_index: HashMap::new(),
+            deadlines: BTreeSet::new(),
+            requests: 0,
+            bytes: 0,
+            next_seq: 0,
+            next_ring_token: 0,
+        }
+    }
+
+    pub fn config(&self) -> &FlowControlConfig {
+        &self.config
+    }
+
+    /// Queued requests in all bands.
+    pub fn len(&self) -> usize {
+        self.requests
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.requests == 0
+    }
+
+    /// Queued body bytes in all bands.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Queues a request, evicting lower-priority work if the buffer is full
+    /// (the evicted requests are returned; answer them 429).
+    #[allow(clippy::type_complexity)]
+    pub fn push(
+        &mut self,
+        key: FlowKey,
+        bytes: u64,
+        handle: T,
+        now: Instant,
+        deadline: Instant,
+    ) -> Result<(Ticket, Vec<Removed<T>>), (QueueFull, T)> {
+        let band_config = self.config.band(key.priority);
+        let (band_requests, band_bytes) = self
+            .bands
+            .get(&key.priority)
+            .map_or((0, 0), |b| (b.requests, b.bytes));
+        let band_fits = band_config.max_requests.is_none_or(|m| band_requests < m)
+            && band_config
+                .max_bytes
+                .is_none_or(|m| band_bytes.saturating_add(bytes) <= m);
+        if !band_fits {
+            return Err((QueueFull::Band, handle));
+        }
+        let evicted = match self.make_room(key.priority, bytes) {
+            Some(evicted) => evicted,
+            None => return Err((QueueFull::Global, handle)),
+        };
+
+        self.next_seq += 1;
+        let rank = match band_config.ordering {
+            OrderingPolicy::Fcfs => now,
+            OrderingPolicy::Edf => deadline,
+        };
+        let order = OrderKey {
+            rank,
+            seq: self.next_seq,
+        };
+        let priority = key.priority;
+        let idx = self.flow_for(key, band_config);
+        let flow = self.flows[idx.0 as usize]
+            .as_mut()
+            .expect("indexed flow exists");
+        let old_head = flow.items.keys().next().copied();
+        flow.items.insert(
+            order,
+            Item {
+                handle,
+                bytes,
+                enqueued_at: now,
+                deadline,
+            },
+        );
+        flow.bytes += bytes;
+        let band = self
+            .bands
+            .get_mut(&priority)
+            .expect("flow_for made the band");
+        band.requests += 1;
+        band.bytes += bytes;
+        match &mut band.turns {
+            Turns::GlobalStrict(heads) => {
+                if old_head.is_none_or(|h| order < h) {
+                    if let Some(h) = old_head {
+                        heads.remove(&(h, idx));
+                    }
+                    heads.insert((order, idx));
+                }
+            }
+            Turns::RoundRobin { ring, .. } => {
+                if flow.ring_token.is_none() {
+                    self.next_ring_token += 1;
+                    flow.ring_token = Some(self.next_ring_token);
+                    ring.push_back((idx, self.next_ring_token));
+                }
+            }
+        }
+        self.deadlines.insert((deadline, order, idx));
+        self.requests += 1;
+        self.bytes += bytes;
+        Ok((
+            Ticket {
+                flow: idx,
+                key: order,
+            },
+            evicted,
+        ))
+    }
+
+    /// The request that goes next: highest band first, then the band's
+    /// fairness policy, then the flow's ordering policy.
+    pub fn peek(&mut self) -> Option<Ticket> {
+        let band = self.bands.values_mut().rev().find(|b| b.requests > 0)?;
+        match &mut band.turns {
+            Turns::GlobalStrict(heads) => {
+                let &(key, flow) = heads.first().expect("a band with requests has a head");
+                Some(Ticket { flow, key })
+            }
+            Turns::RoundRobin { ring, dead } => loop {
+                let &(idx, token) = ring.front().expect("a band with requests has a turn");
+                match live_head(&self.flows, idx, token) {
+                    Some(key) => return Some(Ticket { flow: idx, key }),
+                    None => {
+                        ring.pop_front();
+                        *dead -= 1;
+                    }
+                }
+            },
+        }
+    }
+
+    /// Takes the request [`FlowQueues::peek`] returned; the flow's turn ends.
+    pub fn pop(&mut self, ticket: Ticket) -> Option<Removed<T>> {
+        let removed = self.take(ticket)?;
+        let band = self
+            .bands
+            .get_mut(&removed.key.priority)
+            .expect("band of a queued request exists");
+        if let Turns::RoundRobin { ring, dead } = &mut band.turns {
+            // The turn ends: a flow with more work goes to the back.
+            if let Some(&(idx, token)) = ring.front() {
+                if idx == ticket.flow {
+                    ring.pop_front();
+                    if live_head(&self.flows, idx, token).is_some() {
+                        ring.push_back((idx, token));
+                    } else {
+                        // `take` counted the entry dead when the flow emptied.
+                        *dead -= 1;
+                    }
+                }
+            }
+        }
+        self.free_flow_if_idle(ticket.flow);
+        Some(removed)
+    }
+
+    /// Removes a request (its client left); `None` if it is not queued.
+    pub fn cancel(&mut self, ticket: Ticket) -> Option<Removed<T>> {
+        let removed = self.take(ticket)?;
+        self.free_flow_if_idle(ticket.flow);
+        Some(removed)
+    }
+
+    /// Removes every request whose deadline is at or before `now`, earliest
+    /// deadline first.
+    pub fn expire(&mut self, now: Instant) -> Vec<Removed<T>> {
+        let mut out = Vec::new();
+        while let Some(&(deadline, key, flow)) = self.deadlines.first() {
+            if deadline > now {
+                break;
+            }
+            match self.cancel(Ticket { flow, key }) {
+                Some(r) => out.push(r),
+                None => unreachable!("deadline index entry without a queued request"),
+            }
+        }
+        out
+    }
+
+    /// The earliest deadline of any queued request.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.deadlines.first().map(|d| d.0)
+    }
+
+    /// Every flow with queued requests.
+    pub fn flows(&self) -> Vec<FlowSnapshot> {
+        let mut out: Vec<FlowSnapshot> = self
+            .flows
+            .iter()
+            .flatten()
+            .filter(|f| !f.items.is_empty())
+            .map(|f| FlowSnapshot {
+                fairness_id: f.key.fairness_id.to_string(),
+                priority: f.key.priority,
+                requests: f.items.len(),
+                bytes: f.bytes,
+            })
+            .collect();
+        out.sort_by(|a, b| {
+            b.priority
+                .cmp(&a.priority)
+                .then_with(|| a.fairness_id.cmp(&b.fairness_id))
+        });
+        out
+    }
+
+    /// Removes one request and fixes every index except round-robin rings
+    /// (a flow emptied here leaves its ring lazily, in `peek`).
+    fn take(&mut self, ticket: Ticket) -> Option<Removed<T>> {
+        let flow = self.flows.get_mut(ticket.flow.0 as usize)?.as_mut()?;
+        let item = flow.items.remove(&ticket.key)?;
+        flow.bytes -= item.bytes;
+        let new_head = flow.items.keys().next().copied();
+        let left_ring = new_head.is_none() && flow.ring_token.take().is_some();
+        let key = flow.key.clone();
+        let band = self
+            .bands
+            .get_mut(&key.priority)
+            .expect("band of a queued request exists");
+        band.requests -= 1;
+        band.bytes -= item.bytes;
+        match &mut band.turns {
+            Turns::GlobalStrict(heads) => {
+                if heads.remove(&(ticket.key, ticket.flow)) {
+                    if let Some(h) = new_head {
+                        heads.insert((h, ticket.flow));
+                    }
+                }
+            }
+            Turns::RoundRobin { ring, dead } => {
+                if left_ring {
+                    *dead += 1;
+                    if *dead > 32 && *dead * 2 > ring.len() {
+                        let flows = &self.flows;
+                        ring.retain(|&(idx, token)| live_head(flows, idx, token).is_some());
+                        *dead = 0;
+                    }
+                }
+            }
+        }
+        self.deadlines
+            .remove(&(item.deadline, ticket.key, ticket.flow));
+        self.requests -= 1;
+        self.bytes -= item.bytes;
+        Some(Removed {
+            handle: item.handle,
+            key,
+            bytes: item.bytes,
+            enqueued_at: item.enqueued_at,
+            deadline: item.deadline,
+        })
+    }
+
+    fn flow_for(&mut self, key: FlowKey, band_config: BandConfig) -> FlowIdx {
+        if let Some(&idx) = self.flow_index.get(&key) {
+            return idx;
+        }
+        let flow = Flow {
+            key: key.clone(),
+            items: BTreeMap::new(),
+            bytes: 0,
+            ring_token: None,
+        };
+        let idx = match self.free_flows.pop() {
+            Some(idx) => {
+                self.flows[idx.0 as usize] = Some(flow);
+                idx
+            }
+            None => {
+                let idx = FlowIdx(u32::try_from(self.flows.len()).expect("under 2^32 flows"));
+                self.flows.push(Some(flow));
+                idx
+            }
+        };
+        self.bands
+            .entry(key.priority)
+            .or_insert_with(|| Band::new(band_config))
+            .flows += 1;
+        self.flow_index.insert(key, idx);
+        idx
+    }
+
+    /// Frees a flow that has no requests, and its band once the band has
+    /// no flows left, so idle tenants cost nothing.
+    fn free_flow_if_idle(&mut self, idx: FlowIdx) {
+        let idle = self.flows[idx.0 as usize]
+            .as_ref()
+            .is_some_and(|f| f.items.is_empty());
+        if !idle {
+            return;
+        }
+        let flow = self.flows[idx.0 as usize].take().expect("checked above");
+        debug_assert!(flow.ring_token.is_none());
+        self.flow_index.remove(&flow.key);
+        self.free_flows.push(idx);
+        let priority = flow.key.priority;
+        let band = self
+            .bands
+            .get_mut(&priority)
+            .expect("band of a flow exists");
+        band.flows -= 1;
+        if band.flows == 0 {
+            self.bands.remove(&priority);
+        }
+    }
+
+    /// Makes room for a request of `priority` and `bytes` under the global
+    /// limits, evicting work of strictly lower priority when that suffices.
+    /// `None` (and nothing evicted) when it cannot.
+    fn make_room(&mut self, priority: i32, bytes: u64) -> Option<Vec<Removed<T>>> {
+        let max_requests = self.config.max_requests;
+        let max_bytes = self.config.max_bytes;
+        if max_requests == 0 || bytes > max_bytes {
+            return None;
+        }
+        let excess_requests = (self.requests + 1).saturating_sub(max_requests);
+        let excess_bytes = (self.bytes + bytes).saturating_sub(max_bytes);
+        if excess_requests == 0 && excess_bytes == 0 {
+            return Some(Vec::new());
+        }
+        let (lower_requests, lower_bytes) = self
+            .bands
+            .range(..priority)
+            .fold((0, 0), |(r, b), (_, band)| {
+                (r + band.requests, b + band.bytes)
+            });
+        if lower_requests < excess_requests || lower_bytes < excess_bytes {
+            return None;
+        }
+        let mut evicted = Vec::new();
+        while self.requests + 1 > max_requests || self.bytes + bytes > max_bytes {
+            let victim = self.eviction_victim(priority)?;
+            evicted.push(self.cancel(victim).expect("victim is queued"));
+        }
+        Some(evicted)
+    }
+
+    /// The newest request (last in its flow's order) of the largest flow of
+    /// the lowest band below `priority`.
+    fn eviction_victim(&self, priority: i32) -> Option<Ticket> {
+        let (&lowest, _) = self
+            .bands
+            .range(..priority)
+            .find(|(_, band)| band.requests > 0)?;
+        let (idx, flow) = self
+            .flows
+            .iter()
+            .enumerate()
+            .filter_map(|(i, f)| Some((i, f.as_ref()?)))
+            .filter(|(_, f)| f.key.priority == lowest && !f.items.is_empty())
+            .max_by_key(|(i, f)| (f.items.len(), std::cmp::Reverse(*i)))?;
+        let (&key, _) = flow.items.last_key_value()?;
+        Some(Ticket {
+            flow: FlowIdx(u32::try_from(idx).expect("under 2^32 flows")),
+            key,
+        })
+    }
+}
+
+/// The head of flow `idx` if `token` is its live ring entry.
+fn live_head<T>(flows: &[Option<Flow<T>>], idx: FlowIdx, token: u64) -> Option<OrderKey> {
+    let flow = flows.get(idx.0 as usize)?.as_ref()?;
+    if flow.ring_token != Some(token) {
+        return None;
+    }
+    flow.items.keys().next().copied()
+}
+
+impl fmt::Display for FairnessPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            FairnessPolicy::GlobalStrict => "global-strict",
+            FairnessPolicy::RoundRobin => "round-robin",
+        })
+    }
+}
+
+impl fmt::Display for OrderingPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            OrderingPolicy::Fcfs => "fcfs",
+            OrderingPolicy::Edf => "edf",
+        })
+    }
+}
+
+/// Parses a duration: `250ms`, `10s`, `2m`, or a bare number of
+/// milliseconds. Used by the config file and header parsers.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (digits, unit_ms) = if let Some(d) = s.strip_suffix("ms") {
+        (d, 1)
+    } else if let Some(d) = s.strip_suffix('s') {
+        (d, 1_000)
+    } else if let Some(d) = s.strip_suffix('m') {
+        (d, 60_000)
+    } else {
+        (s, 1)
+    };
+    let n: u64 = digits
+        .trim()
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration (e.g. 250ms, 10s, 2m)"))?;
+    n.checked_mul(unit_ms)
+        .map(Duration::from_millis)
+        .ok_or_else(|| format!("{s:?} is too long"))
+}

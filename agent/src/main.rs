@@ -56,10 +56,11 @@ struct Cli {
     #[arg(long)]
     name: Option<String>,
 
-    /// How often to poll and report: `1s`, `250ms`, or milliseconds. The
-    /// balancer stops routing to an agent after 3 missed reports.
-    /// Allowed: 50ms..=60s
-    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = parse_interval)]
+    /// How often to poll and report: `100ms`, `1s`, or milliseconds. The
+    /// balancer treats an endpoint as saturated once its metrics are older
+    /// than its staleness threshold (200 ms, or two intervals if longer) and
+    /// drops the agent after 3 missed reports. Allowed: 50ms..=60s
+    #[arg(long, value_name = "DURATION", default_value = "100ms", value_parser = parse_interval)]
     monitoring_interval: Duration,
 
     /// API key sent to the model server as `Authorization: Bearer`

@@ -3,6 +3,7 @@
 mod housekeeping;
 mod management;
 mod metrics;
+mod policy;
 mod proxy;
 mod settings;
 mod state;
@@ -13,7 +14,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
-use flowgate::BufferConfig;
 use pingora_core::server::configuration::{Opt, ServerConf};
 use pingora_core::server::Server;
 use pingora_core::services::background::background_service;
@@ -79,16 +79,14 @@ fn main() -> ExitCode {
     let mut server = Server::new_with_opt_and_conf(Opt::default(), conf);
     server.bootstrap();
 
-    let shared = Shared::new(BufferConfig {
-        max_buffered: settings.max_buffered_requests,
-        timeout: settings.buffered_request_timeout,
-    });
+    let shared = Shared::new(settings.dispatcher.clone());
 
     let mut inference = pingora_proxy::http_proxy_service_with_name(
         &server.configuration,
         proxy::Inference {
             shared: Arc::clone(&shared),
             max_request_bytes: settings.max_request_bytes,
+            priorities: settings.priorities.clone(),
             connect_timeout: settings.upstream_connect_timeout,
             retry_after: Duration::from_secs(1),
         },
@@ -119,8 +117,10 @@ fn main() -> ExitCode {
     info!(
         inference = %settings.inference_addr,
         management = %settings.management_addr,
-        max_buffered_requests = settings.max_buffered_requests,
-        buffered_request_timeout_ms = settings.buffered_request_timeout.as_millis() as u64,
+        max_buffered_requests = settings.dispatcher.flow.max_requests,
+        max_buffered_bytes = settings.dispatcher.flow.max_bytes,
+        default_request_ttl_ms = settings.dispatcher.default_ttl.as_millis() as u64,
+        priority_bands = settings.dispatcher.flow.bands.len(),
         max_request_bytes = settings.max_request_bytes,
         "flowgate balancer starting"
     );

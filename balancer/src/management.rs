@@ -118,7 +118,10 @@ impl Management {
         let snap = self.shared.snapshot();
         let body = json!({
             "buffered_requests": snap.buffered,
-            "max_buffered_requests": snap.config.max_buffered,
+            "buffered_bytes": snap.buffered_bytes,
+            "max_buffered_requests": snap.config.flow.max_requests,
+            "max_buffered_bytes": snap.config.flow.max_bytes,
+            "flows": snap.flows,
             "in_flight_requests": snap.in_flight,
             "endpoints": snap.endpoints,
         });

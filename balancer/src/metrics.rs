@@ -4,9 +4,11 @@
 //! that describe current state (buffer, endpoints) are filled from a
 //! snapshot at scrape time, so a departed endpoint leaves no stale series.
 
+use std::time::Duration;
+
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use crate::state::Snapshot;
@@ -30,7 +32,19 @@ pub struct Metrics {
     endpoint_waiting: IntGaugeVec,
     endpoint_report_age: prometheus::GaugeVec,
     endpoint_eligible: IntGaugeVec,
+    endpoint_saturated: IntGaugeVec,
+    buffered_bytes: IntGauge,
+    flow_queue_size: IntGaugeVec,
+    flow_queue_bytes: IntGaugeVec,
+    flow_queue_duration: HistogramVec,
+    flow_dispatches: IntCounterVec,
+    flow_rejections: IntCounterVec,
+    pool_saturation: Gauge,
 }
+
+const WAIT_BUCKETS: [f64; 14] = [
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
 
 impl Metrics {
     pub fn new() -> Self {
@@ -62,10 +76,7 @@ impl Metrics {
                     "flowgate_buffer_wait_seconds",
                     "Time requests spent waiting in the buffer"
                 )
-                .buckets(vec![
-                    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-                    60.0
-                ])
+                .buckets(WAIT_BUCKETS.to_vec())
             )),
             reports: register!(IntCounterVec::new(
                 Opts::new("flowgate_agent_reports_total", "Agent reports by result"),
@@ -122,8 +133,82 @@ impl Metrics {
                 ),
                 ep
             )),
+            endpoint_saturated: register!(IntGaugeVec::new(
+                Opts::new(
+                    "flowgate_endpoint_saturated",
+                    "1 when an eligible endpoint takes no new work, by reason \
+                     (slots-full, queue-depth, kv-cache, stale-metrics)"
+                ),
+                &["endpoint", "agent", "reason"]
+            )),
+            buffered_bytes: register!(IntGauge::new(
+                "flowgate_buffered_bytes",
+                "Request-body bytes waiting in the buffer now"
+            )),
+            flow_queue_size: register!(IntGaugeVec::new(
+                Opts::new(
+                    "inference_extension_flow_control_queue_size",
+                    "Requests waiting in flow control, per flow"
+                ),
+                &["fairness_id", "priority"]
+            )),
+            flow_queue_bytes: register!(IntGaugeVec::new(
+                Opts::new(
+                    "inference_extension_flow_control_queue_bytes",
+                    "Request-body bytes waiting in flow control, per flow"
+                ),
+                &["fairness_id", "priority"]
+            )),
+            flow_queue_duration: register!(HistogramVec::new(
+                HistogramOpts::new(
+                    "inference_extension_flow_control_request_queue_duration_seconds",
+                    "Time from arrival to the end of the wait in flow control, by priority \
+                     and outcome (dispatched, or the drop reason)"
+                )
+                .buckets(WAIT_BUCKETS.to_vec()),
+                &["priority", "outcome"]
+            )),
+            flow_dispatches: register!(IntCounterVec::new(
+                Opts::new(
+                    "flowgate_flow_control_dispatches_total",
+                    "Requests bound to an endpoint, by priority"
+                ),
+                &["priority"]
+            )),
+            flow_rejections: register!(IntCounterVec::new(
+                Opts::new(
+                    "flowgate_flow_control_rejections_total",
+                    "Requests that left flow control without an endpoint, by priority and \
+                     reason (buffer-full, shed, no-endpoints, ttl-expired, client-gone)"
+                ),
+                &["priority", "reason"]
+            )),
+            pool_saturation: register!(Gauge::new(
+                "inference_extension_flow_control_pool_saturation",
+                "Share of eligible endpoints that are saturated (1 when none is eligible)"
+            )),
             registry,
         }
+    }
+
+    /// Records how a request's wait in flow control ended.
+    pub fn flow_outcome(&self, priority: i32, outcome: Result<(), &str>, waited: Duration) {
+        let priority = priority.to_string();
+        let label = match outcome {
+            Ok(()) => {
+                self.flow_dispatches.with_label_values(&[&priority]).inc();
+                "dispatched"
+            }
+            Err(reason) => {
+                self.flow_rejections
+                    .with_label_values(&[&priority, reason])
+                    .inc();
+                reason
+            }
+        };
+        self.flow_queue_duration
+            .with_label_values(&[&priority, label])
+            .observe(waited.as_secs_f64());
     }
 
     /// Counts a finished inference request.
@@ -136,7 +221,31 @@ impl Metrics {
     /// Renders the text exposition, refreshing state gauges from `snap`.
     pub fn render(&self, snap: &Snapshot) -> Vec<u8> {
         self.buffered.set(snap.buffered as i64);
-        self.buffer_capacity.set(snap.config.max_buffered as i64);
+        self.buffered_bytes.set(snap.buffered_bytes as i64);
+        self.buffer_capacity
+            .set(snap.config.flow.max_requests as i64);
+        self.flow_queue_size.reset();
+        self.flow_queue_bytes.reset();
+        for f in &snap.flows {
+            let labels = [f.fairness_id.as_str(), &f.priority.to_string()];
+            self.flow_queue_size
+                .with_label_values(&labels)
+                .set(f.requests as i64);
+            self.flow_queue_bytes
+                .with_label_values(&labels)
+                .set(f.bytes as i64);
+        }
+        let eligible = snap.endpoints.iter().filter(|e| e.eligible).count();
+        let saturated = snap
+            .endpoints
+            .iter()
+            .filter(|e| e.eligible && e.saturation.is_some())
+            .count();
+        self.pool_saturation.set(if eligible == 0 {
+            1.0
+        } else {
+            saturated as f64 / eligible as f64
+        });
         self.in_flight.set(snap.in_flight as i64);
         self.agents
             .set(snap.endpoints.iter().filter(|e| e.agent.is_some()).count() as i64);
@@ -145,6 +254,7 @@ impl Metrics {
             &self.endpoint_slots,
             &self.endpoint_waiting,
             &self.endpoint_eligible,
+            &self.endpoint_saturated,
         ] {
             v.reset();
         }
@@ -177,6 +287,11 @@ impl Metrics {
             self.endpoint_eligible
                 .with_label_values(&labels)
                 .set(i64::from(e.eligible));
+            if let Some(reason) = e.saturation {
+                self.endpoint_saturated
+                    .with_label_values(&[&endpoint, agent, reason.as_str()])
+                    .set(1);
+            }
         }
         let mut out = Vec::new();
         TextEncoder::new()

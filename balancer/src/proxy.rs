@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use flowgate::openai::error_body;
-use flowgate::Reject;
+use flowgate::{Reject, RequestMeta};
 use http::{Method, StatusCode};
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_core::{Error, ErrorSource, ErrorType, Result};
@@ -26,6 +26,9 @@ use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 use serde::Deserialize;
 use tracing::{info, warn};
 
+use crate::policy::{
+    FlowHeaders, PriorityRules, FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER, TTL_HEADER,
+};
 use crate::state::{AdmitError, LeaseGuard, Shared};
 
 /// Pingora's retry buffer size (`BODY_BUF_LIMIT` in pingora-core).
@@ -34,6 +37,9 @@ const PINGORA_RETRY_BUFFER: usize = 64 * 1024;
 /// After refusing a body, how long to keep reading (and discarding) what the
 /// client still sends, so it gets to read the refusal instead of a reset.
 const LINGER: Duration = Duration::from_secs(2);
+
+/// Response header: milliseconds the request waited for an endpoint.
+const WAIT_HEADER: &str = "x-flowgate-wait-ms";
 
 /// Paths proxied to model servers (POST only).
 const INFERENCE_PATHS: [&str; 4] = [
@@ -46,6 +52,7 @@ const INFERENCE_PATHS: [&str; 4] = [
 pub struct Inference {
     pub shared: Arc<Shared>,
     pub max_request_bytes: usize,
+    pub priorities: PriorityRules,
     pub connect_timeout: Duration,
     pub retry_after: Duration,
 }
@@ -64,6 +71,9 @@ pub struct RequestCtx {
     reason: &'static str,
     /// The request's `model` field, for the access log.
     model: String,
+    /// The request's flow, for the access log.
+    fairness_id: String,
+    priority: i32,
 }
 
 /// Fields the balancer reads from an inference request body. Deserialising
@@ -105,6 +115,7 @@ impl Refusal {
     fn from_reject(r: Reject) -> Self {
         let (kind, code) = match r {
             Reject::BufferFull | Reject::NoEndpoints => ("server_error", "service_unavailable"),
+            Reject::Shed | Reject::Evicted => ("rate_limit_error", "rate_limit_exceeded"),
             Reject::Timeout => ("server_error", "timeout"),
         };
         Refusal {
@@ -144,7 +155,8 @@ impl Inference {
         r: Refusal,
     ) -> Result<bool> {
         let mut extra = vec![("x-flowgate-drop-reason", r.reason.to_string())];
-        if r.status == StatusCode::SERVICE_UNAVAILABLE {
+        if r.status == StatusCode::SERVICE_UNAVAILABLE || r.status == StatusCode::TOO_MANY_REQUESTS
+        {
             extra.push(("retry-after", self.retry_after.as_secs().max(1).to_string()));
         }
         ctx.reason = r.reason;
@@ -320,6 +332,8 @@ impl ProxyHttp for Inference {
             inference: false,
             reason: "",
             model: String::new(),
+            fairness_id: String::new(),
+            priority: 0,
         }
     }
 
@@ -359,6 +373,36 @@ impl ProxyHttp for Inference {
                 return self.refuse(session, ctx, r).await;
             }
         }
+        let headers = &session.req_header().headers;
+        let header = |name: &str| headers.get(name).map(|v| v.as_bytes());
+        let classified = self.priorities.classify(
+            FlowHeaders {
+                fairness_id: header(FAIRNESS_ID_HEADER),
+                objective: header(OBJECTIVE_HEADER),
+                priority: header(PRIORITY_HEADER),
+                ttl: header(TTL_HEADER),
+            },
+            &ctx.model,
+        );
+        let (flow, ttl) = match classified {
+            Ok(c) => c,
+            Err(bad) => {
+                let r = Refusal::new(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request_error",
+                    "invalid_header",
+                    bad.to_string(),
+                );
+                return self.refuse(session, ctx, r).await;
+            }
+        };
+        ctx.fairness_id = flow.fairness_id.to_string();
+        ctx.priority = flow.priority;
+        let request = RequestMeta {
+            flow,
+            bytes: body.len() as u64,
+            ttl,
+        };
         ctx.body = Some(body);
 
         let shared = Arc::clone(&self.shared);
@@ -367,7 +411,7 @@ impl ProxyHttp for Inference {
             // it should not while waiting for its answer).
             let _ = session.downstream_session.read_body_or_idle(true).await;
         };
-        match shared.admit(client_gone).await {
+        match shared.admit(request, client_gone).await {
             Ok((lease, waited)) => {
                 ctx.upstream = Some(lease.addr());
                 ctx.lease = Some(lease);
@@ -412,6 +456,17 @@ impl ProxyHttp for Inference {
     ) -> Result<()> {
         // The balancer already answered `100 Continue` and holds the body.
         upstream_request.remove_header(&http::header::EXPECT);
+        Ok(())
+    }
+
+    async fn response_filter(
+        &self,
+        _session: &mut Session,
+        upstream_response: &mut ResponseHeader,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        // How long the request waited in flow control before it was sent.
+        upstream_response.insert_header(WAIT_HEADER, ctx.waited.as_millis().to_string())?;
         Ok(())
     }
 
@@ -487,6 +542,8 @@ impl ProxyHttp for Inference {
             method = %session.req_header().method,
             path = session.req_header().uri.path(),
             model = ctx.model.as_str(),
+            fairness_id = ctx.fairness_id.as_str(),
+            priority = ctx.priority,
             status,
             reason,
             upstream = ctx.upstream.map(|a| a.to_string()).unwrap_or_default(),

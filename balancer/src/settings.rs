@@ -5,12 +5,16 @@
 //! places, kebab-case as a flag and camelCase in YAML
 //! (`--max-buffered-requests` ⇔ `maxBufferedRequests`).
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
+use flowgate::DispatcherConfig;
 use serde::Deserialize;
+
+use crate::policy::{self, FlowControlSection, PriorityRules, SaturationSection};
 
 pub const DEFAULT_INFERENCE_ADDR: &str = "127.0.0.1:8061";
 pub const DEFAULT_MANAGEMENT_ADDR: &str = "127.0.0.1:8060";
@@ -46,13 +50,22 @@ pub struct Cli {
     #[arg(long, value_name = "IP:PORT")]
     pub management_addr: Option<SocketAddr>,
 
-    /// Most requests that may wait for a free slot; more are answered 503.
-    /// 0 disables buffering [default: 30]
+    /// Most requests that may wait for a free slot, all priorities together;
+    /// more are answered 503 (or evict lower-priority waiters, answered
+    /// 429). 0 disables buffering. Same as `flowControl.maxRequests`
+    /// [default: 30]
     #[arg(long, value_name = "N")]
     pub max_buffered_requests: Option<usize>,
 
+    /// Most request-body bytes that may wait, all priorities together; same
+    /// as `flowControl.maxBytes` [default: 268435456 (256 MiB)]
+    #[arg(long, value_name = "BYTES")]
+    pub max_buffered_bytes: Option<u64>,
+
     /// Milliseconds a request may wait for a free slot before it is
-    /// answered 504 [default: 10000]
+    /// answered 504, unless it asks for another TTL with the
+    /// `x-flowgate-request-ttl` header. Same as `flowControl.defaultRequestTTL`
+    /// [default: 10000]
     #[arg(long, value_name = "MS")]
     pub buffered_request_timeout: Option<u64>,
 
@@ -99,6 +112,17 @@ pub struct FileConfig {
     pub threads: Option<usize>,
     pub log_level: Option<String>,
     pub log_format: Option<LogFormat>,
+    pub max_buffered_bytes: Option<u64>,
+    /// Priority bands, fairness and ordering policies, limits, TTLs.
+    pub flow_control: Option<FlowControlSection>,
+    /// When an endpoint stops taking new work.
+    pub saturation_detector: Option<SaturationSection>,
+    /// Objective name (header `x-gateway-inference-objective`) → priority.
+    #[serde(default)]
+    pub objectives: BTreeMap<String, i32>,
+    /// Model name → priority for requests that name no known objective.
+    #[serde(default)]
+    pub model_priorities: BTreeMap<String, i32>,
 }
 
 /// Effective settings after merging flags, file and defaults.
@@ -106,8 +130,10 @@ pub struct FileConfig {
 pub struct Settings {
     pub inference_addr: SocketAddr,
     pub management_addr: SocketAddr,
-    pub max_buffered_requests: usize,
-    pub buffered_request_timeout: Duration,
+    /// Flow control and saturation detection.
+    pub dispatcher: DispatcherConfig,
+    /// How requests get their priority.
+    pub priorities: PriorityRules,
     pub max_request_bytes: usize,
     pub shutdown_grace_period: Duration,
     pub upstream_connect_timeout: Duration,
@@ -164,6 +190,66 @@ impl Settings {
 
     pub fn merge(cli: Cli, file: FileConfig) -> Result<Self, SettingsError> {
         let default_addr = |s: &str| s.parse::<SocketAddr>().expect("valid default address");
+        let fc = file.flow_control.unwrap_or_default();
+        let either = |top: &str, nested: &str, a: bool, b: bool| {
+            if a && b {
+                Err(SettingsError::Invalid(format!(
+                    "{top} and flowControl.{nested} are the same setting: give only one"
+                )))
+            } else {
+                Ok(())
+            }
+        };
+        either(
+            "maxBufferedRequests",
+            "maxRequests",
+            file.max_buffered_requests.is_some(),
+            fc.max_requests.is_some(),
+        )?;
+        either(
+            "bufferedRequestTimeout",
+            "defaultRequestTTL",
+            file.buffered_request_timeout.is_some(),
+            fc.default_request_ttl.is_some(),
+        )?;
+        either(
+            "maxBufferedBytes",
+            "maxBytes",
+            file.max_buffered_bytes.is_some(),
+            fc.max_bytes.is_some(),
+        )?;
+        let max_requests = cli
+            .max_buffered_requests
+            .or(file.max_buffered_requests)
+            .or(fc.max_requests)
+            .unwrap_or(DEFAULT_MAX_BUFFERED_REQUESTS);
+        let max_bytes = cli
+            .max_buffered_bytes
+            .or(file.max_buffered_bytes)
+            .or(fc.max_bytes)
+            .unwrap_or(policy::DEFAULT_MAX_BUFFERED_BYTES);
+        let default_ttl = cli
+            .buffered_request_timeout
+            .or(file.buffered_request_timeout)
+            .map(Duration::from_millis)
+            .or(fc.default_request_ttl.map(|d| d.0))
+            .unwrap_or(Duration::from_millis(DEFAULT_BUFFERED_REQUEST_TIMEOUT_MS));
+        if default_ttl.is_zero() {
+            return Err(SettingsError::Invalid(
+                "buffered_request_timeout (flowControl.defaultRequestTTL) must be at least 1 ms"
+                    .into(),
+            ));
+        }
+        let (dispatcher, priorities) = policy::build(
+            &fc,
+            &file.saturation_detector.unwrap_or_default(),
+            &file.objectives,
+            &file.model_priorities,
+            max_requests,
+            max_bytes,
+            default_ttl,
+        )
+        .map_err(SettingsError::Invalid)?;
         let s = Settings {
             inference_addr: cli
                 .inference_addr
@@ -173,15 +259,8 @@ impl Settings {
                 .management_addr
                 .or(file.management_addr)
                 .unwrap_or_else(|| default_addr(DEFAULT_MANAGEMENT_ADDR)),
-            max_buffered_requests: cli
-                .max_buffered_requests
-                .or(file.max_buffered_requests)
-                .unwrap_or(DEFAULT_MAX_BUFFERED_REQUESTS),
-            buffered_request_timeout: Duration::from_millis(
-                cli.buffered_request_timeout
-                    .or(file.buffered_request_timeout)
-                    .unwrap_or(DEFAULT_BUFFERED_REQUEST_TIMEOUT_MS),
-            ),
+            dispatcher,
+            priorities,
             max_request_bytes: cli
                 .max_request_bytes
                 .or(file.max_request_bytes)
@@ -217,9 +296,6 @@ impl Settings {
         if self.inference_addr == self.management_addr {
             return invalid("inference_addr and management_addr must differ");
         }
-        if self.buffered_request_timeout.is_zero() {
-            return invalid("buffered_request_timeout must be at least 1 ms");
-        }
         if self.max_request_bytes == 0 {
             return invalid("max_request_bytes must be at least 1");
         }
@@ -246,8 +322,19 @@ mod tests {
         let s = Settings::merge(cli(&[]), FileConfig::default()).unwrap();
         assert_eq!(s.inference_addr.to_string(), "127.0.0.1:8061");
         assert_eq!(s.management_addr.to_string(), "127.0.0.1:8060");
-        assert_eq!(s.max_buffered_requests, 30);
-        assert_eq!(s.buffered_request_timeout, Duration::from_secs(10));
+        assert_eq!(s.dispatcher.flow.max_requests, 30);
+        assert_eq!(s.dispatcher.flow.max_bytes, 256 << 20);
+        assert_eq!(s.dispatcher.default_ttl, Duration::from_secs(10));
+        assert_eq!(s.dispatcher.max_ttl, Duration::from_secs(60));
+        assert_eq!(
+            s.dispatcher.saturation,
+            flowgate::SaturationConfig::default()
+        );
+        assert_eq!(
+            s.dispatcher.flow.default_band.fairness,
+            flowgate::FairnessPolicy::RoundRobin
+        );
+        assert!(!s.priorities.allow_client_priority);
         assert_eq!(s.max_request_bytes, 16 << 20);
         assert_eq!(s.shutdown_grace_period, Duration::from_secs(30));
     }
@@ -257,8 +344,8 @@ mod tests {
         let file =
             FileConfig::parse("maxBufferedRequests: 5\nbufferedRequestTimeout: 250\n").unwrap();
         let s = Settings::merge(cli(&["--max-buffered-requests", "7"]), file).unwrap();
-        assert_eq!(s.max_buffered_requests, 7);
-        assert_eq!(s.buffered_request_timeout, Duration::from_millis(250));
+        assert_eq!(s.dispatcher.flow.max_requests, 7);
+        assert_eq!(s.dispatcher.default_ttl, Duration::from_millis(250));
     }
 
     #[test]
@@ -281,6 +368,77 @@ mod tests {
         assert!(err.to_string().contains("must differ"));
         assert!(
             Settings::merge(cli(&["--max-request-bytes", "0"]), FileConfig::default()).is_err()
+        );
+    }
+
+    #[test]
+    fn flow_control_section_is_read_and_checked() {
+        let file = FileConfig::parse(
+            "flowControl:\n  maxRequests: 100\n  maxBytes: 1000000\n  defaultRequestTTL: 5s\n  \
+             maxRequestTTL: 2m\n  defaultPriority: 1\n  priorityBands:\n  - priority: 10\n    \
+             fairnessPolicyRef: global-strict-fairness-policy\n    orderingPolicyRef: edf\n  \
+             - priority: -1\n    maxRequests: 20\n    maxBytes: 50000\n\
+             saturationDetector:\n  queueDepthThreshold: 3\n  kvCacheUtilThreshold: 0.9\n  \
+             metricsStalenessThreshold: 150ms\nobjectives:\n  chat: 10\n  batch: -1\n",
+        )
+        .unwrap();
+        let s = Settings::merge(cli(&[]), file).unwrap();
+        let d = &s.dispatcher;
+        assert_eq!((d.flow.max_requests, d.flow.max_bytes), (100, 1_000_000));
+        assert_eq!(d.default_ttl, Duration::from_secs(5));
+        assert_eq!(d.max_ttl, Duration::from_secs(120));
+        let high = d.flow.band(10);
+        assert_eq!(high.fairness, flowgate::FairnessPolicy::GlobalStrict);
+        assert_eq!(high.ordering, flowgate::OrderingPolicy::Edf);
+        let low = d.flow.band(-1);
+        assert_eq!((low.max_requests, low.max_bytes), (Some(20), Some(50_000)));
+        assert_eq!(low.fairness, flowgate::FairnessPolicy::RoundRobin);
+        assert_eq!(d.saturation.queue_depth_threshold, 3);
+        assert_eq!(
+            d.saturation.metrics_staleness_threshold,
+            Duration::from_millis(150)
+        );
+        assert_eq!(s.priorities.objectives["batch"], -1);
+        assert_eq!(s.priorities.default_priority, 1);
+    }
+
+    #[test]
+    fn bad_flow_control_config_names_the_field() {
+        let bad = |yaml: &str, want: &str| {
+            let msg = match FileConfig::parse(yaml) {
+                Err(e) => e.to_string(),
+                Ok(file) => Settings::merge(cli(&[]), file).unwrap_err().to_string(),
+            };
+            assert!(msg.contains(want), "{yaml:?}: {msg}");
+        };
+        bad(
+            "flowControl:\n  priorityBands:\n  - priority: 1\n    fairnessPolicyRef: lottery\n",
+            "lottery",
+        );
+        bad(
+            "flowControl:\n  priorityBands:\n  - priority: 1\n  - priority: 1\n",
+            "flowControl.priorityBands[1].priority",
+        );
+        bad(
+            "flowControl:\n  priorityBands:\n  - priority: 1\n    maxRequests: 0\n",
+            "flowControl.priorityBands[0].maxRequests",
+        );
+        bad(
+            "saturationDetector:\n  kvCacheUtilThreshold: 1.5\n",
+            "saturationDetector.kvCacheUtilThreshold",
+        );
+        bad(
+            "flowControl:\n  defaultRequestTTL: 90s\n  maxRequestTTL: 1s\n",
+            "flowControl.maxRequestTTL",
+        );
+        bad(
+            "maxBufferedRequests: 3\nflowControl:\n  maxRequests: 4\n",
+            "give only one",
+        );
+        bad("flowControl:\n  maxQueue: 4\n", "unknown field");
+        bad(
+            "saturationDetector:\n  metricsStalenessThreshold: soon\n",
+            "duration",
         );
     }
 

@@ -1,10 +1,10 @@
 //! State shared by the proxy, the management API and housekeeping: the core
 //! [`Dispatcher`] behind one mutex, plus metrics.
 //!
-//! Invariant that makes waiting race-free: grants are delivered to waiters
-//! *while the lock is held*. So once a waiter, holding the lock, finds that
-//! it is no longer in the buffer, its grant (or the closed channel that means
-//! "expired") is already in its channel.
+//! Invariant that makes waiting race-free: the end of every wait (a grant,
+//! an eviction, an expiry) is delivered to its waiter *while the lock is
+//! held*. So once a waiter, holding the lock, finds that it is no longer
+//! queued, its answer is already in its channel.
 //!
 //! A grant travels as a [`LeaseGuard`], so a grant that nobody reads (its
 //! waiter was dropped) still gives its slot back, and a waiter dropped while
@@ -16,12 +16,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use flowgate::{Admission, AgentReport, BufferConfig, Dispatcher, Lease, Reject, ReportOutcome};
+use flowgate::{
+    Admission, AgentReport, Dispatcher, DispatcherConfig, FlowSnapshot, Lease, Reject,
+    ReportOutcome, RequestMeta,
+};
 use tokio::sync::oneshot;
 
 use crate::metrics::Metrics;
 
-type Waker = oneshot::Sender<LeaseGuard>;
+type Waker = oneshot::Sender<Result<LeaseGuard, Reject>>;
 
 pub struct Shared {
     dispatcher: Mutex<Dispatcher<Waker>>,
@@ -74,7 +77,7 @@ impl Drop for LeaseGuard {
 }
 
 impl Shared {
-    pub fn new(config: BufferConfig) -> Arc<Self> {
+    pub fn new(config: DispatcherConfig) -> Arc<Self> {
         Arc::new(Shared {
             dispatcher: Mutex::new(Dispatcher::new(config)),
             metrics: Metrics::new(),
@@ -98,17 +101,18 @@ impl Shared {
         r
     }
 
-    /// Delivers grants under the lock; a lease whose waiter vanished (the
-    /// receiver was dropped) goes straight back into the pool.
+    /// Delivers the ends of waits under the lock; a lease whose waiter
+    /// vanished (the receiver was dropped) goes straight back into the pool.
     fn deliver(self: &Arc<Self>, d: &mut Dispatcher<Waker>) {
         loop {
             let now = Instant::now();
-            let grants = d.dispatch(now);
-            if grants.is_empty() {
+            let done = d.dispatch(now);
+            if done.is_empty() {
                 return;
             }
-            for g in grants {
-                if let Err(mut unsent) = g.waiter.send(LeaseGuard::new(self, g.lease)) {
+            for w in done {
+                let answer = w.result.map(|lease| LeaseGuard::new(self, lease));
+                if let Err(Ok(mut unsent)) = w.waiter.send(answer) {
                     // Release under the lock we hold (the guard's own Drop
                     // would take it again).
                     if let Some(lease) = unsent.lease.take() {
@@ -123,37 +127,51 @@ impl Shared {
         self.with_dispatch(|d| d.release(lease));
     }
 
-    /// Waits for a slot. Resolves when a slot is granted, the buffer refuses
-    /// the request, its deadline passes, or `client_gone` resolves (then the
-    /// request leaves the buffer at once and holds nothing).
+    /// Waits for a slot. Resolves when a slot is granted, flow control
+    /// refuses or evicts the request, its deadline passes, or `client_gone`
+    /// resolves (then the request leaves the queues at once and holds
+    /// nothing).
     pub async fn admit(
         self: &Arc<Self>,
+        request: RequestMeta,
         client_gone: impl Future<Output = ()>,
     ) -> Result<(LeaseGuard, Duration), AdmitError> {
+        let priority = request.flow.priority;
         let (tx, mut rx) = oneshot::channel();
         let start = Instant::now();
-        let admission = self.lock().submit(tx, start);
+        let admission = self.with_dispatch(|d| d.submit(request, tx, start));
         let (ticket, deadline) = match admission {
-            Admission::Ready(lease) => return Ok((LeaseGuard::new(self, lease), Duration::ZERO)),
-            Admission::Rejected(r) => return Err(AdmitError::Rejected(r)),
+            Admission::Ready(lease) => {
+                self.metrics.flow_outcome(priority, Ok(()), Duration::ZERO);
+                return Ok((LeaseGuard::new(self, lease), Duration::ZERO));
+            }
+            Admission::Rejected(r) => {
+                self.metrics
+                    .flow_outcome(priority, Err(r.reason()), Duration::ZERO);
+                return Err(AdmitError::Rejected(r));
+            }
             Admission::Queued { ticket, deadline } => (ticket, deadline),
         };
         self.metrics.buffered_total.inc();
-        // Leaves the buffer however this future ends, dropped included.
+        // Leaves the queues however this future ends, dropped included.
         let _queued = QueuedTicket {
             shared: self,
             ticket,
         };
         tokio::pin!(client_gone);
         let outcome = tokio::select! {
-            granted = &mut rx => granted.map_err(|_| AdmitError::Rejected(Reject::Timeout)),
+            answer = &mut rx => answer
+                .unwrap_or(Err(Reject::Timeout))
+                .map_err(AdmitError::Rejected),
             () = tokio::time::sleep_until(deadline.into()) => {
                 let cancelled = self.lock().cancel(ticket);
                 if cancelled {
                     Err(AdmitError::Rejected(Reject::Timeout))
                 } else {
-                    // Granted (or dropped as expired) just before the timer fired.
-                    rx.try_recv().map_err(|_| AdmitError::Rejected(Reject::Timeout))
+                    // Answered just before the timer fired.
+                    rx.try_recv()
+                        .unwrap_or(Err(Reject::Timeout))
+                        .map_err(AdmitError::Rejected)
                 }
             }
             // A grant that raced with the disconnect is dropped with `rx`,
@@ -162,6 +180,12 @@ impl Shared {
         };
         let waited = start.elapsed();
         self.metrics.buffer_wait.observe(waited.as_secs_f64());
+        let label = match &outcome {
+            Ok(_) => Ok(()),
+            Err(AdmitError::Rejected(r)) => Err(r.reason()),
+            Err(AdmitError::ClientGone) => Err("client-gone"),
+        };
+        self.metrics.flow_outcome(priority, label, waited);
         outcome.map(|lease| (lease, waited))
     }
 
@@ -188,9 +212,11 @@ impl Shared {
         let d = self.lock();
         Snapshot {
             buffered: d.buffered(),
+            buffered_bytes: d.buffered_bytes(),
+            flows: d.flows(),
             in_flight: d.in_flight(),
             endpoints: d.endpoints(Instant::now()),
-            config: d.config(),
+            config: d.config().clone(),
         }
     }
 
@@ -218,9 +244,11 @@ impl Drop for QueuedTicket<'_> {
 
 pub struct Snapshot {
     pub buffered: usize,
+    pub buffered_bytes: u64,
+    pub flows: Vec<FlowSnapshot>,
     pub in_flight: u64,
     pub endpoints: Vec<flowgate::EndpointSnapshot>,
-    pub config: BufferConfig,
+    pub config: DispatcherConfig,
 }
 
 #[cfg(test)]
@@ -229,10 +257,9 @@ mod tests {
     use flowgate::{BackendHealth, BackendKind, PROTOCOL_VERSION};
 
     fn shared_with_one_slot() -> Arc<Shared> {
-        let shared = Shared::new(BufferConfig {
-            max_buffered: 4,
-            timeout: Duration::from_secs(10),
-        });
+        let mut config = DispatcherConfig::default();
+        config.flow.max_requests = 4;
+        let shared = Shared::new(config);
         shared
             .report(AgentReport {
                 protocol_version: PROTOCOL_VERSION,
@@ -254,6 +281,14 @@ mod tests {
         shared
     }
 
+    fn request() -> RequestMeta {
+        RequestMeta {
+            flow: flowgate::FlowKey::new("t", 0),
+            bytes: 10,
+            ttl: None,
+        }
+    }
+
     /// Polls `fut` briefly so it enqueues itself, leaving it pending.
     async fn enqueue<F: Future>(fut: &mut std::pin::Pin<Box<F>>) {
         assert!(
@@ -266,8 +301,11 @@ mod tests {
     #[tokio::test]
     async fn a_waiter_dropped_after_its_grant_gives_the_slot_back() {
         let shared = shared_with_one_slot();
-        let (first, _) = shared.admit(std::future::pending()).await.unwrap();
-        let mut waiting = Box::pin(shared.admit(std::future::pending()));
+        let (first, _) = shared
+            .admit(request(), std::future::pending())
+            .await
+            .unwrap();
+        let mut waiting = Box::pin(shared.admit(request(), std::future::pending()));
         enqueue(&mut waiting).await;
         assert_eq!(shared.snapshot().buffered, 1);
         first.release(); // the grant goes into the waiter's channel
@@ -280,8 +318,11 @@ mod tests {
     #[tokio::test]
     async fn a_waiter_dropped_while_queued_leaves_the_buffer() {
         let shared = shared_with_one_slot();
-        let (first, _) = shared.admit(std::future::pending()).await.unwrap();
-        let mut waiting = Box::pin(shared.admit(std::future::pending()));
+        let (first, _) = shared
+            .admit(request(), std::future::pending())
+            .await
+            .unwrap();
+        let mut waiting = Box::pin(shared.admit(request(), std::future::pending()));
         enqueue(&mut waiting).await;
         drop(waiting);
         assert_eq!(shared.snapshot().buffered, 0);
@@ -292,8 +333,11 @@ mod tests {
     #[tokio::test]
     async fn a_client_gone_while_queued_takes_nothing() {
         let shared = shared_with_one_slot();
-        let (first, _) = shared.admit(std::future::pending()).await.unwrap();
-        let gone = shared.admit(async {}).await;
+        let (first, _) = shared
+            .admit(request(), std::future::pending())
+            .await
+            .unwrap();
+        let gone = shared.admit(request(), async {}).await;
         assert_eq!(gone.err(), Some(AdmitError::ClientGone));
         let snap = shared.snapshot();
         assert_eq!((snap.in_flight, snap.buffered), (1, 0));

@@ -110,7 +110,10 @@ fn main() {
          {SLOTS} slots, {BATCHES} batches of {BATCH} steps"
     );
     let (baseline, _) = run(1, FairnessPolicy::GlobalStrict, OrderingPolicy::Fcfs);
-    println!("{:<40} {:>10} {:>10} {:>8}", "case", "median ns", "p99 ns", "ratio");
+    println!(
+        "{:<40} {:>10} {:>10} {:>8}",
+        "case", "median ns", "p99 ns", "ratio"
+    );
     println!(
         "{:<40} {:>10.0} {:>10} {:>8}",
         "baseline: 1 flow, global-strict, fcfs", baseline, "", "1.00"

@@ -31,6 +31,16 @@ pub enum BackendKind {
     Sglang,
 }
 
+impl BackendKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendKind::Llamacpp => "llamacpp",
+            BackendKind::Vllm => "vllm",
+            BackendKind::Sglang => "sglang",
+        }
+    }
+}
+
 /// What the agent last saw of its model server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -8,16 +8,15 @@
 
 use async_trait::async_trait;
 use flowgate::BackendHealth;
-use reqwest::{Client, StatusCode};
+use reqwest::StatusCode;
 use serde::Deserialize;
 
 use crate::backend::{Backend, BackendStatus};
+use crate::http::BackendHttp;
 use crate::prom;
 
 pub struct LlamaCpp {
-    client: Client,
-    base: String,
-    api_key: Option<String>,
+    http: BackendHttp,
 }
 
 #[derive(Debug, Deserialize)]
@@ -59,44 +58,20 @@ pub fn parse_models(body: &[u8]) -> Result<Vec<String>, String> {
 
 /// Reads a gauge that must be a small non-negative count.
 fn count(samples: &[prom::Sample], name: &str) -> Option<u32> {
-    prom::first(samples, name)
-        .filter(|v| v.is_finite() && *v >= 0.0)
-        .map(|v| v.min(f64::from(u32::MAX)) as u32)
+    prom::first(samples, name).map(prom::to_count)
 }
 
 impl LlamaCpp {
-    pub fn new(client: Client, base: String, api_key: Option<String>) -> Self {
-        LlamaCpp {
-            client,
-            base,
-            api_key,
-        }
-    }
-
-    async fn get(&self, path: &str) -> Result<(StatusCode, bytes::Bytes), String> {
-        let mut req = self.client.get(format!("{}{path}", self.base));
-        if let Some(key) = &self.api_key {
-            req = req.bearer_auth(key);
-        }
-        let resp = req.send().await.map_err(|e| format!("GET {path}: {e}"))?;
-        let status = resp.status();
-        let body = resp.bytes().await.map_err(|e| format!("GET {path}: {e}"))?;
-        Ok((status, body))
-    }
-
-    async fn get_ok(&self, path: &str) -> Result<bytes::Bytes, String> {
-        match self.get(path).await? {
-            (s, body) if s.is_success() => Ok(body),
-            (s, _) => Err(format!("GET {path}: HTTP {s}")),
-        }
+    pub fn new(http: BackendHttp) -> Self {
+        LlamaCpp { http }
     }
 
     async fn slots(&self, metrics: &[prom::Sample]) -> Result<(u32, u32), String> {
-        match self.get("/slots").await? {
+        match self.http.get("/slots").await? {
             (s, body) if s.is_success() => parse_slots(&body),
             // `--no-slots`: fall back to /props and the metrics.
             (StatusCode::NOT_IMPLEMENTED, _) => {
-                let body = self.get_ok("/props").await?;
+                let body = self.http.get_ok("/props").await?;
                 let props: Props = serde_json::from_slice(&body)
                     .map_err(|e| format!("/props has no total_slots: {e}"))?;
                 let busy = count(metrics, "llamacpp:requests_processing").unwrap_or(0);
@@ -110,7 +85,7 @@ impl LlamaCpp {
 #[async_trait]
 impl Backend for LlamaCpp {
     async fn poll(&self) -> BackendStatus {
-        let health = match self.get("/health").await {
+        let health = match self.http.get("/health").await {
             Ok((s, _)) if s.is_success() => BackendHealth::Ready,
             Ok((StatusCode::SERVICE_UNAVAILABLE, _)) => BackendHealth::Loading,
             Ok((s, _)) => return BackendStatus::unreachable(format!("GET /health: HTTP {s}")),
@@ -121,7 +96,8 @@ impl Backend for LlamaCpp {
             st.health = BackendHealth::Loading;
             return st;
         }
-        let (metrics, models) = tokio::join!(self.get("/metrics"), self.get_ok("/v1/models"));
+        let (metrics, models) =
+            tokio::join!(self.http.get("/metrics"), self.http.get_ok("/v1/models"));
         // Metrics are optional (`--metrics`); without them nothing waits.
         let samples = match metrics {
             Ok((s, body)) if s.is_success() => prom::parse(&String::from_utf8_lossy(&body)),

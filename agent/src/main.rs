@@ -2,6 +2,8 @@
 //! balancer every monitoring interval. See the README for flags.
 
 mod backend;
+mod engines;
+mod http;
 mod llamacpp;
 mod prom;
 
@@ -17,11 +19,27 @@ use tracing::{error, info, warn};
 use tracing_subscriber::EnvFilter;
 
 use crate::backend::Backend;
+use crate::engines::EngineMetrics;
+use crate::http::BackendHttp;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum BackendArg {
     /// llama.cpp's llama-server (needs `--metrics` for the deferred count)
     Llamacpp,
+    /// vLLM's OpenAI server (needs `--max-concurrency`)
+    Vllm,
+    /// SGLang started with `--enable-metrics` (needs `--max-concurrency`)
+    Sglang,
+}
+
+impl BackendArg {
+    fn kind(self) -> BackendKind {
+        match self {
+            BackendArg::Llamacpp => BackendKind::Llamacpp,
+            BackendArg::Vllm => BackendKind::Vllm,
+            BackendArg::Sglang => BackendKind::Sglang,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -38,6 +56,12 @@ struct Cli {
     /// Kind of model server
     #[arg(long, value_enum, default_value = "llamacpp")]
     backend: BackendArg,
+
+    /// Requests the server runs at once: vLLM's `--max-num-seqs`, SGLang's
+    /// `--max-running-requests` (required for them: neither exposes it).
+    /// With llama.cpp it caps the slot count the server reports
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    max_concurrency: Option<u32>,
 
     /// Address the agent polls: `host:port` or `http://host:port`
     #[arg(long, value_name = "ADDR")]
@@ -176,12 +200,18 @@ async fn run(cli: Cli) -> Result<(), String> {
         .connect_timeout(Duration::from_secs(1))
         .build()
         .map_err(|e| format!("http client: {e}"))?;
-    let backend: Box<dyn Backend> = match cli.backend {
-        BackendArg::Llamacpp => Box::new(llamacpp::LlamaCpp::new(
-            client.clone(),
-            backend_base.clone(),
-            cli.backend_api_key.clone(),
-        )),
+    let http = BackendHttp::new(
+        client.clone(),
+        backend_base.clone(),
+        cli.backend_api_key.clone(),
+    );
+    let backend: Box<dyn Backend> = match EngineMetrics::for_kind(cli.backend.kind()) {
+        None => Box::new(llamacpp::LlamaCpp::new(http)),
+        Some(metrics) => {
+            // main() refused to start these engines without it.
+            let n = cli.max_concurrency.unwrap_or(1);
+            Box::new(engines::MetricsEngine::new(http, metrics, n))
+        }
     };
     let agent_id = format!("agent-{}", uuid::Uuid::new_v4().simple());
     let name = cli.name.clone().unwrap_or_else(|| backend_base.clone());
@@ -209,12 +239,15 @@ async fn run(cli: Cli) -> Result<(), String> {
             () = &mut shutdown => break,
             _ = ticker.tick() => {}
         }
-        let status = backend.poll().await;
+        let mut status = backend.poll().await;
+        if let Some(cap) = cli.max_concurrency {
+            status.slots_total = status.slots_total.min(cap);
+        }
         let report = AgentReport {
             protocol_version: PROTOCOL_VERSION,
             agent_id: agent_id.clone(),
             name: name.clone(),
-            backend: BackendKind::Llamacpp,
+            backend: cli.backend.kind(),
             external_addr: external_addr.to_string(),
             models: status.models,
             health: status.health,
@@ -249,6 +282,17 @@ async fn run(cli: Cli) -> Result<(), String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if cli.max_concurrency.is_none() && EngineMetrics::for_kind(cli.backend.kind()).is_some() {
+        use clap::CommandFactory;
+        let msg = format!(
+            "--backend {} needs --max-concurrency N: the server does not expose how many \
+             requests it runs at once (vLLM --max-num-seqs, SGLang --max-running-requests)",
+            cli.backend.kind().as_str()
+        );
+        Cli::command()
+            .error(clap::error::ErrorKind::MissingRequiredArgument, msg)
+            .exit();
+    }
     let filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(&cli.log_level))
         .unwrap_or_else(|_| EnvFilter::new("info"));

@@ -20,6 +20,34 @@ pub fn first(samples: &[Sample], name: &str) -> Option<f64> {
     samples.iter().find(|s| s.name == name).map(|s| s.value)
 }
 
+/// The sum of every sample named `name` (e.g. over vLLM's data-parallel
+/// `engine` labels); `None` when there is none.
+pub fn sum(samples: &[Sample], name: &str) -> Option<f64> {
+    samples
+        .iter()
+        .filter(|s| s.name == name)
+        .map(|s| s.value)
+        .reduce(|a, b| a + b)
+}
+
+/// The largest sample named `name`; `None` when there is none.
+pub fn max(samples: &[Sample], name: &str) -> Option<f64> {
+    samples
+        .iter()
+        .filter(|s| s.name == name)
+        .map(|s| s.value)
+        .reduce(f64::max)
+}
+
+/// A gauge read as a count: negatives and NaN are 0, huge values saturate.
+pub fn to_count(v: f64) -> u32 {
+    if v.is_nan() || v <= 0.0 {
+        0
+    } else {
+        v.min(f64::from(u32::MAX)) as u32
+    }
+}
+
 fn parse_line(line: &str) -> Option<Sample> {
     let line = line.trim();
     if line.is_empty() || line.starts_with('#') {

@@ -72,6 +72,18 @@ struct Cli {
     /// Worker threads (1 = a single core)
     #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// Which engine's monitoring API to speak: llamacpp (`/slots`, `/props`,
+    /// `llamacpp:*` metrics), vllm (`vllm:*` metrics) or sglang (`sglang:*`
+    /// metrics); vllm and sglang have no `/slots` or `/props`
+    #[arg(long, value_enum, default_value = "llamacpp")]
+    engine: Engine,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Engine {
+    Llamacpp,
+    Vllm,
+    Sglang,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -166,7 +178,37 @@ fn header_num(req: &Request<Incoming>, name: &str, default: u64) -> u64 {
 }
 
 impl Sim {
+    /// vLLM / SGLang style gauges: running, waiting, and KV use (half the
+    /// cache per fully busy server, so load alone never saturates it).
+    fn engine_metrics(&self, engine: Engine) -> String {
+        let (running, waiting, kv) = match engine {
+            Engine::Vllm => (
+                "vllm:num_requests_running",
+                "vllm:num_requests_waiting",
+                "vllm:kv_cache_usage_perc",
+            ),
+            Engine::Sglang => (
+                "sglang:num_running_reqs",
+                "sglang:num_queue_reqs",
+                "sglang:token_usage",
+            ),
+            Engine::Llamacpp => unreachable!("llama.cpp metrics are rendered by metrics()"),
+        };
+        let busy = self.processing.load(Ordering::SeqCst);
+        let kv_use = busy as f64 / f64::from(self.cli.slots.max(1)) * 0.5;
+        let labels = format!("{{engine=\"0\",model_name=\"{}\"}}", self.cli.model);
+        format!(
+            "# TYPE {running} gauge\n{running}{labels} {busy}.0\n\
+             # TYPE {waiting} gauge\n{waiting}{labels} {}.0\n\
+             # TYPE {kv} gauge\n{kv}{labels} {kv_use}\n",
+            self.deferred.load(Ordering::SeqCst)
+        )
+    }
+
     fn metrics(&self) -> String {
+        if self.cli.engine != Engine::Llamacpp {
+            return self.engine_metrics(self.cli.engine);
+        }
         let mut out = String::new();
         let mut metric = |name: &str, kind: &str, help: &str, v: u64| {
             out.push_str(&format!(
@@ -242,8 +284,10 @@ async fn route(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>, 
                 json_resp(StatusCode::OK, json!({"status": "ok"}))
             }
         }
-        (&Method::GET, "/slots") => json_resp(StatusCode::OK, sim.slots_json()),
-        (&Method::GET, "/props") => json_resp(
+        (&Method::GET, "/slots") if sim.cli.engine == Engine::Llamacpp => {
+            json_resp(StatusCode::OK, sim.slots_json())
+        }
+        (&Method::GET, "/props") if sim.cli.engine == Engine::Llamacpp => json_resp(
             StatusCode::OK,
             json!({"total_slots": sim.cli.slots, "model_alias": sim.cli.model, "model_path": sim.cli.model}),
         ),

@@ -1,0 +1,193 @@
+//! vLLM and SGLang adapters. Both engines expose their load only as
+//! Prometheus gauges and neither tells its batch size limit, so slots come
+//! from `--max-concurrency` (vLLM's `--max-num-seqs`, SGLang's
+//! `--max-running-requests`).
+//!
+//! - vLLM: `vllm:num_requests_running`, `vllm:num_requests_waiting`,
+//!   `vllm:kv_cache_usage_perc` (older servers: `vllm:gpu_cache_usage_perc`).
+//! - SGLang (`--enable-metrics`): `sglang:num_running_reqs`,
+//!   `sglang:num_queue_reqs`, `sglang:token_usage`.
+//!
+//! Counts are summed over every series (data-parallel engines, several
+//! served models); KV use is the largest, the one that saturates first.
+//! `/health` answering 200 means ready, 503 loading; `/v1/models` lists the
+//! served model names.
+
+use async_trait::async_trait;
+use flowgate::{BackendHealth, BackendKind};
+use reqwest::StatusCode;
+
+use crate::backend::{Backend, BackendStatus};
+use crate::http::BackendHttp;
+use crate::llamacpp::parse_models;
+use crate::prom;
+
+/// The metric names an engine uses.
+#[derive(Debug, Clone, Copy)]
+pub struct EngineMetrics {
+    pub running: &'static str,
+    pub waiting: &'static str,
+    /// KV-cache use 0..=1, first name found wins.
+    pub kv_cache: &'static [&'static str],
+}
+
+pub const VLLM: EngineMetrics = EngineMetrics {
+    running: "vllm:num_requests_running",
+    waiting: "vllm:num_requests_waiting",
+    kv_cache: &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+};
+
+pub const SGLANG: EngineMetrics = EngineMetrics {
+    running: "sglang:num_running_reqs",
+    waiting: "sglang:num_queue_reqs",
+    kv_cache: &["sglang:token_usage"],
+};
+
+/// What the metrics say: (running, waiting, KV use).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineLoad {
+    pub running: u32,
+    pub waiting: u32,
+    pub kv_cache_usage: Option<f64>,
+}
+
+impl EngineMetrics {
+    pub fn for_kind(kind: BackendKind) -> Option<Self> {
+        match kind {
+            BackendKind::Vllm => Some(VLLM),
+            BackendKind::Sglang => Some(SGLANG),
+            BackendKind::Llamacpp => None,
+        }
+    }
+
+    /// Reads a scrape; an error when the running gauge is missing (wrong
+    /// engine, or SGLang without `--enable-metrics`).
+    pub fn read(&self, text: &str) -> Result<EngineLoad, String> {
+        let samples = prom::parse(text);
+        let running = prom::sum(&samples, self.running)
+            .ok_or_else(|| format!("/metrics has no {}", self.running))?;
+        let waiting = prom::sum(&samples, self.waiting).unwrap_or(0.0);
+        let kv_cache_usage = self
+            .kv_cache
+            .iter()
+            .find_map(|name| prom::max(&samples, name))
+            .filter(|v| v.is_finite())
+            .map(|v| v.clamp(0.0, 1.0));
+        Ok(EngineLoad {
+            running: prom::to_count(running),
+            waiting: prom::to_count(waiting),
+            kv_cache_usage,
+        })
+    }
+}
+
+/// An engine polled through `/health`, `/metrics` and `/v1/models`.
+pub struct MetricsEngine {
+    http: BackendHttp,
+    metrics: EngineMetrics,
+    max_concurrency: u32,
+}
+
+impl MetricsEngine {
+    pub fn new(http: BackendHttp, metrics: EngineMetrics, max_concurrency: u32) -> Self {
+        MetricsEngine {
+            http,
+            metrics,
+            max_concurrency,
+        }
+    }
+}
+
+#[async_trait]
+impl Backend for MetricsEngine {
+    async fn poll(&self) -> BackendStatus {
+        match self.http.get("/health").await {
+            Ok((s, _)) if s.is_success() => {}
+            Ok((StatusCode::SERVICE_UNAVAILABLE, _)) => {
+                let mut st = BackendStatus::unreachable("model is loading".into());
+                st.health = BackendHealth::Loading;
+                return st;
+            }
+            Ok((s, _)) => return BackendStatus::unreachable(format!("GET /health: HTTP {s}")),
+            Err(e) => return BackendStatus::unreachable(e),
+        }
+        let (metrics, models) =
+            tokio::join!(self.http.get_ok("/metrics"), self.http.get_ok("/v1/models"));
+        let load = match metrics.and_then(|b| self.metrics.read(&String::from_utf8_lossy(&b))) {
+            Ok(l) => l,
+            Err(e) => return BackendStatus::unreachable(e),
+        };
+        let models = match models.and_then(|b| parse_models(&b)) {
+            Ok(m) => m,
+            Err(e) => return BackendStatus::unreachable(e),
+        };
+        BackendStatus {
+            health: BackendHealth::Ready,
+            models,
+            slots_total: self.max_concurrency,
+            slots_busy: load.running.min(self.max_concurrency),
+            requests_waiting: load.waiting,
+            kv_cache_usage: load.kv_cache_usage,
+            last_error: None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prom::tests::fixture;
+
+    #[test]
+    fn reads_the_vllm_fixture() {
+        let load = VLLM.read(&fixture("vllm/metrics.txt")).unwrap();
+        assert_eq!(
+            load,
+            EngineLoad {
+                running: 3,
+                waiting: 2,
+                kv_cache_usage: Some(0.4375)
+            }
+        );
+    }
+
+    #[test]
+    fn reads_the_sglang_fixture() {
+        let load = SGLANG.read(&fixture("sglang/metrics.txt")).unwrap();
+        assert_eq!(
+            load,
+            EngineLoad {
+                running: 3,
+                waiting: 2,
+                kv_cache_usage: Some(0.11)
+            }
+        );
+    }
+
+    #[test]
+    fn older_vllm_kv_name_and_data_parallel_engines() {
+        let text = "vllm:num_requests_running{engine=\"0\"} 2\n\
+                    vllm:num_requests_running{engine=\"1\"} 5\n\
+                    vllm:num_requests_waiting{engine=\"0\"} 1\n\
+                    vllm:gpu_cache_usage_perc{engine=\"0\"} 0.2\n\
+                    vllm:gpu_cache_usage_perc{engine=\"1\"} 0.9\n";
+        let load = VLLM.read(text).unwrap();
+        assert_eq!((load.running, load.waiting), (7, 1));
+        assert_eq!(load.kv_cache_usage, Some(0.9));
+    }
+
+    #[test]
+    fn missing_metrics_are_an_error_and_odd_values_are_tamed() {
+        let err = SGLANG
+            .read("# sglang without --enable-metrics\n")
+            .unwrap_err();
+        assert!(err.contains("sglang:num_running_reqs"), "{err}");
+        let load = VLLM
+            .read("vllm:num_requests_running -3\nvllm:kv_cache_usage_perc NaN\n")
+            .unwrap();
+        assert_eq!(load.running, 0);
+        assert_eq!(load.kv_cache_usage, None);
+        // The wrong engine's metrics: clearly not this one.
+        assert!(VLLM.read(&fixture("sglang/metrics.txt")).is_err());
+    }
+}

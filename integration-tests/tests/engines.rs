@@ -1,0 +1,70 @@
+//! The vLLM and SGLang agents against llm-sim speaking each engine's
+//! metrics: slots from `--max-concurrency`, busy and waiting from the
+//! engine's gauges, KV use reported, and the balancer never sending more
+//! than the slots.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+async fn engine_agent_reports_and_limits(engine: &str) {
+    let b = Balancer::start(&[]).await;
+    let sim = Sim::start(&["--engine", engine, "--slots", "3", "--ttft-ms", "300"]);
+    let _agent = agent_at(
+        &sim.addr.to_string(),
+        &b,
+        &["--backend", engine, "--max-concurrency", "3"],
+    );
+    b.wait_eligible(1).await;
+    let ep = &b.agents().await["endpoints"][0];
+    assert_eq!(ep["agent"]["backend"], engine);
+    assert_eq!(ep["agent"]["slots_total"], 3);
+    assert_eq!(ep["agent"]["models"][0], "sim-model");
+
+    let chats: Vec<_> = (0..5).map(|_| spawn_chat(&b, &[])).collect();
+    b.wait_in_flight(3, Duration::from_secs(5)).await;
+    b.wait_buffered(2).await;
+    // The agent sees the engine's own running gauge and KV use.
+    wait_for(
+        "the agent to report 3 busy slots",
+        Duration::from_secs(5),
+        || async {
+            let a = b.agents().await;
+            let report = &a["endpoints"][0]["agent"];
+            (report["slots_busy"] == 3 && report["kv_cache_usage"].as_f64() == Some(0.5))
+                .then_some(())
+        },
+    )
+    .await;
+    for c in chats {
+        assert_eq!(c.await.unwrap(), 200);
+    }
+    assert_eq!(
+        sim.stats().await["max_deferred"],
+        0,
+        "the engine never queued: the balancer held the extra requests"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_agent() {
+    engine_agent_reports_and_limits("vllm").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_agent() {
+    engine_agent_reports_and_limits("sglang").await;
+}
+
+#[test]
+fn engines_without_max_concurrency_are_a_usage_error() {
+    let out = std::process::Command::new(bin("agent"))
+        .args(["--backend", "vllm", "--backend-addr", "127.0.0.1:9"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--max-concurrency"), "{stderr}");
+}

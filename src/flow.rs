@@ -21,8 +21,8 @@
 //! - Every request has a deadline; [`FlowQueues::expire`] removes the ones
 //!   past it, earliest first.
 //!
-//! All operations are O(log n) in the number of queued requests (plus
-//! O(flows of one band) for the rare eviction).
+//! All operations are O(log n) in the number of queued requests, except
+//! eviction (only when the whole buffer is full), which scans the flows.
 //!
 //! [`Reject::Shed`]: crate::Reject::Shed
 //! [`Reject::BufferFull`]: crate::Reject::BufferFull
@@ -30,7 +30,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::fmt;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
@@ -160,14 +160,12 @@ impl Ticket {
     }
 }
 
-/// A request taken out of the queues, with what it carried.
+/// A request taken out of the queues.
 #[derive(Debug)]
 pub struct Removed<T> {
     pub handle: T,
     pub key: FlowKey,
-    pub bytes: u64,
     pub enqueued_at: Instant,
-    pub deadline: Instant,
 }
 
 /// One flow's current queue, for metrics and the management API.
@@ -280,10 +278,6 @@ impl<T> FlowQueues<T> {
             next_seq: 0,
             next_ring_token: 0,
         }
-    }
-
-    pub fn config(&self) -> &FlowControlConfig {
-        &self.config
     }
 
     /// Queued requests in all bands.
@@ -458,11 +452,6 @@ impl<T> FlowQueues<T> {
         out
     }
 
-    /// The earliest deadline of any queued request.
-    pub fn next_deadline(&self) -> Option<Instant> {
-        self.deadlines.first().map(|d| d.0)
-    }
-
     /// Every flow with queued requests.
     pub fn flows(&self) -> Vec<FlowSnapshot> {
         let mut out: Vec<FlowSnapshot> = self
@@ -485,8 +474,9 @@ impl<T> FlowQueues<T> {
         out
     }
 
-    /// Removes one request and fixes every index except round-robin rings
-    /// (a flow emptied here leaves its ring lazily, in `peek`).
+    /// Removes one request and fixes every index. A round-robin flow
+    /// emptied here leaves a dead ring entry behind (skipped by `peek`,
+    /// popped by `pop`, swept once dead entries outnumber live ones).
     fn take(&mut self, ticket: Ticket) -> Option<Removed<T>> {
         let flow = self.flows.get_mut(ticket.flow.0 as usize)?.as_mut()?;
         let item = flow.items.remove(&ticket.key)?;
@@ -526,9 +516,7 @@ impl<T> FlowQueues<T> {
         Some(Removed {
             handle: item.handle,
             key,
-            bytes: item.bytes,
             enqueued_at: item.enqueued_at,
-            deadline: item.deadline,
         })
     }
 
@@ -663,26 +651,4 @@ impl fmt::Display for OrderingPolicy {
             OrderingPolicy::Edf => "edf",
         })
     }
-}
-
-/// Parses a duration: `250ms`, `10s`, `2m`, or a bare number of
-/// milliseconds. Used by the config file and header parsers.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (digits, unit_ms) = if let Some(d) = s.strip_suffix("ms") {
-        (d, 1)
-    } else if let Some(d) = s.strip_suffix('s') {
-        (d, 1_000)
-    } else if let Some(d) = s.strip_suffix('m') {
-        (d, 60_000)
-    } else {
-        (s, 1)
-    };
-    let n: u64 = digits
-        .trim()
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration (e.g. 250ms, 10s, 2m)"))?;
-    n.checked_mul(unit_ms)
-        .map(Duration::from_millis)
-        .ok_or_else(|| format!("{s:?} is too long"))
 }

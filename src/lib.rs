@@ -10,9 +10,12 @@
 //!   ordering, capacity limits, deadlines).
 //! - [`dispatcher`]: the queues in front of the endpoints: admission,
 //!   dispatch, expiry.
+//! - [`duration`]: `250ms` / `10s` / `2m` parsing for flags, config and
+//!   headers.
 //! - [`openai`]: OpenAI-style error bodies shared by the binaries.
 
 pub mod dispatcher;
+pub mod duration;
 pub mod endpoint;
 pub mod flow;
 pub mod openai;

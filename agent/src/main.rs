@@ -102,21 +102,9 @@ struct Cli {
 }
 
 fn parse_interval(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (num, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
-        Some(i) => (&s[..i], &s[i..]),
-        None => (s, "ms"),
-    };
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("{s:?} is not a duration like 1s or 250ms"))?;
-    let d = match unit {
-        "ms" => Duration::from_millis(n),
-        "s" => Duration::from_secs(n),
-        _ => return Err(format!("unknown unit {unit:?}: use ms or s")),
-    };
+    let d = flowgate::duration::parse_duration(s)?;
     if !(MIN_MONITORING_INTERVAL..=MAX_MONITORING_INTERVAL).contains(&d) {
-        return Err(format!("{s} is outside 50ms..=60s"));
+        return Err(format!("{} is outside 50ms..=60s", s.trim()));
     }
     Ok(d)
 }

@@ -119,8 +119,8 @@ impl Management {
         let body = json!({
             "buffered_requests": snap.buffered,
             "buffered_bytes": snap.buffered_bytes,
-            "max_buffered_requests": snap.config.flow.max_requests,
-            "max_buffered_bytes": snap.config.flow.max_bytes,
+            "max_buffered_requests": snap.max_buffered_requests,
+            "max_buffered_bytes": snap.max_buffered_bytes,
             "flows": snap.flows,
             "in_flight_requests": snap.in_flight,
             "endpoints": snap.endpoints,

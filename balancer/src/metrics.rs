@@ -222,8 +222,7 @@ impl Metrics {
     pub fn render(&self, snap: &Snapshot) -> Vec<u8> {
         self.buffered.set(snap.buffered as i64);
         self.buffered_bytes.set(snap.buffered_bytes as i64);
-        self.buffer_capacity
-            .set(snap.config.flow.max_requests as i64);
+        self.buffer_capacity.set(snap.max_buffered_requests as i64);
         self.flow_queue_size.reset();
         self.flow_queue_bytes.reset();
         for f in &snap.flows {

@@ -9,7 +9,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::time::Duration;
 
-use flowgate::flow::{parse_duration, valid_fairness_id, DEFAULT_FAIRNESS_ID};
+use flowgate::duration::parse_duration;
+use flowgate::flow::{valid_fairness_id, DEFAULT_FAIRNESS_ID};
 use flowgate::{
     BandConfig, DispatcherConfig, FairnessPolicy, FlowControlConfig, FlowKey, OrderingPolicy,
     SaturationConfig,

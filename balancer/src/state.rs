@@ -216,7 +216,8 @@ impl Shared {
             flows: d.flows(),
             in_flight: d.in_flight(),
             endpoints: d.endpoints(Instant::now()),
-            config: d.config().clone(),
+            max_buffered_requests: d.config().flow.max_requests,
+            max_buffered_bytes: d.config().flow.max_bytes,
         }
     }
 
@@ -248,7 +249,8 @@ pub struct Snapshot {
     pub flows: Vec<FlowSnapshot>,
     pub in_flight: u64,
     pub endpoints: Vec<flowgate::EndpointSnapshot>,
-    pub config: DispatcherConfig,
+    pub max_buffered_requests: usize,
+    pub max_buffered_bytes: u64,
 }
 
 #[cfg(test)]

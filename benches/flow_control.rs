@@ -8,14 +8,18 @@
 //! queue stays at 10,000. Steps are timed in batches of 1,000; the report
 //! gives the median and p99 of the per-step mean over 200 batches, next to a
 //! baseline in the same run: the same step with a single flow and FCFS.
+//! Every request names the model and carries 16 prompt blocks (12 shared
+//! by its tenant, 4 its own), so the scorers and the prefix index are
+//! measured too.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use flowgate::{
     AgentReport, BackendHealth, BackendKind, Dispatcher, DispatcherConfig, FairnessPolicy, FlowKey,
-    Lease, OrderingPolicy, RequestMeta, PROTOCOL_VERSION,
+    Lease, OrderingPolicy, RequestMeta, Route, PROTOCOL_VERSION,
 };
+use std::sync::Arc;
 
 const QUEUED: usize = 10_000;
 const BATCH: usize = 1_000;
@@ -58,11 +62,22 @@ fn run(flows: u32, fairness: FairnessPolicy, ordering: OrderingPolicy) -> (f64, 
     let keys: Vec<FlowKey> = (0..flows)
         .map(|f| FlowKey::new(format!("tenant-{f}"), 0))
         .collect();
-    let request = |n: u64| RequestMeta {
-        flow: keys[(n % u64::from(flows)) as usize].clone(),
-        bytes: 1_024,
-        // Varied deadlines so EDF has something to order.
-        ttl: Some(Duration::from_millis(60_000 + (n * 7_919) % 60_000)),
+    let model: Arc<str> = Arc::from("m");
+    let request = |n: u64| {
+        let tenant = n % u64::from(flows);
+        RequestMeta {
+            flow: keys[tenant as usize].clone(),
+            bytes: 1_024,
+            // Varied deadlines so EDF has something to order.
+            ttl: Some(Duration::from_millis(60_000 + (n * 7_919) % 60_000)),
+            route: Route {
+                model: Some(Arc::clone(&model)),
+                prefix: (0..16)
+                    .map(|b| if b < 12 { tenant << 8 | b } else { n << 8 | b })
+                    .collect(),
+                avoid: None,
+            },
+        }
     };
     let mut leases: Vec<Lease> = Vec::new();
     let mut n = 0u64;

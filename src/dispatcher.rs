@@ -12,17 +12,26 @@
 //! - Every freed slot, new report or new request runs
 //!   [`Dispatcher::dispatch`], which takes the next request (strict priority,
 //!   then fairness, then ordering) and binds it to an endpoint, until nothing
-//!   is queued or every endpoint is saturated. In the latter case the head
-//!   request is held and nothing behind it, of any priority, passes it.
-//!   A freed slot wakes exactly one waiter.
+//!   can be placed. A head request whose model has no unsaturated endpoint
+//!   is held, and nothing of the same model, of any priority, passes it;
+//!   requests for other models may (flows keep one lane per model, offered
+//!   in dispatch order by [`FlowQueues::peek_where`]). A freed slot wakes
+//!   exactly one waiter.
+//! - A request for a model no endpoint serves (nor served lately) is refused
+//!   404 at once, unless no agent is registered at all: then it waits for
+//!   the fleet to come up.
 //! - A request past its deadline is never served: `dispatch` answers it
 //!   504 first. Its owner may also remove it with [`Dispatcher::cancel`],
 //!   as when its client leaves. Neither holds a slot.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::endpoint::{EndpointSnapshot, Lease, Registry, ReportOutcome, SaturationConfig};
+use crate::endpoint::{
+    EndpointId, EndpointSnapshot, Lease, Registry, ReportOutcome, Route, SaturationConfig,
+    SchedulingConfig,
+};
 use crate::flow::{FlowControlConfig, FlowKey, FlowQueues, FlowSnapshot, QueueFull, Removed};
 use crate::protocol::{AgentReport, ReportError};
 
@@ -33,6 +42,7 @@ pub use crate::flow::Ticket;
 pub struct DispatcherConfig {
     pub flow: FlowControlConfig,
     pub saturation: SaturationConfig,
+    pub scheduling: SchedulingConfig,
     /// Deadline of a request that names none.
     pub default_ttl: Duration,
     /// Longest deadline a request may ask for; longer ones are cut to it.
@@ -44,6 +54,7 @@ impl Default for DispatcherConfig {
         DispatcherConfig {
             flow: FlowControlConfig::default(),
             saturation: SaturationConfig::default(),
+            scheduling: SchedulingConfig::default(),
             default_ttl: Duration::from_secs(10),
             max_ttl: Duration::from_secs(60),
         }
@@ -63,6 +74,8 @@ pub enum Reject {
     NoEndpoints,
     #[error("the request waited too long for a free model server")]
     Timeout,
+    #[error("the requested model is not served by any model server")]
+    UnknownModel,
 }
 
 impl Reject {
@@ -73,6 +86,7 @@ impl Reject {
             Reject::Shed | Reject::Evicted => "shed",
             Reject::NoEndpoints => "no-endpoints",
             Reject::Timeout => "ttl-expired",
+            Reject::UnknownModel => "model-not-found",
         }
     }
 
@@ -81,6 +95,7 @@ impl Reject {
             Reject::BufferFull | Reject::NoEndpoints => 503,
             Reject::Shed | Reject::Evicted => 429,
             Reject::Timeout => 504,
+            Reject::UnknownModel => 404,
         }
     }
 }
@@ -93,6 +108,8 @@ pub struct RequestMeta {
     pub bytes: u64,
     /// How long it may wait; `None`: the default. Cut to the maximum.
     pub ttl: Option<Duration>,
+    /// Where it may go and what the scorers look at.
+    pub route: Route,
 }
 
 /// Outcome of [`Dispatcher::submit`].
@@ -118,12 +135,19 @@ pub struct Done<T> {
     pub waited: Duration,
 }
 
+/// A queued request: the caller's handle and where the request may go.
+#[derive(Debug)]
+struct Waiting<T> {
+    handle: T,
+    route: Route,
+}
+
 /// The queues plus the endpoint registry.
 #[derive(Debug)]
 pub struct Dispatcher<T> {
     config: DispatcherConfig,
     registry: Registry,
-    queues: FlowQueues<T>,
+    queues: FlowQueues<Waiting<T>>,
     /// Requests evicted by `submit`, answered by the next `dispatch`.
     evicted: Vec<Done<T>>,
 }
@@ -131,7 +155,7 @@ pub struct Dispatcher<T> {
 impl<T> Dispatcher<T> {
     pub fn new(config: DispatcherConfig) -> Self {
         Dispatcher {
-            registry: Registry::new(config.saturation),
+            registry: Registry::new(config.saturation, config.scheduling),
             queues: FlowQueues::new(config.flow.clone()),
             config,
             evicted: Vec::new(),
@@ -152,8 +176,14 @@ impl<T> Dispatcher<T> {
     /// `handle` is kept with the waiter and given back in its [`Done`].
     /// Follow with [`Dispatcher::dispatch`]: a newcomer may evict waiters.
     pub fn submit(&mut self, request: RequestMeta, handle: T, now: Instant) -> Admission {
+        if !self
+            .registry
+            .model_known(request.route.model.as_deref(), now)
+        {
+            return Admission::Rejected(Reject::UnknownModel);
+        }
         if self.queues.is_empty() {
-            if let Some(lease) = self.registry.acquire(now) {
+            if let Some(lease) = self.registry.acquire(&request.route, now) {
                 return Admission::Ready(lease);
             }
         }
@@ -161,9 +191,14 @@ impl<T> Dispatcher<T> {
             return Admission::Rejected(Reject::NoEndpoints);
         }
         let deadline = now + self.ttl(request.ttl);
+        let lane = request.route.model.clone();
+        let waiting = Waiting {
+            handle,
+            route: request.route,
+        };
         match self
             .queues
-            .push(request.flow, request.bytes, handle, now, deadline)
+            .push(request.flow, lane, request.bytes, waiting, now, deadline)
         {
             Ok((ticket, evicted)) => {
                 self.evicted.extend(
@@ -189,12 +224,34 @@ impl<T> Dispatcher<T> {
                 .into_iter()
                 .map(|r| done(r, Err(Reject::Timeout), now)),
         );
-        while let Some(ticket) = self.queues.peek() {
-            let Some(lease) = self.registry.acquire(now) else {
-                break;
+        // Routes that found no endpoint in this pass: every later request
+        // with the same route waits too (same model, same exclusion).
+        let mut stuck: Vec<(Option<Arc<str>>, Option<SocketAddr>)> = Vec::new();
+        loop {
+            let next = if stuck.is_empty() {
+                self.queues.peek()
+            } else {
+                self.queues.peek_where(|w| {
+                    !stuck
+                        .iter()
+                        .any(|(m, a)| *m == w.route.model && *a == w.route.avoid)
+                })
             };
-            let removed = self.queues.pop(ticket).expect("peeked request is queued");
-            out.push(done(removed, Ok(lease), now));
+            let Some(ticket) = next else { break };
+            let route = &self.queues.get(ticket).expect("peeked request is queued").route;
+            match self.registry.acquire(route, now) {
+                Some(lease) => {
+                    let removed = self.queues.pop(ticket).expect("peeked request is queued");
+                    out.push(done(removed, Ok(lease), now));
+                }
+                None => {
+                    // Nothing free at all: no other request can go either.
+                    if !self.registry.any_available(now) {
+                        break;
+                    }
+                    stuck.push((route.model.clone(), route.avoid));
+                }
+            }
         }
         out
     }
@@ -208,6 +265,18 @@ impl<T> Dispatcher<T> {
     /// Returns a slot; follow with [`Dispatcher::dispatch`].
     pub fn release(&mut self, lease: Lease) {
         self.registry.release(lease);
+    }
+
+    /// Records how a request to `endpoint` ended for its circuit breaker:
+    /// `ok` is `false` for a connection failure or a 5xx answer only.
+    /// Returns `true` when this failure opened the circuit.
+    pub fn record_outcome(&mut self, endpoint: EndpointId, ok: bool, now: Instant) -> bool {
+        self.registry.record_outcome(endpoint, ok, now)
+    }
+
+    /// Whether a retry of `route` has another eligible endpoint to go to.
+    pub fn has_alternative(&self, route: &Route, now: Instant) -> bool {
+        self.registry.has_alternative(route, now)
     }
 
     /// Validates and applies an agent report; follow with `dispatch`.
@@ -259,9 +328,9 @@ impl<T> Dispatcher<T> {
     }
 }
 
-fn done<T>(r: Removed<T>, result: Result<Lease, Reject>, now: Instant) -> Done<T> {
+fn done<T>(r: Removed<Waiting<T>>, result: Result<Lease, Reject>, now: Instant) -> Done<T> {
     Done {
-        waiter: r.handle,
+        waiter: r.handle.handle,
         flow: r.key,
         result,
         waited: now.saturating_duration_since(r.enqueued_at),

@@ -14,6 +14,19 @@
 //! - An endpoint whose agent went away stays known while requests are in
 //!   flight to it (ineligible for new work) and is forgotten when they finish.
 //!
+//! Scheduling: a request names a [`Route`] (its model and prompt prefix).
+//! Only endpoints that serve the model, are eligible (ready, not draining,
+//! not stale, circuit closed) and are not saturated are candidates; the
+//! weighted scorers of [`crate::scorer`] pick among them, ties at random.
+//! The chosen endpoint remembers the request's prompt blocks
+//! ([`crate::prefix`]).
+//!
+//! Circuit breaker: `failures` consecutive upstream failures (connection
+//! errors and 5xx answers, never 4xx) open the circuit for `backoff`; the
+//! endpoint then comes back on its own. A failure right after it comes back
+//! opens it again for twice as long (up to `max_backoff`); a success closes it
+//! and forgets the failures.
+//!
 //! Saturation detector: an eligible endpoint takes new work only while it
 //! is not saturated ([`Saturation`]): a free slot by the balancer's own
 //! count, fewer waiting requests than `queue_depth_threshold`, KV-cache use
@@ -24,11 +37,14 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use crate::prefix::{PrefixConfig, PrefixLru};
 use crate::protocol::{AgentReport, BackendHealth};
+use crate::scorer::{Candidate, ScorerWeights, TieBreaker};
 
 /// Reports older than this many monitoring intervals make an agent stale.
 pub const STALE_AFTER_INTERVALS: u32 = 3;
@@ -81,6 +97,100 @@ impl Saturation {
     }
 }
 
+/// How long a model stays known (requests for it are queued, not refused
+/// with 404) after the last endpoint serving it went away, so a rolling
+/// restart does not turn into errors.
+pub const MODEL_MEMORY: Duration = Duration::from_secs(300);
+
+/// Where a request may go.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Route {
+    /// The requested model; `None`: any endpoint.
+    pub model: Option<Arc<str>>,
+    /// Chained hashes of the prompt's leading blocks ([`crate::prefix`]).
+    pub prefix: Vec<u64>,
+    /// Not this endpoint (a retry after it failed).
+    pub avoid: Option<SocketAddr>,
+}
+
+/// The circuit breaker's settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BreakerConfig {
+    /// Consecutive failures that open the circuit; 0 disables the breaker.
+    pub failures: u32,
+    /// How long the circuit stays open the first time.
+    pub backoff: Duration,
+    /// The longest it stays open after repeated trips.
+    pub max_backoff: Duration,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        BreakerConfig {
+            failures: 3,
+            backoff: Duration::from_secs(5),
+            max_backoff: Duration::from_secs(60),
+        }
+    }
+}
+
+/// How endpoints are chosen.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SchedulingConfig {
+    pub scorers: ScorerWeights,
+    pub prefix: PrefixConfig,
+    pub breaker: BreakerConfig,
+    /// Seed of the tie-breaking random source.
+    pub seed: u64,
+}
+
+impl Default for SchedulingConfig {
+    fn default() -> Self {
+        SchedulingConfig {
+            scorers: ScorerWeights::default(),
+            prefix: PrefixConfig::default(),
+            breaker: BreakerConfig::default(),
+            seed: 0x5eed,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Breaker {
+    consecutive_failures: u32,
+    /// Times the circuit opened since the last success.
+    trips: u32,
+    open_until: Option<Instant>,
+}
+
+impl Breaker {
+    fn is_open(&self, now: Instant) -> bool {
+        self.open_until.is_some_and(|t| now < t)
+    }
+
+    /// Counts a failure; `true` when it opened the circuit.
+    fn failure(&mut self, now: Instant, config: &BreakerConfig) -> bool {
+        if config.failures == 0 || self.is_open(now) {
+            return false;
+        }
+        self.consecutive_failures = self.consecutive_failures.saturating_add(1);
+        if self.consecutive_failures < config.failures {
+            return false;
+        }
+        let backoff = config
+            .backoff
+            .saturating_mul(1u32 << self.trips.min(16))
+            .min(config.max_backoff);
+        self.open_until = Some(now + backoff);
+        self.trips = self.trips.saturating_add(1);
+        true
+    }
+
+    fn success(&mut self) {
+        *self = Breaker::default();
+    }
+}
+
 /// Identifies an endpoint for the life of the process (never reused).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub struct EndpointId(pub u64);
@@ -111,8 +221,9 @@ pub(crate) struct Endpoint {
     in_flight_peak: u32,
     /// Busy slots the balancer did not cause, from the last report.
     foreign_busy: u32,
-    /// Dispatch sequence number of the last lease, for fair tie-breaking.
-    last_dispatch: u64,
+    breaker: Breaker,
+    /// Prompt blocks recently sent here.
+    prefix: PrefixLru,
 }
 
 impl Endpoint {
@@ -120,15 +231,34 @@ impl Endpoint {
         agent.received_at + agent.report.monitoring_interval() * STALE_AFTER_INTERVALS
     }
 
-    /// Whether the endpoint may receive new work at `now`.
+    /// Whether the endpoint may receive new work at `now` (once it is not
+    /// saturated).
     pub(crate) fn eligible(&self, now: Instant) -> bool {
         match &self.agent {
             Some(a) => {
                 a.report.health == BackendHealth::Ready
                     && !a.report.draining
                     && now < Self::stale_deadline(a)
+                    && !self.breaker.is_open(now)
             }
             None => false,
+        }
+    }
+
+    /// Eligible and not saturated.
+    fn available(&self, now: Instant, config: &SaturationConfig) -> bool {
+        self.eligible(now) && self.saturation(now, config).is_none()
+    }
+
+    /// Whether the endpoint answers for `model` (an agent that lists no
+    /// models is taken to serve any).
+    fn serves(&self, model: Option<&str>) -> bool {
+        match (&self.agent, model) {
+            (None, _) => false,
+            (Some(_), None) => true,
+            (Some(a), Some(m)) => {
+                a.report.models.is_empty() || a.report.models.iter().any(|x| x == m)
+            }
         }
     }
 
@@ -184,6 +314,12 @@ pub struct EndpointSnapshot {
     pub in_flight: u32,
     pub foreign_busy: u32,
     pub free_slots: u32,
+    /// Milliseconds until the circuit breaker lets work through again
+    /// (`null`: closed).
+    pub circuit_open_ms: Option<u64>,
+    pub consecutive_failures: u32,
+    /// Prompt blocks the prefix index remembers for this endpoint.
+    pub prefix_blocks: usize,
 }
 
 /// What happened to a report.
@@ -197,21 +333,39 @@ pub enum ReportOutcome {
 }
 
 /// All endpoints the balancer knows.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Registry {
     saturation: SaturationConfig,
+    scheduling: SchedulingConfig,
     endpoints: HashMap<EndpointId, Endpoint>,
     by_addr: HashMap<SocketAddr, EndpointId>,
     by_agent: HashMap<String, EndpointId>,
+    /// Every model an agent reported, with when it last did.
+    models: HashMap<Arc<str>, Instant>,
     next_id: u64,
-    dispatch_seq: u64,
+    ties: TieBreaker,
+    /// Scratch space of `acquire`.
+    best: Vec<EndpointId>,
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Registry::new(SaturationConfig::default(), SchedulingConfig::default())
+    }
 }
 
 impl Registry {
-    pub(crate) fn new(saturation: SaturationConfig) -> Self {
+    pub(crate) fn new(saturation: SaturationConfig, scheduling: SchedulingConfig) -> Self {
         Registry {
             saturation,
-            ..Registry::default()
+            scheduling,
+            endpoints: HashMap::new(),
+            by_addr: HashMap::new(),
+            by_agent: HashMap::new(),
+            models: HashMap::new(),
+            next_id: 0,
+            ties: TieBreaker::new(scheduling.seed),
+            best: Vec::new(),
         }
     }
 
@@ -242,7 +396,8 @@ impl Registry {
                         in_flight: 0,
                         in_flight_peak: 0,
                         foreign_busy: 0,
-                        last_dispatch: 0,
+                        breaker: Breaker::default(),
+                        prefix: PrefixLru::new(self.scheduling.prefix.capacity_blocks),
                     },
                 );
                 self.by_addr.insert(addr, id);
@@ -264,6 +419,14 @@ impl Registry {
         };
         ep.foreign_busy = report.slots_busy.saturating_sub(ep.in_flight_peak);
         ep.in_flight_peak = ep.in_flight;
+        for m in &report.models {
+            match self.models.get_mut(m.as_str()) {
+                Some(seen) => *seen = now,
+                None => {
+                    self.models.insert(Arc::from(m.as_str()), now);
+                }
+            }
+        }
         self.by_agent.insert(report.agent_id.clone(), id);
         ep.agent = Some(AgentState {
             report,
@@ -301,9 +464,12 @@ impl Registry {
         }
     }
 
-    /// Drops agents whose last report is older than three intervals.
-    /// Returns the ids of the agents dropped.
+    /// Drops agents whose last report is older than three intervals, and
+    /// models not reported for [`MODEL_MEMORY`]. Returns the ids of the
+    /// agents dropped.
     pub(crate) fn drop_stale(&mut self, now: Instant) -> Vec<String> {
+        self.models
+            .retain(|_, seen| now.saturating_duration_since(*seen) < MODEL_MEMORY);
         let stale: Vec<(EndpointId, String)> = self
             .endpoints
             .values()
@@ -321,28 +487,109 @@ impl Registry {
             .collect()
     }
 
-    /// Picks the eligible, unsaturated endpoint with the most free slots;
-    /// ties go to the one that got work least recently, so equal servers
-    /// share the load.
-    pub(crate) fn acquire(&mut self, now: Instant) -> Option<Lease> {
+    /// Picks the best endpoint for `route` among those that serve its
+    /// model and are eligible and not saturated (see the module docs), and
+    /// takes one of its slots.
+    pub(crate) fn acquire(&mut self, route: &Route, now: Instant) -> Option<Lease> {
         let config = self.saturation;
-        let ep = self
-            .endpoints
-            .values_mut()
-            .filter(|e| e.eligible(now) && e.saturation(now, &config).is_none())
-            .max_by(|a, b| {
-                a.free_slots()
-                    .cmp(&b.free_slots())
-                    .then(b.last_dispatch.cmp(&a.last_dispatch))
-            })?;
-        self.dispatch_seq += 1;
-        ep.last_dispatch = self.dispatch_seq;
+        let weights = self.scheduling.scorers;
+        let blocks = route.prefix.len();
+        let score_prefix = weights.prefix_cache > 0.0 && blocks > 0;
+        let mut best_score = f64::NEG_INFINITY;
+        self.best.clear();
+        for e in self.endpoints.values() {
+            if Some(e.addr) == route.avoid
+                || !e.serves(route.model.as_deref())
+                || !e.available(now, &config)
+            {
+                continue;
+            }
+            let report = &e.agent.as_ref().expect("eligible endpoints have an agent").report;
+            let score = weights.score(&Candidate {
+                prefix_matched: if score_prefix {
+                    e.prefix.matched(&route.prefix)
+                } else {
+                    0
+                },
+                prefix_blocks: blocks,
+                free_slots: e.free_slots(),
+                slots_total: e.slots_total(),
+                kv_cache_usage: report.kv_cache_usage,
+                requests_waiting: report.requests_waiting,
+                queue_depth_threshold: config.queue_depth_threshold,
+            });
+            // Scores are sums of a few ratios: closer than this is a tie.
+            const TIE: f64 = 1e-9;
+            if score > best_score + TIE {
+                best_score = score;
+                self.best.clear();
+                self.best.push(e.id);
+            } else if score >= best_score - TIE {
+                self.best.push(e.id);
+            }
+        }
+        let chosen = match self.best.len() {
+            0 => return None,
+            1 => self.best[0],
+            n => {
+                // HashMap order varies: sort so the seed alone decides.
+                self.best.sort_unstable();
+                self.best[self.ties.below(n)]
+            }
+        };
+        let ep = self.endpoints.get_mut(&chosen).expect("candidate exists");
         ep.in_flight += 1;
         ep.in_flight_peak = ep.in_flight_peak.max(ep.in_flight);
+        ep.prefix.insert(&route.prefix);
         Some(Lease {
             endpoint: ep.id,
             addr: ep.addr,
         })
+    }
+
+    /// Whether some endpoint could take work now, for any model.
+    pub(crate) fn any_available(&self, now: Instant) -> bool {
+        let config = self.saturation;
+        self.endpoints.values().any(|e| e.available(now, &config))
+    }
+
+    /// Whether an eligible endpoint other than `route.avoid` serves the
+    /// route's model (it may be busy): a retry has somewhere to go.
+    pub(crate) fn has_alternative(&self, route: &Route, now: Instant) -> bool {
+        self.endpoints.values().any(|e| {
+            Some(e.addr) != route.avoid && e.serves(route.model.as_deref()) && e.eligible(now)
+        })
+    }
+
+    /// Whether requests for `model` are accepted: it is served or was
+    /// lately, any endpoint will do (`None`, or an agent listing no models),
+    /// or no agent is registered at all (the fleet may be scaling up from
+    /// zero, so requests wait for it).
+    pub(crate) fn model_known(&self, model: Option<&str>, now: Instant) -> bool {
+        let Some(m) = model else { return true };
+        let mut agents = self.endpoints.values().filter(|e| e.agent.is_some()).peekable();
+        if agents.peek().is_none() {
+            return true;
+        }
+        agents.any(|e| e.serves(Some(m)))
+            || self
+                .models
+                .get(m)
+                .is_some_and(|seen| now.saturating_duration_since(*seen) < MODEL_MEMORY)
+    }
+
+    /// Records how a request to `endpoint` ended: `false` for a connection
+    /// failure or a 5xx answer. `true` when this failure opened the circuit.
+    pub(crate) fn record_outcome(&mut self, endpoint: EndpointId, ok: bool, now: Instant) -> bool {
+        let Some(ep) = self.endpoints.get_mut(&endpoint) else {
+            return false;
+        };
+        if ok {
+            ep.breaker.success();
+            false
+        } else {
+            ep.breaker.failure(now, &self.scheduling.breaker)
+        }
     }
 
     /// Gives a slot back. Consuming the lease makes a double release a
@@ -404,6 +651,11 @@ impl Registry {
                 in_flight: e.in_flight,
                 foreign_busy: e.foreign_busy,
                 free_slots: e.free_slots(),
+                circuit_open_ms: e.breaker.open_until.and_then(|t| {
+                    (now < t).then(|| u64::try_from((t - now).as_millis()).unwrap_or(u64::MAX))
+                }),
+                consecutive_failures: e.breaker.consecutive_failures,
+                prefix_blocks: e.prefix.len(),
             })
             .collect();
         out.sort_by_key(|s| s.id);
@@ -431,11 +683,11 @@ mod tests {
     fn leases_never_exceed_reported_slots() {
         let now = Instant::now();
         let mut r = registry_with(2, now);
-        let l1 = r.acquire(now).unwrap();
-        let l2 = r.acquire(now).unwrap();
-        assert!(r.acquire(now).is_none());
+        let l1 = r.acquire(&Route::default(), now).unwrap();
+        let l2 = r.acquire(&Route::default(), now).unwrap();
+        assert!(r.acquire(&Route::default(), now).is_none());
         r.release(l1);
-        let l3 = r.acquire(now).unwrap();
+        let l3 = r.acquire(&Route::default(), now).unwrap();
         r.release(l2);
         r.release(l3);
         assert_eq!(r.total_in_flight(), 0);
@@ -445,12 +697,12 @@ mod tests {
     fn a_report_never_resets_the_in_flight_count() {
         let now = Instant::now();
         let mut r = registry_with(4, now);
-        let leases: Vec<_> = (0..3).map(|_| r.acquire(now).unwrap()).collect();
+        let leases: Vec<_> = (0..3).map(|_| r.acquire(&Route::default(), now).unwrap()).collect();
         // The agent scraped before our requests arrived: it says 0 busy.
         r.apply_report(report("a", "127.0.0.1:1", 4), addr("127.0.0.1:1"), now);
         assert_eq!(r.total_in_flight(), 3);
-        assert!(r.acquire(now).is_some(), "one slot left");
-        assert!(r.acquire(now).is_none(), "and only one");
+        assert!(r.acquire(&Route::default(), now).is_some(), "one slot left");
+        assert!(r.acquire(&Route::default(), now).is_none(), "and only one");
         for l in leases {
             r.release(l);
         }
@@ -460,14 +712,14 @@ mod tests {
     fn a_lagging_report_does_not_hide_a_slot_just_freed() {
         let now = Instant::now();
         let mut r = registry_with(2, now);
-        let l1 = r.acquire(now).unwrap();
-        let l2 = r.acquire(now).unwrap();
+        let l1 = r.acquire(&Route::default(), now).unwrap();
+        let l2 = r.acquire(&Route::default(), now).unwrap();
         r.release(l1);
         // Scraped while both of ours were busy.
         let mut busy = report("a", "127.0.0.1:1", 2);
         busy.slots_busy = 2;
         r.apply_report(busy, addr("127.0.0.1:1"), now);
-        assert!(r.acquire(now).is_some(), "the freed slot is usable at once");
+        assert!(r.acquire(&Route::default(), now).is_some(), "the freed slot is usable at once");
         let _ = l2;
     }
 
@@ -478,8 +730,8 @@ mod tests {
         let mut busy = report("a", "127.0.0.1:1", 4);
         busy.slots_busy = 3; // none of them ours
         r.apply_report(busy, addr("127.0.0.1:1"), now);
-        assert!(r.acquire(now).is_some());
-        assert!(r.acquire(now).is_none());
+        assert!(r.acquire(&Route::default(), now).is_some());
+        assert!(r.acquire(&Route::default(), now).is_none());
     }
 
     #[test]
@@ -488,9 +740,9 @@ mod tests {
         let mut r = registry_with(2, now);
         let out = r.apply_report(report("b", "127.0.0.1:1", 2), addr("127.0.0.1:1"), now);
         assert!(matches!(out, ReportOutcome::TookOver(_)));
-        assert!(r.acquire(now).is_some());
-        assert!(r.acquire(now).is_some());
-        assert!(r.acquire(now).is_none());
+        assert!(r.acquire(&Route::default(), now).is_some());
+        assert!(r.acquire(&Route::default(), now).is_some());
+        assert!(r.acquire(&Route::default(), now).is_none());
         assert_eq!(r.snapshot(now).len(), 1);
     }
 
@@ -498,11 +750,11 @@ mod tests {
     fn stale_agents_get_no_work_and_are_dropped_after_in_flight_finishes() {
         let t0 = Instant::now();
         let mut r = registry_with(2, t0);
-        let lease = r.acquire(t0).unwrap();
+        let lease = r.acquire(&Route::default(), t0).unwrap();
         let stale = t0 + Duration::from_secs(3);
-        assert!(r.acquire(t0 + Duration::from_millis(1999)).is_some());
+        assert!(r.acquire(&Route::default(), t0 + Duration::from_millis(1999)).is_some());
         assert!(
-            r.acquire(t0 + Duration::from_millis(2001)).is_none(),
+            r.acquire(&Route::default(), t0 + Duration::from_millis(2001)).is_none(),
             "metrics older than 2 intervals saturate"
         );
         assert!(r.snapshot(stale - Duration::from_millis(1))[0].eligible);
@@ -521,14 +773,14 @@ mod tests {
     fn deregistered_endpoint_is_forgotten_when_idle_and_rejoins_with_its_count() {
         let now = Instant::now();
         let mut r = registry_with(1, now);
-        let lease = r.acquire(now).unwrap();
+        let lease = r.acquire(&Route::default(), now).unwrap();
         assert!(r.deregister("a"));
         assert!(!r.any_eligible(now));
         // It comes back before the request finished: the slot is still taken.
         r.apply_report(report("a2", "127.0.0.1:1", 1), addr("127.0.0.1:1"), now);
-        assert!(r.acquire(now).is_none());
+        assert!(r.acquire(&Route::default(), now).is_none());
         r.release(lease);
-        assert!(r.acquire(now).is_some());
+        assert!(r.acquire(&Route::default(), now).is_some());
         let mut r = registry_with(1, now);
         assert!(r.deregister("a"));
         assert!(r.snapshot(now).is_empty());
@@ -547,7 +799,7 @@ mod tests {
             f(&mut rep);
             let mut r = Registry::default();
             r.apply_report(rep, addr("127.0.0.1:1"), now);
-            assert!(r.acquire(now).is_none());
+            assert!(r.acquire(&Route::default(), now).is_none());
         }
     }
 
@@ -557,7 +809,7 @@ mod tests {
         let mut r = Registry::default();
         r.apply_report(report("a", "127.0.0.1:1", 4), addr("127.0.0.1:1"), now);
         r.apply_report(report("b", "127.0.0.1:2", 4), addr("127.0.0.1:2"), now);
-        let leases: Vec<_> = (0..4).map(|_| r.acquire(now).unwrap()).collect();
+        let leases: Vec<_> = (0..4).map(|_| r.acquire(&Route::default(), now).unwrap()).collect();
         let on_a = leases.iter().filter(|l| l.addr.port() == 1).count();
         assert_eq!(on_a, 2);
     }
@@ -570,5 +822,154 @@ mod tests {
         let snap = r.snapshot(now);
         assert_eq!(snap.len(), 1);
         assert_eq!(snap[0].addr.port(), 2);
+    }
+
+    fn report_for(id: &str, port: u16, slots: u32, models: &[&str]) -> (AgentReport, SocketAddr) {
+        let a = format!("127.0.0.1:{port}");
+        let mut rep = report(id, &a, slots);
+        rep.models = models.iter().map(|m| m.to_string()).collect();
+        (rep, addr(&a))
+    }
+
+    fn route(model: Option<&str>, prefix: &[u64]) -> Route {
+        Route {
+            model: model.map(Arc::from),
+            prefix: prefix.to_vec(),
+            avoid: None,
+        }
+    }
+
+    #[test]
+    fn only_endpoints_serving_the_model_are_chosen() {
+        let now = Instant::now();
+        let mut r = Registry::default();
+        for (id, port, models) in [("a", 1, &["x"][..]), ("b", 2, &["y"][..]), ("c", 3, &[][..])] {
+            let (rep, a) = report_for(id, port, 8, models);
+            r.apply_report(rep, a, now);
+        }
+        for _ in 0..6 {
+            let l = r.acquire(&route(Some("x"), &[]), now).unwrap();
+            assert!(l.addr.port() == 1 || l.addr.port() == 3, "{l:?}");
+            r.release(l);
+        }
+        assert!(r.model_known(Some("y"), now));
+        assert!(r.model_known(Some("anything"), now), "c lists no models");
+        r.deregister("c");
+        assert!(!r.model_known(Some("anything"), now));
+        assert!(r.model_known(None, now));
+        // A model whose servers went away stays known for a while.
+        r.deregister("b");
+        assert!(r.model_known(Some("y"), now));
+        assert!(r.acquire(&route(Some("y"), &[]), now).is_none());
+        let later = now + MODEL_MEMORY;
+        r.drop_stale(later);
+        let (rep, a) = report_for("a", 1, 8, &["x"]);
+        r.apply_report(rep, a, later);
+        assert!(!r.model_known(Some("y"), later));
+        // With no agent at all, every model waits for the fleet.
+        r.deregister("a");
+        assert!(r.model_known(Some("y"), later));
+    }
+
+    #[test]
+    fn prefix_affinity_wins_until_the_endpoint_saturates() {
+        let now = Instant::now();
+        let mut r = Registry::default();
+        for (id, port) in [("a", 1), ("b", 2)] {
+            let (rep, a) = report_for(id, port, 2, &[]);
+            r.apply_report(rep, a, now);
+        }
+        let conversation = route(None, &[11, 12, 13, 14]);
+        let first = r.acquire(&conversation, now).unwrap();
+        let home = first.addr;
+        // Same prefix: same endpoint, although the other has more free slots.
+        let second = r.acquire(&conversation, now).unwrap();
+        assert_eq!(second.addr, home);
+        // Full: the next one spills to the other endpoint, never waits.
+        let third = r.acquire(&conversation, now).unwrap();
+        assert_ne!(third.addr, home);
+        for l in [first, second, third] {
+            r.release(l);
+        }
+    }
+
+    #[test]
+    fn without_shared_prefixes_load_stays_balanced() {
+        let now = Instant::now();
+        let mut r = Registry::default();
+        for (id, port) in [("a", 1), ("b", 2), ("c", 3), ("d", 4)] {
+            let (rep, a) = report_for(id, port, 8, &[]);
+            r.apply_report(rep, a, now);
+        }
+        let mut per_port = [0u32; 5];
+        let mut leases = Vec::new();
+        for i in 0..32u64 {
+            let l = r.acquire(&route(None, &[i * 1000, i * 1000 + 1]), now).unwrap();
+            per_port[l.addr.port() as usize] += 1;
+            leases.push(l);
+        }
+        assert_eq!(&per_port[1..], &[8, 8, 8, 8]);
+        // Ties are broken at random: single requests on idle equal
+        // endpoints do not always land on the same one.
+        for l in leases {
+            r.release(l);
+        }
+        let mut seen = std::collections::HashSet::new();
+        for i in 0..40u64 {
+            let l = r.acquire(&route(None, &[i + 1_000_000]), now).unwrap();
+            seen.insert(l.addr.port());
+            r.release(l);
+        }
+        assert_eq!(seen.len(), 4, "{seen:?}");
+    }
+
+    #[test]
+    fn a_retry_avoids_the_endpoint_that_failed() {
+        let now = Instant::now();
+        let mut r = Registry::default();
+        for (id, port) in [("a", 1), ("b", 2)] {
+            let (rep, a) = report_for(id, port, 4, &["m"]);
+            r.apply_report(rep, a, now);
+        }
+        let mut retry = route(Some("m"), &[]);
+        retry.avoid = Some(addr("127.0.0.1:1"));
+        assert!(r.has_alternative(&retry, now));
+        for _ in 0..4 {
+            let l = r.acquire(&retry, now).unwrap();
+            assert_eq!(l.addr.port(), 2);
+            r.release(l);
+        }
+        r.deregister("b");
+        assert!(!r.has_alternative(&retry, now));
+        assert!(r.acquire(&retry, now).is_none());
+    }
+
+    #[test]
+    fn the_circuit_opens_after_repeated_failures_and_closes_on_its_own() {
+        let t0 = Instant::now();
+        let mut r = Registry::default();
+        let (mut rep, a) = report_for("a", 1, 4, &[]);
+        rep.monitoring_interval_ms = 60_000;
+        r.apply_report(rep, a, t0);
+        let id = r.snapshot(t0)[0].id;
+        assert!(!r.record_outcome(id, false, t0));
+        assert!(!r.record_outcome(id, true, t0), "a success resets the count");
+        assert!(!r.record_outcome(id, false, t0));
+        assert!(!r.record_outcome(id, false, t0));
+        assert!(r.record_outcome(id, false, t0), "third failure in a row");
+        assert!(r.acquire(&Route::default(), t0).is_none());
+        assert_eq!(r.snapshot(t0)[0].circuit_open_ms, Some(5000));
+        let back = t0 + Duration::from_secs(5);
+        let l = r.acquire(&Route::default(), back).unwrap();
+        r.release(l);
+        // It fails again at once: open twice as long.
+        assert!(r.record_outcome(id, false, back));
+        assert!(r.acquire(&Route::default(), back + Duration::from_millis(9999)).is_none());
+        let l = r.acquire(&Route::default(), back + Duration::from_secs(10)).unwrap();
+        r.release(l);
+        // A success closes it for good.
+        assert!(!r.record_outcome(id, true, back + Duration::from_secs(10)));
+        assert!(!r.record_outcome(id, false, back + Duration::from_secs(10)));
+        assert!(r.acquire(&Route::default(), back + Duration::from_secs(10)).is_some());
     }
 }

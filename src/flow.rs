@@ -3,6 +3,10 @@
 //! Model: the Gateway API Inference Extension's flow control layer.
 //!
 //! - Every request belongs to a flow, [`FlowKey`] = (fairness id, priority).
+//!   A flow is split into *lanes*, one per model, each queued and taking
+//!   turns on its own: a request never waits behind its tenant's request for
+//!   another model (whose servers may be saturated). Snapshots and limits
+//!   count a flow's lanes together.
 //! - Flows of the same priority form a *band*. Bands are strict: every queued
 //!   request of a higher band is dispatched before any of a lower band.
 //! - Inside a band a [`FairnessPolicy`] picks the flow that goes next:
@@ -196,9 +200,13 @@ struct Item<T> {
     deadline: Instant,
 }
 
+/// What a flow is split by: the requested model (`None`: any).
+pub type Lane = Option<Arc<str>>;
+
 #[derive(Debug)]
 struct Flow<T> {
     key: FlowKey,
+    lane: Lane,
     items: BTreeMap<OrderKey, Item<T>>,
     bytes: u64,
     /// Round-robin only: the token of this flow's live entry in its band's
@@ -255,7 +263,7 @@ pub struct FlowQueues<T> {
     bands: BTreeMap<i32, Band>,
     flows: Vec<Option<Flow<T>>>,
     free_flows: Vec<FlowIdx>,
-    flow_index: HashMap<FlowKey, FlowIdx>,
+    flow_index: HashMap<(FlowKey, Lane), FlowIdx>,
     /// (deadline, order key, flow) of every queued request.
     deadlines: BTreeSet<(Instant, OrderKey, FlowIdx)>,
     requests: usize,
@@ -300,6 +308,7 @@ impl<T> FlowQueues<T> {
     pub fn push(
         &mut self,
         key: FlowKey,
+        lane: Lane,
         bytes: u64,
         handle: T,
         now: Instant,
@@ -332,7 +341,7 @@ impl<T> FlowQueues<T> {
             seq: self.next_seq,
         };
         let priority = key.priority;
-        let idx = self.flow_for(key, band_config);
+        let idx = self.flow_for(key, lane, band_config);
         let flow = self.flows[idx.0 as usize]
             .as_mut()
             .expect("indexed flow exists");
@@ -385,23 +394,56 @@ impl<T> FlowQueues<T> {
     /// The request that goes next: highest band first, then the band's
     /// fairness policy, then the flow's ordering policy.
     pub fn peek(&mut self) -> Option<Ticket> {
-        let band = self.bands.values_mut().rev().find(|b| b.requests > 0)?;
-        match &mut band.turns {
-            Turns::GlobalStrict(heads) => {
-                let &(key, flow) = heads.first().expect("a band with requests has a head");
-                Some(Ticket { flow, key })
+        self.peek_where(|_| true)
+    }
+
+    /// The first request, in [`FlowQueues::peek`] order, among the flows
+    /// whose head request satisfies `ready`; other flows keep their turn.
+    /// Only flow heads are offered: a flow's requests never pass each other.
+    /// Costs one call of `ready` per flow offered before the answer.
+    pub fn peek_where(&mut self, mut ready: impl FnMut(&T) -> bool) -> Option<Ticket> {
+        let flows = &self.flows;
+        let head = |idx: FlowIdx, key: OrderKey| -> Option<&T> {
+            flows[idx.0 as usize].as_ref()?.items.get(&key).map(|i| &i.handle)
+        };
+        for band in self.bands.values_mut().rev() {
+            if band.requests == 0 {
+                continue;
             }
-            Turns::RoundRobin { ring, dead } => loop {
-                let &(idx, token) = ring.front().expect("a band with requests has a turn");
-                match live_head(&self.flows, idx, token) {
-                    Some(key) => return Some(Ticket { flow: idx, key }),
-                    None => {
+            match &mut band.turns {
+                Turns::GlobalStrict(heads) => {
+                    for &(key, flow) in heads.iter() {
+                        if head(flow, key).is_some_and(&mut ready) {
+                            return Some(Ticket { flow, key });
+                        }
+                    }
+                }
+                Turns::RoundRobin { ring, dead } => {
+                    // Dead entries at the front are dropped on the way.
+                    while let Some(&(idx, token)) = ring.front() {
+                        if live_head(flows, idx, token).is_some() {
+                            break;
+                        }
                         ring.pop_front();
                         *dead -= 1;
                     }
+                    for &(idx, token) in ring.iter() {
+                        if let Some(key) = live_head(flows, idx, token) {
+                            if head(idx, key).is_some_and(&mut ready) {
+                                return Some(Ticket { flow: idx, key });
+                            }
+                        }
+                    }
                 }
-            },
+            }
         }
+        None
+    }
+
+    /// The handle of a queued request.
+    pub fn get(&self, ticket: Ticket) -> Option<&T> {
+        let flow = self.flows.get(ticket.flow.0 as usize)?.as_ref()?;
+        flow.items.get(&ticket.key).map(|i| &i.handle)
     }
 
     /// Takes the request [`FlowQueues::peek`] returned; the flow's turn ends.
@@ -412,14 +454,24 @@ impl<T> FlowQueues<T> {
             .get_mut(&removed.key.priority)
             .expect("band of a queued request exists");
         if let Turns::RoundRobin { ring, dead } = &mut band.turns {
-            // The turn ends: a flow with more work goes to the back.
-            if let Some(&(idx, token)) = ring.front() {
-                if idx == ticket.flow {
-                    ring.pop_front();
-                    if live_head(&self.flows, idx, token).is_some() {
-                        ring.push_back((idx, token));
-                    } else {
-                        // `take` counted the entry dead when the flow emptied.
+            // The turn ends: a flow with more work goes to the back. Its
+            // entry is usually the front one; a flow chosen by `peek_where`
+            // past others keeps them ahead of it.
+            let live = self.flows[ticket.flow.0 as usize]
+                .as_ref()
+                .and_then(|f| f.ring_token);
+            match live {
+                Some(token) => {
+                    if let Some(pos) = ring.iter().position(|&e| e == (ticket.flow, token)) {
+                        ring.remove(pos);
+                        ring.push_back((ticket.flow, token));
+                    }
+                }
+                None => {
+                    // The flow emptied: `take` counted its entry dead; drop
+                    // it now if it is at the front.
+                    if ring.front().is_some_and(|&(idx, _)| idx == ticket.flow) {
+                        ring.pop_front();
                         *dead -= 1;
                     }
                 }
@@ -452,20 +504,20 @@ impl<T> FlowQueues<T> {
         out
     }
 
-    /// Every flow with queued requests.
+    /// Every flow with queued requests (its lanes counted together).
     pub fn flows(&self) -> Vec<FlowSnapshot> {
-        let mut out: Vec<FlowSnapshot> = self
-            .flows
-            .iter()
-            .flatten()
-            .filter(|f| !f.items.is_empty())
-            .map(|f| FlowSnapshot {
+        let mut by_key: HashMap<&FlowKey, FlowSnapshot> = HashMap::new();
+        for f in self.flows.iter().flatten().filter(|f| !f.items.is_empty()) {
+            let snap = by_key.entry(&f.key).or_insert_with(|| FlowSnapshot {
                 fairness_id: f.key.fairness_id.to_string(),
                 priority: f.key.priority,
-                requests: f.items.len(),
-                bytes: f.bytes,
-            })
-            .collect();
+                requests: 0,
+                bytes: 0,
+            });
+            snap.requests += f.items.len();
+            snap.bytes += f.bytes;
+        }
+        let mut out: Vec<FlowSnapshot> = by_key.into_values().collect();
         out.sort_by(|a, b| {
             b.priority
                 .cmp(&a.priority)
@@ -520,12 +572,15 @@ impl<T> FlowQueues<T> {
         })
     }
 
-    fn flow_for(&mut self, key: FlowKey, band_config: BandConfig) -> FlowIdx {
-        if let Some(&idx) = self.flow_index.get(&key) {
+    fn flow_for(&mut self, key: FlowKey, lane: Lane, band_config: BandConfig) -> FlowIdx {
+        let index_key = (key, lane);
+        if let Some(&idx) = self.flow_index.get(&index_key) {
             return idx;
         }
+        let (key, lane) = index_key;
         let flow = Flow {
             key: key.clone(),
+            lane: lane.clone(),
             items: BTreeMap::new(),
             bytes: 0,
             ring_token: None,
@@ -545,7 +600,7 @@ impl<T> FlowQueues<T> {
             .entry(key.priority)
             .or_insert_with(|| Band::new(band_config))
             .flows += 1;
-        self.flow_index.insert(key, idx);
+        self.flow_index.insert((key, lane), idx);
         idx
     }
 
@@ -560,9 +615,9 @@ impl<T> FlowQueues<T> {
         }
         let flow = self.flows[idx.0 as usize].take().expect("checked above");
         debug_assert!(flow.ring_token.is_none());
-        self.flow_index.remove(&flow.key);
-        self.free_flows.push(idx);
         let priority = flow.key.priority;
+        self.flow_index.remove(&(flow.key, flow.lane));
+        self.free_flows.push(idx);
         let band = self
             .bands
             .get_mut(&priority)

@@ -5,7 +5,10 @@
 //! with a controlled clock. The `balancer` binary wraps this in Pingora.
 //!
 //! - [`protocol`]: the agent → balancer report format.
-//! - [`endpoint`]: per-endpoint capacity accounting and selection.
+//! - [`endpoint`]: per-endpoint capacity accounting, circuit breaker and
+//!   selection among the endpoints that serve a request's model.
+//! - [`scorer`]: the weighted scorers that pick an endpoint.
+//! - [`prefix`]: prompt block hashing and the per-endpoint prefix index.
 //! - [`flow`]: flow-controlled queues (priority bands, tenant fairness,
 //!   ordering, capacity limits, deadlines).
 //! - [`dispatcher`]: the queues in front of the endpoints: admission,
@@ -19,12 +22,17 @@ pub mod duration;
 pub mod endpoint;
 pub mod flow;
 pub mod openai;
+pub mod prefix;
 pub mod protocol;
+pub mod scorer;
 
 pub use dispatcher::{Admission, Dispatcher, DispatcherConfig, Done, Reject, RequestMeta, Ticket};
 pub use endpoint::{
-    EndpointId, EndpointSnapshot, Lease, ReportOutcome, Saturation, SaturationConfig,
+    BreakerConfig, EndpointId, EndpointSnapshot, Lease, ReportOutcome, Route, Saturation,
+    SaturationConfig, SchedulingConfig,
 };
+pub use prefix::PrefixConfig;
+pub use scorer::ScorerWeights;
 pub use flow::{
     BandConfig, FairnessPolicy, FlowControlConfig, FlowKey, FlowSnapshot, OrderingPolicy,
 };

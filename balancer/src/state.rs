@@ -288,6 +288,7 @@ mod tests {
             flow: flowgate::FlowKey::new("t", 0),
             bytes: 10,
             ttl: None,
+            route: Default::default(),
         }
     }
 

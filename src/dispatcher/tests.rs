@@ -27,6 +27,7 @@ fn req(tenant: &str, priority: i32) -> RequestMeta {
         flow: FlowKey::new(tenant, priority),
         bytes: 100,
         ttl: None,
+        route: Default::default(),
     }
 }
 
@@ -275,6 +276,7 @@ fn byte_limits_count_bodies_globally_and_per_band() {
         flow: FlowKey::new("t", p),
         bytes,
         ttl: None,
+        route: Default::default(),
     };
     queued(d.submit(sized(5, 300), "a", t0));
     assert_eq!(rejected(d.submit(sized(5, 1), "b", t0)), Reject::Shed);
@@ -411,6 +413,88 @@ fn saturated_endpoints_hold_the_head_and_nothing_passes_it() {
     assert_eq!(granted(&d.dispatch(t0)), ["high", "low"]);
 }
 
+fn for_model(tenant: &str, priority: i32, model: &str) -> RequestMeta {
+    RequestMeta {
+        route: Route {
+            model: Some(Arc::from(model)),
+            ..Route::default()
+        },
+        ..req(tenant, priority)
+    }
+}
+
+fn model_server(id: &str, port: u16, slots: u32, models: &[&str]) -> AgentReport {
+    let mut r = report(id, &format!("127.0.0.1:{port}"), slots);
+    r.models = models.iter().map(|m| m.to_string()).collect();
+    r
+}
+
+#[test]
+fn unknown_models_are_refused_404_unless_the_fleet_is_empty() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    // No agent yet: the request waits for the fleet.
+    queued(d.submit(for_model("t", 0, "small"), "early", t0));
+    d.report(model_server("a", 1, 2, &["small"]), t0).unwrap();
+    assert_eq!(granted(&d.dispatch(t0)), ["early"]);
+    assert_eq!(
+        rejected(d.submit(for_model("t", 0, "huge"), "x", t0)),
+        Reject::UnknownModel
+    );
+    assert_eq!(Reject::UnknownModel.http_status(), 404);
+    let lease = ready(d.submit(for_model("t", 0, "small"), "y", t0));
+    d.release(lease);
+}
+
+#[test]
+fn a_saturated_model_holds_only_its_own_requests() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    d.report(model_server("a", 1, 1, &["small"]), t0).unwrap();
+    d.report(model_server("b", 2, 1, &["large"]), t0).unwrap();
+    let small = ready(d.submit(for_model("t", 0, "small"), "s0", t0));
+    assert_eq!(small.addr.port(), 1);
+    // "small" is full: its requests queue, high priority first ...
+    queued(d.submit(for_model("t", 5, "small"), "s-high", t0));
+    queued(d.submit(for_model("u", 0, "small"), "s-low", t0));
+    // ... and a "large" request of lower priority still goes at once.
+    queued(d.submit(for_model("v", -3, "large"), "l-low", t0));
+    assert_eq!(granted(&d.dispatch(t0)), ["l-low"]);
+    queued(d.submit(for_model("v", 9, "large"), "l-high", t0));
+    assert!(d.dispatch(t0).is_empty());
+    // A freed "small" slot goes to the best "small" waiter, never to "large".
+    d.release(small);
+    let done = d.dispatch(t0);
+    assert_eq!(granted(&done), ["s-high"]);
+    assert_eq!(done[0].result.as_ref().unwrap().addr.port(), 1);
+    assert_eq!(d.buffered(), 2);
+}
+
+#[test]
+fn a_retry_waits_for_another_endpoint_without_holding_the_others() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    d.report(model_server("a", 1, 1, &["m"]), t0).unwrap();
+    d.report(model_server("b", 2, 1, &["m"]), t0).unwrap();
+    let on_b = ready(d.submit(for_model("t", 0, "m"), "b", t0));
+    let b_addr = on_b.addr;
+    let mut retry = for_model("t", 0, "m");
+    retry.route.avoid = Some(if b_addr.port() == 1 {
+        "127.0.0.1:2".parse().unwrap()
+    } else {
+        "127.0.0.1:1".parse().unwrap()
+    });
+    // The only free endpoint is the one the retry avoids: it waits, and a
+    // request of another flow behind it takes that endpoint.
+    queued(d.submit(retry, "retry", t0));
+    queued(d.submit(for_model("u", 0, "m"), "plain", t0));
+    assert_eq!(granted(&d.dispatch(t0)), ["plain"]);
+    d.release(on_b);
+    let done = d.dispatch(t0);
+    assert_eq!(granted(&done), ["retry"]);
+    assert_eq!(done[0].result.as_ref().unwrap().addr, b_addr);
+}
+
 #[test]
 fn stale_metrics_saturate_after_the_threshold_or_two_agent_intervals() {
     use crate::endpoint::Saturation;
@@ -489,11 +573,15 @@ enum Op {
         priority: i8,
         bytes: u16,
         ttl_ms: Option<u16>,
+        /// Index into [`MODELS`].
+        model: u8,
     },
     Cancel(usize),
     Release(usize),
     Advance(u16),
     Report {
+        /// Server `i` listens on port `i + 1` and serves `MODELS[i]` only.
+        server: u8,
         slots: u8,
         waiting: u8,
     },
@@ -501,13 +589,13 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (0u8..6, -2i8..3, 1u16..2_000, proptest::option::of(1u16..3_000)).prop_map(
-            |(tenant, priority, bytes, ttl_ms)| Op::Submit { tenant, priority, bytes, ttl_ms }
+        6 => (0u8..6, -2i8..3, 1u16..2_000, proptest::option::of(1u16..3_000), 0u8..2).prop_map(
+            |(tenant, priority, bytes, ttl_ms, model)| Op::Submit { tenant, priority, bytes, ttl_ms, model }
         ),
         1 => any::<usize>().prop_map(Op::Cancel),
         3 => any::<usize>().prop_map(Op::Release),
         2 => (0u16..500).prop_map(Op::Advance),
-        1 => (0u8..4, 0u8..7).prop_map(|(slots, waiting)| Op::Report { slots, waiting }),
+        1 => (0u8..2, 0u8..4, 0u8..7).prop_map(|(server, slots, waiting)| Op::Report { server, slots, waiting }),
     ]
 }
 
@@ -525,8 +613,8 @@ fn band_policy() -> impl Strategy<Value = (FairnessPolicy, OrderingPolicy)> {
 #[derive(Debug, Default)]
 struct Ledger {
     ended: HashSet<usize>,
-    /// id → (priority, deadline) of requests queued now.
-    waiting: BTreeMap<usize, (i32, Instant)>,
+    /// id → (priority, deadline, model index) of requests queued now.
+    waiting: BTreeMap<usize, (i32, Instant, u8)>,
     tickets: HashMap<usize, Ticket>,
 }
 
@@ -537,6 +625,8 @@ impl Ledger {
     }
 }
 
+const MODELS: [&str; 2] = ["a", "b"];
+
 fn check_dispatch(
     ledger: &mut Ledger,
     done: Vec<Done<usize>>,
@@ -544,18 +634,25 @@ fn check_dispatch(
     now: Instant,
 ) {
     let mut last_expired: Option<Instant> = None;
-    let mut last_granted_priority = i32::MAX;
+    // Per model: requests of different models do not compete.
+    let mut last_granted_priority = [i32::MAX; 2];
     for d in done {
-        let (priority, deadline) = ledger.waiting[&d.waiter];
+        let (priority, deadline, model) = ledger.waiting[&d.waiter];
+        let m = usize::from(model);
         assert_eq!(priority, d.flow.priority);
         match d.result {
             Ok(lease) => {
                 assert!(deadline > now, "an expired request was served");
+                assert_eq!(
+                    usize::from(lease.addr.port()),
+                    m + 1,
+                    "sent to a server without its model"
+                );
                 assert!(
-                    priority <= last_granted_priority,
+                    priority <= last_granted_priority[m],
                     "priority inverted within a dispatch"
                 );
-                last_granted_priority = priority;
+                last_granted_priority[m] = priority;
                 leases.push(lease);
             }
             Err(Reject::Timeout) => {
@@ -571,13 +668,37 @@ fn check_dispatch(
         }
         ledger.end(d.waiter);
     }
-    if last_granted_priority != i32::MAX {
-        // Nothing of higher priority than the last grant may be left behind.
-        let max_left = ledger.waiting.values().map(|w| w.0).max();
+    for (m, &last) in last_granted_priority.iter().enumerate() {
+        if last == i32::MAX {
+            continue;
+        }
+        // Nothing of the model of higher priority than its last grant may
+        // be left behind.
+        let max_left = ledger
+            .waiting
+            .values()
+            .filter(|w| usize::from(w.2) == m)
+            .map(|w| w.0)
+            .max();
         assert!(
-            max_left.is_none_or(|p| p <= last_granted_priority),
-            "a request of priority {max_left:?} was passed by one of {last_granted_priority}"
+            max_left.is_none_or(|p| p <= last),
+            "a request of priority {max_left:?} was passed by one of {last}"
         );
+    }
+}
+
+/// Work conservation per model: a model with waiting requests has no
+/// endpoint that could take one.
+fn check_nothing_waits_needlessly(ledger: &Ledger, d: &Dispatcher<usize>, now: Instant) {
+    let endpoints = d.endpoints(now);
+    for m in 0..MODELS.len() {
+        if !ledger.waiting.values().any(|w| usize::from(w.2) == m) {
+            continue;
+        }
+        let free = endpoints.iter().find(|e| {
+            usize::from(e.addr.port()) == m + 1 && e.eligible && e.saturation.is_none()
+        });
+        assert!(free.is_none(), "model {m} waits while {free:?} is free");
     }
 }
 
@@ -604,24 +725,29 @@ proptest! {
         let mut next_id = 0;
         for op in ops {
             match op {
-                Op::Submit { tenant, priority, bytes, ttl_ms } => {
+                Op::Submit { tenant, priority, bytes, ttl_ms, model } => {
                     let id = next_id;
                     next_id += 1;
                     let meta = RequestMeta {
                         flow: FlowKey::new(format!("t{tenant}"), i32::from(priority)),
                         bytes: u64::from(bytes),
                         ttl: ttl_ms.map(|t| Duration::from_millis(u64::from(t))),
+                        route: Route {
+                            model: Some(Arc::from(MODELS[usize::from(model)])),
+                            ..Route::default()
+                        },
                     };
                     let deadline = now + d.ttl(meta.ttl);
                     match d.submit(meta, id, now) {
                         Admission::Ready(lease) => {
                             prop_assert!(ledger.waiting.is_empty(), "went ahead of waiters");
+                            prop_assert_eq!(usize::from(lease.addr.port()), usize::from(model) + 1);
                             ledger.ended.insert(id);
                             leases.push(lease);
                         }
                         Admission::Queued { ticket, deadline: dl } => {
                             prop_assert_eq!(dl, deadline);
-                            ledger.waiting.insert(id, (i32::from(priority), deadline));
+                            ledger.waiting.insert(id, (i32::from(priority), deadline, model));
                             ledger.tickets.insert(id, ticket);
                         }
                         Admission::Rejected(_) => {
@@ -642,14 +768,20 @@ proptest! {
                     }
                 }
                 Op::Advance(ms) => now += Duration::from_millis(u64::from(ms)),
-                Op::Report { slots, waiting } => {
-                    let mut r = report("a", "127.0.0.1:1", u32::from(slots));
+                Op::Report { server, slots, waiting } => {
+                    let mut r = model_server(
+                        ["s0", "s1"][usize::from(server)],
+                        u16::from(server) + 1,
+                        u32::from(slots),
+                        &[MODELS[usize::from(server)]],
+                    );
                     r.requests_waiting = u32::from(waiting);
                     d.report(r, now).unwrap();
                 }
             }
             let done = d.dispatch(now);
             check_dispatch(&mut ledger, done, &mut leases, now);
+            check_nothing_waits_needlessly(&ledger, &d, now);
             prop_assert_eq!(d.buffered(), ledger.waiting.len());
             prop_assert_eq!(d.in_flight(), leases.len() as u64);
         }

@@ -1,0 +1,239 @@
+//! Prefix-cache affinity: which endpoint recently saw a prompt's beginning.
+//!
+//! Model servers keep the KV cache of prompts they processed (vLLM's
+//! automatic prefix caching, SGLang's radix cache, llama.cpp's per-slot
+//! prompt cache), so a prompt whose beginning a server saw recently is
+//! prefilled far faster there. The balancer cannot look into those caches;
+//! it keeps its own approximation:
+//!
+//! - The prompt text is cut into blocks of [`PrefixConfig::block_bytes`]
+//!   bytes. Block `i` is hashed together with the hash of block `i - 1`, so
+//!   one hash names a whole prefix, as vLLM-style block caches do. Only full
+//!   blocks count, and at most [`PrefixConfig::max_blocks`] per request.
+//! - Each endpoint remembers the hashes of the blocks it was sent in a
+//!   [`PrefixLru`] of at most [`PrefixConfig::capacity_blocks`] entries,
+//!   least recently used evicted first. The blocks of one request are
+//!   touched last-to-first, so a prefix's first block is always the most
+//!   recent one and the cache forgets prompts from their ends.
+//! - The affinity score of an endpoint is the share of the request's
+//!   leading blocks it holds ([`PrefixLru::matched`] / blocks).
+//!
+//! Memory: about 50 bytes per remembered block (hash map entry plus the
+//! recency queue), so the default 16,384 blocks cost about 1 MiB per endpoint
+//! and stand for 1 MiB of prompt text (roughly 250,000 tokens).
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, DefaultHasher, Hash, Hasher};
+
+/// How prompts are cut into blocks and how much each endpoint remembers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixConfig {
+    /// Bytes of prompt text per block (roughly 4 bytes per token).
+    pub block_bytes: usize,
+    /// Blocks hashed per request at most (its first `max_blocks`).
+    pub max_blocks: usize,
+    /// Blocks remembered per endpoint; 0 disables the index.
+    pub capacity_blocks: usize,
+}
+
+impl Default for PrefixConfig {
+    fn default() -> Self {
+        PrefixConfig {
+            block_bytes: 64,
+            max_blocks: 256,
+            capacity_blocks: 16_384,
+        }
+    }
+}
+
+/// Chained hashes of the full leading blocks of `text` (at most
+/// `config.max_blocks`). Deterministic for the life of the process.
+pub fn block_hashes(text: &[u8], config: &PrefixConfig) -> Vec<u64> {
+    if config.block_bytes == 0 || config.capacity_blocks == 0 {
+        return Vec::new();
+    }
+    let mut previous = 0u64;
+    text.chunks_exact(config.block_bytes)
+        .take(config.max_blocks)
+        .map(|block| {
+            let mut h = DefaultHasher::new();
+            previous.hash(&mut h);
+            block.hash(&mut h);
+            previous = h.finish();
+            previous
+        })
+        .collect()
+}
+
+/// Keys are already hashes: one multiply-xorshift spreads them over the
+/// high bits (the hash table's tags) and the low bits (its buckets) even if
+/// a caller hands in poorly mixed values.
+#[derive(Default)]
+struct PassThrough(u64);
+
+impl Hasher for PassThrough {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `write_u64` is used by `u64` keys; fold anything else in.
+        for &b in bytes {
+            self.write_u64(self.0.rotate_left(8) ^ u64::from(b));
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        let x = n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        self.0 = x ^ (x >> 29);
+    }
+}
+
+/// The block hashes one endpoint was sent, least recently used forgotten
+/// first. Every operation is amortised O(1) per block.
+#[derive(Debug, Clone, Default)]
+pub struct PrefixLru {
+    capacity: usize,
+    /// Block hash → stamp of its latest use.
+    stamps: HashMap<u64, u64, BuildHasherDefault<PassThrough>>,
+    /// (hash, stamp) in use order; an entry whose stamp is not the hash's
+    /// latest is stale and skipped.
+    order: VecDeque<(u64, u64)>,
+    clock: u64,
+}
+
+impl std::fmt::Debug for PassThrough {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PassThrough")
+    }
+}
+
+impl PrefixLru {
+    pub fn new(capacity: usize) -> Self {
+        PrefixLru {
+            capacity,
+            ..PrefixLru::default()
+        }
+    }
+
+    /// Blocks remembered.
+    pub fn len(&self) -> usize {
+        self.stamps.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.stamps.is_empty()
+    }
+
+    /// How many of `blocks`, from the first, are remembered.
+    pub fn matched(&self, blocks: &[u64]) -> usize {
+        blocks
+            .iter()
+            .take_while(|h| self.stamps.contains_key(h))
+            .count()
+    }
+
+    /// Remembers `blocks` (sent to this endpoint just now), the first block
+    /// as the most recent.
+    pub fn insert(&mut self, blocks: &[u64]) {
+        if self.capacity == 0 {
+            return;
+        }
+        for &h in blocks.iter().rev() {
+            self.clock += 1;
+            self.stamps.insert(h, self.clock);
+            self.order.push_back((h, self.clock));
+        }
+        while self.stamps.len() > self.capacity {
+            let (h, stamp) = self.order.pop_front().expect("every hash has an entry");
+            if self.stamps.get(&h) == Some(&stamp) {
+                self.stamps.remove(&h);
+            }
+        }
+        // Stale entries pile up when blocks are used again: sweep them once
+        // they outnumber the live ones, so memory stays bounded.
+        if self.order.len() > 2 * self.stamps.len().max(16) {
+            let stamps = &self.stamps;
+            self.order.retain(|(h, s)| stamps.get(h) == Some(s));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(block_bytes: usize, max_blocks: usize) -> PrefixConfig {
+        PrefixConfig {
+            block_bytes,
+            max_blocks,
+            capacity_blocks: 100,
+        }
+    }
+
+    #[test]
+    fn hashes_name_whole_prefixes() {
+        let c = config(4, 10);
+        let a = block_hashes(b"aaaabbbbcccc", &c);
+        let b = block_hashes(b"aaaabbbbdddd", &c);
+        let shifted = block_hashes(b"xxxxbbbbcccc", &c);
+        assert_eq!(a.len(), 3);
+        assert_eq!(a[..2], b[..2]);
+        assert_ne!(a[2], b[2]);
+        assert_ne!(a[1], shifted[1], "same block after another prefix");
+        assert_eq!(block_hashes(b"aaaabbbbcc", &c).len(), 2, "full blocks only");
+        assert_eq!(block_hashes(&[b'a'; 400], &c).len(), 10, "at most max_blocks");
+        assert!(block_hashes(b"aaa", &c).is_empty());
+    }
+
+    #[test]
+    fn matched_counts_leading_blocks_only() {
+        let c = config(4, 10);
+        let mut lru = PrefixLru::new(100);
+        lru.insert(&block_hashes(b"aaaabbbbcccc", &c));
+        assert_eq!(lru.matched(&block_hashes(b"aaaabbbbcccc", &c)), 3);
+        assert_eq!(lru.matched(&block_hashes(b"aaaabbbbzzzzcccc", &c)), 2);
+        assert_eq!(lru.matched(&block_hashes(b"zzzzbbbbcccc", &c)), 0);
+        assert_eq!(lru.matched(&[]), 0);
+    }
+
+    #[test]
+    fn least_recently_used_prompts_are_forgotten_from_their_ends() {
+        let c = config(1, 100);
+        let mut lru = PrefixLru::new(6);
+        let old = block_hashes(b"abcd", &c);
+        let new = block_hashes(b"wxyz", &c);
+        lru.insert(&old);
+        lru.insert(&new);
+        assert_eq!(lru.len(), 6);
+        assert_eq!(lru.matched(&new), 4);
+        assert_eq!(lru.matched(&old), 2, "the old prompt lost its last blocks");
+        // Using the old prompt again makes it the most recent.
+        lru.insert(&old);
+        assert_eq!(lru.matched(&old), 4);
+        assert_eq!(lru.matched(&new), 2);
+    }
+
+    #[test]
+    fn memory_stays_bounded_under_reuse() {
+        let c = config(1, 100);
+        let mut lru = PrefixLru::new(8);
+        let prompt = block_hashes(b"abcdefgh", &c);
+        for _ in 0..10_000 {
+            lru.insert(&prompt);
+        }
+        assert_eq!(lru.len(), 8);
+        assert!(lru.order.len() <= 2 * 16 + 8, "{}", lru.order.len());
+        assert_eq!(lru.matched(&prompt), 8);
+    }
+
+    #[test]
+    fn zero_capacity_disables_the_index() {
+        let c = PrefixConfig {
+            capacity_blocks: 0,
+            ..PrefixConfig::default()
+        };
+        assert!(block_hashes(&[b'a'; 1000], &c).is_empty());
+        let mut lru = PrefixLru::new(0);
+        lru.insert(&[1, 2, 3]);
+        assert!(lru.is_empty());
+    }
+}

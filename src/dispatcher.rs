@@ -238,7 +238,11 @@ impl<T> Dispatcher<T> {
                 })
             };
             let Some(ticket) = next else { break };
-            let route = &self.queues.get(ticket).expect("peeked request is queued").route;
+            let route = &self
+                .queues
+                .get(ticket)
+                .expect("peeked request is queued")
+                .route;
             match self.registry.acquire(route, now) {
                 Some(lease) => {
                     let removed = self.queues.pop(ticket).expect("peeked request is queued");
@@ -317,6 +321,11 @@ impl<T> Dispatcher<T> {
     /// Flows with queued requests.
     pub fn flows(&self) -> Vec<FlowSnapshot> {
         self.queues.flows()
+    }
+
+    /// Requests in flight to one endpoint (0 once it is forgotten).
+    pub fn in_flight_of(&self, endpoint: EndpointId) -> u32 {
+        self.registry.in_flight_of(endpoint)
     }
 
     pub fn in_flight(&self) -> u64 {

@@ -504,7 +504,11 @@ impl Registry {
             {
                 continue;
             }
-            let report = &e.agent.as_ref().expect("eligible endpoints have an agent").report;
+            let report = &e
+                .agent
+                .as_ref()
+                .expect("eligible endpoints have an agent")
+                .report;
             let score = weights.score(&Candidate {
                 prefix_matched: if score_prefix {
                     e.prefix.matched(&route.prefix)
@@ -567,7 +571,11 @@ impl Registry {
     /// zero, so requests wait for it).
     pub(crate) fn model_known(&self, model: Option<&str>, now: Instant) -> bool {
         let Some(m) = model else { return true };
-        let mut agents = self.endpoints.values().filter(|e| e.agent.is_some()).peekable();
+        let mut agents = self
+            .endpoints
+            .values()
+            .filter(|e| e.agent.is_some())
+            .peekable();
         if agents.peek().is_none() {
             return true;
         }
@@ -604,6 +612,11 @@ impl Registry {
         if ep.in_flight == 0 && ep.agent.is_none() {
             self.forget(lease.endpoint);
         }
+    }
+
+    /// Requests the balancer has in flight to an endpoint.
+    pub(crate) fn in_flight_of(&self, id: EndpointId) -> u32 {
+        self.endpoints.get(&id).map_or(0, |e| e.in_flight)
     }
 
     /// Whether any endpoint could take work now or after its load drains.
@@ -697,7 +710,9 @@ mod tests {
     fn a_report_never_resets_the_in_flight_count() {
         let now = Instant::now();
         let mut r = registry_with(4, now);
-        let leases: Vec<_> = (0..3).map(|_| r.acquire(&Route::default(), now).unwrap()).collect();
+        let leases: Vec<_> = (0..3)
+            .map(|_| r.acquire(&Route::default(), now).unwrap())
+            .collect();
         // The agent scraped before our requests arrived: it says 0 busy.
         r.apply_report(report("a", "127.0.0.1:1", 4), addr("127.0.0.1:1"), now);
         assert_eq!(r.total_in_flight(), 3);
@@ -719,7 +734,10 @@ mod tests {
         let mut busy = report("a", "127.0.0.1:1", 2);
         busy.slots_busy = 2;
         r.apply_report(busy, addr("127.0.0.1:1"), now);
-        assert!(r.acquire(&Route::default(), now).is_some(), "the freed slot is usable at once");
+        assert!(
+            r.acquire(&Route::default(), now).is_some(),
+            "the freed slot is usable at once"
+        );
         let _ = l2;
     }
 
@@ -752,9 +770,12 @@ mod tests {
         let mut r = registry_with(2, t0);
         let lease = r.acquire(&Route::default(), t0).unwrap();
         let stale = t0 + Duration::from_secs(3);
-        assert!(r.acquire(&Route::default(), t0 + Duration::from_millis(1999)).is_some());
+        assert!(r
+            .acquire(&Route::default(), t0 + Duration::from_millis(1999))
+            .is_some());
         assert!(
-            r.acquire(&Route::default(), t0 + Duration::from_millis(2001)).is_none(),
+            r.acquire(&Route::default(), t0 + Duration::from_millis(2001))
+                .is_none(),
             "metrics older than 2 intervals saturate"
         );
         assert!(r.snapshot(stale - Duration::from_millis(1))[0].eligible);
@@ -809,7 +830,9 @@ mod tests {
         let mut r = Registry::default();
         r.apply_report(report("a", "127.0.0.1:1", 4), addr("127.0.0.1:1"), now);
         r.apply_report(report("b", "127.0.0.1:2", 4), addr("127.0.0.1:2"), now);
-        let leases: Vec<_> = (0..4).map(|_| r.acquire(&Route::default(), now).unwrap()).collect();
+        let leases: Vec<_> = (0..4)
+            .map(|_| r.acquire(&Route::default(), now).unwrap())
+            .collect();
         let on_a = leases.iter().filter(|l| l.addr.port() == 1).count();
         assert_eq!(on_a, 2);
     }
@@ -843,7 +866,11 @@ mod tests {
     fn only_endpoints_serving_the_model_are_chosen() {
         let now = Instant::now();
         let mut r = Registry::default();
-        for (id, port, models) in [("a", 1, &["x"][..]), ("b", 2, &["y"][..]), ("c", 3, &[][..])] {
+        for (id, port, models) in [
+            ("a", 1, &["x"][..]),
+            ("b", 2, &["y"][..]),
+            ("c", 3, &[][..]),
+        ] {
             let (rep, a) = report_for(id, port, 8, models);
             r.apply_report(rep, a, now);
         }
@@ -904,7 +931,9 @@ mod tests {
         let mut per_port = [0u32; 5];
         let mut leases = Vec::new();
         for i in 0..32u64 {
-            let l = r.acquire(&route(None, &[i * 1000, i * 1000 + 1]), now).unwrap();
+            let l = r
+                .acquire(&route(None, &[i * 1000, i * 1000 + 1]), now)
+                .unwrap();
             per_port[l.addr.port() as usize] += 1;
             leases.push(l);
         }
@@ -953,7 +982,10 @@ mod tests {
         r.apply_report(rep, a, t0);
         let id = r.snapshot(t0)[0].id;
         assert!(!r.record_outcome(id, false, t0));
-        assert!(!r.record_outcome(id, true, t0), "a success resets the count");
+        assert!(
+            !r.record_outcome(id, true, t0),
+            "a success resets the count"
+        );
         assert!(!r.record_outcome(id, false, t0));
         assert!(!r.record_outcome(id, false, t0));
         assert!(r.record_outcome(id, false, t0), "third failure in a row");
@@ -964,12 +996,18 @@ mod tests {
         r.release(l);
         // It fails again at once: open twice as long.
         assert!(r.record_outcome(id, false, back));
-        assert!(r.acquire(&Route::default(), back + Duration::from_millis(9999)).is_none());
-        let l = r.acquire(&Route::default(), back + Duration::from_secs(10)).unwrap();
+        assert!(r
+            .acquire(&Route::default(), back + Duration::from_millis(9999))
+            .is_none());
+        let l = r
+            .acquire(&Route::default(), back + Duration::from_secs(10))
+            .unwrap();
         r.release(l);
         // A success closes it for good.
         assert!(!r.record_outcome(id, true, back + Duration::from_secs(10)));
         assert!(!r.record_outcome(id, false, back + Duration::from_secs(10)));
-        assert!(r.acquire(&Route::default(), back + Duration::from_secs(10)).is_some());
+        assert!(r
+            .acquire(&Route::default(), back + Duration::from_secs(10))
+            .is_some());
     }
 }

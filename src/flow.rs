@@ -404,7 +404,11 @@ impl<T> FlowQueues<T> {
     pub fn peek_where(&mut self, mut ready: impl FnMut(&T) -> bool) -> Option<Ticket> {
         let flows = &self.flows;
         let head = |idx: FlowIdx, key: OrderKey| -> Option<&T> {
-            flows[idx.0 as usize].as_ref()?.items.get(&key).map(|i| &i.handle)
+            flows[idx.0 as usize]
+                .as_ref()?
+                .items
+                .get(&key)
+                .map(|i| &i.handle)
         };
         for band in self.bands.values_mut().rev() {
             if band.requests == 0 {

@@ -31,9 +31,9 @@ pub use endpoint::{
     BreakerConfig, EndpointId, EndpointSnapshot, Lease, ReportOutcome, Route, Saturation,
     SaturationConfig, SchedulingConfig,
 };
-pub use prefix::PrefixConfig;
-pub use scorer::ScorerWeights;
 pub use flow::{
     BandConfig, FairnessPolicy, FlowControlConfig, FlowKey, FlowSnapshot, OrderingPolicy,
 };
+pub use prefix::PrefixConfig;
 pub use protocol::{AgentReport, BackendHealth, BackendKind, PROTOCOL_VERSION};
+pub use scorer::ScorerWeights;

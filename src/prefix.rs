@@ -180,7 +180,11 @@ mod tests {
         assert_ne!(a[2], b[2]);
         assert_ne!(a[1], shifted[1], "same block after another prefix");
         assert_eq!(block_hashes(b"aaaabbbbcc", &c).len(), 2, "full blocks only");
-        assert_eq!(block_hashes(&[b'a'; 400], &c).len(), 10, "at most max_blocks");
+        assert_eq!(
+            block_hashes(&[b'a'; 400], &c).len(),
+            10,
+            "at most max_blocks"
+        );
         assert!(block_hashes(b"aaa", &c).is_empty());
     }
 

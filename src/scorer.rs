@@ -99,7 +99,10 @@ impl ScorerWeights {
         let kv = 1.0 - c.kv_cache_usage.unwrap_or(0.0).clamp(0.0, 1.0);
         let threshold = c.queue_depth_threshold.max(1);
         let queue = 1.0 - f64::from(c.requests_waiting.min(threshold)) / f64::from(threshold);
-        self.prefix_cache * prefix + self.free_slots * free + self.kv_cache * kv + self.queue * queue
+        self.prefix_cache * prefix
+            + self.free_slots * free
+            + self.kv_cache * kv
+            + self.queue * queue
     }
 }
 

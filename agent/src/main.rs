@@ -99,6 +99,18 @@ struct Cli {
     /// Log line format
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
+
+    /// On SIGTERM or Ctrl-C the agent marks its server draining (the
+    /// balancer sends it no new work), waits until the balancer has no
+    /// request in flight to it, then deregisters and exits. This is the
+    /// longest it waits: `30s`, `2m`, or milliseconds. A second signal exits
+    /// at once
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_drain_timeout)]
+    drain_timeout: Duration,
+}
+
+fn parse_drain_timeout(s: &str) -> Result<Duration, String> {
+    flowgate::duration::parse_duration(s)
 }
 
 fn parse_interval(s: &str) -> Result<Duration, String> {
@@ -138,7 +150,9 @@ struct Reporter {
 }
 
 impl Reporter {
-    async fn send(&self, report: &AgentReport) -> Result<String, String> {
+    /// Sends a report; returns the balancer's in-flight count for the
+    /// endpoint (0 from a balancer that does not say).
+    async fn send(&self, report: &AgentReport) -> Result<u64, String> {
         let resp = self
             .client
             .post(format!("{}/report", self.url))
@@ -149,7 +163,11 @@ impl Reporter {
         let status = resp.status();
         let body = resp.text().await.unwrap_or_default();
         if status.is_success() {
-            Ok(body)
+            let in_flight = serde_json::from_str::<serde_json::Value>(&body)
+                .ok()
+                .and_then(|v| v["in_flight"].as_u64())
+                .unwrap_or(0);
+            Ok(in_flight)
         } else {
             Err(format!(
                 "balancer refused the report: HTTP {status}: {body}"
@@ -222,9 +240,32 @@ async fn run(cli: Cli) -> Result<(), String> {
     let shutdown = shutdown_signal();
     tokio::pin!(shutdown);
     let mut last_problem: Option<String> = None;
+    // Set by the first signal: stop taking work, leave by this deadline.
+    let mut drain_until: Option<tokio::time::Instant> = None;
     loop {
+        let drain_deadline = async {
+            match drain_until {
+                Some(t) => tokio::time::sleep_until(t).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
-            () = &mut shutdown => break,
+            () = &mut shutdown => {
+                if drain_until.is_some() {
+                    warn!("second signal: leaving without waiting for in-flight requests");
+                    break;
+                }
+                info!(timeout_ms = cli.drain_timeout.as_millis() as u64,
+                    "draining: no new work; waiting for in-flight requests to finish");
+                drain_until = Some(tokio::time::Instant::now() + cli.drain_timeout);
+                shutdown.set(shutdown_signal());
+                ticker.reset_immediately();
+                continue;
+            }
+            () = drain_deadline => {
+                warn!("drain timeout: leaving with requests still in flight");
+                break;
+            }
             _ = ticker.tick() => {}
         }
         let mut status = backend.poll().await;
@@ -244,11 +285,16 @@ async fn run(cli: Cli) -> Result<(), String> {
             requests_waiting: status.requests_waiting,
             kv_cache_usage: status.kv_cache_usage,
             monitoring_interval_ms: cli.monitoring_interval.as_millis() as u64,
-            draining: false,
+            draining: drain_until.is_some(),
             last_error: status.last_error.clone(),
         };
         // Log a problem once when it appears and once when it clears.
-        let problem = match reporter.send(&report).await {
+        let sent = reporter.send(&report).await;
+        if drain_until.is_some() && sent == Ok(0) {
+            info!("drained: no request in flight");
+            break;
+        }
+        let problem = match sent {
             Ok(_) => status.last_error.map(|e| format!("backend not ready: {e}")),
             Err(e) => Some(e),
         };

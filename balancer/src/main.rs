@@ -5,6 +5,7 @@ mod management;
 mod metrics;
 mod policy;
 mod proxy;
+mod scheduling;
 mod settings;
 mod state;
 
@@ -89,6 +90,8 @@ fn main() -> ExitCode {
             priorities: settings.priorities.clone(),
             connect_timeout: settings.upstream_connect_timeout,
             retry_after: Duration::from_secs(1),
+            retries: settings.retries,
+            prefix: settings.dispatcher.scheduling.prefix,
         },
         "inference",
     );

@@ -1,6 +1,8 @@
 //! The management port: agent reports, the agent list, metrics, health.
 //!
-//! - `POST   /api/v1/agents/{id}/report`  register or update (JSON `AgentReport`)
+//! - `POST   /api/v1/agents/{id}/report`  register or update (JSON `AgentReport`);
+//!   answers `{"status", "endpoint_id", "in_flight"}` (the balancer's
+//!   requests in flight to that endpoint, which a draining agent waits on)
 //! - `DELETE /api/v1/agents/{id}`         deregister
 //! - `GET    /api/v1/agents`              reports + the balancer's in-flight view
 //! - `GET    /metrics`                    Prometheus text exposition
@@ -103,7 +105,12 @@ impl Management {
                         ("took_over", id)
                     }
                 };
-                let body = json!({"status": status, "endpoint_id": endpoint.0});
+                // `in_flight` lets a draining agent know when it may leave.
+                let body = json!({
+                    "status": status,
+                    "endpoint_id": endpoint.0,
+                    "in_flight": self.shared.in_flight_of(endpoint),
+                });
                 json_response(StatusCode::OK, body.to_string().into_bytes())
             }
             Err(msg) => {

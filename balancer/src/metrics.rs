@@ -40,6 +40,11 @@ pub struct Metrics {
     flow_dispatches: IntCounterVec,
     flow_rejections: IntCounterVec,
     pool_saturation: Gauge,
+    /// Requests sent again to another endpoint, by what failed.
+    upstream_retries: IntCounterVec,
+    /// Times an endpoint's circuit breaker opened.
+    pub circuit_opened: IntCounter,
+    endpoint_circuit_open: IntGaugeVec,
 }
 
 const WAIT_BUCKETS: [f64; 14] = [
@@ -187,8 +192,31 @@ impl Metrics {
                 "inference_extension_flow_control_pool_saturation",
                 "Share of eligible endpoints that are saturated (1 when none is eligible)"
             )),
+            upstream_retries: register!(IntCounterVec::new(
+                Opts::new(
+                    "flowgate_upstream_retries_total",
+                    "Requests sent again to another endpoint before any byte reached the \
+                     client, by what failed (connect, upstream-error, status-5xx)"
+                ),
+                &["reason"]
+            )),
+            circuit_opened: register!(IntCounter::new(
+                "flowgate_circuit_breaker_opened_total",
+                "Times an endpoint's circuit breaker opened after repeated failures"
+            )),
+            endpoint_circuit_open: register!(IntGaugeVec::new(
+                Opts::new(
+                    "flowgate_endpoint_circuit_open",
+                    "1 while the endpoint's circuit breaker keeps it out of rotation"
+                ),
+                &["endpoint", "agent"]
+            )),
             registry,
         }
+    }
+
+    pub fn upstream_retry(&self, reason: &str) {
+        self.upstream_retries.with_label_values(&[reason]).inc();
     }
 
     /// Records how a request's wait in flow control ended.
@@ -254,6 +282,7 @@ impl Metrics {
             &self.endpoint_waiting,
             &self.endpoint_eligible,
             &self.endpoint_saturated,
+            &self.endpoint_circuit_open,
         ] {
             v.reset();
         }
@@ -286,6 +315,9 @@ impl Metrics {
             self.endpoint_eligible
                 .with_label_values(&labels)
                 .set(i64::from(e.eligible));
+            self.endpoint_circuit_open
+                .with_label_values(&labels)
+                .set(i64::from(e.circuit_open_ms.is_some()));
             if let Some(reason) = e.saturation {
                 self.endpoint_saturated
                     .with_label_values(&[&endpoint, agent, reason.as_str()])

@@ -305,6 +305,8 @@ pub fn build(
             default_band,
         },
         saturation,
+        // Filled in from `scheduling:` by the caller.
+        scheduling: Default::default(),
         default_ttl,
         max_ttl,
     };

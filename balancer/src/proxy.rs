@@ -9,6 +9,14 @@
 //! enter its replay path, where `request_body_filter` swaps in the whole body.
 //! Chunked bodies (no `Content-Length`) over 64 KiB cannot be armed that way
 //! and are refused with 411 and a clear message.
+//!
+//! Retries: a connection failure, an upstream error before the response
+//! header, or a 5xx response header sends the request again (up to
+//! `scheduling.retries` times) through flow control to another endpoint
+//! serving its model, if one is eligible. Nothing has reached the client
+//! then, and the same replay path resends the body. Once a response header
+//! went to the client nothing is retried. Each failure and each answer
+//! below 500 feeds the endpoint's circuit breaker.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,9 +25,11 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use flowgate::openai::error_body;
-use flowgate::{Reject, RequestMeta};
+use flowgate::prefix::{block_hashes, PrefixConfig};
+use flowgate::{Reject, RequestMeta, Route};
 use http::{Method, StatusCode};
 use pingora_core::upstreams::peer::HttpPeer;
+use pingora_core::upstreams::peer::Peer;
 use pingora_core::{Error, ErrorSource, ErrorType, Result};
 use pingora_http::ResponseHeader;
 use pingora_proxy::{FailToProxy, ProxyHttp, Session};
@@ -55,6 +65,10 @@ pub struct Inference {
     pub priorities: PriorityRules,
     pub connect_timeout: Duration,
     pub retry_after: Duration,
+    /// Attempts on other endpoints after a failure before the first byte.
+    pub retries: u32,
+    /// How prompts are hashed for prefix affinity.
+    pub prefix: PrefixConfig,
 }
 
 /// Per-request state.
@@ -74,6 +88,14 @@ pub struct RequestCtx {
     /// The request's flow, for the access log.
     fairness_id: String,
     priority: i32,
+    /// What it asked of flow control, kept to ask again on a retry.
+    meta: Option<RequestMeta>,
+    /// Retries done so far.
+    retries: u32,
+    /// The endpoint failed and the request goes to another one.
+    retry_pending: bool,
+    /// Status of the upstream response header, once it arrived.
+    upstream_status: Option<u16>,
 }
 
 /// Fields the balancer reads from an inference request body. Deserialising
@@ -82,6 +104,60 @@ pub struct RequestCtx {
 struct InferenceFields {
     #[serde(default)]
     model: Option<serde_json::Value>,
+    /// Chat: the conversation, whose text is hashed for prefix affinity.
+    #[serde(default)]
+    messages: Option<serde_json::Value>,
+    /// Completions: the prompt (a string or a list of strings).
+    #[serde(default)]
+    prompt: Option<serde_json::Value>,
+}
+
+impl InferenceFields {
+    /// The requested model, if the body names one.
+    fn model(&self) -> Option<&str> {
+        match &self.model {
+            Some(serde_json::Value::String(m)) if !m.trim().is_empty() => Some(m),
+            _ => None,
+        }
+    }
+
+    /// The prompt as the model server will see it, near enough for prefix
+    /// hashing: each chat message's role and text in order, or the
+    /// completion prompt. Shapes the balancer does not know add nothing
+    /// (the model server judges the request, not the balancer).
+    fn prompt_text(&self) -> Vec<u8> {
+        fn push_text(out: &mut Vec<u8>, v: &serde_json::Value) {
+            match v {
+                serde_json::Value::String(t) => out.extend_from_slice(t.as_bytes()),
+                // Content parts: [{"type": "text", "text": "..."}, ...].
+                serde_json::Value::Array(parts) => {
+                    for part in parts {
+                        match part.get("text") {
+                            Some(t) => push_text(out, t),
+                            None => push_text(out, part),
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        let mut out = Vec::new();
+        if let Some(serde_json::Value::Array(messages)) = &self.messages {
+            for m in messages {
+                if let Some(serde_json::Value::String(role)) = m.get("role") {
+                    out.extend_from_slice(role.as_bytes());
+                }
+                out.push(0x1f);
+                if let Some(content) = m.get("content") {
+                    push_text(&mut out, content);
+                }
+                out.push(0x1e);
+            }
+        } else if let Some(prompt) = &self.prompt {
+            push_text(&mut out, prompt);
+        }
+        out
+    }
 }
 
 fn parse_fields(body: &[u8]) -> std::result::Result<InferenceFields, String> {
@@ -117,6 +193,7 @@ impl Refusal {
             Reject::BufferFull | Reject::NoEndpoints => ("server_error", "service_unavailable"),
             Reject::Shed | Reject::Evicted => ("rate_limit_error", "rate_limit_exceeded"),
             Reject::Timeout => ("server_error", "timeout"),
+            Reject::UnknownModel => ("invalid_request_error", "model_not_found"),
         };
         Refusal {
             status: StatusCode::from_u16(r.http_status()).expect("valid status"),
@@ -129,6 +206,84 @@ impl Refusal {
 }
 
 impl Inference {
+    /// Waits in flow control for a slot. `None`: the request holds a lease
+    /// for `ctx.upstream`; `Some(answered)`: the balancer answered the client
+    /// itself (or the client left) and the request ends here.
+    async fn wait_for_slot(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        request: RequestMeta,
+    ) -> Result<Option<bool>> {
+        let shared = Arc::clone(&self.shared);
+        let client_gone = async {
+            // Resolves when the client closes the connection (or sends bytes
+            // it should not while waiting for its answer).
+            let _ = session.downstream_session.read_body_or_idle(true).await;
+        };
+        match shared.admit(request, client_gone).await {
+            Ok((lease, waited)) => {
+                ctx.upstream = Some(lease.addr());
+                ctx.lease = Some(lease);
+                ctx.waited += waited;
+                ctx.upstream_status = None;
+                Ok(None)
+            }
+            Err(AdmitError::Rejected(Reject::UnknownModel)) => {
+                let r = Refusal::new(
+                    StatusCode::NOT_FOUND,
+                    "invalid_request_error",
+                    "model_not_found",
+                    format!(
+                        "the model `{}` does not exist or is not served by any model server",
+                        ctx.model
+                    ),
+                );
+                self.refuse(session, ctx, r).await.map(Some)
+            }
+            Err(AdmitError::Rejected(r)) => self
+                .refuse(session, ctx, Refusal::from_reject(r))
+                .await
+                .map(Some),
+            Err(AdmitError::ClientGone) => {
+                ctx.reason = "client-gone";
+                Err(Error::explain(
+                    ErrorType::ConnectionClosed,
+                    "client disconnected while its request was buffered",
+                )
+                .into_down())
+            }
+        }
+    }
+
+    /// Feeds the circuit breaker of the endpoint the request holds.
+    fn record_outcome(&self, ctx: &RequestCtx, ok: bool) {
+        if let Some(lease) = &ctx.lease {
+            if self.shared.record_outcome(lease.endpoint(), ok) {
+                warn!(
+                    endpoint = %lease.addr(),
+                    "circuit breaker opened: the endpoint failed repeatedly and gets no work \
+                     for a while"
+                );
+            }
+        }
+    }
+
+    /// Whether a failed attempt may go again elsewhere; counts the retry.
+    fn retry_possible(&self, ctx: &mut RequestCtx) -> bool {
+        if ctx.retries >= self.retries {
+            return false;
+        }
+        let Some(meta) = &ctx.meta else { return false };
+        let mut route = meta.route.clone();
+        route.avoid = ctx.upstream;
+        if !self.shared.has_alternative(&route) {
+            return false;
+        }
+        ctx.retries += 1;
+        true
+    }
+
     async fn send_json(
         &self,
         session: &mut Session,
@@ -334,6 +489,10 @@ impl ProxyHttp for Inference {
             model: String::new(),
             fairness_id: String::new(),
             priority: 0,
+            meta: None,
+            retries: 0,
+            retry_pending: false,
+            upstream_status: None,
         }
     }
 
@@ -356,11 +515,13 @@ impl ProxyHttp for Inference {
                 return answered;
             }
         };
-        match parse_fields(&body) {
+        let route = match parse_fields(&body) {
             Ok(fields) => {
-                ctx.model = match fields.model {
-                    Some(serde_json::Value::String(m)) => m,
-                    _ => String::new(),
+                ctx.model = fields.model().unwrap_or_default().to_string();
+                Route {
+                    model: fields.model().map(Arc::from),
+                    prefix: block_hashes(&fields.prompt_text(), &self.prefix),
+                    avoid: None,
                 }
             }
             Err(message) => {
@@ -372,7 +533,7 @@ impl ProxyHttp for Inference {
                 );
                 return self.refuse(session, ctx, r).await;
             }
-        }
+        };
         let headers = &session.req_header().headers;
         let header = |name: &str| headers.get(name).map(|v| v.as_bytes());
         let classified = self.priorities.classify(
@@ -402,41 +563,41 @@ impl ProxyHttp for Inference {
             flow,
             bytes: body.len() as u64,
             ttl,
+            route,
         };
         ctx.body = Some(body);
-
-        let shared = Arc::clone(&self.shared);
-        let client_gone = async {
-            // Resolves when the client closes the connection (or sends bytes
-            // it should not while waiting for its answer).
-            let _ = session.downstream_session.read_body_or_idle(true).await;
-        };
-        match shared.admit(request, client_gone).await {
-            Ok((lease, waited)) => {
-                ctx.upstream = Some(lease.addr());
-                ctx.lease = Some(lease);
-                ctx.waited = waited;
-                Ok(false)
-            }
-            Err(AdmitError::Rejected(r)) => {
-                self.refuse(session, ctx, Refusal::from_reject(r)).await
-            }
-            Err(AdmitError::ClientGone) => {
-                ctx.reason = "client-gone";
-                Err(Error::explain(
-                    ErrorType::ConnectionClosed,
-                    "client disconnected while its request was buffered",
-                )
-                .into_down())
-            }
+        ctx.meta = Some(request.clone());
+        match self.wait_for_slot(session, ctx, request).await? {
+            None => Ok(false),
+            Some(answered) => Ok(answered),
         }
     }
 
     async fn upstream_peer(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         ctx: &mut RequestCtx,
     ) -> Result<Box<HttpPeer>> {
+        if ctx.retry_pending {
+            ctx.retry_pending = false;
+            let mut request = ctx.meta.clone().ok_or_else(|| {
+                Error::explain(ErrorType::InternalError, "retry without a request")
+            })?;
+            // The retry waits no longer than the request had left.
+            let ttl = self.shared.ttl(request.ttl);
+            request.ttl = Some(
+                ttl.saturating_sub(ctx.start.elapsed())
+                    .max(Duration::from_millis(1)),
+            );
+            request.route.avoid = ctx.upstream;
+            if self.wait_for_slot(session, ctx, request).await?.is_some() {
+                // The balancer answered the client itself (503/504/...).
+                return Err(Error::explain(
+                    ErrorType::HTTPStatus(0),
+                    "retry refused by flow control; the client was answered",
+                ));
+            }
+        }
         let addr = ctx.upstream.ok_or_else(|| {
             Error::explain(
                 ErrorType::InternalError,
@@ -457,6 +618,86 @@ impl ProxyHttp for Inference {
         // The balancer already answered `100 Continue` and holds the body.
         upstream_request.remove_header(&http::header::EXPECT);
         Ok(())
+    }
+
+    async fn upstream_response_filter(
+        &self,
+        _session: &mut Session,
+        upstream_response: &mut ResponseHeader,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        let status = upstream_response.status.as_u16();
+        ctx.upstream_status = Some(status);
+        let failed = status >= 500;
+        self.record_outcome(ctx, !failed);
+        if failed && self.retry_possible(ctx) {
+            // Nothing went to the client yet: drop this answer and try
+            // another endpoint (see `error_while_proxy`).
+            ctx.retry_pending = true;
+            if let Some(lease) = ctx.lease.take() {
+                lease.release();
+            }
+            self.shared.metrics.upstream_retry("status-5xx");
+            return Err(Error::explain(
+                ErrorType::HTTPStatus(status),
+                format!("model server answered {status}; retrying on another endpoint"),
+            )
+            .into_up());
+        }
+        Ok(())
+    }
+
+    fn fail_to_connect(
+        &self,
+        _session: &mut Session,
+        _peer: &HttpPeer,
+        ctx: &mut RequestCtx,
+        mut e: Box<Error>,
+    ) -> Box<Error> {
+        self.record_outcome(ctx, false);
+        let retry = self.retry_possible(ctx);
+        if retry {
+            ctx.retry_pending = true;
+            if let Some(lease) = ctx.lease.take() {
+                lease.release();
+            }
+            self.shared.metrics.upstream_retry("connect");
+        }
+        e.set_retry(retry);
+        e
+    }
+
+    fn error_while_proxy(
+        &self,
+        peer: &HttpPeer,
+        session: &mut Session,
+        e: Box<Error>,
+        ctx: &mut RequestCtx,
+        _client_reused: bool,
+    ) -> Box<Error> {
+        let mut e = e.more_context(format!("Peer: {}", peer.address()));
+        if ctx.retry_pending {
+            // A 5xx header turned into this error by `upstream_response_filter`.
+            e.set_retry(true);
+            return e;
+        }
+        // An upstream failure before any response header: the endpoint
+        // failed; after it, the client already has part of the answer.
+        let before_answer = ctx.upstream_status.is_none() && session.response_written().is_none();
+        if e.esource() == &ErrorSource::Upstream && before_answer {
+            self.record_outcome(ctx, false);
+            if self.retry_possible(ctx) {
+                ctx.retry_pending = true;
+                if let Some(lease) = ctx.lease.take() {
+                    lease.release();
+                }
+                self.shared.metrics.upstream_retry("upstream-error");
+                e.set_retry(true);
+                return e;
+            }
+        }
+        e.set_retry(false);
+        e
     }
 
     async fn response_filter(
@@ -547,6 +788,7 @@ impl ProxyHttp for Inference {
             status,
             reason,
             upstream = ctx.upstream.map(|a| a.to_string()).unwrap_or_default(),
+            retries = ctx.retries,
             wait_ms = ctx.waited.as_millis() as u64,
             duration_ms = ctx.start.elapsed().as_millis() as u64,
             error = e.map(|e| e.to_string()).unwrap_or_default(),
@@ -565,5 +807,29 @@ mod tests {
         assert!(parse_fields(b"[1,2]").is_err());
         assert!(parse_fields(b"").is_err());
         assert!(parse_fields(br#"{"model":"#).is_err());
+    }
+
+    #[test]
+    fn prompt_text_follows_the_conversation_whatever_the_field_order() {
+        let a = parse_fields(
+            br#"{"max_tokens":5,"model":"m","messages":[{"role":"system","content":"S"},
+                {"role":"user","content":[{"type":"text","text":"Q"}]}]}"#,
+        )
+        .unwrap();
+        let b = parse_fields(
+            br#"{"messages":[{"content":"S","role":"system"},{"role":"user","content":"Q"}],
+                "stream":true,"model":"m"}"#,
+        )
+        .unwrap();
+        assert_eq!(a.prompt_text(), b.prompt_text());
+        assert_eq!(a.prompt_text(), b"system\x1fS\x1euser\x1fQ\x1e");
+        assert_eq!(a.model(), Some("m"));
+        let c = parse_fields(br#"{"prompt":["one","two"],"model":" "}"#).unwrap();
+        assert_eq!(c.prompt_text(), b"onetwo");
+        assert_eq!(c.model(), None, "a blank model names none");
+        // Shapes the balancer does not know add nothing, and never fail.
+        let d = parse_fields(br#"{"messages":"odd","prompt":7,"model":3}"#).unwrap();
+        assert!(d.prompt_text().is_empty());
+        assert_eq!(d.model(), None);
     }
 }

@@ -15,6 +15,7 @@ use flowgate::DispatcherConfig;
 use serde::Deserialize;
 
 use crate::policy::{self, FlowControlSection, PriorityRules, SaturationSection};
+use crate::scheduling::{self, SchedulingSection};
 
 pub const DEFAULT_INFERENCE_ADDR: &str = "127.0.0.1:8061";
 pub const DEFAULT_MANAGEMENT_ADDR: &str = "127.0.0.1:8060";
@@ -123,6 +124,8 @@ pub struct FileConfig {
     /// Model name → priority for requests that name no known objective.
     #[serde(default)]
     pub model_priorities: BTreeMap<String, i32>,
+    /// Scorer weights, prefix index, retries, circuit breaker.
+    pub scheduling: Option<SchedulingSection>,
 }
 
 /// Effective settings after merging flags, file and defaults.
@@ -134,6 +137,8 @@ pub struct Settings {
     pub dispatcher: DispatcherConfig,
     /// How requests get their priority.
     pub priorities: PriorityRules,
+    /// Retries on another endpoint after a failure before the first byte.
+    pub retries: u32,
     pub max_request_bytes: usize,
     pub shutdown_grace_period: Duration,
     pub upstream_connect_timeout: Duration,
@@ -240,7 +245,7 @@ impl Settings {
                     .into(),
             ));
         }
-        let (dispatcher, priorities) = policy::build(
+        let (mut dispatcher, priorities) = policy::build(
             &fc,
             &file.saturation_detector.unwrap_or_default(),
             &file.objectives,
@@ -250,6 +255,13 @@ impl Settings {
             default_ttl,
         )
         .map_err(SettingsError::Invalid)?;
+        // Tie-breaking only needs to differ between runs, not be secret.
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        let (sched, retries) = scheduling::build(&file.scheduling.unwrap_or_default(), seed)
+            .map_err(SettingsError::Invalid)?;
+        dispatcher.scheduling = sched;
         let s = Settings {
             inference_addr: cli
                 .inference_addr
@@ -261,6 +273,7 @@ impl Settings {
                 .unwrap_or_else(|| default_addr(DEFAULT_MANAGEMENT_ADDR)),
             dispatcher,
             priorities,
+            retries,
             max_request_bytes: cli
                 .max_request_bytes
                 .or(file.max_request_bytes)
@@ -440,6 +453,44 @@ mod tests {
             "saturationDetector:\n  metricsStalenessThreshold: soon\n",
             "duration",
         );
+        bad(
+            "scheduling:\n  scorers:\n    kvCache: -1\n",
+            "scheduling.scorers.kvCache",
+        );
+        bad("scheduling:\n  scorers:\n    latency: 1\n", "unknown field");
+        bad(
+            "scheduling:\n  prefixCache:\n    blockBytes: 0\n",
+            "scheduling.prefixCache.blockBytes",
+        );
+        bad(
+            "scheduling:\n  circuitBreaker:\n    backoff: 10s\n    maxBackoff: 1s\n",
+            "scheduling.circuitBreaker.maxBackoff",
+        );
+        bad("scheduling:\n  retries: 9\n", "scheduling.retries");
+    }
+
+    #[test]
+    fn scheduling_section_is_read() {
+        let file = FileConfig::parse(
+            "scheduling:\n  scorers:\n    prefixCache: 5\n    queue: 0\n  prefixCache:\n    \
+             blockBytes: 128\n    capacityBlocks: 100\n  retries: 0\n  circuitBreaker:\n    \
+             failures: 2\n    backoff: 1s\n",
+        )
+        .unwrap();
+        let s = Settings::merge(cli(&[]), file).unwrap();
+        let sc = &s.dispatcher.scheduling;
+        assert_eq!(sc.scorers.prefix_cache, 5.0);
+        assert_eq!(sc.scorers.queue, 0.0);
+        assert_eq!(sc.scorers.free_slots, 2.0, "left out: default");
+        assert_eq!(
+            (sc.prefix.block_bytes, sc.prefix.capacity_blocks),
+            (128, 100)
+        );
+        assert_eq!(s.retries, 0);
+        assert_eq!(sc.breaker.failures, 2);
+        assert_eq!(sc.breaker.backoff, Duration::from_secs(1));
+        let d = Settings::merge(cli(&[]), FileConfig::default()).unwrap();
+        assert_eq!(d.retries, 1);
     }
 
     #[test]

@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use flowgate::{
-    Admission, AgentReport, Dispatcher, DispatcherConfig, FlowSnapshot, Lease, Reject,
-    ReportOutcome, RequestMeta,
+    Admission, AgentReport, Dispatcher, DispatcherConfig, EndpointId, FlowSnapshot, Lease, Reject,
+    ReportOutcome, RequestMeta, Route,
 };
 use tokio::sync::oneshot;
 
@@ -57,6 +57,13 @@ impl LeaseGuard {
 
     pub fn addr(&self) -> SocketAddr {
         self.lease.as_ref().expect("lease held until release").addr
+    }
+
+    pub fn endpoint(&self) -> EndpointId {
+        self.lease
+            .as_ref()
+            .expect("lease held until release")
+            .endpoint
     }
 
     pub fn release(mut self) {
@@ -189,11 +196,35 @@ impl Shared {
         outcome.map(|lease| (lease, waited))
     }
 
+    /// The TTL a request gets (its own, cut to the maximum, or the default).
+    pub fn ttl(&self, asked: Option<Duration>) -> Duration {
+        self.lock().ttl(asked)
+    }
+
+    /// Feeds an endpoint's circuit breaker; `true` when the circuit opened.
+    pub fn record_outcome(&self, endpoint: EndpointId, ok: bool) -> bool {
+        let opened = self.lock().record_outcome(endpoint, ok, Instant::now());
+        if opened {
+            self.metrics.circuit_opened.inc();
+        }
+        opened
+    }
+
+    /// Whether a retry of `route` has another eligible endpoint.
+    pub fn has_alternative(&self, route: &Route) -> bool {
+        self.lock().has_alternative(route, Instant::now())
+    }
+
     pub fn report(
         self: &Arc<Self>,
         report: AgentReport,
     ) -> Result<ReportOutcome, flowgate::protocol::ReportError> {
         self.with_dispatch(|d| d.report(report, Instant::now()))
+    }
+
+    /// Requests in flight to one endpoint.
+    pub fn in_flight_of(&self, endpoint: EndpointId) -> u32 {
+        self.lock().in_flight_of(endpoint)
     }
 
     pub fn deregister(self: &Arc<Self>, agent_id: &str) -> bool {

@@ -4,37 +4,12 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::*;
 use serde_json::Value;
 
 /// Writes a balancer config file the test removes when dropped.
-struct ConfigFile(PathBuf);
-
-impl ConfigFile {
-    fn new(yaml: &str) -> ConfigFile {
-        let path = std::env::temp_dir().join(format!(
-            "flowgate-test-{}-{}.yaml",
-            std::process::id(),
-            free_port()
-        ));
-        std::fs::write(&path, yaml).unwrap();
-        ConfigFile(path)
-    }
-
-    fn arg(&self) -> &str {
-        self.0.to_str().unwrap()
-    }
-}
-
-impl Drop for ConfigFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
 /// Closed-loop client: sends chat requests one after another until `until`,
 /// returning the wait (ms) of each, as the balancer reports it.
 fn client_loop(
@@ -214,31 +189,6 @@ async fn background_floods_never_delay_interactive_work_by_more_than_one_service
         "interactive p99 wait {p99_flooded} ms > {p99_alone} ms + one service ({service_ms} ms)"
     );
     assert!(flooded.len() >= 8, "interactive work kept flowing");
-}
-
-async fn metric(b: &Balancer, name: &str, labels: &[(&str, &str)]) -> f64 {
-    let text = client()
-        .get(b.mgmt("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let lines = text.lines().map(|l| Ok(l.to_string()));
-    let scrape = prometheus_parse::Scrape::parse(lines).unwrap();
-    scrape
-        .samples
-        .iter()
-        .filter(|s| s.metric == name)
-        .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
-        .map(|s| match s.value {
-            prometheus_parse::Value::Counter(v)
-            | prometheus_parse::Value::Gauge(v)
-            | prometheus_parse::Value::Untyped(v) => v,
-            _ => 0.0,
-        })
-        .sum()
 }
 
 fn objective(name: &'static str) -> (&'static str, &'static str) {

@@ -695,9 +695,9 @@ fn check_nothing_waits_needlessly(ledger: &Ledger, d: &Dispatcher<usize>, now: I
         if !ledger.waiting.values().any(|w| usize::from(w.2) == m) {
             continue;
         }
-        let free = endpoints.iter().find(|e| {
-            usize::from(e.addr.port()) == m + 1 && e.eligible && e.saturation.is_none()
-        });
+        let free = endpoints
+            .iter()
+            .find(|e| usize::from(e.addr.port()) == m + 1 && e.eligible && e.saturation.is_none());
         assert!(free.is_none(), "model {m} waits while {free:?} is free");
     }
 }

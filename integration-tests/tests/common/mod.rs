@@ -378,3 +378,54 @@ pub async fn assert_openai_error(resp: reqwest::Response, status: u16) -> Value 
     assert!(v["error"]["code"].is_string(), "{v}");
     v
 }
+
+/// A YAML config file in the temp dir, removed when dropped.
+pub struct ConfigFile(PathBuf);
+
+impl ConfigFile {
+    pub fn new(yaml: &str) -> ConfigFile {
+        let path = std::env::temp_dir().join(format!(
+            "flowgate-test-{}-{}.yaml",
+            std::process::id(),
+            free_port()
+        ));
+        std::fs::write(&path, yaml).unwrap();
+        ConfigFile(path)
+    }
+
+    pub fn arg(&self) -> &str {
+        self.0.to_str().unwrap()
+    }
+}
+
+impl Drop for ConfigFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// The sum of the samples of a balancer metric whose labels match.
+pub async fn metric(b: &Balancer, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let text = client()
+        .get(b.mgmt("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let lines = text.lines().map(|l| Ok(l.to_string()));
+    let scrape = prometheus_parse::Scrape::parse(lines).unwrap();
+    scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == name)
+        .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v)))
+        .map(|s| match s.value {
+            prometheus_parse::Value::Counter(v)
+            | prometheus_parse::Value::Gauge(v)
+            | prometheus_parse::Value::Untyped(v) => v,
+            _ => 0.0,
+        })
+        .sum()
+}

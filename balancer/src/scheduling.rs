@@ -1,0 +1,97 @@
+//! `scheduling:` in the config file: scorer weights, the prefix index,
+//! upstream retries and the circuit breaker.
+
+use flowgate::{BreakerConfig, PrefixConfig, SchedulingConfig, ScorerWeights};
+use serde::Deserialize;
+
+use crate::policy::ConfigDuration;
+
+/// Retries of a request whose endpoint failed before answering.
+pub const DEFAULT_RETRIES: u32 = 1;
+
+/// `scheduling:` in the config file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct SchedulingSection {
+    /// Scorer weights; a scorer left out keeps its default weight.
+    pub scorers: Option<ScorerWeights>,
+    pub prefix_cache: Option<PrefixSection>,
+    /// How many times a request is sent to another endpoint after a
+    /// connection failure or a 5xx answer, before any byte reached the
+    /// client.
+    pub retries: Option<u32>,
+    pub circuit_breaker: Option<BreakerSection>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct PrefixSection {
+    pub block_bytes: Option<usize>,
+    pub max_blocks: Option<usize>,
+    pub capacity_blocks: Option<usize>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct BreakerSection {
+    pub failures: Option<u32>,
+    pub backoff: Option<ConfigDuration>,
+    pub max_backoff: Option<ConfigDuration>,
+}
+
+/// The checked scheduling settings and the retry count.
+pub fn build(section: &SchedulingSection, seed: u64) -> Result<(SchedulingConfig, u32), String> {
+    let scorers = section.scorers.unwrap_or_default();
+    if let Some((name, w)) = scorers.invalid() {
+        return Err(format!(
+            "scheduling.scorers.{name} must be a number of at least 0, not {w}"
+        ));
+    }
+    let pd = PrefixConfig::default();
+    let p = section.prefix_cache.as_ref();
+    let prefix = PrefixConfig {
+        block_bytes: p.and_then(|p| p.block_bytes).unwrap_or(pd.block_bytes),
+        max_blocks: p.and_then(|p| p.max_blocks).unwrap_or(pd.max_blocks),
+        capacity_blocks: p
+            .and_then(|p| p.capacity_blocks)
+            .unwrap_or(pd.capacity_blocks),
+    };
+    if prefix.block_bytes == 0 {
+        return Err("scheduling.prefixCache.blockBytes must be at least 1".into());
+    }
+    if prefix.max_blocks == 0 {
+        return Err("scheduling.prefixCache.maxBlocks must be at least 1".into());
+    }
+    let bd = BreakerConfig::default();
+    let b = section.circuit_breaker.as_ref();
+    let breaker = BreakerConfig {
+        failures: b.and_then(|b| b.failures).unwrap_or(bd.failures),
+        backoff: b.and_then(|b| b.backoff).map_or(bd.backoff, |d| d.0),
+        max_backoff: b
+            .and_then(|b| b.max_backoff)
+            .map_or(bd.max_backoff, |d| d.0),
+    };
+    if breaker.backoff.is_zero() {
+        return Err("scheduling.circuitBreaker.backoff must be at least 1ms".into());
+    }
+    if breaker.max_backoff < breaker.backoff {
+        return Err(
+            "scheduling.circuitBreaker.maxBackoff must not be shorter than its backoff".into(),
+        );
+    }
+    let retries = section.retries.unwrap_or(DEFAULT_RETRIES);
+    if retries > 5 {
+        return Err(format!(
+            "scheduling.retries must be at most 5, not {retries}"
+        ));
+    }
+    Ok((
+        SchedulingConfig {
+            scorers,
+            prefix,
+            breaker,
+            seed,
+        },
+        retries,
+    ))
+}

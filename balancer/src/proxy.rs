@@ -121,42 +121,9 @@ impl InferenceFields {
         }
     }
 
-    /// The prompt as the model server will see it, near enough for prefix
-    /// hashing: each chat message's role and text in order, or the
-    /// completion prompt. Shapes the balancer does not know add nothing
-    /// (the model server judges the request, not the balancer).
+    /// The prompt text, for prefix hashing.
     fn prompt_text(&self) -> Vec<u8> {
-        fn push_text(out: &mut Vec<u8>, v: &serde_json::Value) {
-            match v {
-                serde_json::Value::String(t) => out.extend_from_slice(t.as_bytes()),
-                // Content parts: [{"type": "text", "text": "..."}, ...].
-                serde_json::Value::Array(parts) => {
-                    for part in parts {
-                        match part.get("text") {
-                            Some(t) => push_text(out, t),
-                            None => push_text(out, part),
-                        }
-                    }
-                }
-                _ => {}
-            }
-        }
-        let mut out = Vec::new();
-        if let Some(serde_json::Value::Array(messages)) = &self.messages {
-            for m in messages {
-                if let Some(serde_json::Value::String(role)) = m.get("role") {
-                    out.extend_from_slice(role.as_bytes());
-                }
-                out.push(0x1f);
-                if let Some(content) = m.get("content") {
-                    push_text(&mut out, content);
-                }
-                out.push(0x1e);
-            }
-        } else if let Some(prompt) = &self.prompt {
-            push_text(&mut out, prompt);
-        }
-        out
+        flowgate::openai::prompt_text(self.messages.as_ref(), self.prompt.as_ref())
     }
 }
 

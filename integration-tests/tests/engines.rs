@@ -58,6 +58,62 @@ async fn sglang_agent() {
     engine_agent_reports_and_limits("sglang").await;
 }
 
+/// With a KV capacity, llm-sim reports real KV use; the balancer stops
+/// sending work to a server whose KV cache is past the threshold even
+/// though it has free slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_cache_use_saturates_an_endpoint() {
+    let b = Balancer::start(&[]).await;
+    let sim = Sim::start(&[
+        "--engine",
+        "vllm",
+        "--slots",
+        "8",
+        "--kv-capacity-tokens",
+        "1000",
+        "--ttft-ms",
+        "1500",
+    ]);
+    let _agent = agent_at(
+        &sim.addr.to_string(),
+        &b,
+        &["--backend", "vllm", "--max-concurrency", "8"],
+    );
+    b.wait_eligible(1).await;
+    // ~900 prompt tokens: 90% of the KV cache while it runs.
+    let big = serde_json::json!({"model": "sim-model",
+        "messages": [{"role": "user", "content": "x".repeat(3_600)}]});
+    let c = client();
+    let url = b.url("/v1/chat/completions");
+    let first = tokio::spawn({
+        let (c, url, big) = (c.clone(), url.clone(), big.clone());
+        async move {
+            c.post(url)
+                .json(&big)
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    });
+    wait_for(
+        "the endpoint to saturate on KV use",
+        Duration::from_secs(5),
+        || async {
+            let a = b.agents().await;
+            (a["endpoints"][0]["saturation"] == "kv-cache").then_some(())
+        },
+    )
+    .await;
+    // A small request now waits in the balancer, not in the server.
+    let second = spawn_chat(&b, &[]);
+    b.wait_buffered(1).await;
+    assert_eq!(first.await.unwrap(), 200);
+    assert_eq!(second.await.unwrap(), 200);
+    assert_eq!(sim.stats().await["max_deferred"], 0);
+}
+
 #[test]
 fn engines_without_max_concurrency_are_a_usage_error() {
     let out = std::process::Command::new(bin("agent"))

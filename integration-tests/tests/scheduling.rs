@@ -403,3 +403,58 @@ async fn a_draining_agent_gets_no_new_work_and_leaves_when_its_requests_finish()
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn affinity_lands_follow_up_turns_on_a_warm_prefix_cache() {
+    let b = Balancer::start(&[]).await;
+    // 200 µs of prefill per uncached token: a 1,000-token prompt costs
+    // 200 ms cold and next to nothing when its prefix is cached.
+    let sim_args = [
+        "--prefix-cache-tokens",
+        "100000",
+        "--prefill-us-per-token",
+        "200",
+        "--ttft-ms",
+        "5",
+    ];
+    let sims = [Sim::start(&sim_args), Sim::start(&sim_args)];
+    let _agents: Vec<_> = sims.iter().map(|s| agent(s, &b)).collect();
+    b.wait_eligible(2).await;
+    let c = client();
+    let system = "Answer briefly and cite your sources. ".repeat(110);
+    let mut messages = vec![json!({"role": "system", "content": system})];
+    let mut latencies = Vec::new();
+    let mut cached = Vec::new();
+    for turn in 0..4 {
+        messages.push(json!({"role": "user", "content": format!("question {turn}")}));
+        let start = Instant::now();
+        let r = c
+            .post(b.url("/v1/chat/completions"))
+            .json(&json!({"model": "sim-model", "messages": messages}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        cached.push(
+            r.headers()["x-sim-cached-tokens"]
+                .to_str()
+                .unwrap()
+                .parse::<u64>()
+                .unwrap(),
+        );
+        r.bytes().await.unwrap();
+        latencies.push(start.elapsed());
+        messages.push(json!({"role": "assistant", "content": "ok"}));
+    }
+    assert_eq!(cached[0], 0, "{cached:?}");
+    assert!(cached[1..].iter().all(|&t| t >= 1_000), "{cached:?}");
+    let cold = latencies[0].as_secs_f64();
+    let warm = latencies[1..]
+        .iter()
+        .map(Duration::as_secs_f64)
+        .fold(0.0, f64::max);
+    assert!(
+        warm / cold < 0.6,
+        "warm turns took {warm:.3} s vs {cold:.3} s cold"
+    );
+}

@@ -14,7 +14,14 @@
 //! | `x-sim-tag`          | recorded in arrival order at `GET /sim/stats`   |
 //!
 //! Responses carry `x-sim-body-bytes` and `x-sim-body-sha256` of the request
-//! body received, so tests can check that bodies arrive intact.
+//! body received, so tests can check that bodies arrive intact, and
+//! `x-sim-cached-tokens`, the prompt tokens its prefix cache served.
+//!
+//! For scheduling experiments it can also model KV capacity, a prefix cache
+//! and decode slowing down with batch size (see [`engine`]); all off by
+//! default.
+
+mod engine;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -34,7 +41,8 @@ use hyper_util::rt::TokioIo;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::engine::{Engine, EngineConfig, Running};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type Body = http_body_util::combinators::BoxBody<Bytes, BoxError>;
@@ -76,11 +84,28 @@ struct Cli {
     /// `llamacpp:*` metrics), vllm (`vllm:*` metrics) or sglang (`sglang:*`
     /// metrics); vllm and sglang have no `/slots` or `/props`
     #[arg(long, value_enum, default_value = "llamacpp")]
-    engine: Engine,
+    engine: EngineKind,
+    /// KV-cache capacity in tokens (prompt + output of the running
+    /// requests); a request that does not fit waits. 0: unlimited. With vllm
+    /// and sglang the KV gauge reports its use
+    #[arg(long, value_name = "TOKENS", default_value_t = 0)]
+    kv_capacity_tokens: u64,
+    /// Prefix cache capacity in tokens (least recently used forgotten);
+    /// cached prompt tokens cost no prefill time. 0: no cache
+    #[arg(long, value_name = "TOKENS", default_value_t = 0)]
+    prefix_cache_tokens: u64,
+    /// Microseconds of prefill per uncached prompt token (4 bytes = 1 token),
+    /// added to the time to first token
+    #[arg(long, value_name = "US", default_value_t = 0)]
+    prefill_us_per_token: u64,
+    /// Decode slowdown per extra running request: each token takes
+    /// tpot × (1 + F × (running − 1))
+    #[arg(long, value_name = "F", default_value_t = 0.0)]
+    decode_slowdown: f64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum Engine {
+enum EngineKind {
     Llamacpp,
     Vllm,
     Sglang,
@@ -116,7 +141,7 @@ struct Stats {
 struct Sim {
     cli: Cli,
     started: Instant,
-    slots: Arc<Semaphore>,
+    engine: Arc<Engine>,
     processing: AtomicU64,
     deferred: AtomicU64,
     requests_total: AtomicU64,
@@ -129,18 +154,27 @@ struct Sim {
 /// Counts a request as processing while alive (it holds a slot).
 struct Processing {
     sim: Arc<Sim>,
-    _permit: OwnedSemaphorePermit,
+    _running: Running,
+}
+
+/// Counts a request as deferred while it waits, however the wait ends.
+struct Deferred<'a>(&'a AtomicU64);
+
+impl Drop for Deferred<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl Processing {
-    fn new(sim: Arc<Sim>, permit: OwnedSemaphorePermit) -> Self {
+    fn new(sim: Arc<Sim>, running: Running) -> Self {
         let now = sim.processing.fetch_add(1, Ordering::SeqCst) + 1;
         let mut st = sim.stats.lock().unwrap();
         st.max_processing = st.max_processing.max(now);
         drop(st);
         Processing {
             sim,
-            _permit: permit,
+            _running: running,
         }
     }
 }
@@ -180,33 +214,55 @@ fn header_num(req: &Request<Incoming>, name: &str, default: u64) -> u64 {
 impl Sim {
     /// vLLM / SGLang style gauges: running, waiting, and KV use (half the
     /// cache per fully busy server, so load alone never saturates it).
-    fn engine_metrics(&self, engine: Engine) -> String {
+    fn engine_metrics(&self, engine: EngineKind) -> String {
         let (running, waiting, kv) = match engine {
-            Engine::Vllm => (
+            EngineKind::Vllm => (
                 "vllm:num_requests_running",
                 "vllm:num_requests_waiting",
                 "vllm:kv_cache_usage_perc",
             ),
-            Engine::Sglang => (
+            EngineKind::Sglang => (
                 "sglang:num_running_reqs",
                 "sglang:num_queue_reqs",
                 "sglang:token_usage",
             ),
-            Engine::Llamacpp => unreachable!("llama.cpp metrics are rendered by metrics()"),
+            EngineKind::Llamacpp => unreachable!("llama.cpp metrics are rendered by metrics()"),
         };
         let busy = self.processing.load(Ordering::SeqCst);
-        let kv_use = busy as f64 / f64::from(self.cli.slots.max(1)) * 0.5;
+        // Without a KV capacity: half the cache per fully busy server.
+        let kv_use = self
+            .engine
+            .kv_usage()
+            .unwrap_or(busy as f64 / f64::from(self.cli.slots.max(1)) * 0.5);
         let labels = format!("{{engine=\"0\",model_name=\"{}\"}}", self.cli.model);
+        let queries = self.engine.prompt_tokens_total.load(Ordering::Relaxed);
+        let hits = self.engine.cached_tokens_total.load(Ordering::Relaxed);
+        let cache = match engine {
+            EngineKind::Vllm => format!(
+                "# TYPE vllm:prefix_cache_queries_total counter\n\
+                 vllm:prefix_cache_queries_total{labels} {queries}.0\n\
+                 # TYPE vllm:prefix_cache_hits_total counter\n\
+                 vllm:prefix_cache_hits_total{labels} {hits}.0\n"
+            ),
+            _ => format!(
+                "# TYPE sglang:cache_hit_rate gauge\nsglang:cache_hit_rate{labels} {}\n",
+                if queries == 0 {
+                    0.0
+                } else {
+                    hits as f64 / queries as f64
+                }
+            ),
+        };
         format!(
             "# TYPE {running} gauge\n{running}{labels} {busy}.0\n\
              # TYPE {waiting} gauge\n{waiting}{labels} {}.0\n\
-             # TYPE {kv} gauge\n{kv}{labels} {kv_use}\n",
+             # TYPE {kv} gauge\n{kv}{labels} {kv_use}\n{cache}",
             self.deferred.load(Ordering::SeqCst)
         )
     }
 
     fn metrics(&self) -> String {
-        if self.cli.engine != Engine::Llamacpp {
+        if self.cli.engine != EngineKind::Llamacpp {
             return self.engine_metrics(self.cli.engine);
         }
         let mut out = String::new();
@@ -219,7 +275,7 @@ impl Sim {
             "prompt_tokens_total",
             "counter",
             "Number of prompt tokens processed",
-            self.requests_total.load(Ordering::Relaxed) * 10,
+            self.engine.prompt_tokens_total.load(Ordering::Relaxed),
         );
         metric(
             "tokens_predicted_total",
@@ -259,6 +315,8 @@ impl Sim {
             "max_processing": st.max_processing,
             "max_deferred": st.max_deferred,
             "bytes_received_total": self.bytes_received.load(Ordering::SeqCst),
+            "prompt_tokens_total": self.engine.prompt_tokens_total.load(Ordering::Relaxed),
+            "cached_prompt_tokens_total": self.engine.cached_tokens_total.load(Ordering::Relaxed),
             "arrivals": st.arrivals,
         })
     }
@@ -268,6 +326,8 @@ impl Sim {
         *st = Stats::default();
         self.requests_total.store(0, Ordering::SeqCst);
         self.bytes_received.store(0, Ordering::SeqCst);
+        self.engine.prompt_tokens_total.store(0, Ordering::Relaxed);
+        self.engine.cached_tokens_total.store(0, Ordering::Relaxed);
     }
 }
 
@@ -284,10 +344,10 @@ async fn route(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>, 
                 json_resp(StatusCode::OK, json!({"status": "ok"}))
             }
         }
-        (&Method::GET, "/slots") if sim.cli.engine == Engine::Llamacpp => {
+        (&Method::GET, "/slots") if sim.cli.engine == EngineKind::Llamacpp => {
             json_resp(StatusCode::OK, sim.slots_json())
         }
-        (&Method::GET, "/props") if sim.cli.engine == Engine::Llamacpp => json_resp(
+        (&Method::GET, "/props") if sim.cli.engine == EngineKind::Llamacpp => json_resp(
             StatusCode::OK,
             json!({"total_slots": sim.cli.slots, "model_alias": sim.cli.model, "model_path": sim.cli.model}),
         ),
@@ -361,21 +421,25 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
         .and_then(|v| v.as_bool())
         .unwrap_or(false);
 
-    // Wait for a slot like llama-server does (FIFO), counted as deferred.
-    let permit = match Arc::clone(&sim.slots).try_acquire_owned() {
-        Ok(p) => p,
-        Err(_) => {
+    let prompt = flowgate::openai::prompt_text(parsed.get("messages"), parsed.get("prompt"));
+    let kv_tokens = prompt.len() as u64 / engine::BYTES_PER_TOKEN + u64::from(tokens);
+    // Wait for a slot (and KV room) like llama-server does (FIFO), counted
+    // as deferred.
+    let running = match sim.engine.try_admit(kv_tokens) {
+        Some(r) => r,
+        None => {
             let now = sim.deferred.fetch_add(1, Ordering::SeqCst) + 1;
+            let _deferred = Deferred(&sim.deferred);
             {
                 let mut st = sim.stats.lock().unwrap();
                 st.max_deferred = st.max_deferred.max(now);
             }
-            let p = Arc::clone(&sim.slots).acquire_owned().await;
-            sim.deferred.fetch_sub(1, Ordering::SeqCst);
-            p.expect("semaphore never closed")
+            sim.engine.admit(kv_tokens).await
         }
     };
-    let processing = Processing::new(Arc::clone(&sim), permit);
+    let processing = Processing::new(Arc::clone(&sim), running);
+    let (prompt_tokens, cached_tokens, prefill) = sim.engine.prefill(&prompt);
+    let ttft = ttft + prefill;
 
     match fault {
         Some(Fault::Status(code)) => {
@@ -398,13 +462,26 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
     let mut resp = if stream {
         stream_response(sim, processing, path, id, model, tokens, ttft, tpot, fault)
     } else {
-        tokio::time::sleep(ttft + tpot * tokens.saturating_sub(1)).await;
+        tokio::time::sleep(ttft).await;
+        if sim.cli.decode_slowdown > 0.0 {
+            for _ in 1..tokens {
+                tokio::time::sleep(sim.engine.tpot(tpot)).await;
+            }
+        } else {
+            tokio::time::sleep(tpot * tokens.saturating_sub(1)).await;
+        }
         sim.tokens_total
             .fetch_add(u64::from(tokens), Ordering::Relaxed);
         drop(processing);
-        json_resp(StatusCode::OK, final_body(&path, id, &model, tokens))
+        let mut body = final_body(&path, id, &model, tokens);
+        if body.get("usage").is_some() {
+            body["usage"]["prompt_tokens"] = json!(prompt_tokens);
+            body["usage"]["total_tokens"] = json!(prompt_tokens + u64::from(tokens));
+        }
+        json_resp(StatusCode::OK, body)
     };
     let h = resp.headers_mut();
+    h.insert("x-sim-cached-tokens", HeaderValue::from(cached_tokens));
     h.insert("x-sim-body-bytes", HeaderValue::from(body.len() as u64));
     h.insert("x-sim-body-sha256", HeaderValue::from_str(&digest).unwrap());
     resp
@@ -495,7 +572,7 @@ fn stream_response(
                     Ok(Frame::data(Bytes::from_static(b"data: [DONE]\n\n")));
                 return Some((done, (i + 1, None)));
             }
-            tokio::time::sleep(if i == 0 { ttft } else { tpot }).await;
+            tokio::time::sleep(if i == 0 { ttft } else { sim.engine.tpot(tpot) }).await;
             if fault == Some(Fault::DropMidStream) && i == tokens / 2 {
                 let err: BoxError = "simulated connection drop".into();
                 return Some((Err(err), (tokens + 1, None)));
@@ -538,7 +615,13 @@ async fn serve(cli: Cli) {
     let addr = listener.local_addr().expect("local addr");
     println!("listening on {addr}");
     let sim = Arc::new(Sim {
-        slots: Arc::new(Semaphore::new(cli.slots as usize)),
+        engine: Engine::new(EngineConfig {
+            slots: cli.slots,
+            kv_capacity_tokens: cli.kv_capacity_tokens,
+            prefix_cache_tokens: cli.prefix_cache_tokens,
+            prefill_per_token: Duration::from_micros(cli.prefill_us_per_token),
+            decode_slowdown: cli.decode_slowdown,
+        }),
         cli,
         started: Instant::now(),
         processing: AtomicU64::new(0),

@@ -1,0 +1,372 @@
+//! `loadgen`: the scheduling benchmark's load generator and baseline
+//! routers (see `scripts/bench/scheduling`). Not a test.
+//!
+//! - `loadgen run`: closed-loop clients send streamed chat requests to a
+//!   router for a while and print one JSON line: throughput, TTFT
+//!   percentiles by class, requests per tenant.
+//! - `loadgen proxy`: a minimal reverse proxy with `round-robin` or
+//!   `least-in-flight` balancing and no queue of its own, the baselines.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use clap::{Parser, Subcommand, ValueEnum};
+use futures_util::StreamExt;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::json;
+use tokio::net::TcpListener;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type Body = http_body_util::combinators::BoxBody<Bytes, BoxError>;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "loadgen",
+    about = "Scheduling benchmark: load generator and baseline routers"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Send a workload to a router and print the results as one JSON line
+    Run(RunArgs),
+    /// A baseline router without a queue of its own
+    Proxy(ProxyArgs),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Workload {
+    /// Multi-turn chats of 4 tenants over 8 long shared system prompts
+    Chat,
+    /// `chat` plus as many batch clients (objective `batch`, own tenant)
+    /// sending long unique prompts
+    ChatBatch,
+    /// Unique prompts of random length, nothing shared
+    Random,
+}
+
+#[derive(Debug, clap::Args)]
+struct RunArgs {
+    /// Router base URL, e.g. http://127.0.0.1:8061
+    #[arg(long)]
+    target: String,
+    #[arg(long, value_enum)]
+    workload: Workload,
+    /// Interactive clients (closed loop: one request at a time each)
+    #[arg(long, default_value_t = 48)]
+    clients: usize,
+    /// Seconds to send for
+    #[arg(long, default_value_t = 20)]
+    seconds: u64,
+    /// Seed of the prompt choices
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Policy {
+    RoundRobin,
+    LeastInFlight,
+}
+
+#[derive(Debug, clap::Args)]
+struct ProxyArgs {
+    #[arg(long)]
+    listen: SocketAddr,
+    /// Comma-separated backend ip:port list
+    #[arg(long, value_delimiter = ',')]
+    backends: Vec<SocketAddr>,
+    #[arg(long, value_enum)]
+    policy: Policy,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    match cli.command {
+        Command::Run(args) => rt.block_on(run(args)),
+        Command::Proxy(args) => rt.block_on(proxy(args)),
+    }
+}
+
+// ---- load generator ---------------------------------------------------
+
+/// xorshift64*: prompt choices reproducible from the seed.
+struct Rng(u64);
+
+impl Rng {
+    fn below(&mut self, n: u64) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D) % n
+    }
+}
+
+const TENANTS: usize = 4;
+const SYSTEM_PROMPTS: usize = 8;
+const TURNS: usize = 6;
+
+fn system_prompt(k: usize) -> String {
+    format!(
+        "You are assistant {k} of the support team. Follow policy {k} exactly. {}",
+        format!("Rule {k}: be precise, cite the manual, never guess. ").repeat(70)
+    )
+}
+
+#[derive(Default)]
+struct Samples {
+    /// class → TTFT seconds of successful requests.
+    ttft: BTreeMap<&'static str, Vec<f64>>,
+    /// tenant → successful requests.
+    per_tenant: BTreeMap<String, u64>,
+    errors: BTreeMap<u16, u64>,
+}
+
+async fn run(args: RunArgs) {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(1024)
+        .build()
+        .expect("http client");
+    let url = format!("{}/v1/chat/completions", args.target.trim_end_matches('/'));
+    let samples = Arc::new(Mutex::new(Samples::default()));
+    let start = Instant::now();
+    let until = start + Duration::from_secs(args.seconds);
+    let mut tasks = Vec::new();
+    let batch_clients = if args.workload == Workload::ChatBatch {
+        args.clients
+    } else {
+        0
+    };
+    for i in 0..args.clients + batch_clients {
+        let batch = i >= args.clients;
+        let (client, url, samples) = (client.clone(), url.clone(), Arc::clone(&samples));
+        let workload = args.workload;
+        let mut rng = Rng((args.seed << 16) ^ ((i as u64 + 1) * 0x9E37_79B9));
+        tasks.push(tokio::spawn(async move {
+            let tenant = if batch {
+                "batch".to_string()
+            } else {
+                format!("tenant-{}", i % TENANTS)
+            };
+            let mut messages: Vec<serde_json::Value> = Vec::new();
+            let mut n = 0u64;
+            while Instant::now() < until {
+                n += 1;
+                let prompt = if batch || workload == Workload::Random {
+                    let len = 500 + rng.below(3_500) as usize;
+                    let unique = format!("Document {i}-{n}-{}: ", rng.below(u64::MAX));
+                    vec![json!({"role": "user",
+                        "content": format!("{unique}{}", "lorem ipsum dolor ".repeat(len / 18))})]
+                } else {
+                    if messages.is_empty() || messages.len() > 2 * TURNS {
+                        let k = (i + rng.below(2) as usize) % SYSTEM_PROMPTS;
+                        messages = vec![json!({"role": "system", "content": system_prompt(k)})];
+                    }
+                    messages.push(json!({"role": "user",
+                        "content": format!("Question {n} from client {i}?")}));
+                    messages.clone()
+                };
+                let mut req = client
+                    .post(&url)
+                    .header("x-gateway-inference-fairness-id", &tenant)
+                    .json(&json!({"model": "sim-model", "stream": true, "messages": prompt}));
+                if batch {
+                    req = req.header("x-gateway-inference-objective", "batch");
+                }
+                let sent = Instant::now();
+                let outcome = match req.send().await {
+                    Ok(resp) if resp.status().is_success() => {
+                        let mut body = resp.bytes_stream();
+                        let mut ttft = None;
+                        let mut ok = true;
+                        while let Some(chunk) = body.next().await {
+                            match chunk {
+                                Ok(c) if ttft.is_none() && !c.is_empty() => {
+                                    ttft = Some(sent.elapsed().as_secs_f64())
+                                }
+                                Ok(_) => {}
+                                Err(_) => ok = false,
+                            }
+                        }
+                        ttft.filter(|_| ok).ok_or(0)
+                    }
+                    Ok(resp) => Err(resp.status().as_u16()),
+                    Err(_) => Err(0),
+                };
+                let mut s = samples.lock().unwrap();
+                match outcome {
+                    Ok(ttft) => {
+                        // Requests that finish after the end do not count.
+                        if Instant::now() <= until {
+                            let class = if batch { "batch" } else { "interactive" };
+                            s.ttft.entry(class).or_default().push(ttft);
+                            *s.per_tenant.entry(tenant.clone()).or_default() += 1;
+                        }
+                    }
+                    Err(code) => *s.errors.entry(code).or_default() += 1,
+                }
+                drop(s);
+                if !batch && workload != Workload::Random {
+                    messages.push(json!({"role": "assistant", "content": "Noted."}));
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let s = samples.lock().unwrap();
+    let secs = args.seconds as f64;
+    let mut classes = serde_json::Map::new();
+    for (class, v) in &s.ttft {
+        let mut v = v.clone();
+        v.sort_by(f64::total_cmp);
+        let pct = |p: f64| v[((v.len() as f64 * p) as usize).min(v.len() - 1)];
+        classes.insert(
+            class.to_string(),
+            json!({"requests": v.len(), "throughput_rps": v.len() as f64 / secs,
+                   "ttft_p50_s": pct(0.5), "ttft_p99_s": pct(0.99)}),
+        );
+    }
+    let total: u64 = s.per_tenant.values().sum();
+    let errors: BTreeMap<String, u64> = s.errors.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+    println!(
+        "{}",
+        json!({"workload": format!("{:?}", args.workload), "seconds": secs,
+               "throughput_rps": total as f64 / secs, "classes": classes,
+               "per_tenant": s.per_tenant, "errors": errors})
+    );
+}
+
+// ---- baseline router ------------------------------------------------------
+
+struct Backends {
+    addrs: Vec<SocketAddr>,
+    in_flight: Vec<AtomicUsize>,
+    next: AtomicUsize,
+    policy: Policy,
+    client: reqwest::Client,
+}
+
+impl Backends {
+    fn pick(&self) -> usize {
+        match self.policy {
+            Policy::RoundRobin => self.next.fetch_add(1, Ordering::Relaxed) % self.addrs.len(),
+            Policy::LeastInFlight => {
+                // Rotate the start so ties spread out.
+                let start = self.next.fetch_add(1, Ordering::Relaxed);
+                (0..self.addrs.len())
+                    .map(|k| (start + k) % self.addrs.len())
+                    .min_by_key(|&i| self.in_flight[i].load(Ordering::Relaxed))
+                    .expect("at least one backend")
+            }
+        }
+    }
+}
+
+/// Counts a request in flight on a backend until dropped (with its body).
+struct InFlight(Arc<Backends>, usize);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight[self.1].fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+async fn forward(b: Arc<Backends>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    let i = b.pick();
+    b.in_flight[i].fetch_add(1, Ordering::Relaxed);
+    let guard = InFlight(Arc::clone(&b), i);
+    let path = req
+        .uri()
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .to_string();
+    let method = req.method().clone();
+    let headers = req.headers().clone();
+    let body = match req.into_body().collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(_) => return Ok(status(StatusCode::BAD_REQUEST)),
+    };
+    let mut upstream = b
+        .client
+        .request(method, format!("http://{}{path}", b.addrs[i]))
+        .body(body);
+    for (k, v) in &headers {
+        if k != "host" && k != "content-length" {
+            upstream = upstream.header(k, v);
+        }
+    }
+    match upstream.send().await {
+        Ok(resp) => {
+            let code = resp.status();
+            let ct = resp.headers().get("content-type").cloned();
+            let stream = resp.bytes_stream().map(move |c| {
+                let _hold = &guard;
+                c.map(Frame::data).map_err(|e| Box::new(e) as BoxError)
+            });
+            let mut r = Response::new(BodyExt::boxed(StreamBody::new(stream)));
+            *r.status_mut() = code;
+            if let Some(ct) = ct {
+                r.headers_mut().insert("content-type", ct);
+            }
+            Ok(r)
+        }
+        Err(_) => Ok(status(StatusCode::BAD_GATEWAY)),
+    }
+}
+
+fn status(code: StatusCode) -> Response<Body> {
+    let mut r = Response::new(Full::new(Bytes::new()).map_err(|n| match n {}).boxed());
+    *r.status_mut() = code;
+    r
+}
+
+async fn proxy(args: ProxyArgs) {
+    assert!(!args.backends.is_empty(), "--backends is empty");
+    let backends = Arc::new(Backends {
+        in_flight: args.backends.iter().map(|_| AtomicUsize::new(0)).collect(),
+        addrs: args.backends,
+        next: AtomicUsize::new(0),
+        policy: args.policy,
+        client: reqwest::Client::builder()
+            .pool_max_idle_per_host(1024)
+            .build()
+            .expect("http client"),
+    });
+    let listener = TcpListener::bind(args.listen).await.expect("bind");
+    println!("listening on {}", listener.local_addr().expect("addr"));
+    loop {
+        let Ok((stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let b = Arc::clone(&backends);
+        tokio::spawn(async move {
+            let svc = service_fn(move |req| forward(Arc::clone(&b), req));
+            let _ = http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await;
+        });
+    }
+}

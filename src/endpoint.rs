@@ -344,7 +344,8 @@ pub(crate) struct Registry {
     models: HashMap<Arc<str>, Instant>,
     next_id: u64,
     ties: TieBreaker,
-    /// Scratch space of `acquire`.
+    /// Scratch space of `acquire`: candidates, and the best of them.
+    candidates: Vec<EndpointId>,
     best: Vec<EndpointId>,
 }
 
@@ -365,6 +366,7 @@ impl Registry {
             models: HashMap::new(),
             next_id: 0,
             ties: TieBreaker::new(scheduling.seed),
+            candidates: Vec::new(),
             best: Vec::new(),
         }
     }
@@ -492,18 +494,42 @@ impl Registry {
     /// takes one of its slots.
     pub(crate) fn acquire(&mut self, route: &Route, now: Instant) -> Option<Lease> {
         let config = self.saturation;
+        self.candidates.clear();
+        self.candidates.extend(
+            self.endpoints
+                .values()
+                .filter(|e| {
+                    Some(e.addr) != route.avoid
+                        && e.serves(route.model.as_deref())
+                        && e.available(now, &config)
+                })
+                .map(|e| e.id),
+        );
+        let chosen = match self.candidates.len() {
+            0 => return None,
+            // The usual case at saturation: the one endpoint a slot freed on.
+            1 => self.candidates[0],
+            _ => self.best_candidate(route),
+        };
+        let ep = self.endpoints.get_mut(&chosen).expect("candidate exists");
+        ep.in_flight += 1;
+        ep.in_flight_peak = ep.in_flight_peak.max(ep.in_flight);
+        ep.prefix.insert(&route.prefix);
+        Some(Lease {
+            endpoint: ep.id,
+            addr: ep.addr,
+        })
+    }
+
+    /// The highest-scoring of several candidates, ties at random.
+    fn best_candidate(&mut self, route: &Route) -> EndpointId {
         let weights = self.scheduling.scorers;
         let blocks = route.prefix.len();
         let score_prefix = weights.prefix_cache > 0.0 && blocks > 0;
         let mut best_score = f64::NEG_INFINITY;
         self.best.clear();
-        for e in self.endpoints.values() {
-            if Some(e.addr) == route.avoid
-                || !e.serves(route.model.as_deref())
-                || !e.available(now, &config)
-            {
-                continue;
-            }
+        for id in &self.candidates {
+            let e = &self.endpoints[id];
             let report = &e
                 .agent
                 .as_ref()
@@ -520,7 +546,7 @@ impl Registry {
                 slots_total: e.slots_total(),
                 kv_cache_usage: report.kv_cache_usage,
                 requests_waiting: report.requests_waiting,
-                queue_depth_threshold: config.queue_depth_threshold,
+                queue_depth_threshold: self.saturation.queue_depth_threshold,
             });
             // Scores are sums of a few ratios: closer than this is a tie.
             const TIE: f64 = 1e-9;
@@ -532,23 +558,14 @@ impl Registry {
                 self.best.push(e.id);
             }
         }
-        let chosen = match self.best.len() {
-            0 => return None,
+        match self.best.len() {
             1 => self.best[0],
             n => {
                 // HashMap order varies: sort so the seed alone decides.
                 self.best.sort_unstable();
                 self.best[self.ties.below(n)]
             }
-        };
-        let ep = self.endpoints.get_mut(&chosen).expect("candidate exists");
-        ep.in_flight += 1;
-        ep.in_flight_peak = ep.in_flight_peak.max(ep.in_flight);
-        ep.prefix.insert(&route.prefix);
-        Some(Lease {
-            endpoint: ep.id,
-            addr: ep.addr,
-        })
+        }
     }
 
     /// Whether some endpoint could take work now, for any model.

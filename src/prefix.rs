@@ -18,11 +18,13 @@
 //! - The affinity score of an endpoint is the share of the request's
 //!   leading blocks it holds ([`PrefixLru::matched`] / blocks).
 //!
-//! Memory: about 50 bytes per remembered block (hash map entry plus the
-//! recency queue), so the default 16,384 blocks cost about 1 MiB per endpoint
-//! and stand for 1 MiB of prompt text (roughly 250,000 tokens).
+//! Defaults: 256-byte blocks (about 64 tokens), the first 128 of a prompt
+//! (32 KiB), 4,096 blocks per endpoint. Memory: about 40 bytes per
+//! remembered block (a 16-byte list node plus a hash map entry), so the
+//! default costs about 160 KiB per endpoint and stands for 1 MiB of prompt
+//! text (roughly 250,000 tokens, more than most servers' KV caches hold).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, DefaultHasher, Hash, Hasher};
 
 /// How prompts are cut into blocks and how much each endpoint remembers.
@@ -39,9 +41,9 @@ pub struct PrefixConfig {
 impl Default for PrefixConfig {
     fn default() -> Self {
         PrefixConfig {
-            block_bytes: 64,
-            max_blocks: 256,
-            capacity_blocks: 16_384,
+            block_bytes: 256,
+            max_blocks: 128,
+            capacity_blocks: 4_096,
         }
     }
 }
@@ -88,17 +90,28 @@ impl Hasher for PassThrough {
 }
 
 /// The block hashes one endpoint was sent, least recently used forgotten
-/// first. Every operation is amortised O(1) per block.
-#[derive(Debug, Clone, Default)]
+/// first: a hash index over an intrusive doubly linked list kept in a
+/// vector, so every operation is O(1) per block and nothing is allocated
+/// once the list is full (the oldest node is reused).
+#[derive(Debug, Clone)]
 pub struct PrefixLru {
     capacity: usize,
-    /// Block hash → stamp of its latest use.
-    stamps: HashMap<u64, u64, BuildHasherDefault<PassThrough>>,
-    /// (hash, stamp) in use order; an entry whose stamp is not the hash's
-    /// latest is stale and skipped.
-    order: VecDeque<(u64, u64)>,
-    clock: u64,
+    index: HashMap<u64, u32, BuildHasherDefault<PassThrough>>,
+    nodes: Vec<Node>,
+    /// Most recently used node, or `NIL`.
+    head: u32,
+    /// Least recently used node, or `NIL`.
+    tail: u32,
 }
+
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    hash: u64,
+    prev: u32,
+    next: u32,
+}
+
+const NIL: u32 = u32::MAX;
 
 impl std::fmt::Debug for PassThrough {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -109,25 +122,29 @@ impl std::fmt::Debug for PassThrough {
 impl PrefixLru {
     pub fn new(capacity: usize) -> Self {
         PrefixLru {
-            capacity,
-            ..PrefixLru::default()
+            // Node indices are u32 (with one value reserved).
+            capacity: capacity.min(NIL as usize - 1),
+            index: HashMap::default(),
+            nodes: Vec::new(),
+            head: NIL,
+            tail: NIL,
         }
     }
 
     /// Blocks remembered.
     pub fn len(&self) -> usize {
-        self.stamps.len()
+        self.index.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.stamps.is_empty()
+        self.index.is_empty()
     }
 
     /// How many of `blocks`, from the first, are remembered.
     pub fn matched(&self, blocks: &[u64]) -> usize {
         blocks
             .iter()
-            .take_while(|h| self.stamps.contains_key(h))
+            .take_while(|h| self.index.contains_key(h))
             .count()
     }
 
@@ -138,22 +155,51 @@ impl PrefixLru {
             return;
         }
         for &h in blocks.iter().rev() {
-            self.clock += 1;
-            self.stamps.insert(h, self.clock);
-            self.order.push_back((h, self.clock));
-        }
-        while self.stamps.len() > self.capacity {
-            let (h, stamp) = self.order.pop_front().expect("every hash has an entry");
-            if self.stamps.get(&h) == Some(&stamp) {
-                self.stamps.remove(&h);
+            if let Some(&i) = self.index.get(&h) {
+                self.unlink(i);
+                self.push_front(i);
+            } else if self.nodes.len() < self.capacity {
+                let i = self.nodes.len() as u32;
+                self.nodes.push(Node {
+                    hash: h,
+                    prev: NIL,
+                    next: NIL,
+                });
+                self.push_front(i);
+                self.index.insert(h, i);
+            } else {
+                // Full: the least recently used node takes the new hash.
+                let i = self.tail;
+                self.index.remove(&self.nodes[i as usize].hash);
+                self.unlink(i);
+                self.nodes[i as usize].hash = h;
+                self.push_front(i);
+                self.index.insert(h, i);
             }
         }
-        // Stale entries pile up when blocks are used again: sweep them once
-        // they outnumber the live ones, so memory stays bounded.
-        if self.order.len() > 2 * self.stamps.len().max(16) {
-            let stamps = &self.stamps;
-            self.order.retain(|(h, s)| stamps.get(h) == Some(s));
+    }
+
+    fn unlink(&mut self, i: u32) {
+        let Node { prev, next, .. } = self.nodes[i as usize];
+        match prev {
+            NIL => self.head = next,
+            p => self.nodes[p as usize].next = next,
         }
+        match next {
+            NIL => self.tail = prev,
+            n => self.nodes[n as usize].prev = prev,
+        }
+    }
+
+    fn push_front(&mut self, i: u32) {
+        let old = self.head;
+        self.nodes[i as usize].prev = NIL;
+        self.nodes[i as usize].next = old;
+        match old {
+            NIL => self.tail = i,
+            o => self.nodes[o as usize].prev = i,
+        }
+        self.head = i;
     }
 }
 
@@ -225,8 +271,12 @@ mod tests {
             lru.insert(&prompt);
         }
         assert_eq!(lru.len(), 8);
-        assert!(lru.order.len() <= 2 * 16 + 8, "{}", lru.order.len());
+        assert_eq!(lru.nodes.len(), 8);
         assert_eq!(lru.matched(&prompt), 8);
+        for round in 0..1_000u64 {
+            lru.insert(&[round * 2 + 1_000, round * 2 + 1_001]);
+        }
+        assert_eq!((lru.len(), lru.nodes.len()), (8, 8));
     }
 
     #[test]

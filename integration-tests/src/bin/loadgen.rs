@@ -74,6 +74,15 @@ struct RunArgs {
     /// Seed of the prompt choices
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// The requests' `model` field (empty: none)
+    #[arg(long, default_value = "sim-model")]
+    model: String,
+    /// The requests' `max_tokens` (default: none, the server decides)
+    #[arg(long)]
+    max_tokens: Option<u32>,
+    /// Size of each system prompt, in repetitions of a 52-byte rule
+    #[arg(long, default_value_t = 70)]
+    system_repeat: usize,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -126,10 +135,10 @@ const TENANTS: usize = 4;
 const SYSTEM_PROMPTS: usize = 8;
 const TURNS: usize = 6;
 
-fn system_prompt(k: usize) -> String {
+fn system_prompt(k: usize, repeat: usize) -> String {
     format!(
         "You are assistant {k} of the support team. Follow policy {k} exactly. {}",
-        format!("Rule {k}: be precise, cite the manual, never guess. ").repeat(70)
+        format!("Rule {k}: be precise, cite the manual, never guess. ").repeat(repeat)
     )
 }
 
@@ -161,6 +170,7 @@ async fn run(args: RunArgs) {
         let batch = i >= args.clients;
         let (client, url, samples) = (client.clone(), url.clone(), Arc::clone(&samples));
         let workload = args.workload;
+        let (model, max_tokens, repeat) = (args.model.clone(), args.max_tokens, args.system_repeat);
         let mut rng = Rng((args.seed << 16) ^ ((i as u64 + 1) * 0x9E37_79B9));
         tasks.push(tokio::spawn(async move {
             let tenant = if batch {
@@ -180,16 +190,24 @@ async fn run(args: RunArgs) {
                 } else {
                     if messages.is_empty() || messages.len() > 2 * TURNS {
                         let k = (i + rng.below(2) as usize) % SYSTEM_PROMPTS;
-                        messages = vec![json!({"role": "system", "content": system_prompt(k)})];
+                        messages =
+                            vec![json!({"role": "system", "content": system_prompt(k, repeat)})];
                     }
                     messages.push(json!({"role": "user",
                         "content": format!("Question {n} from client {i}?")}));
                     messages.clone()
                 };
+                let mut body = json!({"stream": true, "messages": prompt});
+                if !model.is_empty() {
+                    body["model"] = json!(model);
+                }
+                if let Some(n) = max_tokens {
+                    body["max_tokens"] = json!(n);
+                }
                 let mut req = client
                     .post(&url)
                     .header("x-gateway-inference-fairness-id", &tenant)
-                    .json(&json!({"model": "sim-model", "stream": true, "messages": prompt}));
+                    .json(&body);
                 if batch {
                     req = req.header("x-gateway-inference-objective", "batch");
                 }

@@ -278,9 +278,15 @@ impl<T> Dispatcher<T> {
         self.registry.record_outcome(endpoint, ok, now)
     }
 
-    /// Whether a retry of `route` has another eligible endpoint to go to.
-    pub fn has_alternative(&self, route: &Route, now: Instant) -> bool {
-        self.registry.has_alternative(route, now)
+    /// Whether a retry has somewhere to go: an eligible endpoint other than
+    /// `avoid` that serves `model` (it may be busy).
+    pub fn has_alternative(
+        &self,
+        model: Option<&str>,
+        avoid: Option<SocketAddr>,
+        now: Instant,
+    ) -> bool {
+        self.registry.has_alternative(model, avoid, now)
     }
 
     /// Validates and applies an agent report; follow with `dispatch`.

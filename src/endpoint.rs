@@ -245,6 +245,11 @@ impl Endpoint {
         }
     }
 
+    /// Serves `model` and is not the endpoint to `avoid`.
+    fn fits(&self, model: Option<&str>, avoid: Option<SocketAddr>) -> bool {
+        Some(self.addr) != avoid && self.serves(model)
+    }
+
     /// Eligible and not saturated.
     fn available(&self, now: Instant, config: &SaturationConfig) -> bool {
         self.eligible(now) && self.saturation(now, config).is_none()
@@ -499,9 +504,7 @@ impl Registry {
             self.endpoints
                 .values()
                 .filter(|e| {
-                    Some(e.addr) != route.avoid
-                        && e.serves(route.model.as_deref())
-                        && e.available(now, &config)
+                    e.fits(route.model.as_deref(), route.avoid) && e.available(now, &config)
                 })
                 .map(|e| e.id),
         );
@@ -574,12 +577,17 @@ impl Registry {
         self.endpoints.values().any(|e| e.available(now, &config))
     }
 
-    /// Whether an eligible endpoint other than `route.avoid` serves the
-    /// route's model (it may be busy): a retry has somewhere to go.
-    pub(crate) fn has_alternative(&self, route: &Route, now: Instant) -> bool {
-        self.endpoints.values().any(|e| {
-            Some(e.addr) != route.avoid && e.serves(route.model.as_deref()) && e.eligible(now)
-        })
+    /// Whether an eligible endpoint other than `avoid` serves `model` (it
+    /// may be busy): a retry has somewhere to go.
+    pub(crate) fn has_alternative(
+        &self,
+        model: Option<&str>,
+        avoid: Option<SocketAddr>,
+        now: Instant,
+    ) -> bool {
+        self.endpoints
+            .values()
+            .any(|e| e.fits(model, avoid) && e.eligible(now))
     }
 
     /// Whether requests for `model` are accepted: it is served or was
@@ -979,14 +987,14 @@ mod tests {
         }
         let mut retry = route(Some("m"), &[]);
         retry.avoid = Some(addr("127.0.0.1:1"));
-        assert!(r.has_alternative(&retry, now));
+        assert!(r.has_alternative(Some("m"), retry.avoid, now));
         for _ in 0..4 {
             let l = r.acquire(&retry, now).unwrap();
             assert_eq!(l.addr.port(), 2);
             r.release(l);
         }
         r.deregister("b");
-        assert!(!r.has_alternative(&retry, now));
+        assert!(!r.has_alternative(Some("m"), retry.avoid, now));
         assert!(r.acquire(&retry, now).is_none());
     }
 

@@ -5,8 +5,8 @@
 //! - Every request belongs to a flow, [`FlowKey`] = (fairness id, priority).
 //!   A flow is split into *lanes*, one per model, each queued and taking
 //!   turns on its own: a request never waits behind its tenant's request for
-//!   another model (whose servers may be saturated). Snapshots and limits
-//!   count a flow's lanes together.
+//!   another model (whose servers may be saturated). Snapshots count a
+//!   flow's lanes together; eviction (below) picks the largest lane.
 //! - Flows of the same priority form a *band*. Bands are strict: every queued
 //!   request of a higher band is dispatched before any of a lower band.
 //! - Inside a band a [`FairnessPolicy`] picks the flow that goes next:
@@ -403,13 +403,7 @@ impl<T> FlowQueues<T> {
     /// Costs one call of `ready` per flow offered before the answer.
     pub fn peek_where(&mut self, mut ready: impl FnMut(&T) -> bool) -> Option<Ticket> {
         let flows = &self.flows;
-        let head = |idx: FlowIdx, key: OrderKey| -> Option<&T> {
-            flows[idx.0 as usize]
-                .as_ref()?
-                .items
-                .get(&key)
-                .map(|i| &i.handle)
-        };
+        let head = |flow: FlowIdx, key: OrderKey| handle_at(flows, Ticket { flow, key });
         for band in self.bands.values_mut().rev() {
             if band.requests == 0 {
                 continue;
@@ -446,8 +440,7 @@ impl<T> FlowQueues<T> {
 
     /// The handle of a queued request.
     pub fn get(&self, ticket: Ticket) -> Option<&T> {
-        let flow = self.flows.get(ticket.flow.0 as usize)?.as_ref()?;
-        flow.items.get(&ticket.key).map(|i| &i.handle)
+        handle_at(&self.flows, ticket)
     }
 
     /// Takes the request [`FlowQueues::peek`] returned; the flow's turn ends.
@@ -683,6 +676,12 @@ impl<T> FlowQueues<T> {
             key,
         })
     }
+}
+
+/// The handle of the request at `ticket`, if it is queued.
+fn handle_at<T>(flows: &[Option<Flow<T>>], ticket: Ticket) -> Option<&T> {
+    let flow = flows.get(ticket.flow.0 as usize)?.as_ref()?;
+    flow.items.get(&ticket.key).map(|i| &i.handle)
 }
 
 /// The head of flow `idx` if `token` is its live ring entry.

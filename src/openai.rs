@@ -6,19 +6,25 @@ use serde_json::Value;
 
 /// The prompt as the model server will see it, near enough for prefix
 /// hashing: each chat message's role and text in order (`messages`), or the
-/// completion prompt (`prompt`, a string or a list of strings). Shapes this
-/// does not know add nothing: the model server judges the request.
-pub fn prompt_text(messages: Option<&Value>, prompt: Option<&Value>) -> Vec<u8> {
-    fn push_text(out: &mut Vec<u8>, v: &Value) {
+/// completion prompt (`prompt`, a string or a list of strings), cut at
+/// `limit` bytes (only the beginning is hashed, so a huge prompt is not
+/// copied whole). Shapes this does not know add nothing: the model server
+/// judges the request.
+pub fn prompt_text(messages: Option<&Value>, prompt: Option<&Value>, limit: usize) -> Vec<u8> {
+    fn put(out: &mut Vec<u8>, bytes: &[u8], limit: usize) {
+        let room = limit.saturating_sub(out.len());
+        out.extend_from_slice(&bytes[..bytes.len().min(room)]);
+    }
+    fn push_text(out: &mut Vec<u8>, v: &Value, limit: usize) {
         match v {
-            Value::String(t) => out.extend_from_slice(t.as_bytes()),
+            Value::String(t) => put(out, t.as_bytes(), limit),
             // Content parts: [{"type": "text", "text": "..."}, ...].
             Value::Array(parts) => {
                 for part in parts {
-                    match part.get("text") {
-                        Some(t) => push_text(out, t),
-                        None => push_text(out, part),
+                    if out.len() >= limit {
+                        return;
                     }
+                    push_text(out, part.get("text").unwrap_or(part), limit);
                 }
             }
             _ => {}
@@ -27,17 +33,20 @@ pub fn prompt_text(messages: Option<&Value>, prompt: Option<&Value>) -> Vec<u8> 
     let mut out = Vec::new();
     if let Some(Value::Array(messages)) = messages {
         for m in messages {
+            if out.len() >= limit {
+                break;
+            }
             if let Some(Value::String(role)) = m.get("role") {
-                out.extend_from_slice(role.as_bytes());
+                put(&mut out, role.as_bytes(), limit);
             }
-            out.push(0x1f);
+            put(&mut out, &[0x1f], limit);
             if let Some(content) = m.get("content") {
-                push_text(&mut out, content);
+                push_text(&mut out, content, limit);
             }
-            out.push(0x1e);
+            put(&mut out, &[0x1e], limit);
         }
     } else if let Some(prompt) = prompt {
-        push_text(&mut out, prompt);
+        push_text(&mut out, prompt, limit);
     }
     out
 }
@@ -70,6 +79,22 @@ pub fn error_body(message: &str, kind: &str, code: &str) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn prompt_text_stops_at_the_limit() {
+        let messages = serde_json::json!([
+            {"role": "system", "content": "abcdef"},
+            {"role": "user", "content": [{"type": "text", "text": "ghij"}]}
+        ]);
+        let full = super::prompt_text(Some(&messages), None, usize::MAX);
+        assert_eq!(full, b"system\x1fabcdef\x1euser\x1fghij\x1e");
+        for limit in [0, 3, 9, 15, 20, full.len()] {
+            assert_eq!(
+                super::prompt_text(Some(&messages), None, limit),
+                full[..limit.min(full.len())]
+            );
+        }
+    }
+
     #[test]
     fn body_has_the_openai_shape() {
         let v: serde_json::Value = serde_json::from_slice(&super::error_body(

@@ -105,12 +105,9 @@ struct Cli {
     /// request in flight to it, then deregisters and exits. This is the
     /// longest it waits: `30s`, `2m`, or milliseconds. A second signal exits
     /// at once
-    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = parse_drain_timeout)]
+    #[arg(long, value_name = "DURATION", default_value = "30s",
+        value_parser = flowgate::duration::parse_duration)]
     drain_timeout: Duration,
-}
-
-fn parse_drain_timeout(s: &str) -> Result<Duration, String> {
-    flowgate::duration::parse_duration(s)
 }
 
 fn parse_interval(s: &str) -> Result<Duration, String> {

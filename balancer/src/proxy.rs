@@ -121,9 +121,10 @@ impl InferenceFields {
         }
     }
 
-    /// The prompt text, for prefix hashing.
-    fn prompt_text(&self) -> Vec<u8> {
-        flowgate::openai::prompt_text(self.messages.as_ref(), self.prompt.as_ref())
+    /// The beginning of the prompt text, as much as prefix hashing uses.
+    fn prompt_text(&self, prefix: &PrefixConfig) -> Vec<u8> {
+        let limit = prefix.block_bytes.saturating_mul(prefix.max_blocks);
+        flowgate::openai::prompt_text(self.messages.as_ref(), self.prompt.as_ref(), limit)
     }
 }
 
@@ -155,12 +156,21 @@ impl Refusal {
         }
     }
 
-    fn from_reject(r: Reject) -> Self {
+    /// The answer to a refusal by flow control of a request for `model`.
+    fn from_reject(r: Reject, model: &str) -> Self {
+        if r == Reject::UnknownModel {
+            return Refusal::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "model_not_found",
+                format!("the model `{model}` does not exist or is not served by any model server"),
+            );
+        }
         let (kind, code) = match r {
             Reject::BufferFull | Reject::NoEndpoints => ("server_error", "service_unavailable"),
             Reject::Shed | Reject::Evicted => ("rate_limit_error", "rate_limit_exceeded"),
             Reject::Timeout => ("server_error", "timeout"),
-            Reject::UnknownModel => ("invalid_request_error", "model_not_found"),
+            Reject::UnknownModel => unreachable!("answered above"),
         };
         Refusal {
             status: StatusCode::from_u16(r.http_status()).expect("valid status"),
@@ -196,22 +206,10 @@ impl Inference {
                 ctx.upstream_status = None;
                 Ok(None)
             }
-            Err(AdmitError::Rejected(Reject::UnknownModel)) => {
-                let r = Refusal::new(
-                    StatusCode::NOT_FOUND,
-                    "invalid_request_error",
-                    "model_not_found",
-                    format!(
-                        "the model `{}` does not exist or is not served by any model server",
-                        ctx.model
-                    ),
-                );
-                self.refuse(session, ctx, r).await.map(Some)
+            Err(AdmitError::Rejected(r)) => {
+                let refusal = Refusal::from_reject(r, &ctx.model);
+                self.refuse(session, ctx, refusal).await.map(Some)
             }
-            Err(AdmitError::Rejected(r)) => self
-                .refuse(session, ctx, Refusal::from_reject(r))
-                .await
-                .map(Some),
             Err(AdmitError::ClientGone) => {
                 ctx.reason = "client-gone";
                 Err(Error::explain(
@@ -236,18 +234,27 @@ impl Inference {
         }
     }
 
-    /// Whether a failed attempt may go again elsewhere; counts the retry.
-    fn retry_possible(&self, ctx: &mut RequestCtx) -> bool {
+    /// After a failed attempt: if the request may go again to another
+    /// endpoint, gives its slot back, counts the retry (`reason` labels the
+    /// metric) and returns `true`; `upstream_peer` then waits for the next
+    /// slot.
+    fn begin_retry(&self, ctx: &mut RequestCtx, reason: &str) -> bool {
         if ctx.retries >= self.retries {
             return false;
         }
         let Some(meta) = &ctx.meta else { return false };
-        let mut route = meta.route.clone();
-        route.avoid = ctx.upstream;
-        if !self.shared.has_alternative(&route) {
+        if !self
+            .shared
+            .has_alternative(meta.route.model.as_deref(), ctx.upstream)
+        {
             return false;
         }
         ctx.retries += 1;
+        ctx.retry_pending = true;
+        if let Some(lease) = ctx.lease.take() {
+            lease.release();
+        }
+        self.shared.metrics.upstream_retry(reason);
         true
     }
 
@@ -487,7 +494,7 @@ impl ProxyHttp for Inference {
                 ctx.model = fields.model().unwrap_or_default().to_string();
                 Route {
                     model: fields.model().map(Arc::from),
-                    prefix: block_hashes(&fields.prompt_text(), &self.prefix),
+                    prefix: block_hashes(&fields.prompt_text(&self.prefix), &self.prefix),
                     avoid: None,
                 }
             }
@@ -597,14 +604,9 @@ impl ProxyHttp for Inference {
         ctx.upstream_status = Some(status);
         let failed = status >= 500;
         self.record_outcome(ctx, !failed);
-        if failed && self.retry_possible(ctx) {
+        if failed && self.begin_retry(ctx, "status-5xx") {
             // Nothing went to the client yet: drop this answer and try
             // another endpoint (see `error_while_proxy`).
-            ctx.retry_pending = true;
-            if let Some(lease) = ctx.lease.take() {
-                lease.release();
-            }
-            self.shared.metrics.upstream_retry("status-5xx");
             return Err(Error::explain(
                 ErrorType::HTTPStatus(status),
                 format!("model server answered {status}; retrying on another endpoint"),
@@ -622,14 +624,7 @@ impl ProxyHttp for Inference {
         mut e: Box<Error>,
     ) -> Box<Error> {
         self.record_outcome(ctx, false);
-        let retry = self.retry_possible(ctx);
-        if retry {
-            ctx.retry_pending = true;
-            if let Some(lease) = ctx.lease.take() {
-                lease.release();
-            }
-            self.shared.metrics.upstream_retry("connect");
-        }
+        let retry = self.begin_retry(ctx, "connect");
         e.set_retry(retry);
         e
     }
@@ -653,12 +648,7 @@ impl ProxyHttp for Inference {
         let before_answer = ctx.upstream_status.is_none() && session.response_written().is_none();
         if e.esource() == &ErrorSource::Upstream && before_answer {
             self.record_outcome(ctx, false);
-            if self.retry_possible(ctx) {
-                ctx.retry_pending = true;
-                if let Some(lease) = ctx.lease.take() {
-                    lease.release();
-                }
-                self.shared.metrics.upstream_retry("upstream-error");
+            if self.begin_retry(ctx, "upstream-error") {
                 e.set_retry(true);
                 return e;
             }
@@ -766,6 +756,7 @@ impl ProxyHttp for Inference {
 #[cfg(test)]
 mod tests {
     use super::parse_fields;
+    use flowgate::prefix::PrefixConfig;
 
     #[test]
     fn only_json_objects_are_inference_requests() {
@@ -778,6 +769,7 @@ mod tests {
 
     #[test]
     fn prompt_text_follows_the_conversation_whatever_the_field_order() {
+        let p = PrefixConfig::default();
         let a = parse_fields(
             br#"{"max_tokens":5,"model":"m","messages":[{"role":"system","content":"S"},
                 {"role":"user","content":[{"type":"text","text":"Q"}]}]}"#,
@@ -788,15 +780,15 @@ mod tests {
                 "stream":true,"model":"m"}"#,
         )
         .unwrap();
-        assert_eq!(a.prompt_text(), b.prompt_text());
-        assert_eq!(a.prompt_text(), b"system\x1fS\x1euser\x1fQ\x1e");
+        assert_eq!(a.prompt_text(&p), b.prompt_text(&p));
+        assert_eq!(a.prompt_text(&p), b"system\x1fS\x1euser\x1fQ\x1e");
         assert_eq!(a.model(), Some("m"));
         let c = parse_fields(br#"{"prompt":["one","two"],"model":" "}"#).unwrap();
-        assert_eq!(c.prompt_text(), b"onetwo");
+        assert_eq!(c.prompt_text(&p), b"onetwo");
         assert_eq!(c.model(), None, "a blank model names none");
         // Shapes the balancer does not know add nothing, and never fail.
         let d = parse_fields(br#"{"messages":"odd","prompt":7,"model":3}"#).unwrap();
-        assert!(d.prompt_text().is_empty());
+        assert!(d.prompt_text(&p).is_empty());
         assert_eq!(d.model(), None);
     }
 }

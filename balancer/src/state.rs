@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use flowgate::{
     Admission, AgentReport, Dispatcher, DispatcherConfig, EndpointId, FlowSnapshot, Lease, Reject,
-    ReportOutcome, RequestMeta, Route,
+    ReportOutcome, RequestMeta,
 };
 use tokio::sync::oneshot;
 
@@ -210,9 +210,9 @@ impl Shared {
         opened
     }
 
-    /// Whether a retry of `route` has another eligible endpoint.
-    pub fn has_alternative(&self, route: &Route) -> bool {
-        self.lock().has_alternative(route, Instant::now())
+    /// Whether an eligible endpoint other than `failed` serves `model`.
+    pub fn has_alternative(&self, model: Option<&str>, failed: Option<SocketAddr>) -> bool {
+        self.lock().has_alternative(model, failed, Instant::now())
     }
 
     pub fn report(

@@ -421,7 +421,8 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
         .and_then(|v| v.as_bool())
         .unwrap_or(false);
 
-    let prompt = flowgate::openai::prompt_text(parsed.get("messages"), parsed.get("prompt"));
+    let prompt =
+        flowgate::openai::prompt_text(parsed.get("messages"), parsed.get("prompt"), usize::MAX);
     let kv_tokens = prompt.len() as u64 / engine::BYTES_PER_TOKEN + u64::from(tokens);
     // Wait for a slot (and KV room) like llama-server does (FIFO), counted
     // as deferred.

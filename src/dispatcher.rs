@@ -12,11 +12,21 @@
 //! - Every freed slot, new report or new request runs
 //!   [`Dispatcher::dispatch`], which takes the next request (strict priority,
 //!   then fairness, then ordering) and binds it to an endpoint, until nothing
-//!   can be placed. A head request whose model has no unsaturated endpoint
-//!   is held, and nothing of the same model, of any priority, passes it;
+//!   can be placed. A request whose model has no unsaturated endpoint is
+//!   held, and nothing of the same model, of any priority, passes it;
 //!   requests for other models may (flows keep one lane per model, offered
 //!   in dispatch order by [`FlowQueues::peek_where`]). A freed slot wakes
 //!   exactly one waiter.
+//! - Affinity hold: a request whose prompt is mostly cached on a saturated
+//!   endpoint (and less on every free one) waits for that endpoint, up to
+//!   `scheduling.affinity_hold` from the first time it was passed over,
+//!   rather than be prefilled again elsewhere; meanwhile the next requests
+//!   of its flow (up to [`LOOK_AHEAD`]) and other flows of its band may take
+//!   the free slot. A hold never lets lower priority pass, and a request
+//!   whose hold ended goes wherever there is room. The owner runs
+//!   `dispatch` at [`Dispatcher::next_hold_end`] (and learns of new holds
+//!   from [`Dispatcher::take_new_holds`]), so no request waits on an idle
+//!   endpoint longer than its hold.
 //! - A request for a model no endpoint serves (nor served lately) is refused
 //!   404 at once, unless no agent is registered at all: then it waits for
 //!   the fleet to come up.
@@ -24,18 +34,27 @@
 //!   504 first. Its owner may also remove it with [`Dispatcher::cancel`],
 //!   as when its client leaves. Neither holds a slot.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::endpoint::{
-    EndpointId, EndpointSnapshot, Lease, Registry, ReportOutcome, Route, SaturationConfig,
+    EndpointId, EndpointSnapshot, Lease, Pick, Registry, ReportOutcome, Route, SaturationConfig,
     SchedulingConfig,
 };
 use crate::flow::{FlowControlConfig, FlowKey, FlowQueues, FlowSnapshot, QueueFull, Removed};
 use crate::protocol::{AgentReport, ReportError};
 
 pub use crate::flow::Ticket;
+
+/// How many requests of each flow a dispatch pass looks at when the ones
+/// ahead of them cannot go now (held for affinity, or their route is busy).
+const LOOK_AHEAD: usize = 4;
+
+/// Affinity holds per dispatch pass, which bounds its cost; past it,
+/// requests go where there is room.
+const MAX_HOLDS_PER_PASS: usize = 32;
 
 /// Everything the dispatcher needs to know.
 #[derive(Debug, Clone, PartialEq)]
@@ -140,6 +159,10 @@ pub struct Done<T> {
 struct Waiting<T> {
     handle: T,
     route: Route,
+    /// Set when it is first held for affinity: it may wait for the endpoint
+    /// that caches its prompt until then.
+    hold_until: Option<Instant>,
+    priority: i32,
 }
 
 /// The queues plus the endpoint registry.
@@ -150,6 +173,11 @@ pub struct Dispatcher<T> {
     queues: FlowQueues<Waiting<T>>,
     /// Requests evicted by `submit`, answered by the next `dispatch`.
     evicted: Vec<Done<T>>,
+    /// When affinity holds end, in that order (every hold is equally
+    /// long); entries of requests that left are dropped lazily.
+    holds: VecDeque<(Instant, Ticket)>,
+    /// A hold began since the last `take_new_holds`.
+    new_holds: bool,
 }
 
 impl<T> Dispatcher<T> {
@@ -159,6 +187,8 @@ impl<T> Dispatcher<T> {
             queues: FlowQueues::new(config.flow.clone()),
             config,
             evicted: Vec::new(),
+            holds: VecDeque::new(),
+            new_holds: false,
         }
     }
 
@@ -182,8 +212,9 @@ impl<T> Dispatcher<T> {
         {
             return Admission::Rejected(Reject::UnknownModel);
         }
+        let hold = self.config.scheduling.affinity_hold;
         if self.queues.is_empty() {
-            if let Some(lease) = self.registry.acquire(&request.route, now) {
+            if let Pick::Lease(lease) = self.registry.pick(&request.route, now, !hold.is_zero()) {
                 return Admission::Ready(lease);
             }
         }
@@ -195,6 +226,8 @@ impl<T> Dispatcher<T> {
         let waiting = Waiting {
             handle,
             route: request.route,
+            hold_until: None,
+            priority: request.flow.priority,
         };
         match self
             .queues
@@ -224,40 +257,82 @@ impl<T> Dispatcher<T> {
                 .into_iter()
                 .map(|r| done(r, Err(Reject::Timeout), now)),
         );
+        // Holds that end now are over: this pass places those requests.
+        while self.holds.front().is_some_and(|&(end, _)| end <= now) {
+            self.holds.pop_front();
+        }
+        let hold = self.config.scheduling.affinity_hold;
         // Routes that found no endpoint in this pass: every later request
         // with the same route waits too (same model, same exclusion).
         let mut stuck: Vec<(Option<Arc<str>>, Option<SocketAddr>)> = Vec::new();
+        // Requests that wait for the endpoint caching their prompt; the
+        // requests behind them in their flows may pass them.
+        // A held request keeps lower priorities from passing it.
+        let mut held: Vec<Ticket> = Vec::new();
+        let mut floor = i32::MIN;
         loop {
-            let next = if stuck.is_empty() {
+            let next = if stuck.is_empty() && held.is_empty() {
                 self.queues.peek()
             } else {
-                self.queues.peek_where(|w| {
-                    !stuck
-                        .iter()
-                        .any(|(m, a)| *m == w.route.model && *a == w.route.avoid)
+                self.queues.peek_where(LOOK_AHEAD, |ticket, w| {
+                    w.priority >= floor
+                        && !held.contains(&ticket)
+                        && !stuck
+                            .iter()
+                            .any(|(m, a)| *m == w.route.model && *a == w.route.avoid)
                 })
             };
             let Some(ticket) = next else { break };
-            let route = &self
-                .queues
-                .get(ticket)
-                .expect("peeked request is queued")
-                .route;
-            match self.registry.acquire(route, now) {
-                Some(lease) => {
+            let waiting = self.queues.get(ticket).expect("peeked request is queued");
+            let may_hold = !hold.is_zero()
+                && waiting.hold_until.is_none_or(|end| now < end)
+                && held.len() < MAX_HOLDS_PER_PASS;
+            match self.registry.pick(&waiting.route, now, may_hold) {
+                Pick::Lease(lease) => {
                     let removed = self.queues.pop(ticket).expect("peeked request is queued");
                     out.push(done(removed, Ok(lease), now));
                 }
-                None => {
+                Pick::Hold => {
+                    floor = floor.max(waiting.priority);
+                    held.push(ticket);
+                    let waiting = self
+                        .queues
+                        .get_mut(ticket)
+                        .expect("peeked request is queued");
+                    if waiting.hold_until.is_none() {
+                        waiting.hold_until = Some(now + hold);
+                        self.holds.push_back((now + hold, ticket));
+                        self.new_holds = true;
+                    }
+                }
+                Pick::Busy => {
                     // Nothing free at all: no other request can go either.
                     if !self.registry.any_available(now) {
                         break;
                     }
-                    stuck.push((route.model.clone(), route.avoid));
+                    stuck.push((waiting.route.model.clone(), waiting.route.avoid));
                 }
             }
         }
         out
+    }
+
+    /// When the earliest affinity hold of a waiting request ends: run
+    /// [`Dispatcher::dispatch`] then.
+    pub fn next_hold_end(&mut self) -> Option<Instant> {
+        while let Some(&(end, ticket)) = self.holds.front() {
+            if self.queues.get(ticket).is_some() {
+                return Some(end);
+            }
+            self.holds.pop_front();
+        }
+        None
+    }
+
+    /// Whether a hold began since the last call: its end may come before
+    /// the one the owner waits for.
+    pub fn take_new_holds(&mut self) -> bool {
+        std::mem::take(&mut self.new_holds)
     }
 
     /// Removes a waiter whose client went away. `false` if it is no longer

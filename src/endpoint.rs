@@ -140,6 +140,10 @@ pub struct SchedulingConfig {
     pub scorers: ScorerWeights,
     pub prefix: PrefixConfig,
     pub breaker: BreakerConfig,
+    /// How long a queued request may wait for a saturated endpoint that
+    /// holds most of its prompt, rather than go to a free one that does not
+    /// (see [`Registry::pick`]); zero: never.
+    pub affinity_hold: Duration,
     /// Seed of the tie-breaking random source.
     pub seed: u64,
 }
@@ -150,6 +154,7 @@ impl Default for SchedulingConfig {
             scorers: ScorerWeights::default(),
             prefix: PrefixConfig::default(),
             breaker: BreakerConfig::default(),
+            affinity_hold: Duration::from_millis(200),
             seed: 0x5eed,
         }
     }
@@ -337,6 +342,17 @@ pub enum ReportOutcome {
     TookOver(EndpointId),
 }
 
+/// What [`Registry::pick`] found for a request.
+#[derive(Debug)]
+pub(crate) enum Pick {
+    /// A slot on the chosen endpoint.
+    Lease(Lease),
+    /// Better wait: a saturated endpoint holds most of the prompt.
+    Hold,
+    /// No endpoint can take it now.
+    Busy,
+}
+
 /// All endpoints the balancer knows.
 #[derive(Debug)]
 pub(crate) struct Registry {
@@ -497,7 +513,21 @@ impl Registry {
     /// Picks the best endpoint for `route` among those that serve its
     /// model and are eligible and not saturated (see the module docs), and
     /// takes one of its slots.
+    #[cfg(test)]
     pub(crate) fn acquire(&mut self, route: &Route, now: Instant) -> Option<Lease> {
+        match self.pick(route, now, false) {
+            Pick::Lease(lease) => Some(lease),
+            Pick::Hold | Pick::Busy => None,
+        }
+    }
+
+    /// [`Registry::acquire`], except that with `may_hold` a request whose
+    /// prompt is better cached on a saturated endpoint is told to wait for
+    /// it ([`Pick::Hold`]): when that endpoint holds at least half of the
+    /// request's prompt blocks and more than any candidate does. Waiting a
+    /// little for the server that already has the prompt beats prefilling
+    /// it again elsewhere; the caller bounds the wait.
+    pub(crate) fn pick(&mut self, route: &Route, now: Instant, may_hold: bool) -> Pick {
         let config = self.saturation;
         self.candidates.clear();
         self.candidates.extend(
@@ -508,8 +538,13 @@ impl Registry {
                 })
                 .map(|e| e.id),
         );
+        if self.candidates.is_empty() {
+            return Pick::Busy;
+        }
+        if may_hold && self.better_cached_elsewhere(route, now) {
+            return Pick::Hold;
+        }
         let chosen = match self.candidates.len() {
-            0 => return None,
             // The usual case at saturation: the one endpoint a slot freed on.
             1 => self.candidates[0],
             _ => self.best_candidate(route),
@@ -518,10 +553,34 @@ impl Registry {
         ep.in_flight += 1;
         ep.in_flight_peak = ep.in_flight_peak.max(ep.in_flight);
         ep.prefix.insert(&route.prefix);
-        Some(Lease {
+        Pick::Lease(Lease {
             endpoint: ep.id,
             addr: ep.addr,
         })
+    }
+
+    /// Whether an eligible but saturated endpoint that serves the route
+    /// holds at least half of its prompt blocks, and more than every
+    /// candidate (filled in by `pick`).
+    fn better_cached_elsewhere(&self, route: &Route, now: Instant) -> bool {
+        let blocks = route.prefix.len();
+        if self.scheduling.scorers.prefix_cache <= 0.0 || blocks == 0 {
+            return false;
+        }
+        let config = self.saturation;
+        let (mut free, mut busy) = (0, 0);
+        for e in self.endpoints.values() {
+            if !e.fits(route.model.as_deref(), route.avoid) || !e.eligible(now) {
+                continue;
+            }
+            let matched = e.prefix.matched(&route.prefix);
+            if e.available(now, &config) {
+                free = free.max(matched);
+            } else {
+                busy = busy.max(matched);
+            }
+        }
+        busy * 2 >= blocks && busy > free
     }
 
     /// The highest-scoring of several candidates, ties at random.
@@ -921,6 +980,34 @@ mod tests {
         // With no agent at all, every model waits for the fleet.
         r.deregister("a");
         assert!(r.model_known(Some("y"), later));
+    }
+
+    #[test]
+    fn a_request_is_held_only_for_a_busy_endpoint_caching_most_of_its_prompt() {
+        let now = Instant::now();
+        let mut r = Registry::default();
+        for (id, port) in [("a", 1), ("b", 2)] {
+            let (rep, a) = report_for(id, port, 1, &[]);
+            r.apply_report(rep, a, now);
+        }
+        let home = r.acquire(&route(None, &[1, 2, 3, 4]), now).unwrap();
+        // The other endpoint is free: without a hold the request goes there.
+        let turn = route(None, &[1, 2, 3, 4, 5, 6]);
+        assert!(matches!(r.pick(&turn, now, true), Pick::Hold));
+        // Less than half of the prompt cached there: not worth the wait.
+        let long = route(None, &[1, 2, 3, 4, 5, 6, 7, 8, 9]);
+        let Pick::Lease(elsewhere) = r.pick(&long, now, true) else {
+            panic!("a request with a weak affinity must not be held");
+        };
+        assert_ne!(elsewhere.addr, home.addr);
+        r.release(elsewhere);
+        // The free endpoint now caches it too: nothing to wait for.
+        let Pick::Lease(l) = r.pick(&turn, now, true) else {
+            panic!("equally cached elsewhere: no hold");
+        };
+        assert_ne!(l.addr, home.addr);
+        r.release(l);
+        r.release(home);
     }
 
     #[test]

@@ -394,25 +394,42 @@ impl<T> FlowQueues<T> {
     /// The request that goes next: highest band first, then the band's
     /// fairness policy, then the flow's ordering policy.
     pub fn peek(&mut self) -> Option<Ticket> {
-        self.peek_where(|_| true)
+        self.peek_where(1, |_, _| true)
     }
 
-    /// The first request, in [`FlowQueues::peek`] order, among the flows
-    /// whose head request satisfies `ready`; other flows keep their turn.
-    /// Only flow heads are offered: a flow's requests never pass each other.
-    /// Costs one call of `ready` per flow offered before the answer.
-    pub fn peek_where(&mut self, mut ready: impl FnMut(&T) -> bool) -> Option<Ticket> {
+    /// The first request, in [`FlowQueues::peek`] order, that satisfies
+    /// `ready`, looking at the first `depth` requests of each flow (at least
+    /// its head): flows are offered in turn order, and within a flow its
+    /// requests in order, so a request passes the ones ahead of it in its
+    /// flow only when those are not ready. Flows passed over keep their
+    /// turn. Costs one call of `ready` per request offered before the
+    /// answer.
+    pub fn peek_where(
+        &mut self,
+        depth: usize,
+        mut ready: impl FnMut(Ticket, &T) -> bool,
+    ) -> Option<Ticket> {
+        let depth = depth.max(1);
         let flows = &self.flows;
-        let head = |flow: FlowIdx, key: OrderKey| handle_at(flows, Ticket { flow, key });
+        // The first ready request of a flow among its first `depth`.
+        let mut first_ready = |flow: FlowIdx| -> Option<Ticket> {
+            let f = flows.get(flow.0 as usize)?.as_ref()?;
+            f.items
+                .iter()
+                .take(depth)
+                .map(|(&key, item)| (Ticket { flow, key }, &item.handle))
+                .find(|&(ticket, handle)| ready(ticket, handle))
+                .map(|(ticket, _)| ticket)
+        };
         for band in self.bands.values_mut().rev() {
             if band.requests == 0 {
                 continue;
             }
             match &mut band.turns {
                 Turns::GlobalStrict(heads) => {
-                    for &(key, flow) in heads.iter() {
-                        if head(flow, key).is_some_and(&mut ready) {
-                            return Some(Ticket { flow, key });
+                    for &(_, flow) in heads.iter() {
+                        if let Some(ticket) = first_ready(flow) {
+                            return Some(ticket);
                         }
                     }
                 }
@@ -426,9 +443,9 @@ impl<T> FlowQueues<T> {
                         *dead -= 1;
                     }
                     for &(idx, token) in ring.iter() {
-                        if let Some(key) = live_head(flows, idx, token) {
-                            if head(idx, key).is_some_and(&mut ready) {
-                                return Some(Ticket { flow: idx, key });
+                        if live_head(flows, idx, token).is_some() {
+                            if let Some(ticket) = first_ready(idx) {
+                                return Some(ticket);
                             }
                         }
                     }
@@ -441,6 +458,11 @@ impl<T> FlowQueues<T> {
     /// The handle of a queued request.
     pub fn get(&self, ticket: Ticket) -> Option<&T> {
         handle_at(&self.flows, ticket)
+    }
+
+    pub fn get_mut(&mut self, ticket: Ticket) -> Option<&mut T> {
+        let flow = self.flows.get_mut(ticket.flow.0 as usize)?.as_mut()?;
+        flow.items.get_mut(&ticket.key).map(|i| &mut i.handle)
     }
 
     /// Takes the request [`FlowQueues::peek`] returned; the flow's turn ends.

@@ -1,5 +1,6 @@
-//! Background work: dropping agents that stopped reporting, and leaving the
-//! process as soon as a graceful shutdown has nothing left to finish.
+//! Background work: dropping agents that stopped reporting, ending affinity
+//! holds on time, and leaving the process as soon as a graceful shutdown has
+//! nothing left to finish.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -11,7 +12,7 @@ use tracing::{info, warn};
 
 use crate::state::Shared;
 
-/// Longest pause between two stale-agent sweeps.
+/// Longest pause between two rounds.
 const MAX_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 
 pub struct Housekeeping {
@@ -22,7 +23,7 @@ pub struct Housekeeping {
 impl BackgroundService for Housekeeping {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         loop {
-            let (dropped, next) = self.shared.drop_stale();
+            let (dropped, next) = self.shared.housekeeping();
             for agent in dropped {
                 warn!(
                     agent,
@@ -34,9 +35,10 @@ impl BackgroundService for Housekeeping {
                 .map_or(now + MAX_SWEEP_INTERVAL, |t| {
                     t.min(now + MAX_SWEEP_INTERVAL)
                 })
-                .max(now + Duration::from_millis(5));
+                .max(now + Duration::from_millis(1));
             tokio::select! {
                 () = tokio::time::sleep_until(wake.into()) => {}
+                () = self.shared.timers_changed() => {}
                 _ = shutdown.changed() => return,
             }
         }

@@ -1,5 +1,5 @@
 //! `scheduling:` in the config file: scorer weights, the prefix index,
-//! upstream retries and the circuit breaker.
+//! upstream retries, the circuit breaker and the affinity hold.
 
 use flowgate::{BreakerConfig, PrefixConfig, SchedulingConfig, ScorerWeights};
 use serde::Deserialize;
@@ -21,6 +21,9 @@ pub struct SchedulingSection {
     /// client.
     pub retries: Option<u32>,
     pub circuit_breaker: Option<BreakerSection>,
+    /// How long a queued request may wait for a busy server that caches
+    /// most of its prompt instead of going to a free one (0s: never).
+    pub affinity_hold: Option<ConfigDuration>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -85,11 +88,15 @@ pub fn build(section: &SchedulingSection, seed: u64) -> Result<(SchedulingConfig
             "scheduling.retries must be at most 5, not {retries}"
         ));
     }
+    let affinity_hold = section
+        .affinity_hold
+        .map_or(SchedulingConfig::default().affinity_hold, |d| d.0);
     Ok((
         SchedulingConfig {
             scorers,
             prefix,
             breaker,
+            affinity_hold,
             seed,
         },
         retries,

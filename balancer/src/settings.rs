@@ -474,7 +474,7 @@ mod tests {
         let file = FileConfig::parse(
             "scheduling:\n  scorers:\n    prefixCache: 5\n    queue: 0\n  prefixCache:\n    \
              blockBytes: 128\n    capacityBlocks: 100\n  retries: 0\n  circuitBreaker:\n    \
-             failures: 2\n    backoff: 1s\n",
+             failures: 2\n    backoff: 1s\n  affinityHold: 50ms\n",
         )
         .unwrap();
         let s = Settings::merge(cli(&[]), file).unwrap();
@@ -489,8 +489,13 @@ mod tests {
         assert_eq!(s.retries, 0);
         assert_eq!(sc.breaker.failures, 2);
         assert_eq!(sc.breaker.backoff, Duration::from_secs(1));
+        assert_eq!(sc.affinity_hold, Duration::from_millis(50));
         let d = Settings::merge(cli(&[]), FileConfig::default()).unwrap();
         assert_eq!(d.retries, 1);
+        assert_eq!(
+            d.dispatcher.scheduling.affinity_hold,
+            Duration::from_millis(200)
+        );
     }
 
     #[test]

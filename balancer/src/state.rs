@@ -20,7 +20,7 @@ use flowgate::{
     Admission, AgentReport, Dispatcher, DispatcherConfig, EndpointId, FlowSnapshot, Lease, Reject,
     ReportOutcome, RequestMeta,
 };
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, Notify};
 
 use crate::metrics::Metrics;
 
@@ -30,6 +30,9 @@ pub struct Shared {
     dispatcher: Mutex<Dispatcher<Waker>>,
     pub metrics: Metrics,
     shutting_down: AtomicBool,
+    /// Woken when an affinity hold began, which may end before
+    /// housekeeping's next planned wake-up.
+    timers: Notify,
 }
 
 /// Why a request did not get a slot.
@@ -89,6 +92,7 @@ impl Shared {
             dispatcher: Mutex::new(Dispatcher::new(config)),
             metrics: Metrics::new(),
             shutting_down: AtomicBool::new(false),
+            timers: Notify::new(),
         })
     }
 
@@ -115,6 +119,9 @@ impl Shared {
             let now = Instant::now();
             let done = d.dispatch(now);
             if done.is_empty() {
+                if d.take_new_holds() {
+                    self.timers.notify_one();
+                }
                 return;
             }
             for w in done {
@@ -231,11 +238,24 @@ impl Shared {
         self.with_dispatch(|d| d.deregister(agent_id))
     }
 
-    /// Drops stale agents; returns their ids and when to look again.
-    pub fn drop_stale(&self) -> (Vec<String>, Option<Instant>) {
+    /// Housekeeping's round: drops stale agents and places the requests
+    /// whose affinity hold ended. Returns the dropped agents' ids and when
+    /// the next agent turns stale or the next hold ends.
+    pub fn housekeeping(self: &Arc<Self>) -> (Vec<String>, Option<Instant>) {
         let mut d = self.lock();
         let dropped = d.drop_stale(Instant::now());
-        (dropped, d.next_stale_deadline())
+        self.deliver(&mut d);
+        let next = [d.next_stale_deadline(), d.next_hold_end()]
+            .into_iter()
+            .flatten()
+            .min();
+        (dropped, next)
+    }
+
+    /// Resolves when an affinity hold began (housekeeping may have to wake
+    /// up sooner than it planned).
+    pub async fn timers_changed(&self) {
+        self.timers.notified().await;
     }
 
     /// Buffered and in-flight counts, and a view of every endpoint.

@@ -495,6 +495,101 @@ fn a_retry_waits_for_another_endpoint_without_holding_the_others() {
     assert_eq!(done[0].result.as_ref().unwrap().addr, b_addr);
 }
 
+fn with_prompt(tenant: &str, priority: i32, prefix: &[u64]) -> RequestMeta {
+    RequestMeta {
+        route: Route {
+            prefix: prefix.to_vec(),
+            ..Route::default()
+        },
+        ..req(tenant, priority)
+    }
+}
+
+/// Two one-slot endpoints, both busy: a conversation's first turn on one
+/// (returned first), an unrelated request on the other.
+fn two_busy_endpoints(d: &mut Dispatcher<&'static str>, t0: Instant) -> (Lease, Lease) {
+    d.report(model_server("a", 1, 1, &[]), t0).unwrap();
+    d.report(model_server("b", 2, 1, &[]), t0).unwrap();
+    let home = ready(d.submit(with_prompt("t", 0, &[1, 2, 3]), "turn-1", t0));
+    let other = ready(d.submit(with_prompt("u", 0, &[90]), "other", t0));
+    assert_ne!(home.addr, other.addr);
+    (home, other)
+}
+
+#[test]
+fn a_conversation_waits_for_its_busy_server_while_others_pass_it() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    let (home, other) = two_busy_endpoints(&mut d, t0);
+    let home_addr = home.addr;
+    queued(d.submit(with_prompt("t", 0, &[1, 2, 3, 4]), "turn-2", t0));
+    // Same tenant, behind it, nothing cached anywhere.
+    queued(d.submit(with_prompt("t", 0, &[70]), "fresh", t0));
+    assert_eq!(d.next_hold_end(), None);
+    // The other server frees: the next turn would prefill its whole prompt
+    // again there, so it keeps waiting and the fresh request passes it.
+    d.release(other);
+    assert_eq!(granted(&d.dispatch(t0 + 10 * MS)), ["fresh"]);
+    assert!(d.take_new_holds());
+    assert!(!d.take_new_holds());
+    assert_eq!(d.next_hold_end(), Some(t0 + 210 * MS), "200 ms from then");
+    d.release(home);
+    let done = d.dispatch(t0 + 20 * MS);
+    assert_eq!(granted(&done), ["turn-2"]);
+    assert_eq!(done[0].result.as_ref().unwrap().addr, home_addr);
+    assert_eq!(d.next_hold_end(), None, "it left");
+}
+
+#[test]
+fn a_held_request_takes_any_server_once_its_hold_ends() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    let (home, other) = two_busy_endpoints(&mut d, t0);
+    queued(d.submit(with_prompt("t", 0, &[1, 2, 3, 4]), "turn-2", t0));
+    let other_addr = other.addr;
+    d.release(other);
+    assert!(d.dispatch(t0 + 50 * MS).is_empty(), "held");
+    assert_eq!(d.next_hold_end(), Some(t0 + 250 * MS));
+    assert!(d.dispatch(t0 + 249 * MS).is_empty(), "still held");
+    let done = d.dispatch(t0 + 250 * MS);
+    assert_eq!(granted(&done), ["turn-2"]);
+    assert_eq!(done[0].result.as_ref().unwrap().addr, other_addr);
+    d.release(home);
+}
+
+#[test]
+fn a_held_request_keeps_lower_priorities_waiting() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    let (home, other) = two_busy_endpoints(&mut d, t0);
+    queued(d.submit(with_prompt("t", 5, &[1, 2, 3, 4]), "urgent", t0));
+    queued(d.submit(with_prompt("u", 0, &[70]), "low", t0));
+    d.release(other);
+    assert!(
+        d.dispatch(t0).is_empty(),
+        "the free slot is kept for priority 5"
+    );
+    d.release(home);
+    assert_eq!(granted(&d.dispatch(t0)), ["urgent", "low"]);
+}
+
+#[test]
+fn a_zero_affinity_hold_never_holds() {
+    let t0 = Instant::now();
+    let mut config = config(30);
+    config.scheduling.affinity_hold = Duration::ZERO;
+    let mut d = Dispatcher::new(config);
+    let (home, other) = two_busy_endpoints(&mut d, t0);
+    queued(d.submit(with_prompt("t", 0, &[1, 2, 3, 4]), "turn-2", t0));
+    let other_addr = other.addr;
+    d.release(other);
+    let done = d.dispatch(t0);
+    assert_eq!(granted(&done), ["turn-2"]);
+    assert_eq!(done[0].result.as_ref().unwrap().addr, other_addr);
+    assert_eq!(d.next_hold_end(), None);
+    d.release(home);
+}
+
 #[test]
 fn stale_metrics_saturate_after_the_threshold_or_two_agent_intervals() {
     use crate::endpoint::Saturation;
@@ -745,7 +840,7 @@ proptest! {
                             ledger.ended.insert(id);
                             leases.push(lease);
                         }
-                        Admission::Queued { ticket, deadline: dl } => {
+                        Admission::Queued { ticket, deadline: dl, .. } => {
                             prop_assert_eq!(dl, deadline);
                             ledger.waiting.insert(id, (i32::from(priority), deadline, model));
                             ledger.tickets.insert(id, ticket);

@@ -176,8 +176,8 @@ pub struct Dispatcher<T> {
     /// When affinity holds end, in that order (every hold is equally
     /// long); entries of requests that left are dropped lazily.
     holds: VecDeque<(Instant, Ticket)>,
-    /// A hold began since the last `take_new_holds`.
-    new_holds: bool,
+    /// Holds begun since the last `take_new_holds`.
+    new_holds: u64,
 }
 
 impl<T> Dispatcher<T> {
@@ -188,7 +188,7 @@ impl<T> Dispatcher<T> {
             config,
             evicted: Vec::new(),
             holds: VecDeque::new(),
-            new_holds: false,
+            new_holds: 0,
         }
     }
 
@@ -302,7 +302,7 @@ impl<T> Dispatcher<T> {
                     if waiting.hold_until.is_none() {
                         waiting.hold_until = Some(now + hold);
                         self.holds.push_back((now + hold, ticket));
-                        self.new_holds = true;
+                        self.new_holds += 1;
                     }
                 }
                 Pick::Busy => {
@@ -329,9 +329,9 @@ impl<T> Dispatcher<T> {
         None
     }
 
-    /// Whether a hold began since the last call: its end may come before
-    /// the one the owner waits for.
-    pub fn take_new_holds(&mut self) -> bool {
+    /// How many requests were first held since the last call: a new hold
+    /// may end before the one the owner waits for.
+    pub fn take_new_holds(&mut self) -> u64 {
         std::mem::take(&mut self.new_holds)
     }
 

@@ -45,6 +45,8 @@ pub struct Metrics {
     /// Times an endpoint's circuit breaker opened.
     pub circuit_opened: IntCounter,
     endpoint_circuit_open: IntGaugeVec,
+    /// Requests that waited for a busy endpoint caching their prompt.
+    pub affinity_holds: IntCounter,
 }
 
 const WAIT_BUCKETS: [f64; 14] = [
@@ -203,6 +205,11 @@ impl Metrics {
             circuit_opened: register!(IntCounter::new(
                 "flowgate_circuit_breaker_opened_total",
                 "Times an endpoint's circuit breaker opened after repeated failures"
+            )),
+            affinity_holds: register!(IntCounter::new(
+                "flowgate_affinity_holds_total",
+                "Queued requests that waited for a busy endpoint caching their prompt \
+                 instead of taking a free one (scheduling.affinityHold)"
             )),
             endpoint_circuit_open: register!(IntGaugeVec::new(
                 Opts::new(

@@ -119,7 +119,9 @@ impl Shared {
             let now = Instant::now();
             let done = d.dispatch(now);
             if done.is_empty() {
-                if d.take_new_holds() {
+                let holds = d.take_new_holds();
+                if holds > 0 {
+                    self.metrics.affinity_holds.inc_by(holds);
                     self.timers.notify_one();
                 }
                 return;

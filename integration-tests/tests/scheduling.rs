@@ -1,6 +1,6 @@
 //! Late binding as a client sees it: requests go only to servers of their
 //! model (404 for a model nobody serves), conversations stay on the server
-//! that holds their prefix, failed attempts are retried elsewhere before the
+//! that holds their prefix (also when the fleet is full), failed attempts are retried elsewhere before the
 //! client sees a byte, failing servers leave rotation and come back, and a
 //! draining agent's server gets no new work while its requests finish.
 
@@ -106,26 +106,18 @@ async fn requests_go_only_to_servers_of_their_model() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn conversations_stay_on_the_server_that_holds_their_prefix() {
-    let b = Balancer::start(&["--max-buffered-requests", "100"]).await;
-    let sims = [
-        Sim::start(&["--slots", "4", "--ttft-ms", "100"]),
-        Sim::start(&["--slots", "4", "--ttft-ms", "100"]),
-    ];
-    let _agents: Vec<_> = sims.iter().map(|s| agent(s, &b)).collect();
-    b.wait_eligible(2).await;
+/// Holds `n` conversations at once, each of `turns` turns over its own long
+/// system prompt, requests tagged `conv{i}`; every answer must be 200.
+async fn converse(b: &Balancer, n: usize, turns: usize) {
     let c = client();
-    // Six conversations, each with its own long system prompt; their first
-    // turns arrive together, so free slots spread them over both servers.
-    let conversations: Vec<_> = (0..6)
+    let conversations: Vec<_> = (0..n)
         .map(|i| {
             let c = c.clone();
             let url = b.url("/v1/chat/completions");
             tokio::spawn(async move {
                 let system = format!("You are assistant number {i}. ").repeat(60);
                 let mut messages = vec![json!({"role": "system", "content": system})];
-                for turn in 0..4 {
+                for turn in 0..turns {
                     messages.push(json!({"role": "user", "content": format!("question {turn}")}));
                     let r = c
                         .post(&url)
@@ -135,6 +127,7 @@ async fn conversations_stay_on_the_server_that_holds_their_prefix() {
                         .await
                         .unwrap();
                     assert_eq!(r.status(), 200);
+                    r.bytes().await.unwrap();
                     messages.push(json!({"role": "assistant", "content": "answer"}));
                 }
             })
@@ -143,24 +136,44 @@ async fn conversations_stay_on_the_server_that_holds_their_prefix() {
     for conv in conversations {
         conv.await.unwrap();
     }
-    let per_sim = [arrivals(&sims[0]).await, arrivals(&sims[1]).await];
-    for i in 0..6 {
+}
+
+/// Every conversation's turns all reached one server.
+fn assert_conversations_whole(per_sim: &[Vec<String>], n: usize, turns: usize) {
+    for i in 0..n {
         let tag = format!("conv{i}");
         let counts: Vec<usize> = per_sim
             .iter()
             .map(|a| a.iter().filter(|t| **t == tag).count())
             .collect();
         assert!(
-            counts.contains(&4) && counts.contains(&0),
+            counts.contains(&turns) && counts.iter().sum::<usize>() == turns,
             "conversation {i} was split: {counts:?}"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversations_stay_on_the_server_that_holds_their_prefix() {
+    let b = Balancer::start(&["--max-buffered-requests", "100"]).await;
+    let sims = [
+        Sim::start(&["--slots", "4", "--ttft-ms", "100"]),
+        Sim::start(&["--slots", "4", "--ttft-ms", "100"]),
+    ];
+    let _agents: Vec<_> = sims.iter().map(|s| agent(s, &b)).collect();
+    b.wait_eligible(2).await;
+    // Six conversations, each with its own long system prompt; their first
+    // turns arrive together, so free slots spread them over both servers.
+    converse(&b, 6, 4).await;
+    let per_sim = [arrivals(&sims[0]).await, arrivals(&sims[1]).await];
+    assert_conversations_whole(&per_sim, 6, 4);
     assert!(
         per_sim.iter().all(|a| !a.is_empty()),
         "affinity made a hot spot: {per_sim:?}"
     );
     let agents = b.agents().await;
     assert!(agents["endpoints"][0]["prefix_blocks"].as_u64().unwrap() > 0);
+    let c = client();
 
     // Prompts that share nothing are balanced by load.
     for s in &sims {
@@ -195,6 +208,28 @@ async fn conversations_stay_on_the_server_that_holds_their_prefix() {
         (12..=28).contains(&first),
         "unbalanced without shared prefixes: {first} of 40 on one server"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_saturation_conversations_wait_for_their_own_server() {
+    // A hold long enough that no turn ever gives up on its server here.
+    let config = ConfigFile::new("scheduling:\n  affinityHold: 10s\n");
+    let b = Balancer::start(&["--config", config.arg(), "--max-buffered-requests", "100"]).await;
+    let sims = [
+        Sim::start(&["--slots", "2", "--ttft-ms", "40"]),
+        Sim::start(&["--slots", "2", "--ttft-ms", "40"]),
+    ];
+    let _agents: Vec<_> = sims.iter().map(|s| agent(s, &b)).collect();
+    b.wait_eligible(2).await;
+    // Six conversations on four slots: some turns always wait in the
+    // balancer, and whenever a slot frees on the other server they are
+    // passed over for it (held) rather than moved away from their cache.
+    converse(&b, 6, 5).await;
+    let per_sim = [arrivals(&sims[0]).await, arrivals(&sims[1]).await];
+    assert_conversations_whole(&per_sim, 6, 5);
+    let holds = metric(&b, "flowgate_affinity_holds_total", &[]).await;
+    assert!(holds >= 1.0, "no request was ever held: {per_sim:?}");
+    assert_eq!(b.buffered().await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

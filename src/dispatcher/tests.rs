@@ -530,8 +530,8 @@ fn a_conversation_waits_for_its_busy_server_while_others_pass_it() {
     // again there, so it keeps waiting and the fresh request passes it.
     d.release(other);
     assert_eq!(granted(&d.dispatch(t0 + 10 * MS)), ["fresh"]);
-    assert!(d.take_new_holds());
-    assert!(!d.take_new_holds());
+    assert_eq!(d.take_new_holds(), 1);
+    assert_eq!(d.take_new_holds(), 0);
     assert_eq!(d.next_hold_end(), Some(t0 + 210 * MS), "200 ms from then");
     d.release(home);
     let done = d.dispatch(t0 + 20 * MS);

@@ -265,9 +265,9 @@ impl<T> Dispatcher<T> {
         // Routes that found no endpoint in this pass: every later request
         // with the same route waits too (same model, same exclusion).
         let mut stuck: Vec<(Option<Arc<str>>, Option<SocketAddr>)> = Vec::new();
-        // Requests that wait for the endpoint caching their prompt; the
-        // requests behind them in their flows may pass them.
-        // A held request keeps lower priorities from passing it.
+        // Requests waiting for the endpoint that caches their prompt: the
+        // requests behind them in their flows may pass them, lower
+        // priorities may not (`floor`).
         let mut held: Vec<Ticket> = Vec::new();
         let mut floor = i32::MIN;
         loop {

@@ -561,26 +561,35 @@ impl Registry {
 
     /// Whether an eligible but saturated endpoint that serves the route
     /// holds at least half of its prompt blocks, and more than every
-    /// candidate (filled in by `pick`).
+    /// candidate (filled in by `pick`). Busy endpoints are looked at
+    /// first: with none, nothing more is matched.
     fn better_cached_elsewhere(&self, route: &Route, now: Instant) -> bool {
         let blocks = route.prefix.len();
         if self.scheduling.scorers.prefix_cache <= 0.0 || blocks == 0 {
             return false;
         }
         let config = self.saturation;
-        let (mut free, mut busy) = (0, 0);
-        for e in self.endpoints.values() {
-            if !e.fits(route.model.as_deref(), route.avoid) || !e.eligible(now) {
-                continue;
-            }
-            let matched = e.prefix.matched(&route.prefix);
-            if e.available(now, &config) {
-                free = free.max(matched);
-            } else {
-                busy = busy.max(matched);
-            }
+        let busy = self
+            .endpoints
+            .values()
+            .filter(|e| {
+                e.fits(route.model.as_deref(), route.avoid)
+                    && e.eligible(now)
+                    && !e.available(now, &config)
+            })
+            .map(|e| e.prefix.matched(&route.prefix))
+            .max()
+            .unwrap_or(0);
+        if busy * 2 < blocks {
+            return false;
         }
-        busy * 2 >= blocks && busy > free
+        let free = self
+            .candidates
+            .iter()
+            .map(|id| self.endpoints[id].prefix.matched(&route.prefix))
+            .max()
+            .unwrap_or(0);
+        busy > free
     }
 
     /// The highest-scoring of several candidates, ties at random.

@@ -81,7 +81,7 @@ fn run(
                 prefix: (0..prefix_blocks)
                     .map(|b| if b < 12 { tenant << 8 | b } else { n << 8 | b })
                     .collect(),
-                avoid: None,
+                ..Route::default()
             },
         }
     };

@@ -36,7 +36,6 @@
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::endpoint::{
@@ -221,6 +220,11 @@ impl<T> Dispatcher<T> {
         if self.config.flow.max_requests == 0 && !self.registry.any_eligible(now) {
             return Admission::Rejected(Reject::NoEndpoints);
         }
+        // A subset hint names the only endpoints the request may use: with
+        // none of them up, waiting cannot help.
+        if request.route.subset.is_some() && !self.registry.any_eligible_for(&request.route, now) {
+            return Admission::Rejected(Reject::NoEndpoints);
+        }
         let deadline = now + self.ttl(request.ttl);
         let lane = request.route.model.clone();
         let waiting = Waiting {
@@ -263,8 +267,8 @@ impl<T> Dispatcher<T> {
         }
         let hold = self.config.scheduling.affinity_hold;
         // Routes that found no endpoint in this pass: every later request
-        // with the same route waits too (same model, same exclusion).
-        let mut stuck: Vec<(Option<Arc<str>>, Option<SocketAddr>)> = Vec::new();
+        // with the same targets waits too (same model, exclusion, subset).
+        let mut stuck: Vec<Route> = Vec::new();
         // Requests waiting for the endpoint that caches their prompt: the
         // requests behind them in their flows may pass them, lower
         // priorities may not (`floor`).
@@ -277,9 +281,7 @@ impl<T> Dispatcher<T> {
                 self.queues.peek_where(LOOK_AHEAD, |ticket, w| {
                     w.priority >= floor
                         && !held.contains(&ticket)
-                        && !stuck
-                            .iter()
-                            .any(|(m, a)| *m == w.route.model && *a == w.route.avoid)
+                        && !stuck.iter().any(|r| r.same_targets(&w.route))
                 })
             };
             let Some(ticket) = next else { break };
@@ -310,7 +312,14 @@ impl<T> Dispatcher<T> {
                     if !self.registry.any_available(now) {
                         break;
                     }
-                    stuck.push((waiting.route.model.clone(), waiting.route.avoid));
+                    // Its targets; the prompt is not needed to compare.
+                    let r = &waiting.route;
+                    stuck.push(Route {
+                        model: r.model.clone(),
+                        prefix: Vec::new(),
+                        avoid: r.avoid,
+                        subset: r.subset.clone(),
+                    });
                 }
             }
         }

@@ -111,6 +111,15 @@ pub struct Route {
     pub prefix: Vec<u64>,
     /// Not this endpoint (a retry after it failed).
     pub avoid: Option<SocketAddr>,
+    /// Only these endpoints, sorted (EPP mode's subset hint); `None`: any.
+    pub subset: Option<Arc<[SocketAddr]>>,
+}
+
+impl Route {
+    /// Whether two routes may go to the same endpoints.
+    pub(crate) fn same_targets(&self, other: &Route) -> bool {
+        self.model == other.model && self.avoid == other.avoid && self.subset == other.subset
+    }
 }
 
 /// The circuit breaker's settings.
@@ -250,9 +259,15 @@ impl Endpoint {
         }
     }
 
-    /// Serves `model` and is not the endpoint to `avoid`.
-    fn fits(&self, model: Option<&str>, avoid: Option<SocketAddr>) -> bool {
-        Some(self.addr) != avoid && self.serves(model)
+    /// Serves the route's model, is not the endpoint it avoids, and is in
+    /// its subset if it has one.
+    fn fits(&self, route: &Route) -> bool {
+        Some(self.addr) != route.avoid
+            && route
+                .subset
+                .as_ref()
+                .is_none_or(|s| s.binary_search(&self.addr).is_ok())
+            && self.serves(route.model.as_deref())
     }
 
     /// Eligible and not saturated.
@@ -533,9 +548,7 @@ impl Registry {
         self.candidates.extend(
             self.endpoints
                 .values()
-                .filter(|e| {
-                    e.fits(route.model.as_deref(), route.avoid) && e.available(now, &config)
-                })
+                .filter(|e| e.fits(route) && e.available(now, &config))
                 .map(|e| e.id),
         );
         if self.candidates.is_empty() {
@@ -572,11 +585,7 @@ impl Registry {
         let busy = self
             .endpoints
             .values()
-            .filter(|e| {
-                e.fits(route.model.as_deref(), route.avoid)
-                    && e.eligible(now)
-                    && !e.available(now, &config)
-            })
+            .filter(|e| e.fits(route) && e.eligible(now) && !e.available(now, &config))
             .map(|e| e.prefix.matched(&route.prefix))
             .max()
             .unwrap_or(0);
@@ -655,7 +664,14 @@ impl Registry {
     ) -> bool {
         self.endpoints
             .values()
-            .any(|e| e.fits(model, avoid) && e.eligible(now))
+            .any(|e| Some(e.addr) != avoid && e.serves(model) && e.eligible(now))
+    }
+
+    /// Whether an eligible endpoint fits the route (it may be busy).
+    pub(crate) fn any_eligible_for(&self, route: &Route, now: Instant) -> bool {
+        self.endpoints
+            .values()
+            .any(|e| e.fits(route) && e.eligible(now))
     }
 
     /// Whether requests for `model` are accepted: it is served or was
@@ -952,6 +968,7 @@ mod tests {
             model: model.map(Arc::from),
             prefix: prefix.to_vec(),
             avoid: None,
+            subset: None,
         }
     }
 

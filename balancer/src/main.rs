@@ -1,10 +1,12 @@
 //! `balancer`: Flowgate's reverse proxy. See the README for flags and routes.
 
+mod epp;
 mod housekeeping;
 mod management;
 mod metrics;
 mod policy;
 mod proxy;
+mod request;
 mod scheduling;
 mod settings;
 mod state;
@@ -52,6 +54,26 @@ fn check_bindable(what: &str, addr: SocketAddr) -> Result<(), String> {
         .map_err(|e| format!("cannot listen on {what} {addr}: {e}"))
 }
 
+/// EPP mode's gRPC server, run by Pingora beside the proxy.
+struct EppService {
+    epp: Arc<epp::Epp>,
+    addr: std::net::SocketAddr,
+}
+
+#[async_trait::async_trait]
+impl pingora_core::services::background::BackgroundService for EppService {
+    async fn start(&self, mut shutdown: pingora_core::server::ShutdownWatch) {
+        let stop = async move {
+            let _ = shutdown.changed().await;
+        };
+        if let Err(e) = epp::serve(Arc::clone(&self.epp), self.addr, stop).await {
+            // The port was checked at start-up; losing it later is fatal.
+            error!(addr = %self.addr, "EPP server failed: {e}");
+            std::process::exit(1);
+        }
+    }
+}
+
 fn main() -> ExitCode {
     let settings = match Settings::from_cli(Cli::parse()) {
         Ok(s) => s,
@@ -61,10 +83,14 @@ fn main() -> ExitCode {
         }
     };
     init_logging(&settings);
+    let epp_addr = settings.epp_addr.map(|a| ("--epp-addr", a));
     for (what, addr) in [
         ("--inference-addr", settings.inference_addr),
         ("--management-addr", settings.management_addr),
-    ] {
+    ]
+    .into_iter()
+    .chain(epp_addr)
+    {
         if let Err(e) = check_bindable(what, addr) {
             error!("{e}");
             return ExitCode::from(1);
@@ -115,6 +141,18 @@ fn main() -> ExitCode {
     server.add_service(inference);
     server.add_service(management);
     server.add_service(housekeeping);
+    if let Some(addr) = settings.epp_addr {
+        let epp = Arc::new(epp::Epp {
+            shared: Arc::clone(&shared),
+            priorities: settings.priorities.clone(),
+            prefix: settings.dispatcher.scheduling.prefix,
+            max_request_bytes: settings.max_request_bytes,
+            retry_after_secs: 1,
+        });
+        let mut service = background_service("epp", EppService { epp, addr });
+        service.threads = Some(settings.threads);
+        server.add_service(service);
+    }
 
     housekeeping::exit_when_drained(&server, shared, settings.shutdown_grace_period);
     info!(
@@ -125,6 +163,7 @@ fn main() -> ExitCode {
         default_request_ttl_ms = settings.dispatcher.default_ttl.as_millis() as u64,
         priority_bands = settings.dispatcher.flow.bands.len(),
         max_request_bytes = settings.max_request_bytes,
+        epp = settings.epp_addr.map(|a| a.to_string()).unwrap_or_default(),
         "flowgate balancer starting"
     );
     server.run_forever()

@@ -47,6 +47,8 @@ pub struct Metrics {
     endpoint_circuit_open: IntGaugeVec,
     /// Requests that waited for a busy endpoint caching their prompt.
     pub affinity_holds: IntCounter,
+    /// EPP mode's decisions: `picked` or why the request was refused.
+    epp_requests: IntCounterVec,
 }
 
 const WAIT_BUCKETS: [f64; 14] = [
@@ -218,8 +220,20 @@ impl Metrics {
                 ),
                 &["endpoint", "agent"]
             )),
+            epp_requests: register!(IntCounterVec::new(
+                Opts::new(
+                    "flowgate_epp_requests_total",
+                    "EPP mode requests by outcome: picked (an endpoint was chosen) or the \
+                     reason Flowgate answered itself"
+                ),
+                &["outcome"]
+            )),
             registry,
         }
+    }
+
+    pub fn epp_request(&self, outcome: &str) {
+        self.epp_requests.with_label_values(&[outcome]).inc();
     }
 
     pub fn upstream_retry(&self, reason: &str) {

@@ -25,20 +25,20 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use flowgate::openai::error_body;
-use flowgate::prefix::{block_hashes, PrefixConfig};
-use flowgate::{Reject, RequestMeta, Route};
+use flowgate::prefix::PrefixConfig;
+use flowgate::RequestMeta;
 use http::{Method, StatusCode};
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_core::upstreams::peer::Peer;
 use pingora_core::{Error, ErrorSource, ErrorType, Result};
 use pingora_http::ResponseHeader;
 use pingora_proxy::{FailToProxy, ProxyHttp, Session};
-use serde::Deserialize;
 use tracing::{info, warn};
 
 use crate::policy::{
     FlowHeaders, PriorityRules, FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER, TTL_HEADER,
 };
+use crate::request::{route_of, Refusal};
 use crate::state::{AdmitError, LeaseGuard, Shared};
 
 /// Pingora's retry buffer size (`BODY_BUF_LIMIT` in pingora-core).
@@ -96,90 +96,6 @@ pub struct RequestCtx {
     retry_pending: bool,
     /// Status of the upstream response header, once it arrived.
     upstream_status: Option<u16>,
-}
-
-/// Fields the balancer reads from an inference request body. Deserialising
-/// into it also checks that the body is one JSON object.
-#[derive(Debug, Deserialize)]
-struct InferenceFields {
-    #[serde(default)]
-    model: Option<serde_json::Value>,
-    /// Chat: the conversation, whose text is hashed for prefix affinity.
-    #[serde(default)]
-    messages: Option<serde_json::Value>,
-    /// Completions: the prompt (a string or a list of strings).
-    #[serde(default)]
-    prompt: Option<serde_json::Value>,
-}
-
-impl InferenceFields {
-    /// The requested model, if the body names one.
-    fn model(&self) -> Option<&str> {
-        match &self.model {
-            Some(serde_json::Value::String(m)) if !m.trim().is_empty() => Some(m),
-            _ => None,
-        }
-    }
-
-    /// The beginning of the prompt text, as much as prefix hashing uses.
-    fn prompt_text(&self, prefix: &PrefixConfig) -> Vec<u8> {
-        let limit = prefix.block_bytes.saturating_mul(prefix.max_blocks);
-        flowgate::openai::prompt_text(self.messages.as_ref(), self.prompt.as_ref(), limit)
-    }
-}
-
-fn parse_fields(body: &[u8]) -> std::result::Result<InferenceFields, String> {
-    let first = body.iter().find(|b| !b.is_ascii_whitespace());
-    if first != Some(&b'{') {
-        return Err("request body must be a JSON object".into());
-    }
-    serde_json::from_slice(body).map_err(|e| format!("request body is not valid JSON: {e}"))
-}
-
-/// A reply the balancer gives itself instead of proxying.
-struct Refusal {
-    status: StatusCode,
-    kind: &'static str,
-    code: &'static str,
-    message: String,
-    reason: &'static str,
-}
-
-impl Refusal {
-    fn new(status: StatusCode, kind: &'static str, code: &'static str, message: String) -> Self {
-        Refusal {
-            status,
-            kind,
-            code,
-            message,
-            reason: code,
-        }
-    }
-
-    /// The answer to a refusal by flow control of a request for `model`.
-    fn from_reject(r: Reject, model: &str) -> Self {
-        if r == Reject::UnknownModel {
-            return Refusal::new(
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                "model_not_found",
-                format!("the model `{model}` does not exist or is not served by any model server"),
-            );
-        }
-        let (kind, code) = match r {
-            Reject::BufferFull | Reject::NoEndpoints => ("server_error", "service_unavailable"),
-            Reject::Shed | Reject::Evicted => ("rate_limit_error", "rate_limit_exceeded"),
-            Reject::Timeout => ("server_error", "timeout"),
-            Reject::UnknownModel => unreachable!("answered above"),
-        };
-        Refusal {
-            status: StatusCode::from_u16(r.http_status()).expect("valid status"),
-            kind,
-            code,
-            message: r.to_string(),
-            reason: r.reason(),
-        }
-    }
 }
 
 impl Inference {
@@ -489,24 +405,12 @@ impl ProxyHttp for Inference {
                 return answered;
             }
         };
-        let route = match parse_fields(&body) {
-            Ok(fields) => {
-                ctx.model = fields.model().unwrap_or_default().to_string();
-                Route {
-                    model: fields.model().map(Arc::from),
-                    prefix: block_hashes(&fields.prompt_text(&self.prefix), &self.prefix),
-                    avoid: None,
-                }
+        let route = match route_of(&body, &self.prefix) {
+            Ok((model, route)) => {
+                ctx.model = model;
+                route
             }
-            Err(message) => {
-                let r = Refusal::new(
-                    StatusCode::BAD_REQUEST,
-                    "invalid_request_error",
-                    "invalid_json",
-                    message,
-                );
-                return self.refuse(session, ctx, r).await;
-            }
+            Err(r) => return self.refuse(session, ctx, r).await,
         };
         let headers = &session.req_header().headers;
         let header = |name: &str| headers.get(name).map(|v| v.as_bytes());
@@ -750,45 +654,5 @@ impl ProxyHttp for Inference {
             duration_ms = ctx.start.elapsed().as_millis() as u64,
             error = e.map(|e| e.to_string()).unwrap_or_default(),
         );
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_fields;
-    use flowgate::prefix::PrefixConfig;
-
-    #[test]
-    fn only_json_objects_are_inference_requests() {
-        assert!(parse_fields(br#" {"model":"m","messages":[]}"#).is_ok());
-        assert!(parse_fields(br#"{"messages":[]}"#).unwrap().model.is_none());
-        assert!(parse_fields(b"[1,2]").is_err());
-        assert!(parse_fields(b"").is_err());
-        assert!(parse_fields(br#"{"model":"#).is_err());
-    }
-
-    #[test]
-    fn prompt_text_follows_the_conversation_whatever_the_field_order() {
-        let p = PrefixConfig::default();
-        let a = parse_fields(
-            br#"{"max_tokens":5,"model":"m","messages":[{"role":"system","content":"S"},
-                {"role":"user","content":[{"type":"text","text":"Q"}]}]}"#,
-        )
-        .unwrap();
-        let b = parse_fields(
-            br#"{"messages":[{"content":"S","role":"system"},{"role":"user","content":"Q"}],
-                "stream":true,"model":"m"}"#,
-        )
-        .unwrap();
-        assert_eq!(a.prompt_text(&p), b.prompt_text(&p));
-        assert_eq!(a.prompt_text(&p), b"system\x1fS\x1euser\x1fQ\x1e");
-        assert_eq!(a.model(), Some("m"));
-        let c = parse_fields(br#"{"prompt":["one","two"],"model":" "}"#).unwrap();
-        assert_eq!(c.prompt_text(&p), b"onetwo");
-        assert_eq!(c.model(), None, "a blank model names none");
-        // Shapes the balancer does not know add nothing, and never fail.
-        let d = parse_fields(br#"{"messages":"odd","prompt":7,"model":3}"#).unwrap();
-        assert!(d.prompt_text(&p).is_empty());
-        assert_eq!(d.model(), None);
     }
 }

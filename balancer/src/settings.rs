@@ -51,6 +51,14 @@ pub struct Cli {
     #[arg(long, value_name = "IP:PORT")]
     pub management_addr: Option<SocketAddr>,
 
+    /// Also serve EPP mode here: Envoy's external-processing gRPC protocol
+    /// (`envoy.service.ext_proc.v3.ExternalProcessor`), so an Envoy in front
+    /// of the model servers asks Flowgate which endpoint each request goes
+    /// to, with the same flow control and scheduling as the proxy; plus gRPC
+    /// health. Off unless given
+    #[arg(long, value_name = "IP:PORT")]
+    pub epp_addr: Option<SocketAddr>,
+
     /// Most requests that may wait for a free slot, all priorities together;
     /// more are answered 503 (or evict lower-priority waiters, answered
     /// 429). 0 disables buffering. Same as `flowControl.maxRequests`
@@ -105,6 +113,7 @@ pub struct Cli {
 pub struct FileConfig {
     pub inference_addr: Option<SocketAddr>,
     pub management_addr: Option<SocketAddr>,
+    pub epp_addr: Option<SocketAddr>,
     pub max_buffered_requests: Option<usize>,
     pub buffered_request_timeout: Option<u64>,
     pub max_request_bytes: Option<usize>,
@@ -133,6 +142,8 @@ pub struct FileConfig {
 pub struct Settings {
     pub inference_addr: SocketAddr,
     pub management_addr: SocketAddr,
+    /// EPP mode's gRPC address, when enabled.
+    pub epp_addr: Option<SocketAddr>,
     /// Flow control and saturation detection.
     pub dispatcher: DispatcherConfig,
     /// How requests get their priority.
@@ -271,6 +282,7 @@ impl Settings {
                 .management_addr
                 .or(file.management_addr)
                 .unwrap_or_else(|| default_addr(DEFAULT_MANAGEMENT_ADDR)),
+            epp_addr: cli.epp_addr.or(file.epp_addr),
             dispatcher,
             priorities,
             retries,
@@ -308,6 +320,12 @@ impl Settings {
         let invalid = |m: &str| Err(SettingsError::Invalid(m.to_string()));
         if self.inference_addr == self.management_addr {
             return invalid("inference_addr and management_addr must differ");
+        }
+        if self
+            .epp_addr
+            .is_some_and(|a| a == self.inference_addr || a == self.management_addr)
+        {
+            return invalid("epp_addr must differ from inference_addr and management_addr");
         }
         if self.max_request_bytes == 0 {
             return invalid("max_request_bytes must be at least 1");
@@ -350,6 +368,7 @@ mod tests {
         assert!(!s.priorities.allow_client_priority);
         assert_eq!(s.max_request_bytes, 16 << 20);
         assert_eq!(s.shutdown_grace_period, Duration::from_secs(30));
+        assert_eq!(s.epp_addr, None, "EPP mode is off unless asked for");
     }
 
     #[test]
@@ -359,6 +378,9 @@ mod tests {
         let s = Settings::merge(cli(&["--max-buffered-requests", "7"]), file).unwrap();
         assert_eq!(s.dispatcher.flow.max_requests, 7);
         assert_eq!(s.dispatcher.default_ttl, Duration::from_millis(250));
+        let file = FileConfig::parse("eppAddr: 127.0.0.1:9002\n").unwrap();
+        let s = Settings::merge(cli(&[]), file).unwrap();
+        assert_eq!(s.epp_addr, Some("127.0.0.1:9002".parse().unwrap()));
     }
 
     #[test]
@@ -379,6 +401,12 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("must differ"));
+        let err = Settings::merge(
+            cli(&["--epp-addr", "127.0.0.1:8061"]),
+            FileConfig::default(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("epp_addr must differ"), "{err}");
         assert!(
             Settings::merge(cli(&["--max-request-bytes", "0"]), FileConfig::default()).is_err()
         );

@@ -231,6 +231,15 @@ impl Shared {
         self.with_dispatch(|d| d.report(report, Instant::now()))
     }
 
+    /// Addresses of the registered endpoints.
+    pub fn endpoint_addrs(&self) -> Vec<SocketAddr> {
+        self.lock()
+            .endpoints(Instant::now())
+            .into_iter()
+            .map(|e| e.addr)
+            .collect()
+    }
+
     /// Requests in flight to one endpoint.
     pub fn in_flight_of(&self, endpoint: EndpointId) -> u32 {
         self.lock().in_flight_of(endpoint)

@@ -5,6 +5,7 @@ use crate::flow::{BandConfig, FairnessPolicy, OrderingPolicy};
 use crate::protocol::tests::report;
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
 
 const MS: Duration = Duration::from_millis(1);
 
@@ -493,6 +494,56 @@ fn a_retry_waits_for_another_endpoint_without_holding_the_others() {
     let done = d.dispatch(t0);
     assert_eq!(granted(&done), ["retry"]);
     assert_eq!(done[0].result.as_ref().unwrap().addr, b_addr);
+}
+
+fn in_subset(tenant: &str, model: &str, ports: &[u16]) -> RequestMeta {
+    let mut r = for_model(tenant, 0, model);
+    let mut subset: Vec<SocketAddr> = ports
+        .iter()
+        .map(|p| format!("127.0.0.1:{p}").parse().unwrap())
+        .collect();
+    subset.sort_unstable();
+    r.route.subset = Some(subset.into());
+    r
+}
+
+#[test]
+fn a_subset_hint_picks_only_from_its_endpoints() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    d.report(model_server("a", 1, 4, &["m"]), t0).unwrap();
+    d.report(model_server("b", 2, 1, &["m"]), t0).unwrap();
+    // b has one slot, a has four: without the hint a would be chosen.
+    let on_b = ready(d.submit(in_subset("t", "m", &[2]), "first", t0));
+    assert_eq!(on_b.addr.port(), 2);
+    // b is now full: the next request for b waits, while one without a
+    // hint, queued behind it, takes a at once.
+    queued(d.submit(in_subset("t", "m", &[2]), "for-b", t0));
+    queued(d.submit(for_model("u", 0, "m"), "any", t0));
+    let done = d.dispatch(t0);
+    assert_eq!(granted(&done), ["any"]);
+    assert_eq!(done[0].result.as_ref().unwrap().addr.port(), 1);
+    d.release(on_b);
+    let done = d.dispatch(t0);
+    assert_eq!(granted(&done), ["for-b"]);
+    assert_eq!(done[0].result.as_ref().unwrap().addr.port(), 2);
+}
+
+#[test]
+fn a_subset_with_no_live_endpoint_is_refused_at_once() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    d.report(model_server("a", 1, 1, &["m"]), t0).unwrap();
+    // Nobody at port 9, an empty list, an endpoint of another model.
+    d.report(model_server("b", 2, 1, &["other"]), t0).unwrap();
+    for ports in [&[9][..], &[], &[2]] {
+        let r = rejected(d.submit(in_subset("t", "m", ports), "x", t0));
+        assert_eq!(r, Reject::NoEndpoints, "subset {ports:?}");
+    }
+    // A model nobody serves is still a 404, hint or not.
+    let r = rejected(d.submit(in_subset("t", "nope", &[1]), "x", t0));
+    assert_eq!(r, Reject::UnknownModel);
+    assert_eq!(d.buffered(), 0);
 }
 
 fn with_prompt(tenant: &str, priority: i32, prefix: &[u64]) -> RequestMeta {

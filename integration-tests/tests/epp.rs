@@ -24,6 +24,9 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 use tonic::Streaming;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
 
 const DESTINATION: &str = "x-gateway-destination-endpoint";
 /// How long a test waits for an answer Envoy would get at once.
@@ -301,6 +304,23 @@ async fn forward(to: SocketAddr, body: &Value) -> (u16, Vec<u8>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_learns_where_each_request_goes_and_the_slot_lasts_until_the_response_ends() {
     let epp = Epp::start(&[]).await;
+    // gRPC health answers beside the processor, as the GIE's EPP does.
+    let mut health = HealthClient::new(epp.channel.clone());
+    for service in [
+        "liveness",
+        "readiness",
+        "envoy.service.ext_proc.v3.ExternalProcessor",
+    ] {
+        let status = health
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .expect("health answers")
+            .into_inner()
+            .status;
+        assert_eq!(status, ServingStatus::Serving as i32, "{service}");
+    }
     let one = Sim::start(&["--model", "m", "--slots", "1"]);
     let two = Sim::start(&["--model", "m", "--slots", "1"]);
     let (_a1, _a2) = (agent(&one, &epp.b), agent(&two, &epp.b));

@@ -463,13 +463,13 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
     let mut resp = if stream {
         stream_response(sim, processing, path, id, model, tokens, ttft, tpot, fault)
     } else {
-        tokio::time::sleep(ttft).await;
+        pause(ttft).await;
         if sim.cli.decode_slowdown > 0.0 {
             for _ in 1..tokens {
-                tokio::time::sleep(sim.engine.tpot(tpot)).await;
+                pause(sim.engine.tpot(tpot)).await;
             }
         } else {
-            tokio::time::sleep(tpot * tokens.saturating_sub(1)).await;
+            pause(tpot * tokens.saturating_sub(1)).await;
         }
         sim.tokens_total
             .fetch_add(u64::from(tokens), Ordering::Relaxed);
@@ -536,6 +536,14 @@ fn chunk(path: &str, id: u64, model: &str, i: u32) -> String {
     format!("data: {v}\n\n")
 }
 
+/// Sleeps for `d`; a zero delay returns at once (tokio's timer would round
+/// it up to its next millisecond tick).
+async fn pause(d: Duration) {
+    if !d.is_zero() {
+        tokio::time::sleep(d).await;
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn stream_response(
     sim: Arc<Sim>,
@@ -573,7 +581,7 @@ fn stream_response(
                     Ok(Frame::data(Bytes::from_static(b"data: [DONE]\n\n")));
                 return Some((done, (i + 1, None)));
             }
-            tokio::time::sleep(if i == 0 { ttft } else { sim.engine.tpot(tpot) }).await;
+            pause(if i == 0 { ttft } else { sim.engine.tpot(tpot) }).await;
             if fault == Some(Fault::DropMidStream) && i == tokens / 2 {
                 let err: BoxError = "simulated connection drop".into();
                 return Some((Err(err), (tokens + 1, None)));

@@ -6,6 +6,9 @@
 //!   percentiles by class, requests per tenant.
 //! - `loadgen proxy`: a minimal reverse proxy with `round-robin` or
 //!   `least-in-flight` balancing and no queue of its own, the baselines.
+//! - `loadgen hold`: sends many requests at once, each on its own
+//!   connection, and reports how they ended (the proxy benchmark's buffered
+//!   requests, `scripts/bench/proxy`).
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -45,6 +48,8 @@ enum Command {
     Run(RunArgs),
     /// A baseline router without a queue of its own
     Proxy(ProxyArgs),
+    /// Send many requests at once and wait for all of them
+    Hold(HoldArgs),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -56,6 +61,8 @@ enum Workload {
     ChatBatch,
     /// Unique prompts of random length, nothing shared
     Random,
+    /// One short fixed prompt: what a proxy adds, nothing else
+    Fixed,
 }
 
 #[derive(Debug, clap::Args)]
@@ -85,6 +92,23 @@ struct RunArgs {
     system_repeat: usize,
 }
 
+#[derive(Debug, clap::Args)]
+struct HoldArgs {
+    /// Router base URL, e.g. http://127.0.0.1:8061
+    #[arg(long)]
+    target: String,
+    /// Requests to send, each on its own connection
+    #[arg(long, default_value_t = 10_000)]
+    requests: usize,
+    /// Size of each request body
+    #[arg(long, default_value_t = 1024)]
+    body_bytes: usize,
+    /// Microseconds between two sends, so they arrive in order (tokio's
+    /// timer rounds up to whole milliseconds)
+    #[arg(long, default_value_t = 1000)]
+    pace_us: u64,
+}
+
 #[derive(Debug, Clone, Copy, ValueEnum)]
 enum Policy {
     RoundRobin,
@@ -112,6 +136,7 @@ fn main() {
     match cli.command {
         Command::Run(args) => rt.block_on(run(args)),
         Command::Proxy(args) => rt.block_on(proxy(args)),
+        Command::Hold(args) => rt.block_on(hold(args)),
     }
 }
 
@@ -146,6 +171,8 @@ fn system_prompt(k: usize, repeat: usize) -> String {
 struct Samples {
     /// class → TTFT seconds of successful requests.
     ttft: BTreeMap<&'static str, Vec<f64>>,
+    /// class → seconds to the end of the response.
+    total: BTreeMap<&'static str, Vec<f64>>,
     /// tenant → successful requests.
     per_tenant: BTreeMap<String, u64>,
     errors: BTreeMap<u16, u64>,
@@ -182,7 +209,9 @@ async fn run(args: RunArgs) {
             let mut n = 0u64;
             while Instant::now() < until {
                 n += 1;
-                let prompt = if batch || workload == Workload::Random {
+                let prompt = if workload == Workload::Fixed {
+                    vec![json!({"role": "user", "content": "hi"})]
+                } else if batch || workload == Workload::Random {
                     let len = 500 + rng.below(3_500) as usize;
                     let unique = format!("Document {i}-{n}-{}: ", rng.below(u64::MAX));
                     vec![json!({"role": "user",
@@ -226,25 +255,28 @@ async fn run(args: RunArgs) {
                                 Err(_) => ok = false,
                             }
                         }
-                        ttft.filter(|_| ok).ok_or(0)
+                        ttft.filter(|_| ok)
+                            .map(|t| (t, sent.elapsed().as_secs_f64()))
+                            .ok_or(0)
                     }
                     Ok(resp) => Err(resp.status().as_u16()),
                     Err(_) => Err(0),
                 };
                 let mut s = samples.lock().unwrap();
                 match outcome {
-                    Ok(ttft) => {
+                    Ok((ttft, total)) => {
                         // Requests that finish after the end do not count.
                         if Instant::now() <= until {
                             let class = if batch { "batch" } else { "interactive" };
                             s.ttft.entry(class).or_default().push(ttft);
+                            s.total.entry(class).or_default().push(total);
                             *s.per_tenant.entry(tenant.clone()).or_default() += 1;
                         }
                     }
                     Err(code) => *s.errors.entry(code).or_default() += 1,
                 }
                 drop(s);
-                if !batch && workload != Workload::Random {
+                if !batch && matches!(workload, Workload::Chat | Workload::ChatBatch) {
                     messages.push(json!({"role": "assistant", "content": "Noted."}));
                 }
             }
@@ -257,13 +289,13 @@ async fn run(args: RunArgs) {
     let secs = args.seconds as f64;
     let mut classes = serde_json::Map::new();
     for (class, v) in &s.ttft {
-        let mut v = v.clone();
-        v.sort_by(f64::total_cmp);
-        let pct = |p: f64| v[((v.len() as f64 * p) as usize).min(v.len() - 1)];
+        let ttft = sorted(v);
+        let total = sorted(&s.total[class]);
         classes.insert(
             class.to_string(),
             json!({"requests": v.len(), "throughput_rps": v.len() as f64 / secs,
-                   "ttft_p50_s": pct(0.5), "ttft_p99_s": pct(0.99)}),
+                   "ttft_p50_s": pct(&ttft, 0.5), "ttft_p99_s": pct(&ttft, 0.99),
+                   "total_p50_s": pct(&total, 0.5), "total_p99_s": pct(&total, 0.99)}),
         );
     }
     let total: u64 = s.per_tenant.values().sum();
@@ -273,6 +305,66 @@ async fn run(args: RunArgs) {
         json!({"workload": format!("{:?}", args.workload), "seconds": secs,
                "throughput_rps": total as f64 / secs, "classes": classes,
                "per_tenant": s.per_tenant, "errors": errors})
+    );
+}
+
+fn sorted(v: &[f64]) -> Vec<f64> {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    v
+}
+
+/// The `p` quantile of sorted, non-empty samples.
+fn pct(v: &[f64], p: f64) -> f64 {
+    v[((v.len() as f64 * p) as usize).min(v.len() - 1)]
+}
+
+// ---- many requests at once --------------------------------------------------
+
+/// Sends `requests` non-streamed chats, each on its own connection and
+/// tagged with its index (`x-sim-tag`), waits for all, and prints one JSON
+/// line: answers by status and seconds until the last one.
+async fn hold(args: HoldArgs) {
+    let url = format!("{}/v1/chat/completions", args.target.trim_end_matches('/'));
+    // Pad the prompt so the whole body is `body_bytes` long.
+    let empty = json!({"messages": [{"role": "user", "content": ""}]}).to_string();
+    let pad = "x".repeat(args.body_bytes.saturating_sub(empty.len()));
+    let body = Bytes::from(json!({"messages": [{"role": "user", "content": pad}]}).to_string());
+    let start = Instant::now();
+    let mut tasks = Vec::with_capacity(args.requests);
+    for i in 0..args.requests {
+        // One client per request: a connection of its own, as real
+        // clients waiting for an answer each hold one.
+        let client = reqwest::Client::builder()
+            .pool_max_idle_per_host(0)
+            .build()
+            .expect("http client");
+        let req = client
+            .post(&url)
+            .header("content-type", "application/json")
+            .header("x-sim-tag", i.to_string())
+            .body(body.clone());
+        tasks.push(tokio::spawn(async move {
+            match req.send().await {
+                Ok(r) => {
+                    let code = r.status().as_u16();
+                    let _ = r.bytes().await;
+                    code
+                }
+                Err(_) => 0,
+            }
+        }));
+        tokio::time::sleep(Duration::from_micros(args.pace_us)).await;
+    }
+    let mut statuses: BTreeMap<String, u64> = BTreeMap::new();
+    for t in tasks {
+        let code = t.await.unwrap_or(0);
+        *statuses.entry(code.to_string()).or_default() += 1;
+    }
+    println!(
+        "{}",
+        json!({"requests": args.requests, "statuses": statuses,
+               "seconds": start.elapsed().as_secs_f64()})
     );
 }
 

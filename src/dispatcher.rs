@@ -222,7 +222,8 @@ impl<T> Dispatcher<T> {
         }
         // A subset hint names the only endpoints the request may use: with
         // none of them up, waiting cannot help.
-        if request.route.subset.is_some() && !self.registry.any_eligible_for(&request.route, now) {
+        if request.route.subset.is_some() && !self.registry.has_eligible(&request.route, None, now)
+        {
             return Admission::Rejected(Reject::NoEndpoints);
         }
         let deadline = now + self.ttl(request.ttl);
@@ -363,14 +364,9 @@ impl<T> Dispatcher<T> {
     }
 
     /// Whether a retry has somewhere to go: an eligible endpoint other than
-    /// `avoid` that serves `model` (it may be busy).
-    pub fn has_alternative(
-        &self,
-        model: Option<&str>,
-        avoid: Option<SocketAddr>,
-        now: Instant,
-    ) -> bool {
-        self.registry.has_alternative(model, avoid, now)
+    /// `failed` that fits `route` (it may be busy).
+    pub fn has_alternative(&self, route: &Route, failed: Option<SocketAddr>, now: Instant) -> bool {
+        self.registry.has_eligible(route, failed, now)
     }
 
     /// Validates and applies an agent report; follow with `dispatch`.

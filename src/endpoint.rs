@@ -654,24 +654,17 @@ impl Registry {
         self.endpoints.values().any(|e| e.available(now, &config))
     }
 
-    /// Whether an eligible endpoint other than `avoid` serves `model` (it
-    /// may be busy): a retry has somewhere to go.
-    pub(crate) fn has_alternative(
+    /// Whether an eligible endpoint fits `route` and is not `except` (it
+    /// may be busy): waiting can help, or a retry has somewhere to go.
+    pub(crate) fn has_eligible(
         &self,
-        model: Option<&str>,
-        avoid: Option<SocketAddr>,
+        route: &Route,
+        except: Option<SocketAddr>,
         now: Instant,
     ) -> bool {
         self.endpoints
             .values()
-            .any(|e| Some(e.addr) != avoid && e.serves(model) && e.eligible(now))
-    }
-
-    /// Whether an eligible endpoint fits the route (it may be busy).
-    pub(crate) fn any_eligible_for(&self, route: &Route, now: Instant) -> bool {
-        self.endpoints
-            .values()
-            .any(|e| e.fits(route) && e.eligible(now))
+            .any(|e| Some(e.addr) != except && e.fits(route) && e.eligible(now))
     }
 
     /// Whether requests for `model` are accepted: it is served or was
@@ -1100,14 +1093,14 @@ mod tests {
         }
         let mut retry = route(Some("m"), &[]);
         retry.avoid = Some(addr("127.0.0.1:1"));
-        assert!(r.has_alternative(Some("m"), retry.avoid, now));
+        assert!(r.has_eligible(&retry, None, now));
         for _ in 0..4 {
             let l = r.acquire(&retry, now).unwrap();
             assert_eq!(l.addr.port(), 2);
             r.release(l);
         }
         r.deregister("b");
-        assert!(!r.has_alternative(Some("m"), retry.avoid, now));
+        assert!(!r.has_eligible(&retry, None, now));
         assert!(r.acquire(&retry, now).is_none());
     }
 

@@ -457,7 +457,8 @@ impl<T> FlowQueues<T> {
 
     /// The handle of a queued request.
     pub fn get(&self, ticket: Ticket) -> Option<&T> {
-        handle_at(&self.flows, ticket)
+        let flow = self.flows.get(ticket.flow.0 as usize)?.as_ref()?;
+        flow.items.get(&ticket.key).map(|i| &i.handle)
     }
 
     pub fn get_mut(&mut self, ticket: Ticket) -> Option<&mut T> {
@@ -698,12 +699,6 @@ impl<T> FlowQueues<T> {
             key,
         })
     }
-}
-
-/// The handle of the request at `ticket`, if it is queued.
-fn handle_at<T>(flows: &[Option<Flow<T>>], ticket: Ticket) -> Option<&T> {
-    let flow = flows.get(ticket.flow.0 as usize)?.as_ref()?;
-    flow.items.get(&ticket.key).map(|i| &i.handle)
 }
 
 /// The head of flow `idx` if `token` is its live ring entry.

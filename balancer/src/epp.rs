@@ -269,14 +269,9 @@ impl Exchange {
             return self.send(continue_body()).await;
         }
         if self.body.len() + b.body.len() > self.epp.max_request_bytes {
-            let max = self.epp.max_request_bytes;
-            let refusal = Refusal::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                "request_too_large",
-                format!("request body exceeds the limit of {max} bytes"),
-            );
-            return self.refuse(refusal).await;
+            return self
+                .refuse(Refusal::too_large(self.epp.max_request_bytes))
+                .await;
         }
         self.body.extend_from_slice(&b.body);
         if b.end_of_stream {
@@ -300,7 +295,7 @@ impl Exchange {
         if let (Some(code), Some(lease)) = (status, &self.lease) {
             self.epp.shared.metrics.record_outcome(code, "");
             // 5xx feed the circuit breaker as in the proxy; 4xx never do.
-            self.epp.shared.record_outcome(lease.endpoint(), code < 500);
+            self.epp.shared.record_outcome(lease, code < 500);
         }
         if h.end_of_stream {
             self.finish();
@@ -367,53 +362,44 @@ impl Exchange {
         );
         let common = CommonResponse {
             header_mutation: Some(HeaderMutation {
-                set_headers: vec![header(DESTINATION, &destination, true)],
+                set_headers: vec![header(DESTINATION, &destination)],
                 remove_headers: Vec::new(),
             }),
             clear_route_cache: true,
             ..CommonResponse::default()
         };
-        let metadata = destination_metadata(&destination);
         use processing_response::Response as Out;
-        match (phase, self.request_mode) {
-            (Phase::Headers, _) => {
-                let mut r = reply(Out::RequestHeaders(HeadersResponse {
-                    response: Some(common),
-                }));
-                r.dynamic_metadata = Some(metadata);
-                self.send(r).await
-            }
-            (Phase::Body { ended_by_trailers }, BodyMode::FullDuplex) => {
-                let mut r = reply(Out::RequestHeaders(HeadersResponse {
-                    response: Some(common),
-                }));
-                r.dynamic_metadata = Some(metadata);
-                self.send(r).await?;
-                let body = std::mem::take(&mut self.body);
-                // An empty body still needs its one (last) message.
-                let mut chunks: Vec<&[u8]> = body.chunks(BODY_CHUNK).collect();
-                if chunks.is_empty() {
-                    chunks.push(&[]);
-                }
-                let n = chunks.len();
-                for (i, chunk) in chunks.into_iter().enumerate() {
-                    // With trailers still to answer, the body does not end
-                    // here.
-                    let last = i + 1 == n && !ended_by_trailers;
-                    self.send(streamed_body(Out::RequestBody, chunk.to_vec(), last))
-                        .await?;
-                }
-                Ok(())
-            }
-            (Phase::Body { .. }, _) => {
-                self.body = Vec::new();
-                let mut r = reply(Out::RequestBody(BodyResponse {
-                    response: Some(common),
-                }));
-                r.dynamic_metadata = Some(metadata);
-                self.send(r).await
-            }
+        // Full duplex, and requests without a body, learn the destination
+        // with the headers answer; buffered bodies with the body answer.
+        let full_duplex = self.request_mode == BodyMode::FullDuplex;
+        let mut answer = reply(match phase {
+            Phase::Body { .. } if !full_duplex => Out::RequestBody(BodyResponse {
+                response: Some(common),
+            }),
+            _ => Out::RequestHeaders(HeadersResponse {
+                response: Some(common),
+            }),
+        });
+        answer.dynamic_metadata = Some(destination_metadata(&destination));
+        self.send(answer).await?;
+        let body = std::mem::take(&mut self.body);
+        let (Phase::Body { ended_by_trailers }, true) = (phase, full_duplex) else {
+            return Ok(());
+        };
+        // Stream the body back; an empty one still needs its one (last)
+        // message.
+        let mut chunks: Vec<&[u8]> = body.chunks(BODY_CHUNK).collect();
+        if chunks.is_empty() {
+            chunks.push(&[]);
         }
+        let n = chunks.len();
+        for (i, chunk) in chunks.into_iter().enumerate() {
+            // With trailers still to answer, the body does not end here.
+            let last = i + 1 == n && !ended_by_trailers;
+            self.send(streamed_body(Out::RequestBody, chunk.to_vec(), last))
+                .await?;
+        }
+        Ok(())
     }
 
     /// What flow control needs to know of the request.
@@ -439,14 +425,7 @@ impl Exchange {
                 },
                 &model,
             )
-            .map_err(|bad| {
-                Refusal::new(
-                    StatusCode::BAD_REQUEST,
-                    "invalid_request_error",
-                    "invalid_header",
-                    bad.to_string(),
-                )
-            })?;
+            .map_err(Refusal::from)?;
         Ok(RequestMeta {
             flow,
             bytes: self.body.len() as u64,
@@ -497,13 +476,13 @@ impl Exchange {
             "EPP answered the request itself"
         );
         let mut headers = vec![
-            header("content-type", "application/json", true),
-            header("x-flowgate-drop-reason", r.reason, true),
+            header("content-type", "application/json"),
+            header("x-flowgate-drop-reason", r.reason),
         ];
         if r.status == StatusCode::SERVICE_UNAVAILABLE || r.status == StatusCode::TOO_MANY_REQUESTS
         {
             let secs = self.epp.retry_after_secs.max(1).to_string();
-            headers.push(header("retry-after", &secs, true));
+            headers.push(header("retry-after", &secs));
         }
         let answer = ImmediateResponse {
             status: Some(HttpStatus {
@@ -574,18 +553,15 @@ fn streamed_body(
     }))
 }
 
-fn header(key: &str, value: &str, overwrite: bool) -> HeaderValueOption {
+/// A header to set, replacing any value it had.
+fn header(key: &str, value: &str) -> HeaderValueOption {
     HeaderValueOption {
         header: Some(HeaderValue {
             key: key.to_string(),
             value: String::new(),
             raw_value: value.as_bytes().to_vec(),
         }),
-        append_action: if overwrite {
-            HeaderAppendAction::OverwriteIfExistsOrAdd
-        } else {
-            HeaderAppendAction::AppendIfExistsOrAdd
-        } as i32,
+        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
         ..HeaderValueOption::default()
     }
 }
@@ -726,7 +702,7 @@ mod tests {
 
     #[test]
     fn the_destination_is_the_same_in_the_header_and_the_metadata() {
-        let h = header(DESTINATION, "127.0.0.1:9", true);
+        let h = header(DESTINATION, "127.0.0.1:9");
         let value = h.header.unwrap().raw_value;
         let m = destination_metadata("127.0.0.1:9");
         let Some(Kind::StructValue(lb)) = &m.fields[LB_NAMESPACE].kind else {

@@ -140,13 +140,7 @@ impl Inference {
     /// Feeds the circuit breaker of the endpoint the request holds.
     fn record_outcome(&self, ctx: &RequestCtx, ok: bool) {
         if let Some(lease) = &ctx.lease {
-            if self.shared.record_outcome(lease.endpoint(), ok) {
-                warn!(
-                    endpoint = %lease.addr(),
-                    "circuit breaker opened: the endpoint failed repeatedly and gets no work \
-                     for a while"
-                );
-            }
+            self.shared.record_outcome(lease, ok);
         }
     }
 
@@ -159,10 +153,7 @@ impl Inference {
             return false;
         }
         let Some(meta) = &ctx.meta else { return false };
-        if !self
-            .shared
-            .has_alternative(meta.route.model.as_deref(), ctx.upstream)
-        {
+        if !self.shared.has_alternative(&meta.route, ctx.upstream) {
             return false;
         }
         ctx.retries += 1;
@@ -218,14 +209,6 @@ impl Inference {
         session: &mut Session,
     ) -> Result<std::result::Result<Bytes, Refusal>> {
         let max = self.max_request_bytes;
-        let too_large = || {
-            Refusal::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "invalid_request_error",
-                "request_too_large",
-                format!("request body exceeds the limit of {max} bytes"),
-            )
-        };
         let declared = match session
             .req_header()
             .headers
@@ -245,7 +228,7 @@ impl Inference {
             None => None,
         };
         if declared.is_some_and(|n| n > max) {
-            return Ok(Err(too_large()));
+            return Ok(Err(Refusal::too_large(max)));
         }
         let expects_continue = session
             .req_header()
@@ -266,7 +249,7 @@ impl Inference {
             match session.read_request_body().await? {
                 Some(chunk) => {
                     if buf.len() + chunk.len() > max {
-                        return Ok(Err(too_large()));
+                        return Ok(Err(Refusal::too_large(max)));
                     }
                     buf.extend_from_slice(&chunk);
                 }
@@ -425,15 +408,7 @@ impl ProxyHttp for Inference {
         );
         let (flow, ttl) = match classified {
             Ok(c) => c,
-            Err(bad) => {
-                let r = Refusal::new(
-                    StatusCode::BAD_REQUEST,
-                    "invalid_request_error",
-                    "invalid_header",
-                    bad.to_string(),
-                );
-                return self.refuse(session, ctx, r).await;
-            }
+            Err(bad) => return self.refuse(session, ctx, bad.into()).await,
         };
         ctx.fairness_id = flow.fairness_id.to_string();
         ctx.priority = flow.priority;

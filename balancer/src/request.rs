@@ -8,6 +8,8 @@ use flowgate::{Reject, Route};
 use http::StatusCode;
 use serde::Deserialize;
 
+use crate::policy::BadHeader;
+
 /// Fields the balancer reads from an inference request body. Deserialising
 /// into it also checks that the body is one JSON object.
 #[derive(Debug, Deserialize)]
@@ -71,6 +73,16 @@ impl Refusal {
         }
     }
 
+    /// 413: a body over `max` bytes.
+    pub fn too_large(max: usize) -> Self {
+        Refusal::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "request_too_large",
+            format!("request body exceeds the limit of {max} bytes"),
+        )
+    }
+
     /// The answer to a refusal by flow control of a request for `model`.
     pub fn from_reject(r: Reject, model: &str) -> Self {
         if r == Reject::UnknownModel {
@@ -94,6 +106,18 @@ impl Refusal {
             message: r.to_string(),
             reason: r.reason(),
         }
+    }
+}
+
+/// 400: a malformed flow-control header.
+impl From<BadHeader> for Refusal {
+    fn from(bad: BadHeader) -> Self {
+        Refusal::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "invalid_header",
+            bad.to_string(),
+        )
     }
 }
 

@@ -18,9 +18,10 @@ use std::time::{Duration, Instant};
 
 use flowgate::{
     Admission, AgentReport, Dispatcher, DispatcherConfig, EndpointId, FlowSnapshot, Lease, Reject,
-    ReportOutcome, RequestMeta,
+    ReportOutcome, RequestMeta, Route,
 };
 use tokio::sync::{oneshot, Notify};
+use tracing::warn;
 
 use crate::metrics::Metrics;
 
@@ -210,18 +211,25 @@ impl Shared {
         self.lock().ttl(asked)
     }
 
-    /// Feeds an endpoint's circuit breaker; `true` when the circuit opened.
-    pub fn record_outcome(&self, endpoint: EndpointId, ok: bool) -> bool {
-        let opened = self.lock().record_outcome(endpoint, ok, Instant::now());
+    /// Feeds the circuit breaker of the endpoint `lease` is on: `ok` is
+    /// `false` for a connection failure or a 5xx answer. Counts and logs
+    /// the circuit opening.
+    pub fn record_outcome(&self, lease: &LeaseGuard, ok: bool) {
+        let opened = self
+            .lock()
+            .record_outcome(lease.endpoint(), ok, Instant::now());
         if opened {
             self.metrics.circuit_opened.inc();
+            warn!(
+                endpoint = %lease.addr(),
+                "circuit breaker opened: the endpoint failed repeatedly and gets no work for a while"
+            );
         }
-        opened
     }
 
-    /// Whether an eligible endpoint other than `failed` serves `model`.
-    pub fn has_alternative(&self, model: Option<&str>, failed: Option<SocketAddr>) -> bool {
-        self.lock().has_alternative(model, failed, Instant::now())
+    /// Whether an eligible endpoint other than `failed` fits `route`.
+    pub fn has_alternative(&self, route: &Route, failed: Option<SocketAddr>) -> bool {
+        self.lock().has_alternative(route, failed, Instant::now())
     }
 
     pub fn report(

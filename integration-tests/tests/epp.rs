@@ -19,7 +19,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpTrailers, ImmediateResponse, ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value as PbValue};
-use serde_json::{json, Value};
+use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
@@ -212,10 +212,6 @@ fn response_body(body: Vec<u8>, end_of_stream: bool) -> ProcessingRequest {
     )
 }
 
-fn chat_for(model: &str, content: &str) -> Value {
-    json!({"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 4})
-}
-
 /// The common part of an answer that carries the destination.
 fn common_of(r: &ProcessingResponse) -> &CommonResponse {
     match r.response.as_ref() {
@@ -325,7 +321,7 @@ async fn envoy_learns_where_each_request_goes_and_the_slot_lasts_until_the_respo
     let two = Sim::start(&["--model", "m", "--slots", "1"]);
     let (_a1, _a2) = (agent(&one, &epp.b), agent(&two, &epp.b));
     epp.b.wait_eligible(2).await;
-    let body = chat_for("m", "hello");
+    let body = chat_for(Some("m"), "hello");
     let tenant = [("x-gateway-inference-fairness-id", "tenant-a")];
 
     let mut first = epp.open().await;
@@ -399,7 +395,7 @@ async fn full_duplex_bodies_come_back_whole_after_the_destination() {
     });
     x.send(headers).await;
     let long = "a long shared system prompt ".repeat(5_000); // ~140 KB
-    let body = chat_for("m", &long).to_string().into_bytes();
+    let body = chat_for(Some("m"), &long).to_string().into_bytes();
     let pieces: Vec<&[u8]> = body.chunks(50_000).collect();
     for (i, piece) in pieces.iter().enumerate() {
         x.send(body_message(piece.to_vec(), i + 1 == pieces.len()))
@@ -474,7 +470,7 @@ async fn full_duplex_bodies_come_back_whole_after_the_destination() {
     });
     t.send(headers).await;
     t.send(body_message(
-        chat_for("m", "hi").to_string().into_bytes(),
+        chat_for(Some("m"), "hi").to_string().into_bytes(),
         false,
     ))
     .await;
@@ -507,7 +503,7 @@ async fn subset_hints_narrow_the_choice_and_every_refusal_is_an_immediate_respon
     let two = Sim::start(&["--model", "m", "--slots", "1"]);
     let (_a1, _a2) = (agent(&one, &epp.b), agent(&two, &epp.b));
     epp.b.wait_eligible(2).await;
-    let body = chat_for("m", "hello");
+    let body = chat_for(Some("m"), "hello");
 
     // The hint names `two`: every request goes there, one at a time.
     let hint = two.addr.to_string();
@@ -551,7 +547,7 @@ async fn subset_hints_narrow_the_choice_and_every_refusal_is_an_immediate_respon
         assert!(headers.contains_key("retry-after"));
     }
     let (status, headers, err) =
-        refused(&[], chat_for("nope", "hi").to_string().into_bytes()).await;
+        refused(&[], chat_for(Some("nope"), "hi").to_string().into_bytes()).await;
     assert_eq!(
         (status, headers["x-flowgate-drop-reason"].as_str()),
         (404, "model_not_found")
@@ -630,7 +626,7 @@ async fn dropped_streams_and_a_hundred_concurrent_ones_leak_no_slot() {
     let two = Sim::start(&["--model", "m", "--slots", "4"]);
     let (_a1, _a2) = (agent(&one, &epp.b), agent(&two, &epp.b));
     epp.b.wait_eligible(2).await;
-    let body = chat_for("m", "hello");
+    let body = chat_for(Some("m"), "hello");
 
     let mut placed = Vec::new();
     for _ in 0..8 {

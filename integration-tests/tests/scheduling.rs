@@ -11,14 +11,6 @@ use std::time::{Duration, Instant};
 use common::*;
 use serde_json::{json, Value};
 
-fn chat_for(model: Option<&str>, content: &str) -> Value {
-    let mut body = json!({"messages": [{"role": "user", "content": content}]});
-    if let Some(m) = model {
-        body["model"] = json!(m);
-    }
-    body
-}
-
 /// Requests the simulator received, tagged or not.
 async fn received(sim: &Sim) -> u64 {
     sim.stats().await["requests_total"].as_u64().unwrap()

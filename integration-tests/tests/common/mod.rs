@@ -340,6 +340,15 @@ pub fn spawn_chat(b: &Balancer, headers: &[(&str, &str)]) -> tokio::task::JoinHa
     })
 }
 
+/// A chat completion for `model` (none: the field is left out).
+pub fn chat_for(model: Option<&str>, content: &str) -> Value {
+    let mut body = serde_json::json!({"messages": [{"role": "user", "content": content}]});
+    if let Some(m) = model {
+        body["model"] = serde_json::json!(m);
+    }
+    body
+}
+
 pub fn chat_body() -> Value {
     serde_json::json!({"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]})
 }

@@ -1,0 +1,39 @@
+# Helpers shared by the benchmark scripts (sourced, not run).
+
+say() { echo "==> $*" >&2; }
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+
+# wait_http URL: until URL answers 2xx (30 s at most).
+wait_http() {
+    for _ in $(seq 300); do
+        curl -sf -o /dev/null "$1" && return 0
+        sleep 0.1
+    done
+    echo "timed out waiting for $1" >&2
+    return 1
+}
+
+# wait_eligible MGMT_ADDR N [TENTHS]: until the balancer at MGMT_ADDR has N
+# eligible endpoints (TENTHS of a second at most, default 100); fails if not.
+wait_eligible() {
+    local n=0
+    for _ in $(seq "${3:-100}"); do
+        n=$(curl -s "$1/api/v1/agents" 2>/dev/null |
+            python3 -c 'import json,sys; print(sum(e["eligible"] for e in json.load(sys.stdin)["endpoints"]))' 2>/dev/null || echo 0)
+        [ "$n" = "$2" ] && return 0
+        sleep 0.1
+    done
+    return 1
+}
+
+# sglang_router VENV VERSION: installs sglang-router==VERSION into VENV unless
+# it is there; succeeds when it can be imported.
+sglang_router() {
+    if ! "$1/bin/python" -c 'import sglang_router' 2>/dev/null; then
+        say "installing sglang-router $2 into $1"
+        python3 -m venv "$1" >/dev/null 2>&1 &&
+            "$1/bin/pip" install -q "sglang-router==$2" >/dev/null 2>&1 || true
+    fi
+    "$1/bin/python" -c 'import sglang_router' 2>/dev/null
+}

@@ -6,9 +6,11 @@
 //! chosen, which consumes it. Pingora replays a consumed body upstream only
 //! from its retry buffer (64 KiB). So the body is read in `request_filter`
 //! with the retry buffer armed just for its last ≤ 64 KiB; that makes Pingora
-//! enter its replay path, where `request_body_filter` swaps in the whole body.
-//! Chunked bodies (no `Content-Length`) over 64 KiB cannot be armed that way
-//! and are refused with 411 and a clear message.
+//! enter its replay path. A body of up to 64 KiB is all in the retry buffer
+//! and goes upstream from there; for a longer one `request_body_filter`
+//! swaps in the whole body, kept in the request's context. Chunked bodies
+//! (no `Content-Length`) over 64 KiB cannot be armed that way and are refused
+//! with 411 and a clear message.
 //!
 //! Retries: a connection failure, an upstream error before the response
 //! header, or a 5xx response header sends the request again (up to
@@ -74,7 +76,8 @@ pub struct Inference {
 /// Per-request state.
 pub struct RequestCtx {
     start: Instant,
-    /// The whole request body, sent upstream by `request_body_filter`.
+    /// The whole request body when it is longer than Pingora's retry buffer
+    /// (which then holds only its tail), sent by `request_body_filter`.
     body: Option<Bytes>,
     lease: Option<LeaseGuard>,
     upstream: Option<SocketAddr>,
@@ -202,12 +205,13 @@ impl Inference {
     }
 
     /// Reads the whole request body (see the module docs for the replay
-    /// trick). Refuses bodies over the limit before reading them if the
-    /// client announced the size.
+    /// trick) and says whether Pingora's retry buffer holds all of it.
+    /// Refuses bodies over the limit before reading them if the client
+    /// announced the size.
     async fn read_body(
         &self,
         session: &mut Session,
-    ) -> Result<std::result::Result<Bytes, Refusal>> {
+    ) -> Result<std::result::Result<(Bytes, bool), Refusal>> {
         let max = self.max_request_bytes;
         let declared = match session
             .req_header()
@@ -240,11 +244,14 @@ impl Inference {
         }
         let mut buf = BytesMut::with_capacity(declared.unwrap_or(0));
         let mut armed = false;
+        // Whether the retry buffer was armed before the first byte.
+        let mut whole = false;
         loop {
             let remaining = declared.map_or(0, |n| n.saturating_sub(buf.len()));
             if !armed && (declared.is_none() || remaining <= PINGORA_RETRY_BUFFER) {
                 session.enable_retry_buffering();
                 armed = true;
+                whole = buf.is_empty();
             }
             match session.read_request_body().await? {
                 Some(chunk) => {
@@ -256,7 +263,9 @@ impl Inference {
                 None => break,
             }
         }
-        if !buf.is_empty() && session.get_retry_buffer().is_none() {
+        // Pingora drops a retry buffer that overflows, which only a chunked
+        // body (armed from its first byte, length unknown) can make it do.
+        if declared.is_none() && buf.len() > PINGORA_RETRY_BUFFER {
             return Ok(Err(Refusal::new(
                 StatusCode::LENGTH_REQUIRED,
                 "invalid_request_error",
@@ -267,7 +276,7 @@ impl Inference {
                 ),
             )));
         }
-        Ok(Ok(buf.freeze()))
+        Ok(Ok((buf.freeze(), whole)))
     }
 
     fn models_body(&self) -> Vec<u8> {
@@ -374,8 +383,8 @@ impl ProxyHttp for Inference {
             return Ok(done);
         }
         ctx.inference = true;
-        let body = match self.read_body(session).await? {
-            Ok(b) => b,
+        let (body, in_retry_buffer) = match self.read_body(session).await? {
+            Ok(read) => read,
             Err(refusal) => {
                 // The client may still be sending: answer, drain what it
                 // sends for a short while (closing on unread data would
@@ -418,7 +427,8 @@ impl ProxyHttp for Inference {
             ttl,
             route,
         };
-        ctx.body = Some(body);
+        // Keep a second copy only when the retry buffer cannot replay it all.
+        ctx.body = (!in_retry_buffer).then_some(body);
         ctx.meta = Some(request.clone());
         match self.wait_for_slot(session, ctx, request).await? {
             None => Ok(false),
@@ -554,8 +564,9 @@ impl ProxyHttp for Inference {
         end_of_stream: bool,
         ctx: &mut RequestCtx,
     ) -> Result<()> {
-        // Pingora hands us the retry buffer (the body's tail) once, with
-        // end_of_stream set, on every attempt: send the whole body instead.
+        // Pingora hands us the retry buffer once, with end_of_stream set, on
+        // every attempt; when that is only the body's tail, send the whole
+        // body instead.
         if let Some(full) = &ctx.body {
             *body = end_of_stream.then(|| full.clone());
         }

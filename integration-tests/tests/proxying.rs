@@ -123,6 +123,18 @@ async fn multi_mib_bodies_reach_the_backend_intact_and_oversized_get_413() {
         r.headers()["x-sim-body-bytes"],
         small.len().to_string().as_str()
     );
+    // One over 64 KiB cannot be replayed upstream: 411, asking for a length.
+    let chunks = (0..3).map(|_| Ok::<_, std::io::Error>(vec![b' '; 30 * 1024]));
+    let r = c
+        .post(b.url("/v1/completions"))
+        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
+            chunks,
+        )))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["x-flowgate-drop-reason"], "length_required");
+    assert_openai_error(r, 411).await;
 
     let over = vec![b' '; 8 * 1024 * 1024 + 1];
     let r = c

@@ -26,7 +26,7 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
-use serde_json::json;
+use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -107,6 +107,12 @@ struct HoldArgs {
     /// timer rounds up to whole milliseconds)
     #[arg(long, default_value_t = 1000)]
     pace_us: u64,
+    /// A Flowgate management URL (`http://HOST:PORT`): before sending the
+    /// next request, wait until the balancer reports this one buffered
+    /// (`buffered_requests` in `/api/v1/agents`), so the order the requests
+    /// joined its queue is exactly the order they were sent
+    #[arg(long)]
+    confirm_buffered: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -331,6 +337,24 @@ async fn hold(args: HoldArgs) {
     let pad = "x".repeat(args.body_bytes.saturating_sub(empty.len()));
     let body = Bytes::from(json!({"messages": [{"role": "user", "content": pad}]}).to_string());
     let start = Instant::now();
+    let agents_url = args
+        .confirm_buffered
+        .as_ref()
+        .map(|m| format!("{}/api/v1/agents", m.trim_end_matches('/')));
+    let poller = reqwest::Client::new();
+    let buffered = |url: String| {
+        let poller = poller.clone();
+        async move {
+            let v: Value = poller.get(url).send().await.ok()?.json().await.ok()?;
+            v["buffered_requests"].as_u64()
+        }
+    };
+    let base = match &agents_url {
+        Some(url) => buffered(url.clone())
+            .await
+            .expect("the management URL answers /api/v1/agents"),
+        None => 0,
+    };
     let mut tasks = Vec::with_capacity(args.requests);
     for i in 0..args.requests {
         // One client per request: a connection of its own, as real
@@ -354,7 +378,20 @@ async fn hold(args: HoldArgs) {
                 Err(_) => 0,
             }
         }));
-        tokio::time::sleep(Duration::from_micros(args.pace_us)).await;
+        match &agents_url {
+            Some(url) => {
+                let want = base + i as u64 + 1;
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while buffered(url.clone()).await.unwrap_or(0) < want {
+                    assert!(
+                        Instant::now() < deadline,
+                        "request {i} was not buffered within 10 s"
+                    );
+                    tokio::time::sleep(Duration::from_micros(200)).await;
+                }
+            }
+            None => tokio::time::sleep(Duration::from_micros(args.pace_us)).await,
+        }
     }
     let mut statuses: BTreeMap<String, u64> = BTreeMap::new();
     for t in tasks {

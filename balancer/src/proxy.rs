@@ -305,8 +305,13 @@ impl Inference {
         session: &mut Session,
         ctx: &mut RequestCtx,
     ) -> Result<Option<bool>> {
-        let method = session.req_header().method.clone();
-        let path = session.req_header().uri.path().to_string();
+        let req = session.req_header();
+        // The hot path first, without copying the method and path.
+        if req.method == Method::POST && INFERENCE_PATHS.contains(&req.uri.path()) {
+            return Ok(None);
+        }
+        let method = req.method.clone();
+        let path = req.uri.path().to_string();
         let not_allowed = |allow: &'static str| {
             (
                 StatusCode::METHOD_NOT_ALLOWED,
@@ -333,12 +338,7 @@ impl Inference {
             "/health" => not_allowed("GET"),
             "/v1/models" if method == Method::GET => (StatusCode::OK, self.models_body(), vec![]),
             "/v1/models" => not_allowed("GET"),
-            p if INFERENCE_PATHS.contains(&p) => {
-                if method == Method::POST {
-                    return Ok(None);
-                }
-                not_allowed("POST")
-            }
+            p if INFERENCE_PATHS.contains(&p) => not_allowed("POST"),
             _ => (
                 StatusCode::NOT_FOUND,
                 error_body(

@@ -244,14 +244,14 @@ impl Inference {
         }
         let mut buf = BytesMut::with_capacity(declared.unwrap_or(0));
         let mut armed = false;
-        // Whether the retry buffer was armed before the first byte.
-        let mut whole = false;
+        // The retry buffer is armed before the first byte (and so holds the
+        // whole body) when the body is short or its length unknown.
+        let whole = declared.is_none_or(|n| n <= PINGORA_RETRY_BUFFER);
         loop {
             let remaining = declared.map_or(0, |n| n.saturating_sub(buf.len()));
             if !armed && (declared.is_none() || remaining <= PINGORA_RETRY_BUFFER) {
                 session.enable_retry_buffering();
                 armed = true;
-                whole = buf.is_empty();
             }
             match session.read_request_body().await? {
                 Some(chunk) => {

@@ -27,13 +27,12 @@ wait_eligible() {
     return 1
 }
 
-# sglang_router VENV VERSION: installs sglang-router==VERSION into VENV unless
-# it is there; succeeds when it can be imported.
-sglang_router() {
-    if ! "$1/bin/python" -c 'import sglang_router' 2>/dev/null; then
-        say "installing sglang-router $2 into $1"
-        python3 -m venv "$1" >/dev/null 2>&1 &&
-            "$1/bin/pip" install -q "sglang-router==$2" >/dev/null 2>&1 || true
+# venv_install VENV PACKAGE MODULE: pip-installs PACKAGE into VENV unless
+# MODULE imports there; succeeds when it does.
+venv_install() {
+    if ! "$1/bin/python" -c "import $3" 2>/dev/null; then
+        say "installing $2 into $1"
+        python3 -m venv "$1" >/dev/null 2>&1 && "$1/bin/pip" install -q "$2" >/dev/null 2>&1 || true
     fi
-    "$1/bin/python" -c 'import sglang_router' 2>/dev/null
+    "$1/bin/python" -c "import $3" 2>/dev/null
 }

@@ -330,6 +330,12 @@ fn pct(v: &[f64], p: f64) -> f64 {
 /// Sends `requests` non-streamed chats, each on its own connection and
 /// tagged with its index (`x-sim-tag`), waits for all, and prints one JSON
 /// line: answers by status and seconds until the last one.
+/// `buffered_requests` from a balancer's `/api/v1/agents` at `url`.
+async fn buffered_requests(client: &reqwest::Client, url: &str) -> Option<u64> {
+    let v: Value = client.get(url).send().await.ok()?.json().await.ok()?;
+    v["buffered_requests"].as_u64()
+}
+
 async fn hold(args: HoldArgs) {
     let url = format!("{}/v1/chat/completions", args.target.trim_end_matches('/'));
     // Pad the prompt so the whole body is `body_bytes` long.
@@ -342,15 +348,8 @@ async fn hold(args: HoldArgs) {
         .as_ref()
         .map(|m| format!("{}/api/v1/agents", m.trim_end_matches('/')));
     let poller = reqwest::Client::new();
-    let buffered = |url: String| {
-        let poller = poller.clone();
-        async move {
-            let v: Value = poller.get(url).send().await.ok()?.json().await.ok()?;
-            v["buffered_requests"].as_u64()
-        }
-    };
     let base = match &agents_url {
-        Some(url) => buffered(url.clone())
+        Some(url) => buffered_requests(&poller, url)
             .await
             .expect("the management URL answers /api/v1/agents"),
         None => 0,
@@ -382,7 +381,7 @@ async fn hold(args: HoldArgs) {
             Some(url) => {
                 let want = base + i as u64 + 1;
                 let deadline = Instant::now() + Duration::from_secs(10);
-                while buffered(url.clone()).await.unwrap_or(0) < want {
+                while buffered_requests(&poller, url).await.unwrap_or(0) < want {
                     assert!(
                         Instant::now() < deadline,
                         "request {i} was not buffered within 10 s"

@@ -22,8 +22,10 @@
 //!   `scheduling.affinity_hold` from the first time it was passed over,
 //!   rather than be prefilled again elsewhere; meanwhile the next requests
 //!   of its flow (up to [`LOOK_AHEAD`]) and other flows of its band may take
-//!   the free slot. A hold never lets lower priority pass, and a request
-//!   whose hold ended goes wherever there is room. The owner runs
+//!   the free slot. When that endpoint frees a slot, the held request takes
+//!   it before any other request of its priority. A hold never lets lower
+//!   priority pass, and a request whose hold ended goes wherever there is
+//!   room. The owner runs
 //!   `dispatch` at [`Dispatcher::next_hold_end`] (and learns of new holds
 //!   from [`Dispatcher::take_new_holds`]), so no request waits on an idle
 //!   endpoint longer than its hold.
@@ -266,6 +268,7 @@ impl<T> Dispatcher<T> {
         while self.holds.front().is_some_and(|&(end, _)| end <= now) {
             self.holds.pop_front();
         }
+        self.place_held(now, &mut out);
         let hold = self.config.scheduling.affinity_hold;
         // Routes that found no endpoint in this pass: every later request
         // with the same targets waits too (same model, exclusion, subset).
@@ -325,6 +328,35 @@ impl<T> Dispatcher<T> {
             }
         }
         out
+    }
+
+    /// Held requests go first to the endpoint they wait for: when it frees
+    /// a slot, the held request takes it rather than the request next in
+    /// turn, which would prefill its prompt there cold while the held one
+    /// waits on for another slot. Only held requests of the highest waiting
+    /// priority go ahead this way, the longest held first.
+    fn place_held(&mut self, now: Instant, out: &mut Vec<Done<T>>) {
+        let Some(top) = self.queues.top_priority() else {
+            return;
+        };
+        // Entries of requests that left are skipped (and dropped later by
+        // `next_hold_end`); tickets are never reused.
+        for i in 0..self.holds.len().min(MAX_HOLDS_PER_PASS) {
+            let ticket = self.holds[i].1;
+            let Some(waiting) = self.queues.get(ticket) else {
+                continue;
+            };
+            if waiting.priority < top {
+                continue;
+            }
+            if !self.registry.any_available(now) {
+                return;
+            }
+            if let Pick::Lease(lease) = self.registry.pick(&waiting.route, now, true) {
+                let removed = self.queues.pop(ticket).expect("held request is queued");
+                out.push(done(removed, Ok(lease), now));
+            }
+        }
     }
 
     /// When the earliest affinity hold of a waiting request ends: run

@@ -391,6 +391,15 @@ impl<T> FlowQueues<T> {
         ))
     }
 
+    /// The highest priority with queued requests.
+    pub fn top_priority(&self) -> Option<i32> {
+        self.bands
+            .iter()
+            .rev()
+            .find(|(_, band)| band.requests > 0)
+            .map(|(&priority, _)| priority)
+    }
+
     /// The request that goes next: highest band first, then the band's
     /// fairness policy, then the flow's ordering policy.
     pub fn peek(&mut self) -> Option<Ticket> {

@@ -592,6 +592,32 @@ fn a_conversation_waits_for_its_busy_server_while_others_pass_it() {
 }
 
 #[test]
+fn a_freed_server_goes_to_the_request_held_for_it_before_the_next_in_turn() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    d.report(model_server("a", 1, 1, &[]), t0).unwrap();
+    d.report(model_server("b", 2, 1, &[]), t0).unwrap();
+    d.report(model_server("c", 3, 1, &[]), t0).unwrap();
+    let _on_a = ready(d.submit(with_prompt("x", 0, &[1, 2, 3]), "a-1", t0));
+    let on_b = ready(d.submit(with_prompt("y", 0, &[11, 12, 13]), "b-1", t0));
+    let on_c = ready(d.submit(with_prompt("z", 0, &[90]), "c-1", t0));
+    let b_addr = on_b.addr;
+    queued(d.submit(with_prompt("t", 0, &[1, 2, 3, 4]), "a-2", t0));
+    queued(d.submit(with_prompt("u", 0, &[11, 12, 13, 14]), "b-2", t0));
+    d.release(on_c);
+    assert!(d.dispatch(t0).is_empty(), "both wait for their servers");
+    queued(d.submit(with_prompt("v", 0, &[70]), "fresh", t0));
+    assert_eq!(granted(&d.dispatch(t0)), ["fresh"]);
+    // Tenant t's turn comes first and its second request has nothing
+    // cached anywhere, but b's slot is what b-2 has been waiting for.
+    queued(d.submit(with_prompt("t", 0, &[71]), "t-next", t0));
+    d.release(on_b);
+    let done = d.dispatch(t0 + 10 * MS);
+    assert_eq!(granted(&done), ["b-2"]);
+    assert_eq!(done[0].result.as_ref().unwrap().addr, b_addr);
+}
+
+#[test]
 fn a_held_request_takes_any_server_once_its_hold_ends() {
     let t0 = Instant::now();
     let mut d = dispatcher(30);

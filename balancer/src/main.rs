@@ -1,5 +1,6 @@
 //! `balancer`: Flowgate's reverse proxy. See the README for flags and routes.
 
+mod auth;
 mod epp;
 mod housekeeping;
 mod management;
@@ -119,6 +120,8 @@ fn main() -> ExitCode {
             retry_after: Duration::from_secs(1),
             retries: settings.retries,
             prefix: settings.dispatcher.scheduling.prefix,
+            api_keys: settings.api_keys.clone(),
+            request_ids: proxy::RequestIds::new(),
         },
         "inference",
     );
@@ -172,6 +175,7 @@ fn main() -> ExitCode {
         priority_bands = settings.dispatcher.flow.bands.len(),
         max_request_bytes = settings.max_request_bytes,
         epp = settings.epp_addr.map(|a| a.to_string()).unwrap_or_default(),
+        api_keys = settings.api_keys.as_ref().map_or(0, |k| k.len()),
         "flowgate balancer starting"
     );
     server.run_forever()

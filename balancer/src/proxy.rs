@@ -37,6 +37,7 @@ use pingora_http::ResponseHeader;
 use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 use tracing::{info, warn};
 
+use crate::auth::{ApiKeys, Grant};
 use crate::policy::{
     FlowHeaders, PriorityRules, FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER, TTL_HEADER,
 };
@@ -52,6 +53,13 @@ const LINGER: Duration = Duration::from_secs(2);
 
 /// Response header: milliseconds the request waited for an endpoint.
 const WAIT_HEADER: &str = "x-flowgate-wait-ms";
+
+/// Request id: kept from the client when usable, else generated; sent to
+/// the model server, returned to the client, written to the access log.
+const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// Longest client-supplied request id kept; longer ones are replaced.
+const MAX_REQUEST_ID_LEN: usize = 128;
 
 /// Paths proxied to model servers (POST only).
 const INFERENCE_PATHS: [&str; 4] = [
@@ -71,6 +79,55 @@ pub struct Inference {
     pub retries: u32,
     /// How prompts are hashed for prefix affinity.
     pub prefix: PrefixConfig,
+    /// When set, every route but `/health` needs one of these keys.
+    pub api_keys: Option<Arc<ApiKeys>>,
+    /// Generates request ids.
+    pub request_ids: RequestIds,
+}
+
+/// Request ids unique to this process run: a random-enough prefix fixed at
+/// start-up and a counter, cheaper than a UUID per request.
+pub struct RequestIds {
+    prefix: u64,
+    next: std::sync::atomic::AtomicU64,
+}
+
+impl Default for RequestIds {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RequestIds {
+    pub fn new() -> Self {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        RequestIds {
+            prefix: nanos ^ (u64::from(std::process::id()) << 32),
+            next: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    fn next(&self) -> String {
+        let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        format!("{:016x}{n:08x}", self.prefix)
+    }
+
+    /// The client's id when it is 1-128 visible ASCII characters, else a
+    /// new one.
+    fn for_request(&self, given: Option<&http::HeaderValue>) -> (String, bool) {
+        match given.map(|v| v.as_bytes()) {
+            Some(id)
+                if !id.is_empty()
+                    && id.len() <= MAX_REQUEST_ID_LEN
+                    && id.iter().all(u8::is_ascii_graphic) =>
+            {
+                (String::from_utf8_lossy(id).into_owned(), true)
+            }
+            _ => (self.next(), false),
+        }
+    }
 }
 
 /// Per-request state.
@@ -99,6 +156,11 @@ pub struct RequestCtx {
     retry_pending: bool,
     /// Status of the upstream response header, once it arrived.
     upstream_status: Option<u16>,
+    /// `x-request-id`, and whether the client sent it.
+    request_id: String,
+    request_id_given: bool,
+    /// What the request's API key grants, when keys are required.
+    grant: Option<Grant>,
 }
 
 impl Inference {
@@ -171,13 +233,17 @@ impl Inference {
     async fn send_json(
         &self,
         session: &mut Session,
+        ctx: &RequestCtx,
         status: StatusCode,
         body: Vec<u8>,
         extra: &[(&'static str, String)],
     ) -> Result<()> {
-        let mut h = ResponseHeader::build(status, Some(4 + extra.len()))?;
+        let mut h = ResponseHeader::build(status, Some(5 + extra.len()))?;
         h.insert_header("content-type", "application/json")?;
         h.insert_header("content-length", body.len().to_string())?;
+        if !ctx.request_id.is_empty() {
+            h.insert_header(REQUEST_ID_HEADER, ctx.request_id.as_str())?;
+        }
         for (k, v) in extra {
             h.insert_header(*k, v.as_str())?;
         }
@@ -198,9 +264,12 @@ impl Inference {
         {
             extra.push(("retry-after", self.retry_after.as_secs().max(1).to_string()));
         }
+        if r.status == StatusCode::UNAUTHORIZED {
+            extra.push(("www-authenticate", "Bearer".to_string()));
+        }
         ctx.reason = r.reason;
         let body = error_body(&r.message, r.kind, r.code);
-        self.send_json(session, r.status, body, &extra).await?;
+        self.send_json(session, ctx, r.status, body, &extra).await?;
         Ok(true)
     }
 
@@ -208,6 +277,23 @@ impl Inference {
     /// trick) and says whether Pingora's retry buffer holds all of it.
     /// Refuses bodies over the limit before reading them if the client
     /// announced the size.
+    /// Refuses a request whose body may still be unread: answers, drains
+    /// what the client still sends for a short while (closing on unread
+    /// data would reset the connection and lose the answer), then closes.
+    async fn refuse_unread(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        r: Refusal,
+    ) -> Result<bool> {
+        session.set_keepalive(None);
+        let answered = self.refuse(session, ctx, r).await;
+        if !session.is_body_done() {
+            let _ = tokio::time::timeout(LINGER, session.drain_request_body()).await;
+        }
+        answered
+    }
+
     async fn read_body(
         &self,
         session: &mut Session,
@@ -350,7 +436,7 @@ impl Inference {
             ),
         };
         ctx.reason = "local";
-        self.send_json(session, status, body, &extra).await?;
+        self.send_json(session, ctx, status, body, &extra).await?;
         Ok(Some(true))
     }
 }
@@ -375,27 +461,38 @@ impl ProxyHttp for Inference {
             retries: 0,
             retry_pending: false,
             upstream_status: None,
+            request_id: String::new(),
+            request_id_given: false,
+            grant: None,
         }
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
+        let req = session.req_header();
+        (ctx.request_id, ctx.request_id_given) = self
+            .request_ids
+            .for_request(req.headers.get(REQUEST_ID_HEADER));
+        if let Some(keys) = &self.api_keys {
+            if req.uri.path() != "/health" {
+                let authorization = req.headers.get(http::header::AUTHORIZATION);
+                match keys.authenticate(authorization.map(|v| v.as_bytes())) {
+                    Ok(grant) => ctx.grant = Some(grant.clone()),
+                    Err(e) => {
+                        ctx.inference = true;
+                        return self
+                            .refuse_unread(session, ctx, Refusal::unauthorized(e))
+                            .await;
+                    }
+                }
+            }
+        }
         if let Some(done) = self.route_local(session, ctx).await? {
             return Ok(done);
         }
         ctx.inference = true;
         let (body, in_retry_buffer) = match self.read_body(session).await? {
             Ok(read) => read,
-            Err(refusal) => {
-                // The client may still be sending: answer, drain what it
-                // sends for a short while (closing on unread data would
-                // reset the connection and lose the answer), then close.
-                session.set_keepalive(None);
-                let answered = self.refuse(session, ctx, refusal).await;
-                if !session.is_body_done() {
-                    let _ = tokio::time::timeout(LINGER, session.drain_request_body()).await;
-                }
-                return answered;
-            }
+            Err(refusal) => return self.refuse_unread(session, ctx, refusal).await,
         };
         let route = match route_of(&body, &self.prefix) {
             Ok((model, route)) => {
@@ -418,6 +515,11 @@ impl ProxyHttp for Inference {
         let (flow, ttl) = match classified {
             Ok(c) => c,
             Err(bad) => return self.refuse(session, ctx, bad.into()).await,
+        };
+        // A key's tenant and ceiling beat whatever the headers asked for.
+        let flow = match &ctx.grant {
+            Some(g) => flowgate::FlowKey::new(Arc::clone(&g.tenant), g.priority(flow.priority)),
+            None => flow,
         };
         ctx.fairness_id = flow.fairness_id.to_string();
         ctx.priority = flow.priority;
@@ -476,10 +578,17 @@ impl ProxyHttp for Inference {
         &self,
         _session: &mut Session,
         upstream_request: &mut pingora_http::RequestHeader,
-        _ctx: &mut RequestCtx,
+        ctx: &mut RequestCtx,
     ) -> Result<()> {
         // The balancer already answered `100 Continue` and holds the body.
         upstream_request.remove_header(&http::header::EXPECT);
+        // The key was the balancer's; the model server has its own.
+        if self.api_keys.is_some() {
+            upstream_request.remove_header(&http::header::AUTHORIZATION);
+        }
+        if !ctx.request_id_given {
+            upstream_request.insert_header(REQUEST_ID_HEADER, ctx.request_id.as_str())?;
+        }
         Ok(())
     }
 
@@ -554,6 +663,7 @@ impl ProxyHttp for Inference {
     ) -> Result<()> {
         // How long the request waited in flow control before it was sent.
         upstream_response.insert_header(WAIT_HEADER, ctx.waited.as_millis().to_string())?;
+        upstream_response.insert_header(REQUEST_ID_HEADER, ctx.request_id.as_str())?;
         Ok(())
     }
 
@@ -592,7 +702,7 @@ impl ProxyHttp for Inference {
             let body = error_body(&msg, "server_error", "upstream_error");
             let extra = [("x-flowgate-drop-reason", "upstream-error".to_string())];
             if let Err(we) = self
-                .send_json(session, StatusCode::BAD_GATEWAY, body, &extra)
+                .send_json(session, ctx, StatusCode::BAD_GATEWAY, body, &extra)
                 .await
             {
                 warn!("could not send the 502 to the client: {we}");
@@ -627,6 +737,7 @@ impl ProxyHttp for Inference {
         }
         info!(
             target: "access",
+            request_id = ctx.request_id.as_str(),
             method = %session.req_header().method,
             path = session.req_header().uri.path(),
             model = ctx.model.as_str(),

@@ -8,6 +8,7 @@ use flowgate::{Reject, Route};
 use http::StatusCode;
 use serde::Deserialize;
 
+use crate::auth::AuthError;
 use crate::policy::BadHeader;
 
 /// Fields the balancer reads from an inference request body. Deserialising
@@ -71,6 +72,20 @@ impl Refusal {
             message,
             reason: code,
         }
+    }
+
+    /// 401: no API key or an unknown one.
+    pub fn unauthorized(e: AuthError) -> Self {
+        let code = match e {
+            AuthError::Missing => "missing_api_key",
+            AuthError::Invalid => "invalid_api_key",
+        };
+        Refusal::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            code,
+            e.message().to_string(),
+        )
     }
 
     /// 413: a body over `max` bytes.

@@ -8,12 +8,14 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use flowgate::DispatcherConfig;
 use serde::Deserialize;
 
+use crate::auth::ApiKeys;
 use crate::policy::{self, FlowControlSection, PriorityRules, SaturationSection};
 use crate::scheduling::{self, SchedulingSection};
 
@@ -105,6 +107,14 @@ pub struct Cli {
     /// Log line format [default: text]
     #[arg(long, value_enum)]
     pub log_format: Option<LogFormat>,
+
+    /// YAML file of API keys for the inference port, each bound to a tenant
+    /// (its fairness id) and optionally a priority ceiling; with it, every
+    /// route but /health needs `Authorization: Bearer <key>` (401
+    /// otherwise). Keys may be stored as SHA-256 digests. See the README
+    /// [default: no keys required]
+    #[arg(long, value_name = "FILE")]
+    pub api_keys_file: Option<PathBuf>,
 }
 
 /// The config file: the same settings as the flags.
@@ -123,6 +133,7 @@ pub struct FileConfig {
     pub log_level: Option<String>,
     pub log_format: Option<LogFormat>,
     pub max_buffered_bytes: Option<u64>,
+    pub api_keys_file: Option<PathBuf>,
     /// Priority bands, fairness and ordering policies, limits, TTLs.
     pub flow_control: Option<FlowControlSection>,
     /// When an endpoint stops taking new work.
@@ -156,6 +167,8 @@ pub struct Settings {
     pub threads: usize,
     pub log_level: String,
     pub log_format: LogFormat,
+    /// API keys required on the inference port, when configured.
+    pub api_keys: Option<Arc<ApiKeys>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -273,7 +286,14 @@ impl Settings {
         let (sched, retries) = scheduling::build(&file.scheduling.unwrap_or_default(), seed)
             .map_err(SettingsError::Invalid)?;
         dispatcher.scheduling = sched;
+        let api_keys = match cli.api_keys_file.or(file.api_keys_file) {
+            Some(path) => Some(Arc::new(
+                ApiKeys::load(&path).map_err(SettingsError::Invalid)?,
+            )),
+            None => None,
+        };
         let s = Settings {
+            api_keys,
             inference_addr: cli
                 .inference_addr
                 .or(file.inference_addr)

@@ -1,0 +1,245 @@
+//! API keys for the inference port (`--api-keys-file`).
+//!
+//! The file is YAML: a list of keys, each bound to a tenant (the fairness id
+//! of every request made with it, whatever headers the client sends) and
+//! optionally to a priority ceiling:
+//!
+//! ```yaml
+//! keys:
+//!   - sha256: 2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae
+//!     tenant: acme
+//!     maxPriority: 0      # optional: higher priorities are cut to this
+//!   - key: sk-test-only   # the key itself; prefer sha256 so nothing secret is at rest
+//!     tenant: tests
+//! ```
+//!
+//! Clients send `Authorization: Bearer <key>`. The presented key is hashed
+//! and its digest compared with every stored digest in constant time (no
+//! early exit), so response timing says nothing about how close a guess was.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use flowgate::flow::valid_fairness_id;
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+
+/// What a valid key grants.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    /// Fairness id of the key's requests.
+    pub tenant: Arc<str>,
+    /// Highest priority the key's requests may have.
+    pub max_priority: Option<i32>,
+}
+
+impl Grant {
+    /// The priority a request of this key gets when it asks for `asked`.
+    pub fn priority(&self, asked: i32) -> i32 {
+        self.max_priority
+            .map_or(asked, |ceiling| asked.min(ceiling))
+    }
+}
+
+/// Why a request was refused 401.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AuthError {
+    /// No `Authorization: Bearer` header.
+    Missing,
+    /// A key that is not in the file.
+    Invalid,
+}
+
+impl AuthError {
+    pub fn message(self) -> &'static str {
+        match self {
+            AuthError::Missing => {
+                "this balancer requires an API key: send `Authorization: Bearer <key>`"
+            }
+            AuthError::Invalid => "invalid API key",
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    digest: [u8; 32],
+    grant: Grant,
+}
+
+/// The keys of `--api-keys-file`.
+#[derive(Debug)]
+pub struct ApiKeys {
+    entries: Vec<Entry>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct KeysFile {
+    keys: Vec<KeyEntry>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct KeyEntry {
+    key: Option<String>,
+    sha256: Option<String>,
+    tenant: String,
+    max_priority: Option<i32>,
+}
+
+fn sha256(bytes: &[u8]) -> [u8; 32] {
+    Sha256::digest(bytes).into()
+}
+
+fn parse_hex_digest(hex: &str) -> Option<[u8; 32]> {
+    if hex.len() != 64 || !hex.is_ascii() {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
+/// Equality that looks at every byte whatever the first difference.
+fn constant_time_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
+    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    std::hint::black_box(diff) == 0
+}
+
+impl ApiKeys {
+    pub fn parse(text: &str) -> Result<ApiKeys, String> {
+        let file: KeysFile = serde_saphyr::from_str(text).map_err(|e| e.to_string())?;
+        if file.keys.is_empty() {
+            return Err("`keys` is empty: every request would be refused".into());
+        }
+        let mut entries: Vec<Entry> = Vec::with_capacity(file.keys.len());
+        for (i, k) in file.keys.into_iter().enumerate() {
+            let at = format!("keys[{i}]");
+            let digest = match (&k.key, &k.sha256) {
+                (Some(key), None) if key.trim().is_empty() => {
+                    return Err(format!("{at}: `key` is empty"))
+                }
+                (Some(key), None) => sha256(key.as_bytes()),
+                (None, Some(hex)) => parse_hex_digest(hex.trim()).ok_or_else(|| {
+                    format!(
+                        "{at}: `sha256` must be 64 hex digits (e.g. `printf %s KEY | sha256sum`)"
+                    )
+                })?,
+                _ => return Err(format!("{at}: give exactly one of `key` and `sha256`")),
+            };
+            if !valid_fairness_id(&k.tenant) {
+                return Err(format!(
+                    "{at}: tenant {:?} is not a valid fairness id (1-128 visible ASCII characters)",
+                    k.tenant
+                ));
+            }
+            if entries.iter().any(|e| e.digest == digest) {
+                return Err(format!("{at}: the same key is listed twice"));
+            }
+            entries.push(Entry {
+                digest,
+                grant: Grant {
+                    tenant: k.tenant.into(),
+                    max_priority: k.max_priority,
+                },
+            });
+        }
+        Ok(ApiKeys { entries })
+    }
+
+    pub fn load(path: &Path) -> Result<ApiKeys, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read API keys file {}: {e}", path.display()))?;
+        Self::parse(&text).map_err(|e| format!("invalid API keys file {}: {e}", path.display()))
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Checks an `Authorization` header value.
+    pub fn authenticate(&self, authorization: Option<&[u8]>) -> Result<&Grant, AuthError> {
+        let value = authorization.ok_or(AuthError::Missing)?;
+        let token = match value.split_at_checked(7) {
+            Some((scheme, rest)) if scheme.eq_ignore_ascii_case(b"bearer ") => rest.trim_ascii(),
+            _ => return Err(AuthError::Missing),
+        };
+        if token.is_empty() {
+            return Err(AuthError::Missing);
+        }
+        let digest = sha256(token);
+        let mut found = None;
+        for e in &self.entries {
+            if constant_time_eq(&e.digest, &digest) {
+                found = Some(&e.grant);
+            }
+        }
+        found.ok_or(AuthError::Invalid)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FILE: &str = "
+keys:
+  - sha256: 2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae
+    tenant: acme
+    maxPriority: 0
+  - key: sk-other
+    tenant: tests
+";
+
+    #[test]
+    fn hashed_and_plain_keys_grant_their_tenant_and_ceiling() {
+        let keys = ApiKeys::parse(FILE).unwrap();
+        assert_eq!(keys.len(), 2);
+        // sha256("foo") is the digest above.
+        let acme = keys.authenticate(Some(b"Bearer foo")).unwrap();
+        assert_eq!(&*acme.tenant, "acme");
+        assert_eq!(acme.priority(5), 0);
+        assert_eq!(acme.priority(-1), -1);
+        let tests = keys.authenticate(Some(b"bearer  sk-other ")).unwrap();
+        assert_eq!(&*tests.tenant, "tests");
+        assert_eq!(tests.priority(5), 5);
+    }
+
+    #[test]
+    fn missing_malformed_and_unknown_keys_are_refused() {
+        let keys = ApiKeys::parse(FILE).unwrap();
+        assert_eq!(keys.authenticate(None), Err(AuthError::Missing));
+        assert_eq!(
+            keys.authenticate(Some(b"Basic Zm9v")),
+            Err(AuthError::Missing)
+        );
+        assert_eq!(keys.authenticate(Some(b"Bearer ")), Err(AuthError::Missing));
+        assert_eq!(keys.authenticate(Some(b"Bear")), Err(AuthError::Missing));
+        assert_eq!(
+            keys.authenticate(Some(b"Bearer fo")),
+            Err(AuthError::Invalid)
+        );
+        assert_eq!(
+            keys.authenticate(Some("Bearer fôo".as_bytes())),
+            Err(AuthError::Invalid)
+        );
+    }
+
+    #[test]
+    fn bad_files_say_what_is_wrong() {
+        let err = |text: &str| ApiKeys::parse(text).unwrap_err();
+        assert!(err("keys: []").contains("empty"));
+        assert!(err("keys:\n  - tenant: a\n").contains("exactly one"));
+        assert!(err("keys:\n  - key: k\n    sha256: ab\n    tenant: a\n").contains("exactly one"));
+        assert!(err("keys:\n  - sha256: xyz\n    tenant: a\n").contains("64 hex"));
+        assert!(err("keys:\n  - key: ''\n    tenant: a\n").contains("empty"));
+        assert!(err("keys:\n  - key: k\n    tenant: 'a b'\n").contains("fairness id"));
+        assert!(
+            err("keys:\n  - key: k\n    tenant: a\n  - key: k\n    tenant: b\n").contains("twice")
+        );
+        assert!(err("keys:\n  - key: k\n    tenant: a\n    extra: 1\n").contains("extra"));
+    }
+}

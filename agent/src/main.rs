@@ -87,6 +87,17 @@ struct Cli {
     #[arg(long, value_name = "DURATION", default_value = "100ms", value_parser = parse_interval)]
     monitoring_interval: Duration,
 
+    /// The balancer's management token (its `--management-token`), sent as
+    /// `Authorization: Bearer` with every report. Prefer the environment
+    /// variable: flags are visible in `ps`
+    #[arg(
+        long,
+        value_name = "TOKEN",
+        env = "FLOWGATE_MANAGEMENT_TOKEN",
+        hide_env_values = true
+    )]
+    management_token: Option<String>,
+
     /// API key sent to the model server as `Authorization: Bearer`
     #[arg(long, env = "FLOWGATE_BACKEND_API_KEY", hide_env_values = true)]
     backend_api_key: Option<String>,
@@ -144,15 +155,22 @@ struct Reporter {
     client: Client,
     url: String,
     agent_id: String,
+    token: Option<String>,
 }
 
 impl Reporter {
+    fn authorized(&self, req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.token {
+            Some(token) => req.bearer_auth(token),
+            None => req,
+        }
+    }
+
     /// Sends a report; returns the balancer's in-flight count for the
     /// endpoint (0 from a balancer that does not say).
     async fn send(&self, report: &AgentReport) -> Result<u64, String> {
         let resp = self
-            .client
-            .post(format!("{}/report", self.url))
+            .authorized(self.client.post(format!("{}/report", self.url)))
             .json(report)
             .send()
             .await
@@ -173,7 +191,7 @@ impl Reporter {
     }
 
     async fn deregister(&self) {
-        match self.client.delete(&self.url).send().await {
+        match self.authorized(self.client.delete(&self.url)).send().await {
             Ok(r) if r.status().is_success() => info!(agent = self.agent_id, "deregistered"),
             Ok(r) => warn!("deregistration answered HTTP {}", r.status()),
             Err(e) => warn!("could not deregister: {e}"),
@@ -222,6 +240,7 @@ async fn run(cli: Cli) -> Result<(), String> {
         client,
         url: format!("{management_base}/api/v1/agents/{agent_id}"),
         agent_id: agent_id.clone(),
+        token: cli.management_token.clone(),
     };
     info!(
         agent = agent_id,

@@ -1,4 +1,5 @@
-//! API keys for the inference port (`--api-keys-file`).
+//! API keys for the inference port (`--api-keys-file`) and the management
+//! token (`--management-token`).
 //!
 //! The file is YAML: a list of keys, each bound to a tenant (the fairness id
 //! of every request made with it, whatever headers the client sends) and
@@ -59,6 +60,37 @@ impl AuthError {
             AuthError::Invalid => "invalid API key",
         }
     }
+}
+
+/// A secret kept only as its SHA-256 digest, compared in constant time.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret([u8; 32]);
+
+impl Secret {
+    pub fn new(secret: &str) -> Secret {
+        Secret(sha256(secret.as_bytes()))
+    }
+
+    /// Whether `token` is this secret; takes as long whatever it is.
+    pub fn matches(&self, token: &[u8]) -> bool {
+        constant_time_eq(&self.0, &sha256(token))
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(..)")
+    }
+}
+
+/// The token of an `Authorization: Bearer <token>` header value; `None`
+/// for no header, another scheme or an empty token.
+pub fn bearer_token(authorization: Option<&[u8]>) -> Option<&[u8]> {
+    let token = match authorization?.split_at_checked(7) {
+        Some((scheme, rest)) if scheme.eq_ignore_ascii_case(b"bearer ") => rest.trim_ascii(),
+        _ => return None,
+    };
+    (!token.is_empty()).then_some(token)
 }
 
 #[derive(Debug)]
@@ -162,14 +194,7 @@ impl ApiKeys {
 
     /// Checks an `Authorization` header value.
     pub fn authenticate(&self, authorization: Option<&[u8]>) -> Result<&Grant, AuthError> {
-        let value = authorization.ok_or(AuthError::Missing)?;
-        let token = match value.split_at_checked(7) {
-            Some((scheme, rest)) if scheme.eq_ignore_ascii_case(b"bearer ") => rest.trim_ascii(),
-            _ => return Err(AuthError::Missing),
-        };
-        if token.is_empty() {
-            return Err(AuthError::Missing);
-        }
+        let token = bearer_token(authorization).ok_or(AuthError::Missing)?;
         let digest = sha256(token);
         let mut found = None;
         for e in &self.entries {
@@ -226,6 +251,20 @@ keys:
             keys.authenticate(Some("Bearer fôo".as_bytes())),
             Err(AuthError::Invalid)
         );
+    }
+
+    #[test]
+    fn a_secret_matches_only_itself() {
+        let s = Secret::new("mgmt-token");
+        assert!(s.matches(b"mgmt-token"));
+        assert!(!s.matches(b"mgmt-toke"));
+        assert!(!s.matches(b""));
+        assert_eq!(format!("{s:?}"), "Secret(..)");
+        assert_eq!(
+            bearer_token(Some(b"Bearer mgmt-token")),
+            Some(&b"mgmt-token"[..])
+        );
+        assert_eq!(bearer_token(Some(b"Token mgmt-token")), None);
     }
 
     #[test]

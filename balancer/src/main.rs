@@ -138,6 +138,7 @@ fn main() -> ExitCode {
         "management".to_string(),
         management::Management {
             shared: Arc::clone(&shared),
+            token: settings.management_token.clone(),
         },
     );
     management.add_tcp(&settings.management_addr.to_string());

@@ -7,6 +7,9 @@
 //! - `GET    /api/v1/agents`              reports + the balancer's in-flight view
 //! - `GET    /metrics`                    Prometheus text exposition
 //! - `GET    /health`                     liveness
+//!
+//! With a management token, the two writes need `Authorization: Bearer
+//! <token>` (401 otherwise); reads stay open.
 
 use std::sync::Arc;
 
@@ -20,6 +23,7 @@ use pingora_core::protocols::http::ServerSession;
 use serde_json::json;
 use tracing::{info, warn};
 
+use crate::auth::{bearer_token, Secret};
 use crate::state::Shared;
 
 /// Largest accepted report body.
@@ -27,6 +31,8 @@ const MAX_REPORT_BYTES: usize = 256 * 1024;
 
 pub struct Management {
     pub shared: Arc<Shared>,
+    /// Required for registering, reporting and deregistering, when set.
+    pub token: Option<Secret>,
 }
 
 fn json_response(status: StatusCode, body: Vec<u8>) -> Response<Vec<u8>> {
@@ -69,6 +75,30 @@ async fn read_body(session: &mut ServerSession) -> Result<Vec<u8>, Response<Vec<
 }
 
 impl Management {
+    /// `None` when the request may write; else the 401 to answer.
+    fn check_token(&self, session: &ServerSession) -> Option<Response<Vec<u8>>> {
+        let secret = self.token.as_ref()?;
+        let authorization = session
+            .req_header()
+            .headers
+            .get(http::header::AUTHORIZATION)
+            .map(|v| v.as_bytes());
+        let (code, message) = match bearer_token(authorization) {
+            Some(token) if secret.matches(token) => return None,
+            Some(_) => ("invalid_management_token", "invalid management token"),
+            None => (
+                "missing_management_token",
+                "this balancer requires its management token: send `Authorization: Bearer <token>`",
+            ),
+        };
+        let mut resp = error(StatusCode::UNAUTHORIZED, code, message);
+        resp.headers_mut().insert(
+            http::header::WWW_AUTHENTICATE,
+            http::HeaderValue::from_static("Bearer"),
+        );
+        Some(resp)
+    }
+
     async fn report(&self, session: &mut ServerSession, agent_id: &str) -> Response<Vec<u8>> {
         let body = match read_body(session).await {
             Ok(b) => b,
@@ -151,6 +181,11 @@ impl ServeHttp for Management {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
         let method = session.req_header().method.clone();
         let path = session.req_header().uri.path().to_string();
+        if method == Method::POST || method == Method::DELETE {
+            if let Some(refused) = self.check_token(session) {
+                return refused;
+            }
+        }
         let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
         match (&method, segments.as_slice()) {
             (&Method::GET, ["health"]) => {

@@ -15,7 +15,7 @@ use clap::{Parser, ValueEnum};
 use flowgate::DispatcherConfig;
 use serde::Deserialize;
 
-use crate::auth::ApiKeys;
+use crate::auth::{ApiKeys, Secret};
 use crate::policy::{self, FlowControlSection, PriorityRules, SaturationSection};
 use crate::scheduling::{self, SchedulingSection};
 
@@ -115,6 +115,24 @@ pub struct Cli {
     /// [default: no keys required]
     #[arg(long, value_name = "FILE")]
     pub api_keys_file: Option<PathBuf>,
+
+    /// Token agents must send (`Authorization: Bearer`) to register, report
+    /// and deregister on the management port; reads (agent list, metrics,
+    /// health) stay open. Prefer the environment variable: flags are visible
+    /// in `ps` [default: none]
+    #[arg(
+        long,
+        value_name = "TOKEN",
+        env = "FLOWGATE_MANAGEMENT_TOKEN",
+        hide_env_values = true
+    )]
+    pub management_token: Option<String>,
+
+    /// Serve the management port on a non-loopback address without a
+    /// management token, so that anyone who reaches it may register a
+    /// model server. Refused unless given
+    #[arg(long)]
+    pub allow_open_management: bool,
 }
 
 /// The config file: the same settings as the flags.
@@ -134,6 +152,8 @@ pub struct FileConfig {
     pub log_format: Option<LogFormat>,
     pub max_buffered_bytes: Option<u64>,
     pub api_keys_file: Option<PathBuf>,
+    pub management_token: Option<String>,
+    pub allow_open_management: Option<bool>,
     /// Priority bands, fairness and ordering policies, limits, TTLs.
     pub flow_control: Option<FlowControlSection>,
     /// When an endpoint stops taking new work.
@@ -169,6 +189,8 @@ pub struct Settings {
     pub log_format: LogFormat,
     /// API keys required on the inference port, when configured.
     pub api_keys: Option<Arc<ApiKeys>>,
+    /// Token required for writes on the management port, when set.
+    pub management_token: Option<Secret>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -292,8 +314,19 @@ impl Settings {
             )),
             None => None,
         };
+        let management_token = match cli.management_token.or(file.management_token) {
+            Some(t) if t.trim().is_empty() => {
+                return Err(SettingsError::Invalid(
+                    "management token is empty: set a token or leave it out".into(),
+                ))
+            }
+            t => t.map(|t| Secret::new(t.trim())),
+        };
+        let allow_open_management =
+            cli.allow_open_management || file.allow_open_management.unwrap_or(false);
         let s = Settings {
             api_keys,
+            management_token,
             inference_addr: cli
                 .inference_addr
                 .or(file.inference_addr)
@@ -333,6 +366,17 @@ impl Settings {
                 .unwrap_or(LogFormat::Text),
         };
         s.validate()?;
+        if s.management_token.is_none()
+            && !s.management_addr.ip().is_loopback()
+            && !allow_open_management
+        {
+            return Err(SettingsError::Invalid(format!(
+                "the management port would listen on {} without a token, so anyone who reaches \
+                 it could register a model server and receive traffic: set --management-token \
+                 (or FLOWGATE_MANAGEMENT_TOKEN), or pass --allow-open-management to accept that",
+                s.management_addr
+            )));
+        }
         Ok(s)
     }
 
@@ -366,6 +410,22 @@ mod tests {
 
     fn cli(args: &[&str]) -> Cli {
         Cli::try_parse_from(std::iter::once("balancer").chain(args.iter().copied())).unwrap()
+    }
+
+    #[test]
+    fn an_open_management_port_needs_a_token_or_an_explicit_flag() {
+        let open = ["--management-addr", "0.0.0.0:8060"];
+        let err = Settings::merge(cli(&open), FileConfig::default()).unwrap_err();
+        assert!(err.to_string().contains("--management-token"), "{err}");
+        let with_token = cli(&[&open[..], &["--management-token", "t0k"]].concat());
+        let s = Settings::merge(with_token, FileConfig::default()).unwrap();
+        assert!(s.management_token.unwrap().matches(b"t0k"));
+        let allowed = cli(&[&open[..], &["--allow-open-management"]].concat());
+        let s = Settings::merge(allowed, FileConfig::default()).unwrap();
+        assert!(s.management_token.is_none());
+        let empty = cli(&["--management-token", " "]);
+        let err = Settings::merge(empty, FileConfig::default()).unwrap_err();
+        assert!(err.to_string().contains("empty"), "{err}");
     }
 
     #[test]

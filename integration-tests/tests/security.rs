@@ -114,3 +114,58 @@ async fn request_ids_are_kept_or_generated() {
     assert_eq!(missing.status(), 404);
     assert_eq!(id(&missing), "lost-1");
 }
+
+/// With a management token, reports and deregistrations need it (an agent
+/// given the token registers; a bare request gets 401) and reads stay open.
+#[tokio::test]
+async fn the_management_token_guards_registration() {
+    let b = Balancer::start(&["--management-token", "mgmt-s3cret"]).await;
+    let c = client();
+    let report = serde_json::json!({
+        "protocol_version": 1, "agent_id": "intruder", "external_addr": "127.0.0.1:9",
+        "models": ["m"], "health": "ready", "slots_total": 1, "slots_busy": 0,
+        "requests_waiting": 0, "monitoring_interval_ms": 100, "draining": false
+    });
+    let url = b.mgmt("/api/v1/agents/intruder/report");
+    for auth in [None, Some("Bearer wrong"), Some("Basic bWdtdC1zM2NyZXQ=")] {
+        let mut req = c.post(&url).json(&report);
+        if let Some(a) = auth {
+            req = req.header(AUTH, a);
+        }
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.headers()["www-authenticate"], "Bearer", "{auth:?}");
+        assert_openai_error(resp, 401).await;
+    }
+    let resp = c
+        .delete(b.mgmt("/api/v1/agents/intruder"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 401);
+    assert_eq!(b.agents().await["endpoints"].as_array().unwrap().len(), 0);
+
+    let sim = Sim::start(&["--slots", "2"]);
+    let _agent = agent_at(
+        &sim.addr.to_string(),
+        &b,
+        &["--management-token", "mgmt-s3cret"],
+    );
+    b.wait_eligible(1).await;
+    assert_eq!(chat(&b, &[]).await.status(), 200);
+    let metrics = c.get(b.mgmt("/metrics")).send().await.unwrap();
+    assert_eq!(metrics.status(), 200);
+}
+
+/// Without a token, the balancer will not serve the management port beyond
+/// loopback unless told to (it exits before binding anything).
+#[test]
+fn an_open_management_port_without_a_token_is_refused() {
+    let out = std::process::Command::new(bin("balancer"))
+        .args(["--management-addr", "0.0.0.0:9"])
+        .env_remove("FLOWGATE_MANAGEMENT_TOKEN")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--allow-open-management"), "{stderr}");
+}

@@ -38,6 +38,7 @@
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::endpoint::{
@@ -434,6 +435,18 @@ impl<T> Dispatcher<T> {
     /// Queued body bytes.
     pub fn buffered_bytes(&self) -> u64 {
         self.queues.bytes()
+    }
+
+    /// Demand with nowhere to go: queued requests whose model no eligible
+    /// endpoint serves, busy or not (none registered, all draining, stale
+    /// or failing), per model (`None`: requests that name none). Only more
+    /// servers help these, which is what an autoscaler wants to know.
+    pub fn unserved_demand(&self, now: Instant) -> Vec<(Option<Arc<str>>, usize)> {
+        self.queues
+            .lanes()
+            .into_iter()
+            .filter(|(model, _)| !self.registry.model_served(model.as_deref(), now))
+            .collect()
     }
 
     /// Flows with queued requests.

@@ -533,6 +533,16 @@ impl<T> FlowQueues<T> {
         out
     }
 
+    /// Queued requests per lane (requested model), all flows together,
+    /// sorted by lane.
+    pub fn lanes(&self) -> Vec<(Lane, usize)> {
+        let mut by_lane: BTreeMap<&Lane, usize> = BTreeMap::new();
+        for f in self.flows.iter().flatten().filter(|f| !f.items.is_empty()) {
+            *by_lane.entry(&f.lane).or_default() += f.items.len();
+        }
+        by_lane.into_iter().map(|(l, n)| (l.clone(), n)).collect()
+    }
+
     /// Every flow with queued requests (its lanes counted together).
     pub fn flows(&self) -> Vec<FlowSnapshot> {
         let mut by_key: HashMap<&FlowKey, FlowSnapshot> = HashMap::new();

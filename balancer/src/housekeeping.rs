@@ -1,6 +1,6 @@
 //! Background work: dropping agents that stopped reporting, ending affinity
-//! holds on time, and leaving the process as soon as a graceful shutdown has
-//! nothing left to finish.
+//! holds on time, calling the scale-up webhook, and leaving the process as
+//! soon as a graceful shutdown has nothing left to finish.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,6 +10,7 @@ use pingora_core::server::{ExecutionPhase, Server, ShutdownWatch};
 use pingora_core::services::background::BackgroundService;
 use tracing::{info, warn};
 
+use crate::scaleup::ScaleUpWebhook;
 use crate::state::Shared;
 
 /// Longest pause between two rounds.
@@ -17,6 +18,7 @@ const MAX_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 
 pub struct Housekeeping {
     pub shared: Arc<Shared>,
+    pub scale_up: Option<ScaleUpWebhook>,
 }
 
 #[async_trait]
@@ -29,6 +31,9 @@ impl BackgroundService for Housekeeping {
                     agent,
                     "agent missed 3 reports: dropped (in-flight requests finish)"
                 );
+            }
+            if let Some(hook) = &self.scale_up {
+                hook.notify(&self.shared.unserved_demand(), &self.shared);
             }
             let now = Instant::now();
             let wake = next

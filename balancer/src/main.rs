@@ -8,6 +8,7 @@ mod metrics;
 mod policy;
 mod proxy;
 mod request;
+mod scaleup;
 mod scheduling;
 mod settings;
 mod state;
@@ -99,6 +100,17 @@ fn main() -> ExitCode {
         }
     }
 
+    let scale_up = match &settings.scale_up_webhook {
+        Some((url, interval)) => match scaleup::ScaleUpWebhook::new(url.clone(), *interval) {
+            Ok(hook) => Some(hook),
+            Err(e) => {
+                error!("{e}");
+                return ExitCode::from(1);
+            }
+        },
+        None => None,
+    };
+
     let conf = ServerConf {
         threads: settings.threads,
         grace_period_seconds: Some(settings.shutdown_grace_period.as_secs()),
@@ -147,6 +159,7 @@ fn main() -> ExitCode {
         "housekeeping",
         housekeeping::Housekeeping {
             shared: Arc::clone(&shared),
+            scale_up,
         },
     );
 

@@ -160,6 +160,9 @@ impl Management {
             "max_buffered_bytes": snap.max_buffered_bytes,
             "flows": snap.flows,
             "in_flight_requests": snap.in_flight,
+            "unserved_demand": snap.unserved.iter()
+                .map(|(model, n)| json!({"model": model.as_deref(), "requests": n}))
+                .collect::<Vec<_>>(),
             "endpoints": snap.endpoints,
         });
         json_response(StatusCode::OK, body.to_string().into_bytes())

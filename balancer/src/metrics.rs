@@ -49,6 +49,9 @@ pub struct Metrics {
     pub affinity_holds: IntCounter,
     /// EPP mode's decisions: `picked` or why the request was refused.
     epp_requests: IntCounterVec,
+    unserved_demand: IntGaugeVec,
+    /// Scale-up webhook calls, by result.
+    pub scale_up_webhooks: IntCounterVec,
 }
 
 const WAIT_BUCKETS: [f64; 14] = [
@@ -106,6 +109,21 @@ impl Metrics {
             agents: register!(IntGauge::new(
                 "flowgate_agents",
                 "Agents currently registered"
+            )),
+            unserved_demand: register!(IntGaugeVec::new(
+                Opts::new(
+                    "flowgate_unserved_demand_requests",
+                    "Requests waiting for a model that no live endpoint serves \
+                     (scale-up signal; model \"\" = requests naming no model)"
+                ),
+                &["model"]
+            )),
+            scale_up_webhooks: register!(IntCounterVec::new(
+                Opts::new(
+                    "flowgate_scale_up_webhooks_total",
+                    "Scale-up webhook calls by result (ok, failed)"
+                ),
+                &["result"]
             )),
             endpoint_in_flight: register!(IntGaugeVec::new(
                 Opts::new(
@@ -295,6 +313,12 @@ impl Metrics {
             saturated as f64 / eligible as f64
         });
         self.in_flight.set(snap.in_flight as i64);
+        self.unserved_demand.reset();
+        for (model, n) in &snap.unserved {
+            self.unserved_demand
+                .with_label_values(&[model.as_deref().unwrap_or("")])
+                .set(*n as i64);
+        }
         self.agents
             .set(snap.endpoints.iter().filter(|e| e.agent.is_some()).count() as i64);
         for v in [

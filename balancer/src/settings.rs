@@ -16,7 +16,7 @@ use flowgate::DispatcherConfig;
 use serde::Deserialize;
 
 use crate::auth::{ApiKeys, Secret};
-use crate::policy::{self, FlowControlSection, PriorityRules, SaturationSection};
+use crate::policy::{self, ConfigDuration, FlowControlSection, PriorityRules, SaturationSection};
 use crate::scheduling::{self, SchedulingSection};
 
 pub const DEFAULT_INFERENCE_ADDR: &str = "127.0.0.1:8061";
@@ -26,6 +26,7 @@ pub const DEFAULT_BUFFERED_REQUEST_TIMEOUT_MS: u64 = 10_000;
 pub const DEFAULT_MAX_REQUEST_BYTES: usize = 16 * 1024 * 1024;
 pub const DEFAULT_SHUTDOWN_GRACE_PERIOD_S: u64 = 30;
 pub const DEFAULT_UPSTREAM_CONNECT_TIMEOUT_MS: u64 = 5_000;
+pub const DEFAULT_SCALE_UP_WEBHOOK_INTERVAL: Duration = Duration::from_secs(30);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -133,6 +134,17 @@ pub struct Cli {
     /// model server. Refused unless given
     #[arg(long)]
     pub allow_open_management: bool,
+
+    /// `http://` URL to POST `{"event":"scale_up","model","queued_requests"}`
+    /// to when requests wait for a model that no live server serves (scale
+    /// from zero); at most once per interval per model [default: off]
+    #[arg(long, value_name = "URL")]
+    pub scale_up_webhook: Option<String>,
+
+    /// Least time between two scale-up webhook calls for one model: `30s`,
+    /// `2m`, or milliseconds [default: 30s]
+    #[arg(long, value_name = "DURATION", value_parser = flowgate::duration::parse_duration)]
+    pub scale_up_webhook_interval: Option<Duration>,
 }
 
 /// The config file: the same settings as the flags.
@@ -154,6 +166,8 @@ pub struct FileConfig {
     pub api_keys_file: Option<PathBuf>,
     pub management_token: Option<String>,
     pub allow_open_management: Option<bool>,
+    pub scale_up_webhook: Option<String>,
+    pub scale_up_webhook_interval: Option<ConfigDuration>,
     /// Priority bands, fairness and ordering policies, limits, TTLs.
     pub flow_control: Option<FlowControlSection>,
     /// When an endpoint stops taking new work.
@@ -191,6 +205,8 @@ pub struct Settings {
     pub api_keys: Option<Arc<ApiKeys>>,
     /// Token required for writes on the management port, when set.
     pub management_token: Option<Secret>,
+    /// Scale-up webhook URL and least interval between calls per model.
+    pub scale_up_webhook: Option<(String, Duration)>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -324,7 +340,30 @@ impl Settings {
         };
         let allow_open_management =
             cli.allow_open_management || file.allow_open_management.unwrap_or(false);
+        let interval = cli
+            .scale_up_webhook_interval
+            .or(file.scale_up_webhook_interval.map(|d| d.0))
+            .unwrap_or(DEFAULT_SCALE_UP_WEBHOOK_INTERVAL);
+        let scale_up_webhook = match cli.scale_up_webhook.or(file.scale_up_webhook) {
+            Some(url) => {
+                let url = url.trim().to_string();
+                let host = url.strip_prefix("http://").unwrap_or("");
+                if host.is_empty() || host.starts_with('/') {
+                    return Err(SettingsError::Invalid(format!(
+                        "scale-up webhook {url:?} must be an http:// URL (https is not supported)"
+                    )));
+                }
+                if interval.is_zero() {
+                    return Err(SettingsError::Invalid(
+                        "scale-up webhook interval must be at least 1 ms".into(),
+                    ));
+                }
+                Some((url, interval))
+            }
+            None => None,
+        };
         let s = Settings {
+            scale_up_webhook,
             api_keys,
             management_token,
             inference_addr: cli
@@ -426,6 +465,47 @@ mod tests {
         let empty = cli(&["--management-token", " "]);
         let err = Settings::merge(empty, FileConfig::default()).unwrap_err();
         assert!(err.to_string().contains("empty"), "{err}");
+    }
+
+    #[test]
+    fn the_scale_up_webhook_needs_an_http_url() {
+        let hook = |args: &[&str]| Settings::merge(cli(args), FileConfig::default());
+        let s = hook(&["--scale-up-webhook", "http://10.0.0.1:9000/hook"]).unwrap();
+        assert_eq!(
+            s.scale_up_webhook,
+            Some(("http://10.0.0.1:9000/hook".into(), Duration::from_secs(30)))
+        );
+        let s = hook(&[
+            "--scale-up-webhook",
+            "http://h:1",
+            "--scale-up-webhook-interval",
+            "2m",
+        ])
+        .unwrap();
+        assert_eq!(s.scale_up_webhook.unwrap().1, Duration::from_secs(120));
+        for bad in ["https://h/hook", "h:1", "http://", "http:///x"] {
+            let err = hook(&["--scale-up-webhook", bad]).unwrap_err();
+            assert!(err.to_string().contains("http://"), "{bad}: {err}");
+        }
+        let zero = [
+            "--scale-up-webhook",
+            "http://h:1",
+            "--scale-up-webhook-interval",
+            "0s",
+        ];
+        assert!(hook(&zero).is_err());
+        // The same settings, and the security ones, from the config file.
+        let file = FileConfig::parse(
+            "scaleUpWebhook: http://h:1/x\nscaleUpWebhookInterval: 5s\n\
+             managementToken: t0k\nallowOpenManagement: true\nmanagementAddr: 0.0.0.0:8060\n",
+        )
+        .unwrap();
+        let s = Settings::merge(cli(&[]), file).unwrap();
+        assert_eq!(
+            s.scale_up_webhook,
+            Some(("http://h:1/x".into(), Duration::from_secs(5)))
+        );
+        assert!(s.management_token.unwrap().matches(b"t0k"));
     }
 
     #[test]

@@ -288,7 +288,14 @@ impl Shared {
             endpoints: d.endpoints(Instant::now()),
             max_buffered_requests: d.config().flow.max_requests,
             max_buffered_bytes: d.config().flow.max_bytes,
+            unserved: d.unserved_demand(Instant::now()),
         }
+    }
+
+    /// Queued requests per model that no live endpoint serves (see
+    /// [`flowgate::Dispatcher::unserved_demand`]).
+    pub fn unserved_demand(&self) -> Vec<(Option<Arc<str>>, usize)> {
+        self.lock().unserved_demand(Instant::now())
     }
 
     pub fn begin_shutdown(&self) {
@@ -321,6 +328,8 @@ pub struct Snapshot {
     pub endpoints: Vec<flowgate::EndpointSnapshot>,
     pub max_buffered_requests: usize,
     pub max_buffered_bytes: u64,
+    /// Queued requests per model that no live endpoint serves.
+    pub unserved: Vec<(Option<Arc<str>>, usize)>,
 }
 
 #[cfg(test)]

@@ -618,6 +618,28 @@ fn a_freed_server_goes_to_the_request_held_for_it_before_the_next_in_turn() {
 }
 
 #[test]
+fn unserved_demand_counts_requests_no_live_endpoint_could_take() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    // No agent at all: everything waits, and all of it is unserved.
+    queued(d.submit(for_model("t", 0, "m1"), "a", t0));
+    queued(d.submit(for_model("u", 0, "m1"), "b", t0));
+    queued(d.submit(anon(), "c", t0));
+    let unserved = d.unserved_demand(t0);
+    assert_eq!(unserved, [(None, 1), (Some("m1".into()), 2)]);
+    // A busy server for m2 only: m1 is still unserved, the anonymous
+    // request (any model) is not.
+    d.report(model_server("s", 1, 1, &["m2"]), t0).unwrap();
+    assert_eq!(d.unserved_demand(t0), [(Some("m1".into()), 2)]);
+    // A server for m1 comes up: they go to it, nothing is unserved.
+    d.report(model_server("m", 2, 4, &["m1"]), t0).unwrap();
+    let mut served = granted(&d.dispatch(t0));
+    served.sort_unstable();
+    assert_eq!(served, ["a", "b", "c"]);
+    assert!(d.unserved_demand(t0).is_empty());
+}
+
+#[test]
 fn a_held_request_takes_any_server_once_its_hold_ends() {
     let t0 = Instant::now();
     let mut d = dispatcher(30);

@@ -191,3 +191,55 @@ mod tests {
         assert!(VLLM.read(&fixture("sglang/metrics.txt")).is_err());
     }
 }
+
+/// Whatever a model server answers, reading it never panics.
+#[cfg(test)]
+mod fuzz {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Metric lines: real names with odd labels and values, and noise.
+    fn exposition() -> impl Strategy<Value = String> {
+        let name = prop_oneof![
+            Just("vllm:num_requests_running"),
+            Just("vllm:num_requests_waiting"),
+            Just("vllm:kv_cache_usage_perc"),
+            Just("sglang:num_running_reqs"),
+            Just("sglang:token_usage"),
+            Just("llamacpp:requests_deferred"),
+        ];
+        let value = prop_oneof![
+            any::<f64>().prop_map(|v| v.to_string()),
+            Just("NaN".to_string()),
+            Just("+Inf".to_string()),
+            Just("-1e400".to_string()),
+            "\\PC{0,8}",
+        ];
+        let line = prop_oneof![
+            (name, "\\PC{0,20}", value).prop_map(|(n, labels, v)| format!("{n}{{{labels}}} {v}")),
+            "\\PC{0,60}",
+        ];
+        prop::collection::vec(line, 0..12).prop_map(|lines| lines.join("\n"))
+    }
+
+    proptest! {
+        #[test]
+        fn engine_metrics_are_read_or_refused(text in exposition()) {
+            for kind in [BackendKind::Vllm, BackendKind::Sglang] {
+                let engine = EngineMetrics::for_kind(kind).unwrap();
+                if let Ok(load) = engine.read(&text) {
+                    prop_assert!(load.kv_cache_usage.is_none_or(|v| (0.0..=1.0).contains(&v)));
+                }
+            }
+        }
+
+        #[test]
+        fn llamacpp_answers_are_parsed_or_refused(raw in prop::collection::vec(any::<u8>(), 0..256)) {
+            if let Ok((total, busy)) = crate::llamacpp::parse_slots(&raw) {
+                prop_assert!(busy <= total);
+            }
+            let _ = crate::llamacpp::parse_models(&raw);
+            let _ = prom::parse(&String::from_utf8_lossy(&raw));
+        }
+    }
+}

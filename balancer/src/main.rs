@@ -2,6 +2,8 @@
 
 mod auth;
 mod epp;
+#[cfg(test)]
+mod fuzz_tests;
 mod housekeeping;
 mod management;
 mod metrics;

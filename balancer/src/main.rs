@@ -6,6 +6,7 @@ mod epp;
 mod fuzz_tests;
 mod housekeeping;
 mod management;
+mod meter;
 mod metrics;
 mod policy;
 mod proxy;

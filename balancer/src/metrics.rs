@@ -50,12 +50,20 @@ pub struct Metrics {
     /// EPP mode's decisions: `picked` or why the request was refused.
     epp_requests: IntCounterVec,
     unserved_demand: IntGaugeVec,
+    ttft: HistogramVec,
+    tpot: HistogramVec,
+    tokens: IntCounterVec,
+    upstream_errors: IntCounterVec,
     /// Scale-up webhook calls, by result.
     pub scale_up_webhooks: IntCounterVec,
 }
 
 const WAIT_BUCKETS: [f64; 14] = [
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+const TPOT_BUCKETS: [f64; 12] = [
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0,
 ];
 
 impl Metrics {
@@ -117,6 +125,39 @@ impl Metrics {
                      (scale-up signal; model \"\" = requests naming no model)"
                 ),
                 &["model"]
+            )),
+            ttft: register!(HistogramVec::new(
+                HistogramOpts::new(
+                    "flowgate_time_to_first_token_seconds",
+                    "Streamed answers: arrival at the balancer (queueing included) to the \
+                     first byte of the stream, by model"
+                )
+                .buckets(WAIT_BUCKETS.to_vec()),
+                &["model"]
+            )),
+            tpot: register!(HistogramVec::new(
+                HistogramOpts::new(
+                    "flowgate_time_per_output_token_seconds",
+                    "Streamed answers: time per output token after the first, by model"
+                )
+                .buckets(TPOT_BUCKETS.to_vec()),
+                &["model"]
+            )),
+            tokens: register!(IntCounterVec::new(
+                Opts::new(
+                    "flowgate_tokens_total",
+                    "Tokens from the answers' usage objects, by model and kind \
+                     (prompt, completion)"
+                ),
+                &["model", "kind"]
+            )),
+            upstream_errors: register!(IntCounterVec::new(
+                Opts::new(
+                    "flowgate_upstream_errors_total",
+                    "Model server failures by kind: connect, status-5xx, \
+                     before-response, mid-response"
+                ),
+                &["kind"]
             )),
             scale_up_webhooks: register!(IntCounterVec::new(
                 Opts::new(
@@ -252,6 +293,39 @@ impl Metrics {
 
     pub fn epp_request(&self, outcome: &str) {
         self.epp_requests.with_label_values(&[outcome]).inc();
+    }
+
+    pub fn upstream_error(&self, kind: &str) {
+        self.upstream_errors.with_label_values(&[kind]).inc();
+    }
+
+    /// Records what a proxied answer carried: time to first token and per
+    /// output token (streams), and its usage.
+    pub fn answer(
+        &self,
+        model: &str,
+        ttft: Option<Duration>,
+        tpot: Option<Duration>,
+        usage: Option<crate::meter::Usage>,
+    ) {
+        if let Some(t) = ttft {
+            self.ttft
+                .with_label_values(&[model])
+                .observe(t.as_secs_f64());
+        }
+        if let Some(t) = tpot {
+            self.tpot
+                .with_label_values(&[model])
+                .observe(t.as_secs_f64());
+        }
+        if let Some(u) = usage {
+            self.tokens
+                .with_label_values(&[model, "prompt"])
+                .inc_by(u.prompt_tokens);
+            self.tokens
+                .with_label_values(&[model, "completion"])
+                .inc_by(u.completion_tokens);
+        }
     }
 
     pub fn upstream_retry(&self, reason: &str) {

@@ -38,6 +38,7 @@ use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 use tracing::{info, warn};
 
 use crate::auth::{ApiKeys, Grant};
+use crate::meter::ResponseMeter;
 use crate::policy::{
     FlowHeaders, PriorityRules, FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER, TTL_HEADER,
 };
@@ -161,6 +162,8 @@ pub struct RequestCtx {
     request_id_given: bool,
     /// What the request's API key grants, when keys are required.
     grant: Option<Grant>,
+    /// Timing and usage of the answer as it passes.
+    meter: ResponseMeter,
 }
 
 impl Inference {
@@ -464,6 +467,7 @@ impl ProxyHttp for Inference {
             request_id: String::new(),
             request_id_given: false,
             grant: None,
+            meter: ResponseMeter::default(),
         }
     }
 
@@ -600,8 +604,15 @@ impl ProxyHttp for Inference {
     ) -> Result<()> {
         let status = upstream_response.status.as_u16();
         ctx.upstream_status = Some(status);
+        ctx.meter.streaming = upstream_response
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
         let failed = status >= 500;
         self.record_outcome(ctx, !failed);
+        if failed {
+            self.shared.metrics.upstream_error("status-5xx");
+        }
         if failed && self.begin_retry(ctx, "status-5xx") {
             // Nothing went to the client yet: drop this answer and try
             // another endpoint (see `error_while_proxy`).
@@ -622,6 +633,7 @@ impl ProxyHttp for Inference {
         mut e: Box<Error>,
     ) -> Box<Error> {
         self.record_outcome(ctx, false);
+        self.shared.metrics.upstream_error("connect");
         let retry = self.begin_retry(ctx, "connect");
         e.set_retry(retry);
         e
@@ -644,6 +656,14 @@ impl ProxyHttp for Inference {
         // An upstream failure before any response header: the endpoint
         // failed; after it, the client already has part of the answer.
         let before_answer = ctx.upstream_status.is_none() && session.response_written().is_none();
+        if e.esource() == &ErrorSource::Upstream {
+            let kind = if before_answer {
+                "before-response"
+            } else {
+                "mid-response"
+            };
+            self.shared.metrics.upstream_error(kind);
+        }
         if e.esource() == &ErrorSource::Upstream && before_answer {
             self.record_outcome(ctx, false);
             if self.begin_retry(ctx, "upstream-error") {
@@ -665,6 +685,19 @@ impl ProxyHttp for Inference {
         upstream_response.insert_header(WAIT_HEADER, ctx.waited.as_millis().to_string())?;
         upstream_response.insert_header(REQUEST_ID_HEADER, ctx.request_id.as_str())?;
         Ok(())
+    }
+
+    fn response_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        _end_of_stream: bool,
+        ctx: &mut RequestCtx,
+    ) -> Result<Option<Duration>> {
+        if let Some(chunk) = body {
+            ctx.meter.on_chunk(chunk, Instant::now());
+        }
+        Ok(None)
     }
 
     async fn request_body_filter(
@@ -732,8 +765,14 @@ impl ProxyHttp for Inference {
         } else {
             ctx.reason
         };
+        let ttft = ctx.meter.time_to_first_token(ctx.start);
+        let usage = ctx.meter.usage();
         if ctx.inference {
             self.shared.metrics.record_outcome(status, reason);
+            if ctx.upstream_status.is_some_and(|s| s < 400) {
+                let tpot = ctx.meter.time_per_output_token(usage);
+                self.shared.metrics.answer(&ctx.model, ttft, tpot, usage);
+            }
         }
         info!(
             target: "access",
@@ -748,6 +787,9 @@ impl ProxyHttp for Inference {
             upstream = ctx.upstream.map(|a| a.to_string()).unwrap_or_default(),
             retries = ctx.retries,
             wait_ms = ctx.waited.as_millis() as u64,
+            ttft_ms = ttft.map(|t| t.as_millis() as u64),
+            prompt_tokens = usage.map(|u| u.prompt_tokens),
+            completion_tokens = usage.map(|u| u.completion_tokens),
             duration_ms = ctx.start.elapsed().as_millis() as u64,
             error = e.map(|e| e.to_string()).unwrap_or_default(),
         );

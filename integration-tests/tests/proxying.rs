@@ -181,6 +181,83 @@ async fn streams_pass_through_chunk_by_chunk() {
     assert!(text.ends_with("data: [DONE]\n\n"));
 }
 
+/// The value of the exposition line that starts with `series` (name and
+/// labels as the balancer writes them).
+fn series(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in the exposition"))
+}
+
+/// Time to first token and per output token are measured on the stream at
+/// the proxy (as ratios of the simulated ones), tokens come from the
+/// answers' usage objects, and the access log's numbers match.
+#[tokio::test]
+async fn answers_are_metered_from_their_streams_and_usage() {
+    let (b, _sim, _a) = fleet_with("2").await;
+    let resp = client()
+        .post(b.url("/v1/chat/completions"))
+        .header("x-sim-ttft-ms", "200")
+        .header("x-sim-tpot-ms", "40")
+        .header("x-sim-output-tokens", "6")
+        .json(
+            &json!({"model": "sim-model", "stream": true, "stream_options": {"include_usage": true},
+            "messages": [{"role": "user", "content": "a prompt of some length"}]}),
+        )
+        .send()
+        .await
+        .unwrap();
+    let text = resp.text().await.unwrap();
+    let last: Value = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .next_back()
+        .unwrap();
+    let streamed_prompt = last["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(last["usage"]["completion_tokens"], 6);
+    let answer: Value = chat(&b, &[("x-sim-output-tokens", "4")])
+        .await
+        .json()
+        .await
+        .unwrap();
+    let prompt = streamed_prompt + answer["usage"]["prompt_tokens"].as_u64().unwrap();
+
+    let text = client()
+        .get(b.mgmt("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let m = |name: &str| series(&text, &format!("{name}{{model=\"sim-model\"}}"));
+    assert_eq!(
+        m("flowgate_time_to_first_token_seconds_count"),
+        1.0,
+        "streams only"
+    );
+    let ttft = m("flowgate_time_to_first_token_seconds_sum") / 0.2;
+    assert!(
+        (1.0..2.0).contains(&ttft),
+        "TTFT {ttft:.2}x the simulated one"
+    );
+    assert_eq!(m("flowgate_time_per_output_token_seconds_count"), 1.0);
+    let tpot = m("flowgate_time_per_output_token_seconds_sum") / 0.04;
+    assert!(
+        (0.8..2.0).contains(&tpot),
+        "TPOT {tpot:.2}x the simulated one"
+    );
+    let tokens = |kind: &str| {
+        series(
+            &text,
+            &format!("flowgate_tokens_total{{kind=\"{kind}\",model=\"sim-model\"}}"),
+        )
+    };
+    assert_eq!(tokens("completion"), 10.0);
+    assert_eq!(tokens("prompt"), prompt as f64);
+}
+
 #[tokio::test]
 async fn backend_errors_pass_through_and_unreachable_backends_get_502() {
     let (b, _sim, _a) = fleet_with("2").await;
@@ -202,6 +279,20 @@ async fn backend_errors_pass_through_and_unreachable_backends_get_502() {
     assert_eq!(r.headers()["x-flowgate-drop-reason"], "upstream-error");
     assert_openai_error(r, 502).await;
     b2.wait_in_flight(0, Duration::from_secs(2)).await;
+    let connect = metric(
+        &b2,
+        "flowgate_upstream_errors_total",
+        &[("kind", "connect")],
+    )
+    .await;
+    assert!(connect >= 1.0, "connect errors counted: {connect}");
+    let five = metric(
+        &b,
+        "flowgate_upstream_errors_total",
+        &[("kind", "status-5xx")],
+    )
+    .await;
+    assert_eq!(five, 1.0);
 }
 
 #[tokio::test]
@@ -236,6 +327,13 @@ async fn a_backend_that_drops_mid_stream_frees_the_slot_and_cuts_the_stream() {
     );
     assert!(!text.contains("[DONE]"));
     b.wait_in_flight(0, Duration::from_secs(2)).await;
+    let cut = metric(
+        &b,
+        "flowgate_upstream_errors_total",
+        &[("kind", "mid-response")],
+    )
+    .await;
+    assert_eq!(cut, 1.0);
     wait_for(
         "the backend slot to be free",
         Duration::from_secs(2),

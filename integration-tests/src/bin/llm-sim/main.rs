@@ -461,7 +461,15 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
     let id = sim.next_id.fetch_add(1, Ordering::Relaxed);
     let model = sim.cli.model.clone();
     let mut resp = if stream {
-        stream_response(sim, processing, path, id, model, tokens, ttft, tpot, fault)
+        // OpenAI's `stream_options.include_usage`: a last chunk with usage.
+        let usage = parsed
+            .pointer("/stream_options/include_usage")
+            .and_then(|v| v.as_bool())
+            .unwrap_or(false)
+            .then_some(prompt_tokens);
+        stream_response(
+            sim, processing, path, id, model, tokens, ttft, tpot, fault, usage,
+        )
     } else {
         pause(ttft).await;
         if sim.cli.decode_slowdown > 0.0 {
@@ -555,6 +563,8 @@ fn stream_response(
     ttft: Duration,
     tpot: Duration,
     fault: Option<Fault>,
+    // Prompt tokens, when the client asked for a final usage chunk.
+    usage: Option<u64>,
 ) -> Response<Body> {
     let tpot = if fault == Some(Fault::SlowStream) {
         tpot.max(Duration::from_millis(200))
@@ -577,8 +587,18 @@ fn stream_response(
                 sim.tokens_total
                     .fetch_add(u64::from(tokens), Ordering::Relaxed);
                 drop(guard);
-                let done: Result<Frame<Bytes>, BoxError> =
-                    Ok(Frame::data(Bytes::from_static(b"data: [DONE]\n\n")));
+                let mut last = String::new();
+                if let Some(prompt_tokens) = usage {
+                    let chunk = json!({
+                        "id": format!("chatcmpl-sim-{id}"), "object": "chat.completion.chunk",
+                        "created": 0, "model": model, "choices": [],
+                        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens,
+                            "total_tokens": prompt_tokens + u64::from(tokens)},
+                    });
+                    last = format!("data: {chunk}\n\n");
+                }
+                last.push_str("data: [DONE]\n\n");
+                let done: Result<Frame<Bytes>, BoxError> = Ok(Frame::data(Bytes::from(last)));
                 return Some((done, (i + 1, None)));
             }
             pause(if i == 0 { ttft } else { sim.engine.tpot(tpot) }).await;

@@ -1,0 +1,228 @@
+//! What the proxy learns from a response body on its way to the client,
+//! without holding it back: when the first and last bytes passed, how many
+//! SSE events a stream carried, and the `usage` object (prompt and
+//! completion tokens) that OpenAI-style answers end with: the last one of a
+//! JSON body, or the final chunk of a stream asked for with
+//! `stream_options.include_usage`.
+
+use std::time::{Duration, Instant};
+
+use serde::Deserialize;
+
+/// Bytes kept from the end of a body to find `usage` in: it sits in the
+/// last few hundred bytes of every known server's answer.
+const TAIL: usize = 8 * 1024;
+
+/// Token counts of one answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+pub struct Usage {
+    #[serde(default)]
+    pub prompt_tokens: u64,
+    #[serde(default)]
+    pub completion_tokens: u64,
+}
+
+/// Watches one response body.
+#[derive(Debug, Default)]
+pub struct ResponseMeter {
+    /// `text/event-stream`: time to first token and per output token are
+    /// measured on streams only.
+    pub streaming: bool,
+    first: Option<Instant>,
+    last: Option<Instant>,
+    /// SSE `data:` events other than `[DONE]`.
+    events: u32,
+    tail: Vec<u8>,
+}
+
+impl ResponseMeter {
+    /// Records a chunk going to the client at `now`.
+    pub fn on_chunk(&mut self, chunk: &[u8], now: Instant) {
+        if chunk.is_empty() {
+            return;
+        }
+        self.first.get_or_insert(now);
+        self.last = Some(now);
+        if self.streaming {
+            let events = count(chunk, b"data:");
+            let done = count(chunk, b"data: [DONE]");
+            self.events = self.events.saturating_add((events - done) as u32);
+        }
+        if chunk.len() >= TAIL {
+            self.tail.clear();
+            self.tail.extend_from_slice(&chunk[chunk.len() - TAIL..]);
+        } else {
+            let overflow = (self.tail.len() + chunk.len()).saturating_sub(TAIL);
+            self.tail.drain(..overflow);
+            self.tail.extend_from_slice(chunk);
+        }
+    }
+
+    /// From `start` to the first byte of a stream.
+    pub fn time_to_first_token(&self, start: Instant) -> Option<Duration> {
+        self.streaming
+            .then_some(self.first?)
+            .map(|first| first.saturating_duration_since(start))
+    }
+
+    /// The last usage object of the body, if it had one.
+    pub fn usage(&self) -> Option<Usage> {
+        find_usage(&self.tail)
+    }
+
+    /// Time per output token of a stream after the first:
+    /// (last − first byte) / (tokens − 1), with the completion tokens from
+    /// `usage` or else one per SSE event.
+    pub fn time_per_output_token(&self, usage: Option<Usage>) -> Option<Duration> {
+        if !self.streaming {
+            return None;
+        }
+        let tokens = usage.map_or(u64::from(self.events), |u| u.completion_tokens);
+        let span = self.last?.saturating_duration_since(self.first?);
+        (tokens >= 2).then(|| span / (tokens - 1).min(u64::from(u32::MAX)) as u32)
+    }
+}
+
+fn count(haystack: &[u8], needle: &[u8]) -> usize {
+    haystack
+        .windows(needle.len())
+        .filter(|w| *w == needle)
+        .count()
+}
+
+/// The last `"usage": {...}` object in `text` that parses; `"usage": null`
+/// (stream chunks before the last) is skipped.
+fn find_usage(text: &[u8]) -> Option<Usage> {
+    const KEY: &[u8] = b"\"usage\"";
+    let mut end = text.len();
+    while let Some(at) = text[..end].windows(KEY.len()).rposition(|w| w == KEY) {
+        end = at;
+        let rest = &text[at + KEY.len()..];
+        let Some(rest) = rest.trim_ascii_start().strip_prefix(b":") else {
+            continue;
+        };
+        let rest = rest.trim_ascii_start();
+        if rest.first() != Some(&b'{') {
+            continue;
+        }
+        if let Some(len) = object_len(rest) {
+            if let Ok(u) = serde_json::from_slice::<Usage>(&rest[..len]) {
+                return Some(u);
+            }
+        }
+    }
+    None
+}
+
+/// Length of the JSON object at the start of `s`, strings taken into
+/// account; `None` if it does not end within `s`.
+fn object_len(s: &[u8]) -> Option<usize> {
+    let mut depth = 0usize;
+    let mut in_string = false;
+    let mut escaped = false;
+    for (i, &b) in s.iter().enumerate() {
+        if in_string {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'{' => depth += 1,
+            b'}' => {
+                depth = depth.checked_sub(1)?;
+                if depth == 0 {
+                    return Some(i + 1);
+                }
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn usage_is_found_at_the_end_of_a_json_answer() {
+        let body = br#"{"choices":[{"message":{"content":"usage: {not this}"}}],
+            "usage":{"completion_tokens":12,"prompt_tokens":30,"total_tokens":42},"timings":{}}"#;
+        let mut m = ResponseMeter::default();
+        let t0 = Instant::now();
+        // Split anywhere: the tail joins the pieces.
+        m.on_chunk(&body[..50], t0);
+        m.on_chunk(&body[50..], t0);
+        assert_eq!(
+            m.usage(),
+            Some(Usage {
+                prompt_tokens: 30,
+                completion_tokens: 12
+            })
+        );
+        assert_eq!(m.time_to_first_token(t0), None, "not a stream");
+        assert_eq!(m.time_per_output_token(m.usage()), None);
+    }
+
+    #[test]
+    fn streams_give_ttft_tpot_and_their_final_usage() {
+        let mut m = ResponseMeter {
+            streaming: true,
+            ..ResponseMeter::default()
+        };
+        let t0 = Instant::now();
+        m.on_chunk(b"data: {\"choices\":[],\"usage\":null}\n\n", t0 + 100 * MS);
+        for i in 1..=4 {
+            m.on_chunk(
+                b"data: {\"choices\":[{\"delta\":{}}]}\n\n",
+                t0 + (100 + 10 * i) * MS,
+            );
+        }
+        assert_eq!(m.time_to_first_token(t0), Some(100 * MS));
+        // 5 events over 40 ms, no usage: 10 ms per token after the first.
+        assert_eq!(m.usage(), None);
+        assert_eq!(m.time_per_output_token(None), Some(10 * MS));
+        m.on_chunk(
+            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}\n\ndata: [DONE]\n\n",
+            t0 + 160 * MS,
+        );
+        let usage = m.usage().unwrap();
+        assert_eq!(usage.completion_tokens, 3);
+        // usage wins over the event count: 60 ms / 2.
+        assert_eq!(m.time_per_output_token(Some(usage)), Some(30 * MS));
+    }
+
+    #[test]
+    fn odd_bodies_give_nothing_and_never_panic() {
+        for body in [
+            &b""[..],
+            b"\"usage\"",
+            b"\"usage\":",
+            b"\"usage\": {\"prompt_tokens\": 1",
+            b"\"usage\": {\"prompt_tokens\": \"x\"}",
+            b"}}}\"usage\":{}}}",
+            b"\"usage\" : [1]",
+        ] {
+            let mut m = ResponseMeter::default();
+            m.on_chunk(body, Instant::now());
+            let u = m.usage();
+            assert!(
+                u.is_none() || u == Some(Usage::default()),
+                "{body:?}: {u:?}"
+            );
+        }
+        let big = vec![b'x'; 3 * TAIL];
+        let mut m = ResponseMeter::default();
+        m.on_chunk(&big, Instant::now());
+        m.on_chunk(br#","usage":{"prompt_tokens":2}}"#, Instant::now());
+        assert_eq!(m.usage().unwrap().prompt_tokens, 2);
+        assert!(m.tail.len() <= TAIL);
+    }
+}

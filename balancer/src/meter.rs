@@ -5,8 +5,10 @@
 //! JSON body, or the final chunk of a stream asked for with
 //! `stream_options.include_usage`.
 
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use serde::Deserialize;
 
 /// Bytes kept from the end of a body to find `usage` in: it sits in the
@@ -32,12 +34,15 @@ pub struct ResponseMeter {
     last: Option<Instant>,
     /// SSE `data:` events other than `[DONE]`.
     events: u32,
-    tail: Vec<u8>,
+    /// The last chunks, at least `TAIL` bytes of them when the body is that
+    /// long: shared with the body, not copied.
+    tail: VecDeque<Bytes>,
+    tail_len: usize,
 }
 
 impl ResponseMeter {
     /// Records a chunk going to the client at `now`.
-    pub fn on_chunk(&mut self, chunk: &[u8], now: Instant) {
+    pub fn on_chunk(&mut self, chunk: &Bytes, now: Instant) {
         if chunk.is_empty() {
             return;
         }
@@ -48,13 +53,14 @@ impl ResponseMeter {
             let done = count(chunk, b"data: [DONE]");
             self.events = self.events.saturating_add((events - done) as u32);
         }
-        if chunk.len() >= TAIL {
-            self.tail.clear();
-            self.tail.extend_from_slice(&chunk[chunk.len() - TAIL..]);
-        } else {
-            let overflow = (self.tail.len() + chunk.len()).saturating_sub(TAIL);
-            self.tail.drain(..overflow);
-            self.tail.extend_from_slice(chunk);
+        self.tail.push_back(chunk.clone());
+        self.tail_len += chunk.len();
+        while let Some(front) = self.tail.front() {
+            if self.tail_len - front.len() < TAIL {
+                break;
+            }
+            self.tail_len -= front.len();
+            self.tail.pop_front();
         }
     }
 
@@ -67,7 +73,15 @@ impl ResponseMeter {
 
     /// The last usage object of the body, if it had one.
     pub fn usage(&self) -> Option<Usage> {
-        find_usage(&self.tail)
+        match self.tail.len() {
+            0 => None,
+            1 => find_usage(&self.tail[0][self.tail_len.saturating_sub(TAIL)..]),
+            _ => {
+                let mut joined = Vec::with_capacity(self.tail_len);
+                self.tail.iter().for_each(|c| joined.extend_from_slice(c));
+                find_usage(&joined[joined.len().saturating_sub(TAIL)..])
+            }
+        }
     }
 
     /// Time per output token of a stream after the first:
@@ -158,8 +172,8 @@ mod tests {
         let mut m = ResponseMeter::default();
         let t0 = Instant::now();
         // Split anywhere: the tail joins the pieces.
-        m.on_chunk(&body[..50], t0);
-        m.on_chunk(&body[50..], t0);
+        m.on_chunk(&Bytes::copy_from_slice(&body[..50]), t0);
+        m.on_chunk(&Bytes::copy_from_slice(&body[50..]), t0);
         assert_eq!(
             m.usage(),
             Some(Usage {
@@ -178,19 +192,22 @@ mod tests {
             ..ResponseMeter::default()
         };
         let t0 = Instant::now();
-        m.on_chunk(b"data: {\"choices\":[],\"usage\":null}\n\n", t0 + 100 * MS);
+        m.on_chunk(
+            &Bytes::from_static(b"data: {\"choices\":[],\"usage\":null}\n\n"),
+            t0 + 100 * MS,
+        );
         for i in 1..=4 {
-            m.on_chunk(
-                b"data: {\"choices\":[{\"delta\":{}}]}\n\n",
-                t0 + (100 + 10 * i) * MS,
-            );
+            let event = Bytes::from_static(b"data: {\"choices\":[{\"delta\":{}}]}\n\n");
+            m.on_chunk(&event, t0 + (100 + 10 * i) * MS);
         }
         assert_eq!(m.time_to_first_token(t0), Some(100 * MS));
         // 5 events over 40 ms, no usage: 10 ms per token after the first.
         assert_eq!(m.usage(), None);
         assert_eq!(m.time_per_output_token(None), Some(10 * MS));
         m.on_chunk(
-            b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}\n\ndata: [DONE]\n\n",
+            &Bytes::from_static(
+                b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":7,\"completion_tokens\":3}}\n\ndata: [DONE]\n\n",
+            ),
             t0 + 160 * MS,
         );
         let usage = m.usage().unwrap();
@@ -211,18 +228,25 @@ mod tests {
             b"\"usage\" : [1]",
         ] {
             let mut m = ResponseMeter::default();
-            m.on_chunk(body, Instant::now());
+            m.on_chunk(&Bytes::copy_from_slice(body), Instant::now());
             let u = m.usage();
             assert!(
                 u.is_none() || u == Some(Usage::default()),
                 "{body:?}: {u:?}"
             );
         }
-        let big = vec![b'x'; 3 * TAIL];
         let mut m = ResponseMeter::default();
-        m.on_chunk(&big, Instant::now());
-        m.on_chunk(br#","usage":{"prompt_tokens":2}}"#, Instant::now());
+        for _ in 0..5 {
+            m.on_chunk(&Bytes::from(vec![b'x'; TAIL / 2 + 1]), Instant::now());
+        }
+        m.on_chunk(
+            &Bytes::from_static(br#","usage":{"prompt_tokens":2}}"#),
+            Instant::now(),
+        );
         assert_eq!(m.usage().unwrap().prompt_tokens, 2);
-        assert!(m.tail.len() <= TAIL);
+        assert!(
+            m.tail.len() <= 3,
+            "only the chunks of the last {TAIL} bytes are kept"
+        );
     }
 }

@@ -276,10 +276,6 @@ impl Inference {
         Ok(true)
     }
 
-    /// Reads the whole request body (see the module docs for the replay
-    /// trick) and says whether Pingora's retry buffer holds all of it.
-    /// Refuses bodies over the limit before reading them if the client
-    /// announced the size.
     /// Refuses a request whose body may still be unread: answers, drains
     /// what the client still sends for a short while (closing on unread
     /// data would reset the connection and lose the answer), then closes.
@@ -297,6 +293,10 @@ impl Inference {
         answered
     }
 
+    /// Reads the whole request body (see the module docs for the replay
+    /// trick) and says whether Pingora's retry buffer holds all of it.
+    /// Refuses bodies over the limit before reading them if the client
+    /// announced the size.
     async fn read_body(
         &self,
         session: &mut Session,

@@ -445,7 +445,13 @@ impl<T> Dispatcher<T> {
         self.queues
             .lanes()
             .into_iter()
-            .filter(|(model, _)| !self.registry.model_served(model.as_deref(), now))
+            .filter(|(model, _)| {
+                let route = Route {
+                    model: model.clone(),
+                    ..Route::default()
+                };
+                !self.registry.has_eligible(&route, None, now)
+            })
             .collect()
     }
 

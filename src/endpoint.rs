@@ -722,13 +722,6 @@ impl Registry {
     }
 
     /// Whether any endpoint could take work now or after its load drains.
-    /// Whether some eligible endpoint (saturated or not) serves `model`.
-    pub(crate) fn model_served(&self, model: Option<&str>, now: Instant) -> bool {
-        self.endpoints
-            .values()
-            .any(|e| e.serves(model) && e.eligible(now))
-    }
-
     pub(crate) fn any_eligible(&self, now: Instant) -> bool {
         self.endpoints.values().any(|e| e.eligible(now))
     }

@@ -82,36 +82,20 @@ impl ScaleUpWebhook {
             let url = self.url.clone();
             tokio::spawn(async move {
                 let model = model.as_deref().unwrap_or("");
-                match request.send().await {
-                    Ok(r) if r.status().is_success() => {
-                        shared
-                            .metrics
-                            .scale_up_webhooks
-                            .with_label_values(&["ok"])
-                            .inc();
-                        info!(model, queued, "scale-up webhook called");
-                    }
-                    Ok(r) => {
-                        shared
-                            .metrics
-                            .scale_up_webhooks
-                            .with_label_values(&["failed"])
-                            .inc();
-                        warn!(
-                            model,
-                            url,
-                            status = r.status().as_u16(),
-                            "scale-up webhook refused"
-                        );
-                    }
-                    Err(e) => {
-                        shared
-                            .metrics
-                            .scale_up_webhooks
-                            .with_label_values(&["failed"])
-                            .inc();
-                        warn!(model, url, "scale-up webhook failed: {e}");
-                    }
+                let failure = match request.send().await {
+                    Ok(r) if r.status().is_success() => None,
+                    Ok(r) => Some(format!("answered HTTP {}", r.status().as_u16())),
+                    Err(e) => Some(e.to_string()),
+                };
+                let result = if failure.is_none() { "ok" } else { "failed" };
+                shared
+                    .metrics
+                    .scale_up_webhooks
+                    .with_label_values(&[result])
+                    .inc();
+                match failure {
+                    None => info!(model, queued, "scale-up webhook called"),
+                    Some(why) => warn!(model, url, "scale-up webhook failed: {why}"),
                 }
             });
         }

@@ -223,14 +223,7 @@ async fn answers_are_metered_from_their_streams_and_usage() {
         .unwrap();
     let prompt = streamed_prompt + answer["usage"]["prompt_tokens"].as_u64().unwrap();
 
-    let text = client()
-        .get(b.mgmt("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = metrics_text(&b).await;
     let m = |name: &str| series(&text, &format!("{name}{{model=\"sim-model\"}}"));
     assert_eq!(
         m("flowgate_time_to_first_token_seconds_count"),
@@ -258,6 +251,11 @@ async fn answers_are_metered_from_their_streams_and_usage() {
     assert_eq!(tokens("prompt"), prompt as f64);
 }
 
+/// `flowgate_upstream_errors_total` of one kind.
+async fn upstream_errors(b: &Balancer, kind: &str) -> f64 {
+    metric(b, "flowgate_upstream_errors_total", &[("kind", kind)]).await
+}
+
 #[tokio::test]
 async fn backend_errors_pass_through_and_unreachable_backends_get_502() {
     let (b, _sim, _a) = fleet_with("2").await;
@@ -279,19 +277,9 @@ async fn backend_errors_pass_through_and_unreachable_backends_get_502() {
     assert_eq!(r.headers()["x-flowgate-drop-reason"], "upstream-error");
     assert_openai_error(r, 502).await;
     b2.wait_in_flight(0, Duration::from_secs(2)).await;
-    let connect = metric(
-        &b2,
-        "flowgate_upstream_errors_total",
-        &[("kind", "connect")],
-    )
-    .await;
+    let connect = upstream_errors(&b2, "connect").await;
     assert!(connect >= 1.0, "connect errors counted: {connect}");
-    let five = metric(
-        &b,
-        "flowgate_upstream_errors_total",
-        &[("kind", "status-5xx")],
-    )
-    .await;
+    let five = upstream_errors(&b, "status-5xx").await;
     assert_eq!(five, 1.0);
 }
 
@@ -327,12 +315,7 @@ async fn a_backend_that_drops_mid_stream_frees_the_slot_and_cuts_the_stream() {
     );
     assert!(!text.contains("[DONE]"));
     b.wait_in_flight(0, Duration::from_secs(2)).await;
-    let cut = metric(
-        &b,
-        "flowgate_upstream_errors_total",
-        &[("kind", "mid-response")],
-    )
-    .await;
+    let cut = upstream_errors(&b, "mid-response").await;
     assert_eq!(cut, 1.0);
     wait_for(
         "the backend slot to be free",

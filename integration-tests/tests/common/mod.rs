@@ -413,16 +413,21 @@ impl Drop for ConfigFile {
     }
 }
 
-/// The sum of the samples of a balancer metric whose labels match.
-pub async fn metric(b: &Balancer, name: &str, labels: &[(&str, &str)]) -> f64 {
-    let text = client()
+/// The balancer's Prometheus exposition.
+pub async fn metrics_text(b: &Balancer) -> String {
+    client()
         .get(b.mgmt("/metrics"))
         .send()
         .await
         .unwrap()
         .text()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// The sum of the samples of a balancer metric whose labels match.
+pub async fn metric(b: &Balancer, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let text = metrics_text(b).await;
     let lines = text.lines().map(|l| Ok(l.to_string()));
     let scrape = prometheus_parse::Scrape::parse(lines).unwrap();
     scrape

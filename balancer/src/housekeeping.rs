@@ -1,6 +1,7 @@
 //! Background work: dropping agents that stopped reporting, ending affinity
-//! holds on time, calling the scale-up webhook, and leaving the process as
-//! soon as a graceful shutdown has nothing left to finish.
+//! holds on time, calling the scale-up webhook, taking the dashboard's
+//! history readings, and leaving the process as soon as a graceful shutdown
+//! has nothing left to finish.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -36,6 +37,11 @@ impl BackgroundService for Housekeeping {
                 hook.notify(&self.shared.unserved_demand(), &self.shared);
             }
             let now = Instant::now();
+            if self.shared.history.due(now) {
+                self.shared
+                    .history
+                    .record(now, self.shared.metrics.tallies());
+            }
             let wake = next
                 .map_or(now + MAX_SWEEP_INTERVAL, |t| {
                     t.min(now + MAX_SWEEP_INTERVAL)

@@ -4,6 +4,7 @@ mod auth;
 mod epp;
 #[cfg(test)]
 mod fuzz_tests;
+mod history;
 mod housekeeping;
 mod management;
 mod meter;

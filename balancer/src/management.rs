@@ -1,10 +1,13 @@
-//! The management port: agent reports, the agent list, metrics, health.
+//! The management port: agent reports, the agent list, metrics, health, the
+//! dashboard.
 //!
 //! - `POST   /api/v1/agents/{id}/report`  register or update (JSON `AgentReport`);
 //!   answers `{"status", "endpoint_id", "in_flight"}` (the balancer's
 //!   requests in flight to that endpoint, which a draining agent waits on)
 //! - `DELETE /api/v1/agents/{id}`         deregister
+//! - `GET    /`                           the dashboard (`/dashboard.js`, `/dashboard.css`)
 //! - `GET    /api/v1/agents`              reports + the balancer's in-flight view
+//! - `GET    /api/v1/history`             the last 10 minutes: rates, TTFT, wait
 //! - `GET    /metrics`                    Prometheus text exposition
 //! - `GET    /health`                     liveness
 //!
@@ -24,6 +27,7 @@ use serde_json::json;
 use tracing::{info, warn};
 
 use crate::auth::{bearer_token, Secret};
+use crate::history;
 use crate::state::Shared;
 
 /// Largest accepted report body.
@@ -41,6 +45,29 @@ fn json_response(status: StatusCode, body: Vec<u8>) -> Response<Vec<u8>> {
         .header("content-type", "application/json")
         .header("content-length", body.len())
         .body(body)
+        .expect("valid response")
+}
+
+// The dashboard, embedded: nothing is fetched from anywhere else.
+const DASHBOARD_HTML: &str = include_str!("../assets/dashboard.html");
+const DASHBOARD_JS: &str = include_str!("../assets/dashboard.js");
+const DASHBOARD_CSS: &str = include_str!("../assets/dashboard.css");
+
+/// One of the dashboard's files. The policy keeps the page to this origin
+/// and to its own script and style files.
+fn asset(content_type: &str, body: &str) -> Response<Vec<u8>> {
+    Response::builder()
+        .status(StatusCode::OK)
+        .header("content-type", content_type)
+        .header("content-length", body.len())
+        .header(
+            "content-security-policy",
+            "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; \
+             img-src 'self'; frame-ancestors 'none'",
+        )
+        .header("x-content-type-options", "nosniff")
+        .header("cache-control", "no-cache")
+        .body(body.as_bytes().to_vec())
         .expect("valid response")
 }
 
@@ -168,6 +195,15 @@ impl Management {
         json_response(StatusCode::OK, body.to_string().into_bytes())
     }
 
+    fn history(&self) -> Response<Vec<u8>> {
+        let body = json!({
+            "interval_s": history::INTERVAL.as_secs_f64(),
+            "outcomes": history::OUTCOMES,
+            "points": self.shared.history.points(),
+        });
+        json_response(StatusCode::OK, body.to_string().into_bytes())
+    }
+
     fn metrics(&self) -> Response<Vec<u8>> {
         let body = self.shared.metrics.render(&self.shared.snapshot());
         Response::builder()
@@ -195,7 +231,15 @@ impl ServeHttp for Management {
                 json_response(StatusCode::OK, br#"{"status":"ok"}"#.to_vec())
             }
             (&Method::GET, ["metrics"]) => self.metrics(),
+            (&Method::GET, [""] | ["dashboard"]) => {
+                asset("text/html; charset=utf-8", DASHBOARD_HTML)
+            }
+            (&Method::GET, ["dashboard.js"]) => {
+                asset("text/javascript; charset=utf-8", DASHBOARD_JS)
+            }
+            (&Method::GET, ["dashboard.css"]) => asset("text/css; charset=utf-8", DASHBOARD_CSS),
             (&Method::GET, ["api", "v1", "agents"]) => self.agents(),
+            (&Method::GET, ["api", "v1", "history"]) => self.history(),
             (_, ["api", "v1", "agents", id, ..]) if !valid_agent_id(id) => error(
                 StatusCode::BAD_REQUEST,
                 "bad_agent_id",

@@ -6,11 +6,13 @@
 
 use std::time::Duration;
 
+use prometheus::core::Collector;
 use prometheus::{
     Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
+use crate::history::{Tallies, OUTCOMES};
 use crate::state::Snapshot;
 
 pub struct Metrics {
@@ -65,6 +67,20 @@ const WAIT_BUCKETS: [f64; 14] = [
 const TPOT_BUCKETS: [f64; 12] = [
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0,
 ];
+
+/// A histogram's cumulative bucket counts summed over all its label sets,
+/// then its total (see [`Tallies`]).
+fn cumulative_buckets(families: &[prometheus::proto::MetricFamily]) -> Vec<u64> {
+    let mut sums = vec![0; WAIT_BUCKETS.len() + 1];
+    for m in families.iter().flat_map(|f| f.get_metric()) {
+        let h = m.get_histogram();
+        for (sum, bucket) in sums.iter_mut().zip(h.get_bucket()) {
+            *sum += bucket.cumulative_count();
+        }
+        sums[WAIT_BUCKETS.len()] += h.get_sample_count();
+    }
+    sums
+}
 
 impl Metrics {
     pub fn new() -> Self {
@@ -291,6 +307,28 @@ impl Metrics {
         }
     }
 
+    /// The cumulative counts the dashboard's history is made of.
+    pub fn tallies(&self) -> Tallies {
+        let mut outcomes = [0; OUTCOMES.len()];
+        for family in self.requests.collect() {
+            for m in family.get_metric() {
+                let code = m
+                    .get_label()
+                    .iter()
+                    .find(|l| l.name() == "code")
+                    .and_then(|l| l.value().parse().ok())
+                    .unwrap_or(0);
+                outcomes[Tallies::class(code)] += m.get_counter().get_value() as u64;
+            }
+        }
+        Tallies {
+            outcomes,
+            ttft: cumulative_buckets(&self.ttft.collect()),
+            wait: cumulative_buckets(&self.buffer_wait.collect()),
+            bounds: WAIT_BUCKETS.to_vec(),
+        }
+    }
+
     pub fn epp_request(&self, outcome: &str) {
         self.epp_requests.with_label_values(&[outcome]).inc();
     }
@@ -448,5 +486,33 @@ impl Metrics {
             .encode(&self.registry.gather(), &mut out)
             .expect("text encoding into a Vec cannot fail");
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tallies_sum_outcomes_by_class_and_histograms_over_models() {
+        let m = Metrics::new();
+        m.requests.with_label_values(&["200", ""]).inc_by(3);
+        m.requests.with_label_values(&["503", "no-endpoint"]).inc();
+        m.requests.with_label_values(&["503", "queue-full"]).inc();
+        m.requests.with_label_values(&["400", "bad-request"]).inc();
+        m.answer("a", Some(Duration::from_millis(3)), None, None);
+        m.answer("b", Some(Duration::from_secs(100)), None, None);
+        m.buffer_wait.observe(0.02);
+        let t = m.tallies();
+        assert_eq!(t.outcomes, [3, 0, 2, 0, 1]);
+        assert_eq!(t.bounds, WAIT_BUCKETS.to_vec());
+        assert_eq!(t.ttft.len(), WAIT_BUCKETS.len() + 1);
+        // 3 ms falls in the 5 ms bucket; 100 s only in +Inf.
+        assert_eq!(t.ttft[0], 0);
+        assert_eq!(t.ttft[1], 1);
+        assert_eq!(t.ttft[WAIT_BUCKETS.len() - 1], 1);
+        assert_eq!(t.ttft[WAIT_BUCKETS.len()], 2);
+        assert_eq!(t.wait[2], 0);
+        assert_eq!(t.wait[3], 1, "20 ms is under the 25 ms bound");
     }
 }

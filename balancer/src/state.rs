@@ -23,6 +23,7 @@ use flowgate::{
 use tokio::sync::{oneshot, Notify};
 use tracing::warn;
 
+use crate::history::History;
 use crate::metrics::Metrics;
 
 type Waker = oneshot::Sender<Result<LeaseGuard, Reject>>;
@@ -30,6 +31,8 @@ type Waker = oneshot::Sender<Result<LeaseGuard, Reject>>;
 pub struct Shared {
     dispatcher: Mutex<Dispatcher<Waker>>,
     pub metrics: Metrics,
+    /// The last minutes of traffic, for the dashboard.
+    pub history: History,
     shutting_down: AtomicBool,
     /// Woken when an affinity hold began, which may end before
     /// housekeeping's next planned wake-up.
@@ -92,6 +95,7 @@ impl Shared {
         Arc::new(Shared {
             dispatcher: Mutex::new(Dispatcher::new(config)),
             metrics: Metrics::new(),
+            history: History::default(),
             shutting_down: AtomicBool::new(false),
             timers: Notify::new(),
         })

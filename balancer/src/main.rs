@@ -6,6 +6,7 @@ mod epp;
 mod fuzz_tests;
 mod history;
 mod housekeeping;
+mod limits;
 mod management;
 mod meter;
 mod metrics;
@@ -126,7 +127,7 @@ fn main() -> ExitCode {
 
     let shared = Shared::new(settings.dispatcher.clone());
 
-    let mut inference = pingora_proxy::http_proxy_service_with_name(
+    let proxy = pingora_proxy::http_proxy(
         &server.configuration,
         proxy::Inference {
             shared: Arc::clone(&shared),
@@ -138,8 +139,12 @@ fn main() -> ExitCode {
             prefix: settings.dispatcher.scheduling.prefix,
             api_keys: settings.api_keys.clone(),
             request_ids: proxy::RequestIds::new(),
+            limits: settings.client_limits,
         },
-        "inference",
+    );
+    let mut inference = Service::new(
+        "inference".to_string(),
+        limits::Limited::new(proxy, settings.client_limits, Arc::clone(&shared)),
     );
     // No L4 read buffer on the plaintext inference port: Pingora reads the
     // request head into its own header buffer and bodies into the body
@@ -192,6 +197,7 @@ fn main() -> ExitCode {
         default_request_ttl_ms = settings.dispatcher.default_ttl.as_millis() as u64,
         priority_bands = settings.dispatcher.flow.bands.len(),
         max_request_bytes = settings.max_request_bytes,
+        max_connections = settings.client_limits.max_connections,
         epp = settings.epp_addr.map(|a| a.to_string()).unwrap_or_default(),
         api_keys = settings.api_keys.as_ref().map_or(0, |k| k.len()),
         "flowgate balancer starting"

@@ -58,6 +58,17 @@ pub struct Metrics {
     upstream_errors: IntCounterVec,
     /// Scale-up webhook calls, by result.
     pub scale_up_webhooks: IntCounterVec,
+    client_connections: IntGauge,
+    client_refusals: IntCounterVec,
+}
+
+/// Counts an open client connection until dropped.
+pub struct OpenConnection<'a>(&'a IntGauge);
+
+impl Drop for OpenConnection<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 const WAIT_BUCKETS: [f64; 14] = [
@@ -303,8 +314,29 @@ impl Metrics {
                 ),
                 &["outcome"]
             )),
+            client_connections: register!(IntGauge::new(
+                "flowgate_client_connections",
+                "Client connections open on the inference port"
+            )),
+            client_refusals: register!(IntCounterVec::new(
+                Opts::new(
+                    "flowgate_client_refusals_total",
+                    "Client connections or requests refused by a client limit, by reason \
+                     (too_many_connections, header_timeout, header_too_large, body_timeout)"
+                ),
+                &["reason"]
+            )),
             registry,
         }
+    }
+
+    pub fn client_connection_opened(&self) -> OpenConnection<'_> {
+        self.client_connections.inc();
+        OpenConnection(&self.client_connections)
+    }
+
+    pub fn client_refusal(&self, reason: &str) {
+        self.client_refusals.with_label_values(&[reason]).inc();
     }
 
     /// The cumulative counts the dashboard's history is made of.

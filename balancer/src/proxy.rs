@@ -38,6 +38,7 @@ use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 use tracing::{info, warn};
 
 use crate::auth::{ApiKeys, Grant};
+use crate::limits::{self, ClientLimits};
 use crate::meter::ResponseMeter;
 use crate::policy::{
     FlowHeaders, PriorityRules, FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER, TTL_HEADER,
@@ -73,6 +74,8 @@ const INFERENCE_PATHS: [&str; 4] = [
 pub struct Inference {
     pub shared: Arc<Shared>,
     pub max_request_bytes: usize,
+    /// Client limits; the proxy enforces the body timeout.
+    pub limits: ClientLimits,
     pub priorities: PriorityRules,
     pub connect_timeout: Duration,
     pub retry_after: Duration,
@@ -472,6 +475,7 @@ impl ProxyHttp for Inference {
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
+        limits::head_done(session);
         let req = session.req_header();
         (ctx.request_id, ctx.request_id_given) = self
             .request_ids
@@ -494,7 +498,20 @@ impl ProxyHttp for Inference {
             return Ok(done);
         }
         ctx.inference = true;
-        let (body, in_retry_buffer) = match self.read_body(session).await? {
+        let body_timeout = self.limits.body_timeout;
+        let read = match tokio::time::timeout(body_timeout, self.read_body(session)).await {
+            Ok(read) => read?,
+            Err(_) => {
+                self.shared.metrics.client_refusal("body_timeout");
+                Err(Refusal::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "invalid_request_error",
+                    "body_timeout",
+                    format!("the request body did not arrive within {body_timeout:?}"),
+                ))
+            }
+        };
+        let (body, in_retry_buffer) = match read {
             Ok(read) => read,
             Err(refusal) => return self.refuse_unread(session, ctx, refusal).await,
         };
@@ -749,6 +766,7 @@ impl ProxyHttp for Inference {
     }
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
+        limits::request_done(session);
         if let Some(lease) = ctx.lease.take() {
             lease.release();
         }

@@ -16,6 +16,7 @@ use flowgate::DispatcherConfig;
 use serde::Deserialize;
 
 use crate::auth::{ApiKeys, Secret};
+use crate::limits::{self, ClientLimits, MAX_MAX_HEADER_BYTES};
 use crate::policy::{self, ConfigDuration, FlowControlSection, PriorityRules, SaturationSection};
 use crate::scheduling::{self, SchedulingSection};
 
@@ -145,6 +146,31 @@ pub struct Cli {
     /// `2m`, or milliseconds [default: 30s]
     #[arg(long, value_name = "DURATION", value_parser = flowgate::duration::parse_duration)]
     pub scale_up_webhook_interval: Option<Duration>,
+
+    /// Client connections the inference port holds open at once; a
+    /// connection over the limit is answered 503 (`too_many_connections`,
+    /// `retry-after: 1`) and closed. Keep it under the process's open-file
+    /// limit (`ulimit -n`) [default: 4096]
+    #[arg(long, value_name = "N")]
+    pub max_connections: Option<usize>,
+
+    /// Time a request head (request line and headers) may take from its
+    /// first byte, or from the accept on a new connection; a slower client
+    /// gets 408 (`header_timeout`) and is disconnected: `10s`, `500ms`, or
+    /// milliseconds [default: 10s]
+    #[arg(long, value_name = "DURATION", value_parser = flowgate::duration::parse_duration)]
+    pub client_header_timeout: Option<Duration>,
+
+    /// Time the whole request body may take to arrive after its head; a
+    /// slower client gets 408 (`body_timeout`) [default: 60s]
+    #[arg(long, value_name = "DURATION", value_parser = flowgate::duration::parse_duration)]
+    pub client_body_timeout: Option<Duration>,
+
+    /// Largest request head (request line and headers) in bytes, 1024 to
+    /// 1048575; a larger one is answered 431 (`header_too_large`)
+    /// [default: 32768]
+    #[arg(long, value_name = "BYTES")]
+    pub max_header_bytes: Option<usize>,
 }
 
 /// The config file: the same settings as the flags.
@@ -168,6 +194,10 @@ pub struct FileConfig {
     pub allow_open_management: Option<bool>,
     pub scale_up_webhook: Option<String>,
     pub scale_up_webhook_interval: Option<ConfigDuration>,
+    pub max_connections: Option<usize>,
+    pub client_header_timeout: Option<ConfigDuration>,
+    pub client_body_timeout: Option<ConfigDuration>,
+    pub max_header_bytes: Option<usize>,
     /// Priority bands, fairness and ordering policies, limits, TTLs.
     pub flow_control: Option<FlowControlSection>,
     /// When an endpoint stops taking new work.
@@ -207,6 +237,8 @@ pub struct Settings {
     pub management_token: Option<Secret>,
     /// Scale-up webhook URL and least interval between calls per model.
     pub scale_up_webhook: Option<(String, Duration)>,
+    /// What a client connection may hold.
+    pub client_limits: ClientLimits,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -364,6 +396,24 @@ impl Settings {
         };
         let s = Settings {
             scale_up_webhook,
+            client_limits: ClientLimits {
+                max_connections: cli
+                    .max_connections
+                    .or(file.max_connections)
+                    .unwrap_or(limits::DEFAULT_MAX_CONNECTIONS),
+                header_timeout: cli
+                    .client_header_timeout
+                    .or(file.client_header_timeout.map(|d| d.0))
+                    .unwrap_or(limits::DEFAULT_HEADER_TIMEOUT),
+                body_timeout: cli
+                    .client_body_timeout
+                    .or(file.client_body_timeout.map(|d| d.0))
+                    .unwrap_or(limits::DEFAULT_BODY_TIMEOUT),
+                max_header_bytes: cli
+                    .max_header_bytes
+                    .or(file.max_header_bytes)
+                    .unwrap_or(limits::DEFAULT_MAX_HEADER_BYTES),
+            },
             api_keys,
             management_token,
             inference_addr: cli
@@ -438,6 +488,19 @@ impl Settings {
         }
         if self.threads == 0 {
             return invalid("threads must be at least 1");
+        }
+        let limits = &self.client_limits;
+        if limits.max_connections == 0 {
+            return invalid("max_connections must be at least 1");
+        }
+        if limits.header_timeout.is_zero() || limits.body_timeout.is_zero() {
+            return invalid("client_header_timeout and client_body_timeout must be above 0");
+        }
+        if !(1024..=MAX_MAX_HEADER_BYTES).contains(&limits.max_header_bytes) {
+            return invalid(&format!(
+                "max_header_bytes must be 1024 to {MAX_MAX_HEADER_BYTES} \
+                 (Pingora's own ceiling)"
+            ));
         }
         Ok(())
     }
@@ -529,6 +592,36 @@ mod tests {
         assert_eq!(s.max_request_bytes, 16 << 20);
         assert_eq!(s.shutdown_grace_period, Duration::from_secs(30));
         assert_eq!(s.epp_addr, None, "EPP mode is off unless asked for");
+        assert_eq!(
+            s.client_limits,
+            ClientLimits {
+                max_connections: 4096,
+                header_timeout: Duration::from_secs(10),
+                body_timeout: Duration::from_secs(60),
+                max_header_bytes: 32 * 1024,
+            }
+        );
+    }
+
+    #[test]
+    fn client_limits_are_read_and_checked() {
+        let file = FileConfig::parse("maxConnections: 7\nclientHeaderTimeout: 2s\n").unwrap();
+        let s = Settings::merge(cli(&["--client-body-timeout", "500ms"]), file).unwrap();
+        assert_eq!(s.client_limits.max_connections, 7);
+        assert_eq!(s.client_limits.header_timeout, Duration::from_secs(2));
+        assert_eq!(s.client_limits.body_timeout, Duration::from_millis(500));
+        for (args, want) in [
+            (&["--max-connections", "0"][..], "max_connections"),
+            (&["--max-header-bytes", "100"][..], "max_header_bytes"),
+            (&["--max-header-bytes", "2000000"][..], "max_header_bytes"),
+            (
+                &["--client-header-timeout", "0"][..],
+                "client_header_timeout",
+            ),
+        ] {
+            let err = Settings::merge(cli(args), FileConfig::default()).unwrap_err();
+            assert!(err.to_string().contains(want), "{args:?}: {err}");
+        }
     }
 
     #[test]

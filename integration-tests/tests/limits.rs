@@ -1,0 +1,236 @@
+//! Client limits on the inference port, seen from raw TCP clients: a slow
+//! request head (408), an oversized one (431), a slow body (408), too many
+//! connections (503), each with its JSON error and drop reason, counted in
+//! `flowgate_client_refusals_total`; and none of them touching a kept-alive
+//! client or a request that waits in the buffer longer than the timeouts.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use common::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const HEADER_TIMEOUT: Duration = Duration::from_millis(600);
+const BODY_TIMEOUT: Duration = Duration::from_millis(600);
+
+/// Reads until the server closes the connection (or 10 s pass).
+async fn read_to_close(s: &mut TcpStream) -> String {
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Reads one response whose head says `content-length` (enough for the
+/// balancer's own answers).
+async fn read_response(s: &mut TcpStream) -> String {
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = String::from_utf8_lossy(&out).into_owned();
+        if let Some(end) = text.find("\r\n\r\n") {
+            let length = text[..end]
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")
+                        .map(|v| v.trim().parse::<usize>().unwrap())
+                })
+                .unwrap_or(0);
+            if out.len() >= end + 4 + length {
+                return text;
+            }
+        }
+        let n = tokio::time::timeout_at(deadline.into(), s.read(&mut buf))
+            .await
+            .expect("a response within 10 s")
+            .expect("read");
+        assert!(n > 0, "connection closed after {text:?}");
+        out.extend_from_slice(&buf[..n]);
+    }
+}
+
+fn assert_refused(response: &str, status: &str, code: &str) {
+    assert!(
+        response.starts_with(&format!("HTTP/1.1 {status}")),
+        "want {status}: {response}"
+    );
+    assert!(
+        response
+            .to_ascii_lowercase()
+            .contains(&format!("x-flowgate-drop-reason: {code}")),
+        "drop reason {code}: {response}"
+    );
+    assert!(
+        response.contains(&format!("\"code\":\"{code}\"")),
+        "JSON error code {code}: {response}"
+    );
+}
+
+async fn connect(addr: SocketAddr) -> TcpStream {
+    TcpStream::connect(addr).await.expect("connect")
+}
+
+const HEALTH: &[u8] = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n";
+
+#[tokio::test]
+async fn slow_and_oversized_requests_are_refused_with_clear_errors() {
+    let b = Balancer::start(&[
+        "--client-header-timeout",
+        "600ms",
+        "--client-body-timeout",
+        "600ms",
+        "--max-header-bytes",
+        "4096",
+    ])
+    .await;
+
+    // A head that stops half-way: 408 after the header timeout, then closed.
+    let started = Instant::now();
+    let mut s = connect(b.inference).await;
+    s.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n")
+        .await
+        .unwrap();
+    let answer = read_to_close(&mut s).await;
+    let took = started.elapsed();
+    assert_refused(&answer, "408", "header_timeout");
+    assert!(
+        took >= HEADER_TIMEOUT && took < HEADER_TIMEOUT * 4,
+        "refused after {took:?} (timeout {HEADER_TIMEOUT:?})"
+    );
+
+    // A connection that sends nothing at all is closed the same way.
+    let started = Instant::now();
+    let mut s = connect(b.inference).await;
+    assert_refused(&read_to_close(&mut s).await, "408", "header_timeout");
+    assert!(started.elapsed() < HEADER_TIMEOUT * 4);
+
+    // A head over 4 KiB: 431.
+    let mut s = connect(b.inference).await;
+    let mut head = b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: ".to_vec();
+    head.extend(std::iter::repeat_n(b'a', 8000));
+    head.extend_from_slice(b"\r\n\r\n");
+    s.write_all(&head).await.unwrap();
+    assert_refused(&read_to_close(&mut s).await, "431", "header_too_large");
+
+    // A body that stops half-way: 408 after the body timeout.
+    let started = Instant::now();
+    let mut s = connect(b.inference).await;
+    s.write_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+          content-length: 100\r\n\r\n{\"model\":",
+    )
+    .await
+    .unwrap();
+    let answer = read_response(&mut s).await;
+    let took = started.elapsed();
+    assert_refused(&answer, "408", "body_timeout");
+    assert!(
+        took >= BODY_TIMEOUT && took < BODY_TIMEOUT * 4,
+        "refused after {took:?} (timeout {BODY_TIMEOUT:?})"
+    );
+
+    // A head just under the cap, and a kept-alive client whose requests
+    // span several header timeouts, are served.
+    let mut s = connect(b.inference).await;
+    let mut head = b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: ".to_vec();
+    head.extend(std::iter::repeat_n(b'a', 3000));
+    head.extend_from_slice(b"\r\n\r\n");
+    s.write_all(&head).await.unwrap();
+    assert!(read_response(&mut s).await.starts_with("HTTP/1.1 200"));
+    for _ in 0..4 {
+        tokio::time::sleep(HEADER_TIMEOUT / 2).await;
+        s.write_all(HEALTH).await.unwrap();
+        let answer = read_response(&mut s).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "kept alive: {answer}");
+    }
+
+    for (reason, n) in [
+        ("header_timeout", 2.0),
+        ("header_too_large", 1.0),
+        ("body_timeout", 1.0),
+    ] {
+        assert_eq!(
+            metric(&b, "flowgate_client_refusals_total", &[("reason", reason)]).await,
+            n,
+            "{reason}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_request_waiting_longer_than_the_timeouts_is_still_served() {
+    // One slot, answers after 1.5 s: the second request waits ~1.5 s in the
+    // buffer, more than twice the header and body timeouts.
+    let (b, _sim, _agent) = fleet(
+        &[
+            "--client-header-timeout",
+            "600ms",
+            "--client-body-timeout",
+            "600ms",
+        ],
+        &["--slots", "1", "--ttft-ms", "1500", "--output-tokens", "1"],
+    )
+    .await;
+    let first = spawn_chat(&b, &[]);
+    b.wait_in_flight(1, Duration::from_secs(5)).await;
+    let started = Instant::now();
+    let second = spawn_chat(&b, &[]);
+    assert_eq!(first.await.unwrap(), 200);
+    assert_eq!(second.await.unwrap(), 200);
+    assert!(started.elapsed() > HEADER_TIMEOUT * 2);
+    assert_eq!(
+        metric(&b, "flowgate_client_refusals_total", &[]).await,
+        0.0,
+        "nothing refused"
+    );
+}
+
+#[tokio::test]
+async fn connections_over_the_cap_get_503_until_one_closes() {
+    let b = Balancer::start(&["--max-connections", "2"]).await;
+    // The start-up check's connections may still be closing.
+    wait_for("no client connection", Duration::from_secs(5), || async {
+        (metric(&b, "flowgate_client_connections", &[]).await == 0.0).then_some(())
+    })
+    .await;
+    let mut held = vec![connect(b.inference).await, connect(b.inference).await];
+    for s in &mut held {
+        s.write_all(HEALTH).await.unwrap();
+        assert!(read_response(s).await.starts_with("HTTP/1.1 200"));
+    }
+    assert_eq!(metric(&b, "flowgate_client_connections", &[]).await, 2.0);
+
+    let mut third = connect(b.inference).await;
+    third.write_all(HEALTH).await.unwrap();
+    let answer = read_to_close(&mut third).await;
+    assert_refused(&answer, "503", "too_many_connections");
+    assert!(answer.to_ascii_lowercase().contains("retry-after: 1"));
+    assert_eq!(
+        metric(
+            &b,
+            "flowgate_client_refusals_total",
+            &[("reason", "too_many_connections")]
+        )
+        .await,
+        1.0
+    );
+
+    // The held connections still work; once one closes, a new one gets in.
+    held[0].write_all(HEALTH).await.unwrap();
+    assert!(read_response(&mut held[0])
+        .await
+        .starts_with("HTTP/1.1 200"));
+    drop(held.pop());
+    wait_for("a freed connection", Duration::from_secs(5), || async {
+        let mut s = connect(b.inference).await;
+        s.write_all(HEALTH).await.ok()?;
+        let mut buf = [0u8; 12];
+        s.read_exact(&mut buf).await.ok()?;
+        (&buf == b"HTTP/1.1 200").then_some(())
+    })
+    .await;
+}

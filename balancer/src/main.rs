@@ -17,6 +17,7 @@ mod scaleup;
 mod scheduling;
 mod settings;
 mod state;
+mod tls;
 
 use std::net::{SocketAddr, TcpListener};
 use std::process::ExitCode;
@@ -105,6 +106,13 @@ fn main() -> ExitCode {
         }
     }
 
+    if let Some(files) = &settings.tls {
+        if let Err(e) = files.check() {
+            error!("{e}");
+            return ExitCode::from(1);
+        }
+    }
+
     let scale_up = match &settings.scale_up_webhook {
         Some((url, interval)) => match scaleup::ScaleUpWebhook::new(url.clone(), *interval) {
             Ok(hook) => Some(hook),
@@ -150,10 +158,19 @@ fn main() -> ExitCode {
     // request head into its own header buffer and bodies into the body
     // buffer anyway, so its default 64 KiB read buffer only added a copy,
     // and ~8 KiB of resident memory to every request waiting for a slot.
-    inference.add_listener(
-        ListenerConfig::tcp(settings.inference_addr.to_string())
-            .l4_buffer(L4BufferSettings::default().read(0)),
-    );
+    // Under TLS, rustls reads records from the socket, so it keeps it.
+    let listener = ListenerConfig::tcp(settings.inference_addr.to_string());
+    let listener = match &settings.tls {
+        None => listener.l4_buffer(L4BufferSettings::default().read(0)),
+        Some(files) => match files.settings() {
+            Ok(tls) => listener.tls(tls),
+            Err(e) => {
+                error!("{e}");
+                return ExitCode::from(1);
+            }
+        },
+    };
+    inference.add_listener(listener);
 
     let mut management = Service::new(
         "management".to_string(),
@@ -198,6 +215,7 @@ fn main() -> ExitCode {
         priority_bands = settings.dispatcher.flow.bands.len(),
         max_request_bytes = settings.max_request_bytes,
         max_connections = settings.client_limits.max_connections,
+        tls = settings.tls.is_some(),
         epp = settings.epp_addr.map(|a| a.to_string()).unwrap_or_default(),
         api_keys = settings.api_keys.as_ref().map_or(0, |k| k.len()),
         "flowgate balancer starting"

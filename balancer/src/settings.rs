@@ -19,6 +19,7 @@ use crate::auth::{ApiKeys, Secret};
 use crate::limits::{self, ClientLimits, MAX_MAX_HEADER_BYTES};
 use crate::policy::{self, ConfigDuration, FlowControlSection, PriorityRules, SaturationSection};
 use crate::scheduling::{self, SchedulingSection};
+use crate::tls::TlsFiles;
 
 pub const DEFAULT_INFERENCE_ADDR: &str = "127.0.0.1:8061";
 pub const DEFAULT_MANAGEMENT_ADDR: &str = "127.0.0.1:8060";
@@ -171,6 +172,16 @@ pub struct Cli {
     /// [default: 32768]
     #[arg(long, value_name = "BYTES")]
     pub max_header_bytes: Option<usize>,
+
+    /// PEM certificate chain for TLS on the inference port (rustls; TLS 1.2
+    /// and 1.3, HTTP/1.1). With --tls-key, the port serves HTTPS only
+    /// [default: plain HTTP]
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1) of --tls-cert
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
 }
 
 /// The config file: the same settings as the flags.
@@ -198,6 +209,8 @@ pub struct FileConfig {
     pub client_header_timeout: Option<ConfigDuration>,
     pub client_body_timeout: Option<ConfigDuration>,
     pub max_header_bytes: Option<usize>,
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
     /// Priority bands, fairness and ordering policies, limits, TTLs.
     pub flow_control: Option<FlowControlSection>,
     /// When an endpoint stops taking new work.
@@ -239,6 +252,8 @@ pub struct Settings {
     pub scale_up_webhook: Option<(String, Duration)>,
     /// What a client connection may hold.
     pub client_limits: ClientLimits,
+    /// TLS on the inference port, when configured.
+    pub tls: Option<TlsFiles>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -396,6 +411,15 @@ impl Settings {
         };
         let s = Settings {
             scale_up_webhook,
+            tls: match (cli.tls_cert.or(file.tls_cert), cli.tls_key.or(file.tls_key)) {
+                (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
+                (None, None) => None,
+                _ => {
+                    return Err(SettingsError::Invalid(
+                        "tls_cert and tls_key go together: give both or neither".into(),
+                    ))
+                }
+            },
             client_limits: ClientLimits {
                 max_connections: cli
                     .max_connections

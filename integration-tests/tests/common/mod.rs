@@ -214,9 +214,16 @@ impl Balancer {
             management,
         };
         let c = client();
+        // A TLS inference port is the test's to check (this client speaks
+        // plain HTTP only).
+        let tls = args.contains(&"--tls-cert");
         wait_for("balancer to listen", Duration::from_secs(10), || {
             let c = c.clone();
-            let urls = [b.url("/health"), b.mgmt("/health")];
+            let urls = if tls {
+                vec![b.mgmt("/health")]
+            } else {
+                vec![b.url("/health"), b.mgmt("/health")]
+            };
             async move {
                 for u in urls {
                     c.get(u)

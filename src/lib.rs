@@ -17,6 +17,7 @@
 //!   headers.
 //! - [`openai`]: OpenAI-style error bodies shared by the binaries.
 
+pub mod budget;
 pub mod dispatcher;
 pub mod duration;
 pub mod endpoint;

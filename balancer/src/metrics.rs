@@ -33,6 +33,7 @@ pub struct Metrics {
     endpoint_slots: IntGaugeVec,
     endpoint_waiting: IntGaugeVec,
     endpoint_report_age: prometheus::GaugeVec,
+    endpoint_kv_cache: prometheus::GaugeVec,
     endpoint_eligible: IntGaugeVec,
     endpoint_saturated: IntGaugeVec,
     buffered_bytes: IntGauge,
@@ -218,6 +219,14 @@ impl Metrics {
                 Opts::new(
                     "flowgate_endpoint_report_age_seconds",
                     "Age of the last agent report per endpoint"
+                ),
+                ep
+            )),
+            endpoint_kv_cache: register!(prometheus::GaugeVec::new(
+                Opts::new(
+                    "flowgate_endpoint_kv_cache_usage_ratio",
+                    "KV-cache use per endpoint (0 to 1), as its agent reported; absent when \
+                     the engine does not say"
                 ),
                 ep
             )),
@@ -476,6 +485,7 @@ impl Metrics {
             v.reset();
         }
         self.endpoint_report_age.reset();
+        self.endpoint_kv_cache.reset();
         for e in &snap.endpoints {
             let endpoint = e.addr.to_string();
             let agent = e.agent.as_ref().map_or("", |a| a.agent_id.as_str());
@@ -495,6 +505,9 @@ impl Metrics {
                 self.endpoint_waiting
                     .with_label_values(&labels)
                     .set(i64::from(a.requests_waiting));
+                if let Some(kv) = a.kv_cache_usage {
+                    self.endpoint_kv_cache.with_label_values(&labels).set(kv);
+                }
             }
             if let Some(age) = e.report_age_ms {
                 self.endpoint_report_age

@@ -206,6 +206,15 @@ async fn the_dashboard_shows_agents_and_traffic_live_in_a_real_browser() {
     let (b, _sim, _agent) = fleet(&[], &["--ttft-ms", "20", "--tpot-ms", "2"]).await;
     report(&b, 3, 2, 0.42).await;
     b.wait_eligible(2).await;
+    assert_eq!(
+        metric(
+            &b,
+            "flowgate_endpoint_kv_cache_usage_ratio",
+            &[("agent", "dash-fake")]
+        )
+        .await,
+        0.42
+    );
 
     // Traffic for the charts: five plain answers and two streams.
     for _ in 0..5 {

@@ -57,6 +57,11 @@ impl Budget {
         }
     }
 
+    /// New fixed inputs (the fleet grew or shrank); keeps the reading.
+    pub fn set_config(&mut self, config: BudgetConfig) {
+        self.config = config;
+    }
+
     /// A new reading of `D` (`None`: the metrics could not be read). Ends a
     /// 429 throttle.
     pub fn reading(&mut self, spare: Option<f64>) {

@@ -1,5 +1,6 @@
 //! `balancer`: Flowgate's reverse proxy. See the README for flags and routes.
 
+mod asyncq;
 mod auth;
 mod epp;
 #[cfg(test)]
@@ -134,6 +135,16 @@ fn main() -> ExitCode {
     server.bootstrap();
 
     let shared = Shared::new(settings.dispatcher.clone());
+    let async_queue = match &settings.async_queue {
+        Some(config) => match asyncq::AsyncQueue::open(config.clone(), Arc::clone(&shared)) {
+            Ok(q) => Some(q),
+            Err(e) => {
+                error!("{e}");
+                return ExitCode::from(1);
+            }
+        },
+        None => None,
+    };
 
     let proxy = pingora_proxy::http_proxy(
         &server.configuration,
@@ -148,6 +159,7 @@ fn main() -> ExitCode {
             api_keys: settings.api_keys.clone(),
             request_ids: proxy::RequestIds::new(),
             limits: settings.client_limits,
+            async_queue: async_queue.clone(),
         },
     );
     let mut inference = Service::new(
@@ -192,6 +204,15 @@ fn main() -> ExitCode {
     server.add_service(inference);
     server.add_service(management);
     server.add_service(housekeeping);
+    if let Some(queue) = async_queue {
+        server.add_service(background_service(
+            "async dispatcher",
+            asyncq::Dispatcher {
+                queue,
+                inference: settings.inference_addr,
+            },
+        ));
+    }
     if let Some(addr) = settings.epp_addr {
         let epp = Arc::new(epp::Epp {
             shared: Arc::clone(&shared),

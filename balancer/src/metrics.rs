@@ -339,6 +339,13 @@ impl Metrics {
         }
     }
 
+    /// Adds another module's metric to the exposition.
+    pub fn register(&self, collector: Box<dyn Collector>) {
+        self.registry
+            .register(collector)
+            .expect("metric registered once");
+    }
+
     pub fn client_connection_opened(&self) -> OpenConnection<'_> {
         self.client_connections.inc();
         OpenConnection(&self.client_connections)

@@ -37,6 +37,7 @@ use pingora_http::ResponseHeader;
 use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 use tracing::{info, warn};
 
+use crate::asyncq::{self, AsyncQueue};
 use crate::auth::{ApiKeys, Grant};
 use crate::limits::{self, ClientLimits};
 use crate::meter::ResponseMeter;
@@ -63,6 +64,11 @@ const REQUEST_ID_HEADER: &str = "x-request-id";
 /// Longest client-supplied request id kept; longer ones are replaced.
 const MAX_REQUEST_ID_LEN: usize = 128;
 
+/// Longest `?wait=` of an async status request.
+const ASYNC_MAX_WAIT: Duration = Duration::from_secs(60);
+/// How long a submitted async request may stay queued (`1h`, `30m`).
+const ASYNC_DEADLINE_HEADER: &str = "x-flowgate-async-deadline";
+
 /// Paths proxied to model servers (POST only).
 const INFERENCE_PATHS: [&str; 4] = [
     "/v1/chat/completions",
@@ -76,6 +82,8 @@ pub struct Inference {
     pub max_request_bytes: usize,
     /// Client limits; the proxy enforces the body timeout.
     pub limits: ClientLimits,
+    /// The async path, when on.
+    pub async_queue: Option<Arc<AsyncQueue>>,
     pub priorities: PriorityRules,
     pub connect_timeout: Duration,
     pub retry_after: Duration,
@@ -234,6 +242,165 @@ impl Inference {
         }
         self.shared.metrics.upstream_retry(reason);
         true
+    }
+
+    /// The async path's API: submit, status (long-poll), cancel.
+    async fn route_async(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        method: &Method,
+        path: &str,
+    ) -> Result<bool> {
+        let error = |status: StatusCode, code: &str, message: String| {
+            (status, error_body(&message, "invalid_request_error", code))
+        };
+        let Some(queue) = self.async_queue.clone() else {
+            let (status, body) = error(
+                StatusCode::NOT_FOUND,
+                "async_disabled",
+                "the async path is off: start the balancer with --async-dir".into(),
+            );
+            self.send_json(session, ctx, status, body, &[]).await?;
+            return Ok(true);
+        };
+        let rest = &path["/v1/async".len()..];
+        // `/v1/async/chat/completions` is for `/v1/chat/completions`.
+        let target = format!("/v1{rest}");
+        let (status, body) = if let Some(id) = rest.strip_prefix("/requests/") {
+            let id = id.to_string();
+            let found = match *method {
+                Method::GET => {
+                    let wait = session
+                        .req_header()
+                        .uri
+                        .query()
+                        .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("wait=")))
+                        .map(flowgate::duration::parse_duration);
+                    match wait {
+                        Some(Err(e)) => {
+                            let (status, body) =
+                                error(StatusCode::BAD_REQUEST, "bad_wait", format!("wait: {e}"));
+                            self.send_json(session, ctx, status, body, &[]).await?;
+                            return Ok(true);
+                        }
+                        Some(Ok(w)) => queue.get(&id, w.min(ASYNC_MAX_WAIT)).await,
+                        None => queue.get(&id, Duration::ZERO).await,
+                    }
+                }
+                Method::DELETE => queue.cancel(&id).await,
+                _ => {
+                    let (status, body) = error(
+                        StatusCode::METHOD_NOT_ALLOWED,
+                        "method_not_allowed",
+                        format!("{method} is not allowed on {path}"),
+                    );
+                    let allow = [("allow", "GET, DELETE".to_string())];
+                    self.send_json(session, ctx, status, body, &allow).await?;
+                    return Ok(true);
+                }
+            };
+            match found {
+                Ok(Some(job)) => (StatusCode::OK, asyncq::view(&job).to_string().into_bytes()),
+                Ok(None) => error(
+                    StatusCode::NOT_FOUND,
+                    "unknown_request",
+                    format!("no async request {id}"),
+                ),
+                Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, "queue_error", e),
+            }
+        } else if INFERENCE_PATHS.contains(&target.as_str()) && *method == Method::POST {
+            let body_timeout = self.limits.body_timeout;
+            let read = tokio::time::timeout(body_timeout, self.read_body(session)).await;
+            let body = match read {
+                Ok(read) => match read? {
+                    Ok((body, _)) => body,
+                    Err(refusal) => return self.refuse_unread(session, ctx, refusal).await,
+                },
+                Err(_) => {
+                    self.shared.metrics.client_refusal("body_timeout");
+                    let refusal = Refusal::new(
+                        StatusCode::REQUEST_TIMEOUT,
+                        "invalid_request_error",
+                        "body_timeout",
+                        format!("the request body did not arrive within {body_timeout:?}"),
+                    );
+                    return self.refuse_unread(session, ctx, refusal).await;
+                }
+            };
+            if let Err(r) = route_of(&body, &self.prefix) {
+                return self.refuse(session, ctx, r).await;
+            }
+            let headers = &session.req_header().headers;
+            let text = |name: &str| {
+                headers
+                    .get(name)
+                    .and_then(|v| v.to_str().ok())
+                    .map(|v| v.trim().to_string())
+            };
+            let fairness_id = match (&ctx.grant, text(FAIRNESS_ID_HEADER)) {
+                (Some(g), _) => g.tenant.to_string(),
+                (None, None) => "default".into(),
+                (None, Some(id)) if flowgate::flow::valid_fairness_id(&id) => id,
+                (None, Some(_)) => {
+                    let (status, body) = error(
+                        StatusCode::BAD_REQUEST,
+                        "bad_header",
+                        format!("{FAIRNESS_ID_HEADER} must be 1 to 128 visible ASCII characters"),
+                    );
+                    self.send_json(session, ctx, status, body, &[]).await?;
+                    return Ok(true);
+                }
+            };
+            let deadline_ms =
+                match text(ASYNC_DEADLINE_HEADER).map(|d| flowgate::duration::parse_duration(&d)) {
+                    None => None,
+                    Some(Ok(d)) => Some(asyncq::now_ms() + d.as_millis() as u64),
+                    Some(Err(e)) => {
+                        let (status, body) = error(
+                            StatusCode::BAD_REQUEST,
+                            "bad_deadline",
+                            format!("{ASYNC_DEADLINE_HEADER}: {e}"),
+                        );
+                        self.send_json(session, ctx, status, body, &[]).await?;
+                        return Ok(true);
+                    }
+                };
+            let job = asyncq::store::NewJob {
+                path: target,
+                body: String::from_utf8_lossy(&body).into_owned(),
+                fairness_id,
+                idempotency_key: text("idempotency-key").filter(|k| !k.is_empty()),
+                deadline_ms,
+            };
+            match queue.submit(job).await {
+                Ok((job, _)) => (
+                    StatusCode::ACCEPTED,
+                    asyncq::view(&job).to_string().into_bytes(),
+                ),
+                Err(asyncq::SubmitError::Full(n)) => error(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "async_queue_full",
+                    format!("the async queue holds its maximum of {n} requests"),
+                ),
+                Err(asyncq::SubmitError::TooLarge(n)) => error(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "request_too_large",
+                    format!("the request body exceeds {n} bytes"),
+                ),
+                Err(asyncq::SubmitError::Storage(e)) => {
+                    error(StatusCode::INTERNAL_SERVER_ERROR, "queue_error", e)
+                }
+            }
+        } else {
+            error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                format!("no route for {method} {path}"),
+            )
+        };
+        self.send_json(session, ctx, status, body, &[]).await?;
+        Ok(true)
     }
 
     async fn send_json(
@@ -404,6 +571,13 @@ impl Inference {
         }
         let method = req.method.clone();
         let path = req.uri.path().to_string();
+        if path.starts_with("/v1/async/") {
+            ctx.reason = "local";
+            return self
+                .route_async(session, ctx, &method, &path)
+                .await
+                .map(Some);
+        }
         let not_allowed = |allow: &'static str| {
             (
                 StatusCode::METHOD_NOT_ALLOWED,
@@ -480,7 +654,10 @@ impl ProxyHttp for Inference {
         (ctx.request_id, ctx.request_id_given) = self
             .request_ids
             .for_request(req.headers.get(REQUEST_ID_HEADER));
-        if let Some(keys) = &self.api_keys {
+        let from_dispatcher = self.async_queue.as_ref().is_some_and(|q| {
+            q.is_dispatcher(req.headers.get(asyncq::TOKEN_HEADER).map(|v| v.as_bytes()))
+        });
+        if let (Some(keys), false) = (&self.api_keys, from_dispatcher) {
             if req.uri.path() != "/health" {
                 let authorization = req.headers.get(http::header::AUTHORIZATION);
                 match keys.authenticate(authorization.map(|v| v.as_bytes())) {
@@ -538,9 +715,16 @@ impl ProxyHttp for Inference {
             Err(bad) => return self.refuse(session, ctx, bad.into()).await,
         };
         // A key's tenant and ceiling beat whatever the headers asked for.
-        let flow = match &ctx.grant {
-            Some(g) => flowgate::FlowKey::new(Arc::clone(&g.tenant), g.priority(flow.priority)),
-            None => flow,
+        let flow = match (&ctx.grant, &self.async_queue) {
+            // The async dispatcher: the tenant it submitted under, in the
+            // async band.
+            (_, Some(q)) if from_dispatcher => {
+                flowgate::FlowKey::new(flow.fairness_id, q.priority())
+            }
+            (Some(g), _) => {
+                flowgate::FlowKey::new(Arc::clone(&g.tenant), g.priority(flow.priority))
+            }
+            (None, _) => flow,
         };
         ctx.fairness_id = flow.fairness_id.to_string();
         ctx.priority = flow.priority;
@@ -606,6 +790,9 @@ impl ProxyHttp for Inference {
         // The key was the balancer's; the model server has its own.
         if self.api_keys.is_some() {
             upstream_request.remove_header(&http::header::AUTHORIZATION);
+        }
+        if self.async_queue.is_some() {
+            upstream_request.remove_header(asyncq::TOKEN_HEADER);
         }
         if !ctx.request_id_given {
             upstream_request.insert_header(REQUEST_ID_HEADER, ctx.request_id.as_str())?;

@@ -15,6 +15,8 @@ use clap::{Parser, ValueEnum};
 use flowgate::DispatcherConfig;
 use serde::Deserialize;
 
+use crate::asyncq::store::{DeadLetter, QueueConfig};
+use crate::asyncq::{AsyncConfig, Gate};
 use crate::auth::{ApiKeys, Secret};
 use crate::limits::{self, ClientLimits, MAX_MAX_HEADER_BYTES};
 use crate::policy::{self, ConfigDuration, FlowControlSection, PriorityRules, SaturationSection};
@@ -182,6 +184,63 @@ pub struct Cli {
     /// PEM private key (PKCS#8, PKCS#1 or SEC1) of --tls-cert
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
+
+    /// Directory of the async queue's embedded store; turns the async path
+    /// on (`POST /v1/async/...`, see the README) [default: off]
+    #[arg(long, value_name = "DIR")]
+    pub async_dir: Option<PathBuf>,
+
+    /// Where the async dispatch budget's D comes from: `balancer` (1 − the
+    /// share of the fleet's slots taken by interactive work) or
+    /// `always-open` (1) [default: balancer]
+    #[arg(long, value_enum, value_name = "GATE")]
+    pub async_gate: Option<Gate>,
+
+    /// The fleet's capacity in requests for the budget N = max_sys × (D − B)
+    /// [default: the eligible servers' slots, as reported]
+    #[arg(long, value_name = "N")]
+    pub async_max_sys: Option<u64>,
+
+    /// B, the share of the fleet (0 to 1) kept for interactive work; no
+    /// async work is dispatched while D ≤ B [default: 0]
+    #[arg(long, value_name = "FRACTION")]
+    pub async_baseline: Option<f64>,
+
+    /// Flow-control priority of async work; keep it below every interactive
+    /// band [default: -1000]
+    #[arg(long, value_name = "INT", allow_negative_numbers = true)]
+    pub async_priority: Option<i32>,
+
+    /// Queued async requests at most; more are refused 429 (or evict the
+    /// oldest with --async-auto-evict) [default: 100000]
+    #[arg(long, value_name = "N")]
+    pub async_max_length: Option<usize>,
+
+    /// Evict the oldest queued async request (marked `evicted`) instead of
+    /// refusing a new one when the queue is full
+    #[arg(long)]
+    pub async_auto_evict: bool,
+
+    /// Deliveries of one async request before the dead-letter policy
+    /// [default: 5]
+    #[arg(long, value_name = "N")]
+    pub async_max_delivery: Option<u32>,
+
+    /// Visibility lease: an async delivery not finished within it is made
+    /// again: `5m`, `30s` [default: 5m]
+    #[arg(long, value_name = "DURATION", value_parser = flowgate::duration::parse_duration)]
+    pub async_max_idle: Option<Duration>,
+
+    /// After --async-max-delivery deliveries: `drop` (kept, marked
+    /// `dead_lettered`) or `rear` (back of the queue, count reset)
+    /// [default: drop]
+    #[arg(long, value_enum, value_name = "POLICY")]
+    pub async_dead_letter: Option<DeadLetter>,
+
+    /// How long finished async requests and their answers are kept: `24h`
+    /// [default: 24h]
+    #[arg(long, value_name = "DURATION", value_parser = flowgate::duration::parse_duration)]
+    pub async_retention: Option<Duration>,
 }
 
 /// The config file: the same settings as the flags.
@@ -254,6 +313,8 @@ pub struct Settings {
     pub client_limits: ClientLimits,
     /// TLS on the inference port, when configured.
     pub tls: Option<TlsFiles>,
+    /// The async path, when on.
+    pub async_queue: Option<AsyncConfig>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -411,6 +472,31 @@ impl Settings {
         };
         let s = Settings {
             scale_up_webhook,
+            async_queue: match cli.async_dir.clone() {
+                None => None,
+                Some(dir) => {
+                    let d = QueueConfig::default();
+                    Some(AsyncConfig {
+                        dir,
+                        queue: QueueConfig {
+                            max_length: cli.async_max_length.unwrap_or(d.max_length),
+                            max_payload_bytes: cli
+                                .max_request_bytes
+                                .or(file.max_request_bytes)
+                                .unwrap_or(DEFAULT_MAX_REQUEST_BYTES),
+                            max_delivery: cli.async_max_delivery.unwrap_or(d.max_delivery),
+                            max_idle: cli.async_max_idle.unwrap_or(d.max_idle),
+                            dead_letter: cli.async_dead_letter.unwrap_or(d.dead_letter),
+                            retention: cli.async_retention.unwrap_or(d.retention),
+                            auto_evict: cli.async_auto_evict,
+                        },
+                        gate: cli.async_gate.unwrap_or(Gate::Balancer),
+                        max_sys: cli.async_max_sys,
+                        baseline: cli.async_baseline.unwrap_or(0.0),
+                        priority: cli.async_priority.unwrap_or(-1000),
+                    })
+                }
+            },
             tls: match (cli.tls_cert.or(file.tls_cert), cli.tls_key.or(file.tls_key)) {
                 (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
                 (None, None) => None,
@@ -512,6 +598,23 @@ impl Settings {
         }
         if self.threads == 0 {
             return invalid("threads must be at least 1");
+        }
+        if let Some(a) = &self.async_queue {
+            if !(0.0..1.0).contains(&a.baseline) {
+                return invalid("async_baseline must be at least 0 and below 1");
+            }
+            if a.queue.max_length == 0 || a.queue.max_delivery == 0 {
+                return invalid("async_max_length and async_max_delivery must be at least 1");
+            }
+            if a.queue.max_idle.is_zero() {
+                return invalid("async_max_idle must be above 0");
+            }
+            if self.tls.is_some() {
+                return invalid(
+                    "the async path delivers through the plain inference port: it cannot be \
+                     used with tls_cert yet",
+                );
+            }
         }
         let limits = &self.client_limits;
         if limits.max_connections == 0 {

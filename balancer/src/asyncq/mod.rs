@@ -1,0 +1,525 @@
+//! The async path: a durable queue of inference requests ([`store`]) that a
+//! dispatcher feeds to the fleet only while the dispatch budget
+//! ([`flowgate::budget`]) allows, results fetched later by id.
+//!
+//! The dispatcher sends each request to this balancer's own inference port
+//! with a per-process token, so async work goes through the same flow
+//! control and scheduling as interactive work, in its own low-priority band:
+//! interactive requests always go first, async ones fill what is left.
+
+pub mod store;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use flowgate::budget::{Budget, BudgetConfig};
+use pingora_core::server::ShutdownWatch;
+use pingora_core::services::background::BackgroundService;
+use prometheus::{Gauge, IntCounterVec, IntGaugeVec, Opts};
+use serde_json::{json, Value};
+use tokio::sync::Notify;
+use tracing::{info, warn};
+
+use crate::auth::Secret;
+use crate::state::Shared;
+use store::{Answer, Job, NewJob, QueueConfig, Status, Store, StoreError};
+
+/// How often the gate is read: a 429 closes it until the next reading.
+const READING_INTERVAL: Duration = Duration::from_millis(250);
+
+/// The token header that marks the dispatcher's own requests.
+pub const TOKEN_HEADER: &str = "x-flowgate-async-token";
+
+/// Where the dispatch budget's `D` comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Gate {
+    /// `D = 1`: dispatch whenever the budget's `max_sys` allows.
+    AlwaysOpen,
+    /// `D = 1 − S`, `S` the share of the fleet's slots taken by
+    /// interactive work (busy or waiting in the buffer).
+    Balancer,
+}
+
+#[derive(Debug, Clone)]
+pub struct AsyncConfig {
+    pub dir: PathBuf,
+    pub queue: QueueConfig,
+    pub gate: Gate,
+    /// The fleet's capacity in requests; `None`: its slots, as reported.
+    pub max_sys: Option<u64>,
+    /// Share of the fleet kept for interactive work.
+    pub baseline: f64,
+    /// The flow-control priority of async work.
+    pub priority: i32,
+}
+
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+struct AsyncMetrics {
+    requests: IntGaugeVec,
+    oldest_age: Gauge,
+    spare: Gauge,
+    allowed: Gauge,
+    deliveries: IntCounterVec,
+    outcomes: IntCounterVec,
+}
+
+impl AsyncMetrics {
+    fn new(shared: &Shared) -> Self {
+        let m = AsyncMetrics {
+            requests: IntGaugeVec::new(
+                Opts::new(
+                    "flowgate_async_requests",
+                    "Async requests by state (queued, dispatched)",
+                ),
+                &["queue", "state"],
+            )
+            .expect("metric"),
+            oldest_age: Gauge::new(
+                "flowgate_async_oldest_queued_age_seconds",
+                "Age of the oldest queued async request (queue default)",
+            )
+            .expect("metric"),
+            spare: Gauge::new(
+                "flowgate_async_budget_spare_ratio",
+                "Dispatch budget D: the fleet's spare share as the gate reads it",
+            )
+            .expect("metric"),
+            allowed: Gauge::new(
+                "flowgate_async_budget_allowed_requests",
+                "Dispatch budget N: async requests that may be in flight",
+            )
+            .expect("metric"),
+            deliveries: IntCounterVec::new(
+                Opts::new(
+                    "flowgate_async_deliveries_total",
+                    "Async deliveries to the fleet: first, or redelivery",
+                ),
+                &["queue", "kind"],
+            )
+            .expect("metric"),
+            outcomes: IntCounterVec::new(
+                Opts::new(
+                    "flowgate_async_outcomes_total",
+                    "Async requests ended, by final status",
+                ),
+                &["queue", "status"],
+            )
+            .expect("metric"),
+        };
+        for c in [
+            Box::new(m.requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(m.oldest_age.clone()),
+            Box::new(m.spare.clone()),
+            Box::new(m.allowed.clone()),
+            Box::new(m.deliveries.clone()),
+            Box::new(m.outcomes.clone()),
+        ] {
+            shared.metrics.register(c);
+        }
+        m
+    }
+
+    fn ended(&self, status: Status) {
+        let label = serde_json::to_value(status)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default();
+        self.outcomes.with_label_values(&["default", &label]).inc();
+    }
+}
+
+/// The queue, shared by the API and the dispatcher.
+pub struct AsyncQueue {
+    store: Store,
+    config: AsyncConfig,
+    /// Woken on a new request.
+    submitted: Notify,
+    /// Woken whenever a request reaches a final state.
+    finished: Notify,
+    token: Secret,
+    token_text: String,
+    next_id: AtomicU64,
+    id_prefix: String,
+    metrics: AsyncMetrics,
+    shared: Arc<Shared>,
+    /// Deliveries under way.
+    in_flight: AtomicU64,
+    /// The fleet answered 429 since the last reading.
+    throttled: AtomicBool,
+}
+
+/// Why a submission was refused.
+pub enum SubmitError {
+    Full(usize),
+    TooLarge(usize),
+    Storage(String),
+}
+
+impl AsyncQueue {
+    pub fn open(config: AsyncConfig, shared: Arc<Shared>) -> Result<Arc<Self>, String> {
+        let store = Store::open(&config.dir, config.queue.clone()).map_err(|e| {
+            format!(
+                "cannot open the async queue in {}: {e}",
+                config.dir.display()
+            )
+        })?;
+        let mut seed = [0u8; 16];
+        getrandom(&mut seed);
+        let token_text: String = seed.iter().map(|b| format!("{b:02x}")).collect();
+        let id_prefix: String = seed[..6].iter().map(|b| format!("{b:02x}")).collect();
+        let metrics = AsyncMetrics::new(&shared);
+        Ok(Arc::new(AsyncQueue {
+            store,
+            config,
+            submitted: Notify::new(),
+            finished: Notify::new(),
+            token: Secret::new(&token_text),
+            token_text,
+            next_id: AtomicU64::new(0),
+            id_prefix,
+            metrics,
+            shared,
+            in_flight: AtomicU64::new(0),
+            throttled: AtomicBool::new(false),
+        }))
+    }
+
+    pub fn priority(&self) -> i32 {
+        self.config.priority
+    }
+
+    /// Whether a request carries the dispatcher's token.
+    pub fn is_dispatcher(&self, token: Option<&[u8]>) -> bool {
+        token.is_some_and(|t| self.token.matches(t))
+    }
+
+    fn new_id(&self) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("areq_{}{:016x}{n:08x}", self.id_prefix, now_ms())
+    }
+
+    pub async fn submit(self: &Arc<Self>, job: NewJob) -> Result<(Job, bool), SubmitError> {
+        let q = Arc::clone(self);
+        let id = self.new_id();
+        let result = tokio::task::spawn_blocking(move || q.store.submit(job, id, now_ms()))
+            .await
+            .map_err(|e| SubmitError::Storage(e.to_string()))?;
+        match result {
+            Ok(done) => {
+                self.submitted.notify_one();
+                Ok(done)
+            }
+            Err(StoreError::Full(n)) => Err(SubmitError::Full(n)),
+            Err(StoreError::TooLarge(n)) => Err(SubmitError::TooLarge(n)),
+            Err(StoreError::Storage(e)) => Err(SubmitError::Storage(e)),
+        }
+    }
+
+    pub async fn get(self: &Arc<Self>, id: &str, wait: Duration) -> Result<Option<Job>, String> {
+        let deadline = Instant::now() + wait;
+        loop {
+            let finished = self.finished.notified();
+            tokio::pin!(finished);
+            finished.as_mut().enable();
+            let q = Arc::clone(self);
+            let key = id.to_string();
+            let job = tokio::task::spawn_blocking(move || q.store.get(&key))
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| e.to_string())?;
+            match &job {
+                Some(j) if !j.status.is_final() && Instant::now() < deadline => {}
+                _ => return Ok(job),
+            }
+            let _ = tokio::time::timeout_at(deadline.into(), finished).await;
+        }
+    }
+
+    pub async fn cancel(self: &Arc<Self>, id: &str) -> Result<Option<Job>, String> {
+        let q = Arc::clone(self);
+        let key = id.to_string();
+        let job = tokio::task::spawn_blocking(move || q.store.cancel(&key, now_ms()))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
+        if job.as_ref().is_some_and(|j| j.status == Status::Cancelled) {
+            self.metrics.ended(Status::Cancelled);
+            self.finished.notify_waiters();
+        }
+        Ok(job)
+    }
+}
+
+/// A request as the API shows it.
+pub fn view(job: &Job) -> Value {
+    let result = job.answer.as_ref().map(|a| {
+        serde_json::from_str::<Value>(&a.body).unwrap_or_else(|_| Value::String(a.body.clone()))
+    });
+    json!({
+        "id": job.id,
+        "object": "async.request",
+        "status": job.status,
+        "path": job.path,
+        "fairness_id": job.fairness_id,
+        "attempts": job.attempts,
+        "created_at": job.created_ms / 1000,
+        "created_at_ms": job.created_ms,
+        "updated_at_ms": job.updated_ms,
+        "response_status": job.answer.as_ref().map(|a| a.status),
+        "response": result,
+        "last_error": job.last_error,
+    })
+}
+
+/// Random bytes for ids and the token, from the OS.
+fn getrandom(buf: &mut [u8]) {
+    use std::io::Read;
+    if std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(buf))
+        .is_err()
+    {
+        // Not secret then, but unique enough for ids; the token is only
+        // ever compared, never guessable from outside the process's port.
+        let t = now_ms().to_le_bytes();
+        for (i, b) in buf.iter_mut().enumerate() {
+            *b = t[i % 8] ^ (i as u8).wrapping_mul(97);
+        }
+    }
+}
+
+/// Sends queued requests to the fleet while the budget allows.
+pub struct Dispatcher {
+    pub queue: Arc<AsyncQueue>,
+    /// The balancer's own inference port.
+    pub inference: SocketAddr,
+}
+
+impl Dispatcher {
+    /// `D` for the configured gate.
+    fn spare(&self, async_in_flight: u64) -> (Option<f64>, u64) {
+        let snap = self.queue.shared.snapshot();
+        let slots: u64 = snap
+            .endpoints
+            .iter()
+            .filter(|e| e.eligible)
+            .filter_map(|e| e.agent.as_ref().map(|a| u64::from(a.slots_total)))
+            .sum();
+        let max_sys = self.queue.config.max_sys.unwrap_or(slots);
+        let spare = match self.queue.config.gate {
+            Gate::AlwaysOpen => Some(1.0),
+            Gate::Balancer if slots == 0 => Some(0.0),
+            Gate::Balancer => {
+                let busy: u64 = snap
+                    .endpoints
+                    .iter()
+                    .filter(|e| e.eligible)
+                    .filter_map(|e| {
+                        e.agent
+                            .as_ref()
+                            .map(|a| u64::from(a.slots_total.saturating_sub(e.free_slots)))
+                    })
+                    .sum();
+                let interactive = (busy + snap.buffered as u64).saturating_sub(async_in_flight);
+                Some(1.0 - (interactive as f64 / slots as f64).min(1.0))
+            }
+        };
+        (spare, max_sys)
+    }
+
+    async fn deliver(queue: Arc<AsyncQueue>, client: reqwest::Client, url: String, job: Job) {
+        if job.attempts > 1 {
+            queue
+                .metrics
+                .deliveries
+                .with_label_values(&["default", "redelivery"])
+                .inc();
+        } else {
+            queue
+                .metrics
+                .deliveries
+                .with_label_values(&["default", "first"])
+                .inc();
+        }
+        let sent = client
+            .post(format!("{url}{}", job.path))
+            .header("content-type", "application/json")
+            .header(TOKEN_HEADER, queue.token_text.as_str())
+            .header(crate::policy::FAIRNESS_ID_HEADER, job.fairness_id.as_str())
+            .header(crate::policy::TTL_HEADER, "60s")
+            .body(job.body.clone())
+            .send()
+            .await;
+        let (id, attempt) = (job.id.clone(), job.attempts);
+        let q = Arc::clone(&queue);
+        let outcome = match sent {
+            Ok(resp) => {
+                let status = resp.status().as_u16();
+                match resp.text().await {
+                    Ok(body) => Ok((status, body)),
+                    Err(e) => Err(format!("answer cut: {e}")),
+                }
+            }
+            Err(e) => Err(format!("cannot reach the inference port: {e}")),
+        };
+        let ended = tokio::task::spawn_blocking(move || match outcome {
+            Ok((status, _)) if matches!(status, 429 | 503 | 504) => q
+                .store
+                .retry(
+                    &id,
+                    attempt,
+                    &format!("the fleet had no room ({status})"),
+                    false,
+                    now_ms(),
+                )
+                .map(|j| (j, Some(status))),
+            Ok((status, _)) if status >= 500 => q
+                .store
+                .retry(
+                    &id,
+                    attempt,
+                    &format!("the fleet answered {status}"),
+                    true,
+                    now_ms(),
+                )
+                .map(|j| (j, None)),
+            Ok((status, body)) => q
+                .store
+                .finish(&id, attempt, Answer { status, body }, now_ms())
+                .map(|j| (j, None)),
+            Err(e) => q
+                .store
+                .retry(&id, attempt, &e, true, now_ms())
+                .map(|j| (j, None)),
+        })
+        .await;
+        match ended {
+            Ok(Ok((Some(job), no_room))) => {
+                if no_room == Some(429) {
+                    queue.throttled.store(true, Ordering::Relaxed);
+                }
+                if job.status.is_final() {
+                    queue.metrics.ended(job.status);
+                    queue.finished.notify_waiters();
+                }
+            }
+            Ok(Ok((None, _))) => {}
+            Ok(Err(e)) => warn!(request = job.id, "async queue store: {e}"),
+            Err(e) => warn!(request = job.id, "async delivery task: {e}"),
+        }
+        queue.in_flight.fetch_sub(1, Ordering::Relaxed);
+        queue.submitted.notify_one();
+    }
+}
+
+#[async_trait]
+impl BackgroundService for Dispatcher {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let queue = &self.queue;
+        let client = match reqwest::Client::builder()
+            .timeout(Duration::from_secs(600))
+            .build()
+        {
+            Ok(c) => c,
+            Err(e) => {
+                warn!("async dispatcher cannot build its HTTP client: {e}");
+                return;
+            }
+        };
+        let host = if self.inference.ip().is_unspecified() {
+            SocketAddr::from(([127, 0, 0, 1], self.inference.port()))
+        } else {
+            self.inference
+        };
+        let url = format!("http://{host}");
+        let mut budget = Budget::new(BudgetConfig {
+            max_sys: 0,
+            baseline: queue.config.baseline,
+        });
+        let mut last_reclaim = Instant::now() - Duration::from_secs(1);
+        let mut last_reading = Instant::now() - READING_INTERVAL;
+        info!(dir = %queue.config.dir.display(), "async dispatcher started");
+        loop {
+            if last_reclaim.elapsed() >= Duration::from_millis(500) {
+                last_reclaim = Instant::now();
+                let q = Arc::clone(queue);
+                if let Ok(Ok(r)) =
+                    tokio::task::spawn_blocking(move || q.store.reclaim(now_ms())).await
+                {
+                    for _ in &r.dead_lettered {
+                        queue.metrics.ended(Status::DeadLettered);
+                    }
+                    for _ in &r.expired {
+                        queue.metrics.ended(Status::Expired);
+                    }
+                    if !r.dead_lettered.is_empty() || !r.expired.is_empty() {
+                        queue.finished.notify_waiters();
+                    }
+                }
+                let q = Arc::clone(queue);
+                if let Ok(Ok(c)) = tokio::task::spawn_blocking(move || q.store.counts()).await {
+                    let m = &queue.metrics;
+                    m.requests
+                        .with_label_values(&["default", "queued"])
+                        .set(c.queued as i64);
+                    m.requests
+                        .with_label_values(&["default", "dispatched"])
+                        .set(c.dispatched as i64);
+                    m.oldest_age.set(
+                        c.oldest_queued_ms
+                            .map_or(0.0, |t| now_ms().saturating_sub(t) as f64 / 1000.0),
+                    );
+                }
+            }
+            let in_flight = queue.in_flight.load(Ordering::Relaxed);
+            if last_reading.elapsed() >= READING_INTERVAL {
+                last_reading = Instant::now();
+                let (spare, max_sys) = self.spare(in_flight);
+                budget.set_config(BudgetConfig {
+                    max_sys,
+                    baseline: queue.config.baseline,
+                });
+                budget.reading(spare);
+            }
+            if queue.throttled.swap(false, Ordering::Relaxed) {
+                budget.throttled();
+            }
+            queue.metrics.spare.set(budget.spare());
+            queue.metrics.allowed.set(budget.allowed() as f64);
+            let n = budget.available(in_flight) as usize;
+            if n > 0 && !self.queue.shared.is_shutting_down() {
+                let q = Arc::clone(queue);
+                let leased = tokio::task::spawn_blocking(move || q.store.lease(n, now_ms())).await;
+                match leased {
+                    Ok(Ok(jobs)) => {
+                        for job in jobs {
+                            queue.in_flight.fetch_add(1, Ordering::Relaxed);
+                            tokio::spawn(Self::deliver(
+                                Arc::clone(queue),
+                                client.clone(),
+                                url.clone(),
+                                job,
+                            ));
+                        }
+                    }
+                    Ok(Err(e)) => warn!("async queue store: {e}"),
+                    Err(e) => warn!("async lease task: {e}"),
+                }
+            }
+            tokio::select! {
+                () = queue.submitted.notified() => {}
+                () = tokio::time::sleep(Duration::from_millis(100)) => {}
+                _ = shutdown.changed() => return,
+            }
+        }
+    }
+}

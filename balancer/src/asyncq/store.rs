@@ -1,0 +1,760 @@
+//! The embedded, durable store of async requests (redb: every change is one
+//! ACID transaction, synced to disk before it returns, so nothing accepted is
+//! lost when the process is killed).
+//!
+//! A request is `queued` until the dispatcher leases it (`dispatched`, with a
+//! visibility lease of `max_idle`). It ends `succeeded` or `failed` (the
+//! fleet's answer is kept), `cancelled`, `expired` (its deadline passed while
+//! queued) or `evicted` (pushed out by `auto_evict`). A lease that runs out,
+//! or a dispatch that failed on the way, delivers it again, up to
+//! `max_delivery` times; then the dead-letter policy applies: `drop` marks it
+//! `dead_lettered` (kept, visible), `rear` puts it back at the end of the
+//! queue with a fresh count. Finished requests are purged after `retention`.
+
+use std::path::Path;
+use std::time::Duration;
+
+use redb::{Database, ReadableDatabase, ReadableTable, ReadableTableMetadata, TableDefinition};
+use serde::{Deserialize, Serialize};
+
+/// id → the request as JSON.
+const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
+/// Queue order (a sequence number) → id, for queued requests.
+const QUEUE: TableDefinition<u64, &str> = TableDefinition::new("queue");
+/// Idempotency key → id.
+const KEYS: TableDefinition<&str, &str> = TableDefinition::new("idempotency_keys");
+/// id → lease end (Unix ms), for dispatched requests.
+const LEASES: TableDefinition<&str, u64> = TableDefinition::new("leases");
+/// `finished_ms:id` → (), for retention.
+const FINISHED: TableDefinition<&str, ()> = TableDefinition::new("finished");
+/// Counters: `next_seq`.
+const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    Queued,
+    Dispatched,
+    Succeeded,
+    Failed,
+    DeadLettered,
+    Cancelled,
+    Expired,
+    Evicted,
+}
+
+impl Status {
+    pub fn is_final(self) -> bool {
+        !matches!(self, Status::Queued | Status::Dispatched)
+    }
+}
+
+/// What to do with a request delivered `max_delivery` times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum DeadLetter {
+    /// Keep it, marked `dead_lettered`.
+    Drop,
+    /// Back to the end of the queue with a fresh delivery count.
+    Rear,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct QueueConfig {
+    /// Queued requests at most (over: refused, or the oldest evicted).
+    pub max_length: usize,
+    /// Largest request body.
+    pub max_payload_bytes: usize,
+    /// Deliveries before the dead-letter policy applies.
+    pub max_delivery: u32,
+    /// Visibility lease: a dispatch not finished within it is redelivered.
+    pub max_idle: Duration,
+    pub dead_letter: DeadLetter,
+    /// How long finished requests (and their answers) are kept.
+    pub retention: Duration,
+    /// Evict the oldest queued request instead of refusing a new one.
+    pub auto_evict: bool,
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        QueueConfig {
+            max_length: 100_000,
+            max_payload_bytes: 16 << 20,
+            max_delivery: 5,
+            max_idle: Duration::from_secs(300),
+            dead_letter: DeadLetter::Drop,
+            retention: Duration::from_secs(24 * 3600),
+            auto_evict: false,
+        }
+    }
+}
+
+/// The fleet's answer to a finished request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Answer {
+    pub status: u16,
+    pub body: String,
+}
+
+/// One async request as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Job {
+    pub id: String,
+    /// The OpenAI path it is for, e.g. `/v1/chat/completions`.
+    pub path: String,
+    pub body: String,
+    pub fairness_id: String,
+    pub idempotency_key: Option<String>,
+    /// Unix ms after which a still-queued request expires.
+    pub deadline_ms: Option<u64>,
+    pub status: Status,
+    /// Deliveries so far (since the last `rear` dead-lettering).
+    pub attempts: u32,
+    pub created_ms: u64,
+    pub updated_ms: u64,
+    pub answer: Option<Answer>,
+    /// Why the last delivery failed, if it did.
+    pub last_error: Option<String>,
+    seq: u64,
+}
+
+/// A request to queue.
+#[derive(Debug, Clone, Default)]
+pub struct NewJob {
+    pub path: String,
+    pub body: String,
+    pub fairness_id: String,
+    pub idempotency_key: Option<String>,
+    pub deadline_ms: Option<u64>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("the queue is full ({0} requests)")]
+    Full(usize),
+    #[error("the request body exceeds {0} bytes")]
+    TooLarge(usize),
+    #[error("queue store: {0}")]
+    Storage(String),
+}
+
+impl<E: Into<redb::Error>> From<E> for StoreError {
+    fn from(e: E) -> Self {
+        StoreError::Storage(e.into().to_string())
+    }
+}
+
+type Result<T> = std::result::Result<T, StoreError>;
+
+fn encode(job: &Job) -> Vec<u8> {
+    serde_json::to_vec(job).expect("a job serializes")
+}
+
+fn decode(bytes: &[u8]) -> Result<Job> {
+    serde_json::from_slice(bytes).map_err(|e| StoreError::Storage(format!("corrupt job: {e}")))
+}
+
+fn finished_key(ms: u64, id: &str) -> String {
+    format!("{ms:020}:{id}")
+}
+
+/// Queue lengths for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counts {
+    pub queued: u64,
+    pub dispatched: u64,
+    /// Creation time of the oldest queued request (Unix ms).
+    pub oldest_queued_ms: Option<u64>,
+}
+
+/// What [`Store::reclaim`] did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Reclaimed {
+    /// Leases that ran out: delivered again.
+    pub redelivered: Vec<String>,
+    pub dead_lettered: Vec<String>,
+    pub expired: Vec<String>,
+    /// Finished requests past retention, deleted.
+    pub purged: usize,
+}
+
+pub struct Store {
+    db: Database,
+    config: QueueConfig,
+}
+
+impl Store {
+    /// Opens (or creates) the store in `dir`.
+    pub fn open(dir: &Path, config: QueueConfig) -> Result<Store> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| StoreError::Storage(format!("cannot create {}: {e}", dir.display())))?;
+        let db = Database::create(dir.join("async-queue.redb"))?;
+        let txn = db.begin_write()?;
+        {
+            txn.open_table(JOBS)?;
+            txn.open_table(QUEUE)?;
+            txn.open_table(KEYS)?;
+            txn.open_table(LEASES)?;
+            txn.open_table(FINISHED)?;
+            txn.open_table(META)?;
+        }
+        txn.commit()?;
+        Ok(Store { db, config })
+    }
+
+    /// Queues a request; with an idempotency key already seen, returns the
+    /// request that key made instead (`false`: nothing new was queued).
+    pub fn submit(&self, new: NewJob, id: String, now_ms: u64) -> Result<(Job, bool)> {
+        if new.body.len() > self.config.max_payload_bytes {
+            return Err(StoreError::TooLarge(self.config.max_payload_bytes));
+        }
+        let txn = self.db.begin_write()?;
+        let job = {
+            let mut jobs = txn.open_table(JOBS)?;
+            let mut keys = txn.open_table(KEYS)?;
+            if let Some(key) = &new.idempotency_key {
+                if let Some(existing) = keys.get(key.as_str())? {
+                    let existing = existing.value().to_string();
+                    if let Some(job) = jobs.get(existing.as_str())? {
+                        return Ok((decode(job.value())?, false));
+                    }
+                }
+            }
+            let mut queue = txn.open_table(QUEUE)?;
+            if queue.len()? as usize >= self.config.max_length {
+                if !self.config.auto_evict {
+                    return Err(StoreError::Full(self.config.max_length));
+                }
+                let oldest = queue.pop_first()?.map(|(_, id)| id.value().to_string());
+                if let Some(oldest) = oldest {
+                    let evicted = jobs.get(oldest.as_str())?.map(|j| decode(j.value()));
+                    if let Some(mut evicted) = evicted.transpose()? {
+                        evicted.status = Status::Evicted;
+                        evicted.updated_ms = now_ms;
+                        jobs.insert(oldest.as_str(), encode(&evicted).as_slice())?;
+                        txn.open_table(FINISHED)?
+                            .insert(finished_key(now_ms, &oldest).as_str(), ())?;
+                    }
+                }
+            }
+            let mut meta = txn.open_table(META)?;
+            let seq = meta.get("next_seq")?.map_or(0, |v| v.value());
+            meta.insert("next_seq", seq + 1)?;
+            let job = Job {
+                id,
+                path: new.path,
+                body: new.body,
+                fairness_id: new.fairness_id,
+                idempotency_key: new.idempotency_key,
+                deadline_ms: new.deadline_ms,
+                status: Status::Queued,
+                attempts: 0,
+                created_ms: now_ms,
+                updated_ms: now_ms,
+                answer: None,
+                last_error: None,
+                seq,
+            };
+            jobs.insert(job.id.as_str(), encode(&job).as_slice())?;
+            queue.insert(seq, job.id.as_str())?;
+            if let Some(key) = &job.idempotency_key {
+                keys.insert(key.as_str(), job.id.as_str())?;
+            }
+            job
+        };
+        txn.commit()?;
+        Ok((job, true))
+    }
+
+    pub fn get(&self, id: &str) -> Result<Option<Job>> {
+        let txn = self.db.begin_read()?;
+        let jobs = txn.open_table(JOBS)?;
+        let job = jobs.get(id)?.map(|j| decode(j.value())).transpose()?;
+        Ok(job)
+    }
+
+    /// Takes up to `n` queued requests in queue order and leases them.
+    pub fn lease(&self, n: usize, now_ms: u64) -> Result<Vec<Job>> {
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let lease_until = now_ms + self.config.max_idle.as_millis() as u64;
+        let txn = self.db.begin_write()?;
+        let mut leased = Vec::new();
+        {
+            let mut queue = txn.open_table(QUEUE)?;
+            let mut jobs = txn.open_table(JOBS)?;
+            let mut leases = txn.open_table(LEASES)?;
+            while leased.len() < n {
+                let Some(id) = queue.pop_first()?.map(|(_, id)| id.value().to_string()) else {
+                    break;
+                };
+                let Some(mut job) = jobs
+                    .get(id.as_str())?
+                    .map(|j| decode(j.value()))
+                    .transpose()?
+                else {
+                    continue;
+                };
+                job.status = Status::Dispatched;
+                job.attempts += 1;
+                job.updated_ms = now_ms;
+                jobs.insert(id.as_str(), encode(&job).as_slice())?;
+                leases.insert(id.as_str(), lease_until)?;
+                leased.push(job);
+            }
+        }
+        txn.commit()?;
+        Ok(leased)
+    }
+
+    /// Records the fleet's answer to a leased request: `succeeded` for a
+    /// 2xx, `failed` otherwise. `None` if the request is no longer leased
+    /// (cancelled, or its lease ran out and it was delivered again).
+    pub fn finish(
+        &self,
+        id: &str,
+        attempt: u32,
+        answer: Answer,
+        now_ms: u64,
+    ) -> Result<Option<Job>> {
+        self.end_lease(id, attempt, now_ms, |job| {
+            job.status = if (200..300).contains(&answer.status) {
+                Status::Succeeded
+            } else {
+                Status::Failed
+            };
+            job.answer = Some(answer);
+        })
+    }
+
+    /// A delivery failed on the way (the fleet unreachable, a 5xx): queue
+    /// the request again at its place, or dead-letter it after
+    /// `max_delivery` deliveries. With `counted` false (the fleet had no
+    /// room: 429, 503, 504 from the balancer) the delivery does not count.
+    pub fn retry(
+        &self,
+        id: &str,
+        attempt: u32,
+        error: &str,
+        counted: bool,
+        now_ms: u64,
+    ) -> Result<Option<Job>> {
+        let txn = self.db.begin_write()?;
+        let job = {
+            let mut jobs = txn.open_table(JOBS)?;
+            let mut leases = txn.open_table(LEASES)?;
+            let Some(mut job) = jobs.get(id)?.map(|j| decode(j.value())).transpose()? else {
+                return Ok(None);
+            };
+            if job.status != Status::Dispatched || job.attempts != attempt {
+                return Ok(None);
+            }
+            leases.remove(id)?;
+            job.last_error = Some(error.to_string());
+            if !counted {
+                job.attempts -= 1;
+            }
+            self.redeliver(&txn, &mut job, now_ms)?;
+            jobs.insert(id, encode(&job).as_slice())?;
+            job
+        };
+        txn.commit()?;
+        Ok(Some(job))
+    }
+
+    /// Cancels a request not yet finished.
+    pub fn cancel(&self, id: &str, now_ms: u64) -> Result<Option<Job>> {
+        let txn = self.db.begin_write()?;
+        let job = {
+            let mut jobs = txn.open_table(JOBS)?;
+            let Some(mut job) = jobs.get(id)?.map(|j| decode(j.value())).transpose()? else {
+                return Ok(None);
+            };
+            if job.status.is_final() {
+                return Ok(Some(job));
+            }
+            txn.open_table(QUEUE)?.remove(job.seq)?;
+            txn.open_table(LEASES)?.remove(id)?;
+            job.status = Status::Cancelled;
+            job.updated_ms = now_ms;
+            txn.open_table(FINISHED)?
+                .insert(finished_key(now_ms, id).as_str(), ())?;
+            jobs.insert(id, encode(&job).as_slice())?;
+            job
+        };
+        txn.commit()?;
+        Ok(Some(job))
+    }
+
+    /// Delivers again the requests whose lease ran out, expires queued ones
+    /// past their deadline, and purges finished ones past retention.
+    pub fn reclaim(&self, now_ms: u64) -> Result<Reclaimed> {
+        let mut done = Reclaimed::default();
+        let txn = self.db.begin_write()?;
+        {
+            let mut jobs = txn.open_table(JOBS)?;
+            let mut leases = txn.open_table(LEASES)?;
+            let expired_leases: Vec<String> = leases
+                .iter()?
+                .filter_map(|e| e.ok())
+                .filter(|(_, until)| until.value() <= now_ms)
+                .map(|(id, _)| id.value().to_string())
+                .collect();
+            for id in expired_leases {
+                leases.remove(id.as_str())?;
+                let Some(mut job) = jobs
+                    .get(id.as_str())?
+                    .map(|j| decode(j.value()))
+                    .transpose()?
+                else {
+                    continue;
+                };
+                job.last_error = Some("the lease ran out before the dispatch finished".into());
+                self.redeliver(&txn, &mut job, now_ms)?;
+                if job.status == Status::DeadLettered {
+                    done.dead_lettered.push(id.clone());
+                } else {
+                    done.redelivered.push(id.clone());
+                }
+                jobs.insert(id.as_str(), encode(&job).as_slice())?;
+            }
+
+            let mut queue = txn.open_table(QUEUE)?;
+            let queued: Vec<(u64, String)> = queue
+                .iter()?
+                .filter_map(|e| e.ok())
+                .map(|(seq, id)| (seq.value(), id.value().to_string()))
+                .collect();
+            let mut finished = txn.open_table(FINISHED)?;
+            for (seq, id) in queued {
+                let Some(mut job) = jobs
+                    .get(id.as_str())?
+                    .map(|j| decode(j.value()))
+                    .transpose()?
+                else {
+                    continue;
+                };
+                if job.deadline_ms.is_some_and(|d| d <= now_ms) {
+                    queue.remove(seq)?;
+                    job.status = Status::Expired;
+                    job.updated_ms = now_ms;
+                    finished.insert(finished_key(now_ms, &id).as_str(), ())?;
+                    jobs.insert(id.as_str(), encode(&job).as_slice())?;
+                    done.expired.push(id);
+                }
+            }
+
+            let retention = self.config.retention.as_millis() as u64;
+            let horizon = finished_key(now_ms.saturating_sub(retention), "");
+            let old: Vec<String> = finished
+                .range::<&str>(..horizon.as_str())?
+                .filter_map(|e| e.ok())
+                .map(|(k, _)| k.value().to_string())
+                .collect();
+            let mut keys = txn.open_table(KEYS)?;
+            for key in old {
+                finished.remove(key.as_str())?;
+                let id = &key[21..];
+                if let Some(job) = jobs.remove(id)?.map(|j| decode(j.value())).transpose()? {
+                    if let Some(k) = &job.idempotency_key {
+                        keys.remove(k.as_str())?;
+                    }
+                }
+                done.purged += 1;
+            }
+        }
+        txn.commit()?;
+        Ok(done)
+    }
+
+    pub fn counts(&self) -> Result<Counts> {
+        let txn = self.db.begin_read()?;
+        let queue = txn.open_table(QUEUE)?;
+        let leases = txn.open_table(LEASES)?;
+        let jobs = txn.open_table(JOBS)?;
+        let oldest_queued_ms = match queue.first()? {
+            Some((_, id)) => jobs
+                .get(id.value())?
+                .map(|j| decode(j.value()))
+                .transpose()?
+                .map(|j| j.created_ms),
+            None => None,
+        };
+        Ok(Counts {
+            queued: queue.len()?,
+            dispatched: leases.len()?,
+            oldest_queued_ms,
+        })
+    }
+
+    /// Puts a request whose delivery failed back in the queue at its place,
+    /// or applies the dead-letter policy.
+    fn redeliver(&self, txn: &redb::WriteTransaction, job: &mut Job, now_ms: u64) -> Result<()> {
+        job.updated_ms = now_ms;
+        if job.attempts < self.config.max_delivery {
+            job.status = Status::Queued;
+            txn.open_table(QUEUE)?.insert(job.seq, job.id.as_str())?;
+            return Ok(());
+        }
+        match self.config.dead_letter {
+            DeadLetter::Drop => {
+                job.status = Status::DeadLettered;
+                txn.open_table(FINISHED)?
+                    .insert(finished_key(now_ms, &job.id).as_str(), ())?;
+            }
+            DeadLetter::Rear => {
+                let mut meta = txn.open_table(META)?;
+                let seq = meta.get("next_seq")?.map_or(0, |v| v.value());
+                meta.insert("next_seq", seq + 1)?;
+                job.seq = seq;
+                job.attempts = 0;
+                job.status = Status::Queued;
+                txn.open_table(QUEUE)?.insert(seq, job.id.as_str())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends a lease with `update` if `attempt` still holds it.
+    fn end_lease(
+        &self,
+        id: &str,
+        attempt: u32,
+        now_ms: u64,
+        update: impl FnOnce(&mut Job),
+    ) -> Result<Option<Job>> {
+        let txn = self.db.begin_write()?;
+        let job = {
+            let mut jobs = txn.open_table(JOBS)?;
+            let Some(mut job) = jobs.get(id)?.map(|j| decode(j.value())).transpose()? else {
+                return Ok(None);
+            };
+            if job.status != Status::Dispatched || job.attempts != attempt {
+                return Ok(None);
+            }
+            txn.open_table(LEASES)?.remove(id)?;
+            update(&mut job);
+            job.updated_ms = now_ms;
+            txn.open_table(FINISHED)?
+                .insert(finished_key(now_ms, id).as_str(), ())?;
+            jobs.insert(id, encode(&job).as_slice())?;
+            job
+        };
+        txn.commit()?;
+        Ok(Some(job))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Dir(std::path::PathBuf);
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    fn dir(name: &str) -> Dir {
+        Dir(std::env::temp_dir().join(format!("flowgate-store-{}-{name}", std::process::id())))
+    }
+
+    fn new_job(body: &str) -> NewJob {
+        NewJob {
+            path: "/v1/chat/completions".into(),
+            body: body.into(),
+            fairness_id: "t".into(),
+            ..NewJob::default()
+        }
+    }
+
+    fn ok(status: u16) -> Answer {
+        Answer {
+            status,
+            body: "{}".into(),
+        }
+    }
+
+    #[test]
+    fn requests_survive_a_reopen_and_come_out_in_order() {
+        let d = dir("reopen");
+        {
+            let store = Store::open(&d.0, QueueConfig::default()).unwrap();
+            for i in 0..3 {
+                store
+                    .submit(new_job(&format!("{i}")), format!("id{i}"), 1)
+                    .unwrap();
+            }
+            let leased = store.lease(1, 2).unwrap();
+            assert_eq!(leased[0].id, "id0");
+            assert_eq!(leased[0].status, Status::Dispatched);
+        }
+        let store = Store::open(&d.0, QueueConfig::default()).unwrap();
+        let c = store.counts().unwrap();
+        assert_eq!((c.queued, c.dispatched), (2, 1));
+        assert_eq!(c.oldest_queued_ms, Some(1));
+        let ids: Vec<_> = store
+            .lease(5, 3)
+            .unwrap()
+            .into_iter()
+            .map(|j| j.id)
+            .collect();
+        assert_eq!(ids, ["id1", "id2"]);
+        let done = store.finish("id1", 1, ok(200), 4).unwrap().unwrap();
+        assert_eq!(done.status, Status::Succeeded);
+        assert_eq!(store.get("id1").unwrap().unwrap().answer, Some(ok(200)));
+        assert_eq!(
+            store.finish("id2", 1, ok(400), 4).unwrap().unwrap().status,
+            Status::Failed
+        );
+    }
+
+    #[test]
+    fn an_idempotency_key_gives_the_same_request() {
+        let d = dir("idem");
+        let store = Store::open(&d.0, QueueConfig::default()).unwrap();
+        let mut job = new_job("a");
+        job.idempotency_key = Some("k".into());
+        let (first, created) = store.submit(job.clone(), "id1".into(), 1).unwrap();
+        assert!(created);
+        let (again, created) = store.submit(job, "id2".into(), 2).unwrap();
+        assert!(!created);
+        assert_eq!(again.id, first.id);
+        assert_eq!(store.counts().unwrap().queued, 1);
+    }
+
+    #[test]
+    fn limits_refuse_or_evict() {
+        let d = dir("limits");
+        let config = QueueConfig {
+            max_length: 2,
+            max_payload_bytes: 4,
+            ..QueueConfig::default()
+        };
+        let store = Store::open(&d.0, config.clone()).unwrap();
+        assert!(matches!(
+            store.submit(new_job("12345"), "big".into(), 1),
+            Err(StoreError::TooLarge(4))
+        ));
+        store.submit(new_job("a"), "a".into(), 1).unwrap();
+        store.submit(new_job("b"), "b".into(), 1).unwrap();
+        assert!(matches!(
+            store.submit(new_job("c"), "c".into(), 1),
+            Err(StoreError::Full(2))
+        ));
+        drop(store);
+        let store = Store::open(
+            &d.0,
+            QueueConfig {
+                auto_evict: true,
+                ..config
+            },
+        )
+        .unwrap();
+        store.submit(new_job("c"), "c".into(), 2).unwrap();
+        assert_eq!(store.get("a").unwrap().unwrap().status, Status::Evicted);
+        let ids: Vec<_> = store
+            .lease(5, 3)
+            .unwrap()
+            .into_iter()
+            .map(|j| j.id)
+            .collect();
+        assert_eq!(ids, ["b", "c"]);
+    }
+
+    #[test]
+    fn lost_leases_are_delivered_again_then_dead_lettered() {
+        let d = dir("lease");
+        let config = QueueConfig {
+            max_delivery: 2,
+            max_idle: Duration::from_millis(100),
+            ..QueueConfig::default()
+        };
+        let store = Store::open(&d.0, config.clone()).unwrap();
+        store.submit(new_job("a"), "a".into(), 0).unwrap();
+        store.lease(1, 0).unwrap();
+        assert_eq!(
+            store.reclaim(99).unwrap(),
+            Reclaimed::default(),
+            "lease still held"
+        );
+        let r = store.reclaim(100).unwrap();
+        assert_eq!(r.redelivered, ["a"]);
+        // The late answer of the lost delivery is ignored.
+        assert_eq!(store.finish("a", 1, ok(200), 101).unwrap(), None);
+        let again = store.lease(1, 200).unwrap();
+        assert_eq!(again[0].attempts, 2);
+        let r = store.reclaim(300).unwrap();
+        assert_eq!(r.dead_lettered, ["a"]);
+        assert_eq!(
+            store.get("a").unwrap().unwrap().status,
+            Status::DeadLettered
+        );
+
+        // `rear`: back at the end with a fresh count.
+        let d2 = dir("rear");
+        let rear = Store::open(
+            &d2.0,
+            QueueConfig {
+                dead_letter: DeadLetter::Rear,
+                ..config
+            },
+        )
+        .unwrap();
+        rear.submit(new_job("x"), "x".into(), 0).unwrap();
+        rear.submit(new_job("y"), "y".into(), 0).unwrap();
+        let x = rear.lease(1, 0).unwrap();
+        rear.retry("x", x[0].attempts, "500", true, 1).unwrap();
+        let x = rear.lease(1, 2).unwrap();
+        assert_eq!(x[0].id, "x", "a retry keeps its place");
+        let uncounted = rear.retry("x", 2, "429", false, 3).unwrap().unwrap();
+        assert_eq!(uncounted.attempts, 1, "no room is not a failed delivery");
+        let x = rear.lease(1, 3).unwrap();
+        let after = rear
+            .retry("x", x[0].attempts, "500", true, 3)
+            .unwrap()
+            .unwrap();
+        assert_eq!((after.status, after.attempts), (Status::Queued, 0));
+        let ids: Vec<_> = rear
+            .lease(5, 4)
+            .unwrap()
+            .into_iter()
+            .map(|j| j.id)
+            .collect();
+        assert_eq!(ids, ["y", "x"], "dead-lettered to the rear");
+    }
+
+    #[test]
+    fn cancel_expiry_and_retention() {
+        let d = dir("ends");
+        let config = QueueConfig {
+            retention: Duration::from_millis(1000),
+            ..QueueConfig::default()
+        };
+        let store = Store::open(&d.0, config).unwrap();
+        store.submit(new_job("a"), "a".into(), 0).unwrap();
+        let mut late = new_job("b");
+        late.deadline_ms = Some(50);
+        late.idempotency_key = Some("kb".into());
+        store.submit(late, "b".into(), 0).unwrap();
+        assert_eq!(
+            store.cancel("a", 10).unwrap().unwrap().status,
+            Status::Cancelled
+        );
+        assert_eq!(store.reclaim(50).unwrap().expired, ["b"]);
+        assert_eq!(store.get("b").unwrap().unwrap().status, Status::Expired);
+        assert!(store.lease(5, 60).unwrap().is_empty());
+        assert_eq!(store.reclaim(1000).unwrap().purged, 0);
+        assert_eq!(store.reclaim(1049).unwrap().purged, 1, "a, finished at 10");
+        assert_eq!(store.get("b").unwrap().unwrap().status, Status::Expired);
+        assert_eq!(store.reclaim(1051).unwrap().purged, 1, "b, finished at 50");
+        assert_eq!(store.get("a").unwrap(), None);
+        // The key is free again.
+        let mut again = new_job("b");
+        again.idempotency_key = Some("kb".into());
+        assert!(store.submit(again, "b2".into(), 1100).unwrap().1);
+    }
+}

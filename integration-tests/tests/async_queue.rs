@@ -1,0 +1,288 @@
+//! The async path with its embedded store: requests accepted with 202 survive
+//! a SIGKILL of the balancer and are answered after the restart; an
+//! idempotency key gives the same request; long-polling returns when the
+//! answer is in; cancel, unknown ids, a full queue; a request whose delivery
+//! keeps failing is delivered `max_delivery` times and dead-lettered.
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::{json, Value};
+
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(format!("flowgate-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        TempDir(dir)
+    }
+
+    fn arg(&self) -> &str {
+        self.0.to_str().unwrap()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+async fn submit(b: &Balancer, content: &str, headers: &[(&str, &str)]) -> reqwest::Response {
+    let mut req = client()
+        .post(b.url("/v1/async/chat/completions"))
+        .json(&chat_for(Some("sim-model"), content));
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    req.send().await.expect("the balancer answers")
+}
+
+async fn accepted(b: &Balancer, content: &str, headers: &[(&str, &str)]) -> String {
+    let resp = submit(b, content, headers).await;
+    assert_eq!(resp.status(), 202);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["status"], "queued", "{v}");
+    assert_eq!(v["object"], "async.request");
+    v["id"].as_str().unwrap().to_string()
+}
+
+async fn status(b: &Balancer, id: &str, wait: &str) -> Value {
+    get_json(&b.url(&format!("/v1/async/requests/{id}?wait={wait}"))).await
+}
+
+/// Waits until every id reached a final state; returns their views.
+async fn wait_final(b: &Balancer, ids: &[String], within: Duration) -> Vec<Value> {
+    wait_for("async requests to finish", within, || async {
+        let mut views = Vec::new();
+        for id in ids {
+            let v = status(b, id, "0").await;
+            if v["status"] == "queued" || v["status"] == "dispatched" {
+                return None;
+            }
+            views.push(v);
+        }
+        Some(views)
+    })
+    .await
+}
+
+#[tokio::test]
+async fn accepted_requests_survive_sigkill_and_are_answered_after_restart() {
+    let dir = TempDir::new("async-kill");
+    // No model server yet: the gate stays closed, everything stays queued.
+    let b = Balancer::start(&["--async-dir", dir.arg()]).await;
+    let mut ids = Vec::new();
+    for i in 0..40 {
+        ids.push(
+            accepted(
+                &b,
+                &format!("job {i}"),
+                &[("x-gateway-inference-fairness-id", "batch")],
+            )
+            .await,
+        );
+    }
+    let keyed = accepted(&b, "keyed", &[("idempotency-key", "job-41")]).await;
+    ids.push(keyed.clone());
+    wait_for("41 queued in the gauge", Duration::from_secs(5), || async {
+        (metric(&b, "flowgate_async_requests", &[("state", "queued")]).await == 41.0).then_some(())
+    })
+    .await;
+    b.proc.signal("KILL");
+    drop(b);
+
+    let (b, _sim, _agent) = fleet(&["--async-dir", dir.arg()], &[]).await;
+    // The same key after the restart: the same request, nothing new.
+    assert_eq!(
+        accepted(&b, "keyed", &[("idempotency-key", "job-41")]).await,
+        keyed
+    );
+    let views = wait_final(&b, &ids, Duration::from_secs(30)).await;
+    for v in &views {
+        assert_eq!(v["status"], "succeeded", "{v}");
+        assert_eq!(v["response_status"], 200);
+        assert_eq!(v["response"]["object"], "chat.completion", "{v}");
+        assert_eq!(v["attempts"], 1);
+    }
+    assert_eq!(views[0]["fairness_id"], "batch");
+    assert_eq!(
+        metric(
+            &b,
+            "flowgate_async_outcomes_total",
+            &[("status", "succeeded")]
+        )
+        .await,
+        41.0
+    );
+    assert_eq!(
+        metric(&b, "flowgate_requests_total", &[("code", "200")]).await,
+        41.0,
+        "each delivered once"
+    );
+}
+
+#[tokio::test]
+async fn long_poll_cancel_and_refusals() {
+    let dir = TempDir::new("async-api");
+    let (b, _sim, _agent) = fleet(
+        &["--async-dir", dir.arg(), "--async-max-length", "3"],
+        &["--ttft-ms", "600", "--output-tokens", "1"],
+    )
+    .await;
+
+    // Long-poll: answered once the request is done (~600 ms), not at the
+    // end of the 20 s wait.
+    let id = accepted(&b, "poll", &[]).await;
+    let started = Instant::now();
+    let v = status(&b, &id, "20s").await;
+    let took = started.elapsed();
+    assert_eq!(v["status"], "succeeded", "{v}");
+    assert!(
+        took < Duration::from_secs(5),
+        "long-poll returned after {took:?}"
+    );
+
+    // Unknown id, bad wait, bad JSON, an async path of no OpenAI route.
+    let r = client()
+        .get(b.url("/v1/async/requests/areq_nope"))
+        .send()
+        .await
+        .unwrap();
+    assert_openai_error(r, 404).await;
+    let r = client()
+        .get(b.url(&format!("/v1/async/requests/{id}?wait=soon")))
+        .send()
+        .await
+        .unwrap();
+    assert_openai_error(r, 400).await;
+    let r = client()
+        .post(b.url("/v1/async/chat/completions"))
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_openai_error(r, 400).await;
+    let r = client()
+        .post(b.url("/v1/async/nothing"))
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_openai_error(r, 404).await;
+
+    // Cancel: a cancelled request is never answered; cancelling a finished
+    // one changes nothing.
+    let r = client()
+        .delete(b.url(&format!("/v1/async/requests/{id}")))
+        .send()
+        .await
+        .unwrap();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["status"], "succeeded");
+}
+
+#[tokio::test]
+async fn a_full_queue_refuses_and_cancelled_requests_are_not_sent() {
+    let dir = TempDir::new("async-full");
+    // No server: everything stays queued.
+    let b = Balancer::start(&["--async-dir", dir.arg(), "--async-max-length", "2"]).await;
+    let first = accepted(&b, "a", &[]).await;
+    accepted(&b, "b", &[]).await;
+    let body = assert_openai_error(submit(&b, "c", &[]).await, 429).await;
+    assert_eq!(body["error"]["code"], "async_queue_full");
+    let r = client()
+        .delete(b.url(&format!("/v1/async/requests/{first}")))
+        .send()
+        .await
+        .unwrap();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["status"], "cancelled");
+    // Room again.
+    accepted(&b, "c", &[]).await;
+}
+
+#[tokio::test]
+async fn failing_deliveries_are_retried_then_dead_lettered() {
+    let dir = TempDir::new("async-dead");
+    let (b, _sim, _agent) = fleet(
+        &["--async-dir", dir.arg(), "--async-max-delivery", "2"],
+        &["--fault", "status=500"],
+    )
+    .await;
+    let id = accepted(&b, "doomed", &[]).await;
+    let views = wait_final(&b, std::slice::from_ref(&id), Duration::from_secs(20)).await;
+    let v = &views[0];
+    assert_eq!(v["status"], "dead_lettered", "{v}");
+    assert_eq!(v["attempts"], 2);
+    assert!(v["last_error"].as_str().unwrap().contains("500"), "{v}");
+    assert_eq!(
+        metric(
+            &b,
+            "flowgate_async_deliveries_total",
+            &[("kind", "redelivery")]
+        )
+        .await,
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &b,
+            "flowgate_async_outcomes_total",
+            &[("status", "dead_lettered")]
+        )
+        .await,
+        1.0
+    );
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+#[tokio::test]
+async fn interactive_requests_go_before_the_async_backlog() {
+    let dir = TempDir::new("async-priority");
+    // One slot, 300 ms per request.
+    let (b, _sim, _agent) = fleet(
+        &["--async-dir", dir.arg()],
+        &["--slots", "1", "--ttft-ms", "300", "--output-tokens", "1"],
+    )
+    .await;
+    let mut ids = Vec::new();
+    for i in 0..6 {
+        ids.push(accepted(&b, &format!("async {i}"), &[]).await);
+    }
+    b.wait_in_flight(1, Duration::from_secs(5)).await;
+    let started = Instant::now();
+    let interactive: Vec<_> = (0..3).map(|_| spawn_chat(&b, &[])).collect();
+    let mut last_interactive_ms = 0;
+    for h in interactive {
+        assert_eq!(h.await.unwrap(), 200);
+        last_interactive_ms = last_interactive_ms.max(unix_ms());
+    }
+    let interactive_took = started.elapsed();
+    // At most the async request already on the server goes first: 4
+    // services of 300 ms, not 9.
+    assert!(
+        interactive_took < Duration::from_millis(300 * 6),
+        "interactive requests took {interactive_took:?}"
+    );
+    let views = wait_final(&b, &ids, Duration::from_secs(20)).await;
+    let before = views
+        .iter()
+        .filter(|v| v["updated_at_ms"].as_u64().unwrap() < last_interactive_ms)
+        .count();
+    assert!(
+        before <= 1,
+        "{before} async requests finished before the interactive ones"
+    );
+    assert!(views.iter().all(|v| v["status"] == "succeeded"));
+}

@@ -46,6 +46,7 @@ use crate::policy::{
 };
 use crate::request::{route_of, Refusal};
 use crate::state::{AdmitError, LeaseGuard, Shared};
+use serde_json::Value;
 
 /// Pingora's retry buffer size (`BODY_BUF_LIMIT` in pingora-core).
 const PINGORA_RETRY_BUFFER: usize = 64 * 1024;
@@ -242,6 +243,171 @@ impl Inference {
         }
         self.shared.metrics.upstream_retry(reason);
         true
+    }
+
+    /// The OpenAI Batch API (files and batches) on the async queue.
+    async fn route_batch(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        method: &Method,
+        path: &str,
+    ) -> Result<bool> {
+        use asyncq::batch::ApiError;
+        let Some(queue) = self.async_queue.clone() else {
+            let body = error_body(
+                "the Batch API needs the async path: start the balancer with --async-dir",
+                "invalid_request_error",
+                "async_disabled",
+            );
+            self.send_json(session, ctx, StatusCode::NOT_FOUND, body, &[])
+                .await?;
+            return Ok(true);
+        };
+        let segments: Vec<String> = path
+            .trim_start_matches("/v1/")
+            .split('/')
+            .map(str::to_string)
+            .collect();
+        let segments: Vec<&str> = segments.iter().map(String::as_str).collect();
+        let body = if *method == Method::POST {
+            let body_timeout = self.limits.body_timeout;
+            match tokio::time::timeout(body_timeout, self.read_body(session)).await {
+                Ok(read) => match read? {
+                    Ok((body, _)) => body,
+                    Err(refusal) => return self.refuse_unread(session, ctx, refusal).await,
+                },
+                Err(_) => {
+                    self.shared.metrics.client_refusal("body_timeout");
+                    let refusal = Refusal::new(
+                        StatusCode::REQUEST_TIMEOUT,
+                        "invalid_request_error",
+                        "body_timeout",
+                        format!("the request body did not arrive within {body_timeout:?}"),
+                    );
+                    return self.refuse_unread(session, ctx, refusal).await;
+                }
+            }
+        } else {
+            Bytes::new()
+        };
+        let headers = &session.req_header().headers;
+        let content_type = headers
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string();
+        let query = session.req_header().uri.query().unwrap_or("").to_string();
+        let tenant = match &ctx.grant {
+            Some(g) => g.tenant.to_string(),
+            None => headers
+                .get(FAIRNESS_ID_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .map(str::trim)
+                .filter(|id| flowgate::flow::valid_fairness_id(id))
+                .unwrap_or("default")
+                .to_string(),
+        };
+        let (method, segs) = (
+            method.clone(),
+            segments.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
+        );
+        // The store syncs to disk: off the proxy's threads.
+        let answer = tokio::task::spawn_blocking(
+            move || -> std::result::Result<(Value, Option<Vec<u8>>), ApiError> {
+                let segs: Vec<&str> = segs.iter().map(String::as_str).collect();
+                let bad = |m: String| ApiError(400, "invalid_request", m);
+                match (&method, segs.as_slice()) {
+                    (&Method::POST, ["files"]) => {
+                        let parts = asyncq::batch::parse_multipart(&content_type, &body)
+                            .map_err(bad)?;
+                        let field = |name: &str| parts.iter().find(|p| p.name == name);
+                        let file = field("file")
+                            .ok_or_else(|| bad("the form has no file field".into()))?;
+                        let purpose = field("purpose")
+                            .map(|p| String::from_utf8_lossy(p.data).trim().to_string())
+                            .ok_or_else(|| bad("the form has no purpose field".into()))?;
+                        let name = file
+                            .filename
+                            .clone()
+                            .unwrap_or_else(|| "upload.jsonl".into());
+                        Ok((queue.create_file(&name, &purpose, file.data)?.view(), None))
+                    }
+                    (&Method::GET, ["files", id]) => Ok((queue.file(id)?.0.view(), None)),
+                    (&Method::GET, ["files", id, "content"]) => {
+                        Ok((Value::Null, Some(queue.file(id)?.1)))
+                    }
+                    (&Method::POST, ["batches"]) => {
+                        let v: Value = serde_json::from_slice(&body)
+                            .map_err(|e| bad(format!("the body is not JSON: {e}")))?;
+                        let field = |k: &str| {
+                            v[k].as_str()
+                                .map(str::to_string)
+                                .ok_or_else(|| bad(format!("{k} is required")))
+                        };
+                        let batch = queue.create_batch(
+                            &field("input_file_id")?,
+                            &field("endpoint")?,
+                            &field("completion_window")?,
+                            v.get("metadata").cloned().filter(|m| !m.is_null()),
+                            &tenant,
+                        )?;
+                        Ok((batch, None))
+                    }
+                    (&Method::GET, ["batches"]) => {
+                        let param = |k: &str| {
+                            query.split('&').find_map(|kv| {
+                                kv.strip_prefix(&format!("{k}=")[..]).map(str::to_string)
+                            })
+                        };
+                        let limit = param("limit")
+                            .and_then(|l| l.parse().ok())
+                            .unwrap_or(20usize)
+                            .clamp(1, 100);
+                        Ok((queue.list_batches(limit, param("after").as_deref())?, None))
+                    }
+                    (&Method::GET, ["batches", id]) => Ok((queue.batch(id)?, None)),
+                    (&Method::POST, ["batches", id, "cancel"]) => {
+                        Ok((queue.cancel_batch(id)?, None))
+                    }
+                    _ => Err(ApiError(
+                        404,
+                        "not_found",
+                        format!("no route for {method} /v1/{}", segs.join("/")),
+                    )),
+                }
+            },
+        )
+        .await;
+        let (status, body, raw) = match answer {
+            Ok(Ok((v, raw))) => (StatusCode::OK, v.to_string().into_bytes(), raw),
+            Ok(Err(ApiError(status, code, message))) => (
+                StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+                error_body(&message, "invalid_request_error", code),
+                None,
+            ),
+            Err(e) => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                error_body(&e.to_string(), "server_error", "queue_error"),
+                None,
+            ),
+        };
+        match raw {
+            None => self.send_json(session, ctx, status, body, &[]).await?,
+            Some(content) => {
+                let mut h = ResponseHeader::build(StatusCode::OK, Some(3))?;
+                h.insert_header("content-type", "application/octet-stream")?;
+                h.insert_header("content-length", content.len().to_string())?;
+                if !ctx.request_id.is_empty() {
+                    h.insert_header(REQUEST_ID_HEADER, ctx.request_id.as_str())?;
+                }
+                session.write_response_header(Box::new(h), false).await?;
+                session
+                    .write_response_body(Some(Bytes::from(content)), true)
+                    .await?;
+            }
+        }
+        Ok(true)
     }
 
     /// The async path's API: submit, status (long-poll), cancel.
@@ -571,6 +737,17 @@ impl Inference {
         }
         let method = req.method.clone();
         let path = req.uri.path().to_string();
+        if path == "/v1/files"
+            || path.starts_with("/v1/files/")
+            || path == "/v1/batches"
+            || path.starts_with("/v1/batches/")
+        {
+            ctx.reason = "local";
+            return self
+                .route_batch(session, ctx, &method, &path)
+                .await
+                .map(Some);
+        }
         if path.starts_with("/v1/async/") {
             ctx.reason = "local";
             return self

@@ -7,6 +7,7 @@
 //! control and scheduling as interactive work, in its own low-priority band:
 //! interactive requests always go first, async ones fill what is left.
 
+pub mod batch;
 pub mod store;
 
 use std::net::SocketAddr;

@@ -206,65 +206,103 @@ impl Store {
     /// Queues a request; with an idempotency key already seen, returns the
     /// request that key made instead (`false`: nothing new was queued).
     pub fn submit(&self, new: NewJob, id: String, now_ms: u64) -> Result<(Job, bool)> {
-        if new.body.len() > self.config.max_payload_bytes {
+        let mut done = self.submit_many(vec![(new, id)], now_ms)?;
+        Ok(done.pop().expect("one request in, one out"))
+    }
+
+    /// Queues several requests in one transaction: all or none.
+    pub fn submit_many(&self, new: Vec<(NewJob, String)>, now_ms: u64) -> Result<Vec<(Job, bool)>> {
+        if new
+            .iter()
+            .any(|(j, _)| j.body.len() > self.config.max_payload_bytes)
+        {
             return Err(StoreError::TooLarge(self.config.max_payload_bytes));
         }
         let txn = self.db.begin_write()?;
-        let job = {
-            let mut jobs = txn.open_table(JOBS)?;
-            let mut keys = txn.open_table(KEYS)?;
-            if let Some(key) = &new.idempotency_key {
-                if let Some(existing) = keys.get(key.as_str())? {
-                    let existing = existing.value().to_string();
-                    if let Some(job) = jobs.get(existing.as_str())? {
-                        return Ok((decode(job.value())?, false));
-                    }
-                }
-            }
-            let mut queue = txn.open_table(QUEUE)?;
-            if queue.len()? as usize >= self.config.max_length {
-                if !self.config.auto_evict {
-                    return Err(StoreError::Full(self.config.max_length));
-                }
-                let oldest = queue.pop_first()?.map(|(_, id)| id.value().to_string());
-                if let Some(oldest) = oldest {
-                    let evicted = jobs.get(oldest.as_str())?.map(|j| decode(j.value()));
-                    if let Some(mut evicted) = evicted.transpose()? {
-                        evicted.status = Status::Evicted;
-                        evicted.updated_ms = now_ms;
-                        jobs.insert(oldest.as_str(), encode(&evicted).as_slice())?;
-                        txn.open_table(FINISHED)?
-                            .insert(finished_key(now_ms, &oldest).as_str(), ())?;
-                    }
-                }
-            }
-            let mut meta = txn.open_table(META)?;
-            let seq = meta.get("next_seq")?.map_or(0, |v| v.value());
-            meta.insert("next_seq", seq + 1)?;
-            let job = Job {
-                id,
-                path: new.path,
-                body: new.body,
-                fairness_id: new.fairness_id,
-                idempotency_key: new.idempotency_key,
-                deadline_ms: new.deadline_ms,
-                status: Status::Queued,
-                attempts: 0,
-                created_ms: now_ms,
-                updated_ms: now_ms,
-                answer: None,
-                last_error: None,
-                seq,
-            };
-            jobs.insert(job.id.as_str(), encode(&job).as_slice())?;
-            queue.insert(seq, job.id.as_str())?;
-            if let Some(key) = &job.idempotency_key {
-                keys.insert(key.as_str(), job.id.as_str())?;
-            }
-            job
-        };
+        let mut out = Vec::with_capacity(new.len());
+        for (job, id) in new {
+            out.push(self.insert(&txn, job, id, now_ms)?);
+        }
         txn.commit()?;
+        Ok(out)
+    }
+
+    fn insert(
+        &self,
+        txn: &redb::WriteTransaction,
+        new: NewJob,
+        id: String,
+        now_ms: u64,
+    ) -> Result<(Job, bool)> {
+        let mut jobs = txn.open_table(JOBS)?;
+        let mut keys = txn.open_table(KEYS)?;
+        if let Some(key) = &new.idempotency_key {
+            if let Some(existing) = keys.get(key.as_str())? {
+                let existing = existing.value().to_string();
+                if let Some(job) = jobs.get(existing.as_str())? {
+                    return Ok((decode(job.value())?, false));
+                }
+            }
+        }
+        let mut queue = txn.open_table(QUEUE)?;
+        if queue.len()? as usize >= self.config.max_length {
+            if !self.config.auto_evict {
+                return Err(StoreError::Full(self.config.max_length));
+            }
+            let oldest = queue.pop_first()?.map(|(_, id)| id.value().to_string());
+            if let Some(oldest) = oldest {
+                let evicted = jobs.get(oldest.as_str())?.map(|j| decode(j.value()));
+                if let Some(mut evicted) = evicted.transpose()? {
+                    evicted.status = Status::Evicted;
+                    evicted.updated_ms = now_ms;
+                    jobs.insert(oldest.as_str(), encode(&evicted).as_slice())?;
+                    txn.open_table(FINISHED)?
+                        .insert(finished_key(now_ms, &oldest).as_str(), ())?;
+                }
+            }
+        }
+        let mut meta = txn.open_table(META)?;
+        let seq = meta.get("next_seq")?.map_or(0, |v| v.value());
+        meta.insert("next_seq", seq + 1)?;
+        let job = Job {
+            id,
+            path: new.path,
+            body: new.body,
+            fairness_id: new.fairness_id,
+            idempotency_key: new.idempotency_key,
+            deadline_ms: new.deadline_ms,
+            status: Status::Queued,
+            attempts: 0,
+            created_ms: now_ms,
+            updated_ms: now_ms,
+            answer: None,
+            last_error: None,
+            seq,
+        };
+        jobs.insert(job.id.as_str(), encode(&job).as_slice())?;
+        queue.insert(seq, job.id.as_str())?;
+        if let Some(key) = &job.idempotency_key {
+            keys.insert(key.as_str(), job.id.as_str())?;
+        }
         Ok((job, true))
+    }
+
+    /// The database, for the Batch API's own tables.
+    pub(super) fn db(&self) -> &Database {
+        &self.db
+    }
+
+    /// Several requests at once (`None` for unknown ids).
+    pub fn get_many(&self, ids: &[String]) -> Result<Vec<Option<Job>>> {
+        let txn = self.db.begin_read()?;
+        let jobs = txn.open_table(JOBS)?;
+        ids.iter()
+            .map(|id| {
+                jobs.get(id.as_str())?
+                    .map(|j| decode(j.value()))
+                    .transpose()
+            })
+            .collect()
     }
 
     pub fn get(&self, id: &str) -> Result<Option<Job>> {

@@ -1,0 +1,621 @@
+//! The OpenAI Batch API on the async queue: `POST /v1/files` (JSONL, purpose
+//! `batch`), `POST /v1/batches`, `GET /v1/batches[/{id}]`,
+//! `POST /v1/batches/{id}/cancel`, `GET /v1/files/{id}[/content]`.
+//!
+//! A batch's lines become async requests (one transaction, idempotency key
+//! `batch:<batch id>:<custom_id>`), so they are dispatched under the same
+//! budget, in the same band, with the same redelivery. The batch's state is
+//! derived from its requests whenever it is read; once all are final, its
+//! output file (every answer, with its status code) and error file (requests
+//! that got none: dead-lettered, expired, cancelled, evicted) are written and
+//! the batch is `completed` (or `cancelled`).
+
+use std::sync::Arc;
+
+use redb::{ReadableDatabase, ReadableTable, TableDefinition};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use super::store::{Job, NewJob, StoreError};
+use super::{now_ms, AsyncQueue};
+
+/// id → file metadata (JSON).
+const FILES: TableDefinition<&str, &[u8]> = TableDefinition::new("files");
+/// id → file content.
+const FILE_DATA: TableDefinition<&str, &[u8]> = TableDefinition::new("file_data");
+/// id → batch record (JSON).
+const BATCHES: TableDefinition<&str, &[u8]> = TableDefinition::new("batches");
+
+/// Endpoints a batch may target.
+const BATCH_ENDPOINTS: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"];
+
+/// An error the API answers with: status, code, message.
+#[derive(Debug, PartialEq)]
+pub struct ApiError(pub u16, pub &'static str, pub String);
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::Full(n) => ApiError(
+                429,
+                "async_queue_full",
+                format!("the async queue cannot take this batch: it holds at most {n} requests"),
+            ),
+            StoreError::TooLarge(n) => ApiError(
+                413,
+                "request_too_large",
+                format!("a request of the batch exceeds {n} bytes"),
+            ),
+            StoreError::Storage(e) => ApiError(500, "queue_error", e),
+        }
+    }
+}
+
+impl From<redb::Error> for ApiError {
+    fn from(e: redb::Error) -> Self {
+        ApiError(500, "queue_error", e.to_string())
+    }
+}
+
+macro_rules! db_err {
+    ($($t:ty),*) => {$(
+        impl From<$t> for ApiError {
+            fn from(e: $t) -> Self {
+                ApiError::from(redb::Error::from(e))
+            }
+        }
+    )*};
+}
+db_err!(
+    redb::TransactionError,
+    redb::TableError,
+    redb::StorageError,
+    redb::CommitError
+);
+
+type Result<T> = std::result::Result<T, ApiError>;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FileMeta {
+    pub id: String,
+    pub bytes: u64,
+    pub created_at: u64,
+    pub filename: String,
+    pub purpose: String,
+}
+
+impl FileMeta {
+    pub fn view(&self) -> Value {
+        json!({
+            "id": self.id, "object": "file", "bytes": self.bytes,
+            "created_at": self.created_at, "filename": self.filename,
+            "purpose": self.purpose, "status": "processed",
+        })
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct BatchRecord {
+    id: String,
+    endpoint: String,
+    input_file_id: String,
+    completion_window: String,
+    metadata: Option<Value>,
+    status: String,
+    created_at: u64,
+    in_progress_at: Option<u64>,
+    cancelling_at: Option<u64>,
+    cancelled_at: Option<u64>,
+    completed_at: Option<u64>,
+    failed_at: Option<u64>,
+    output_file_id: Option<String>,
+    error_file_id: Option<String>,
+    /// Validation errors (the batch failed before any request was queued).
+    errors: Vec<Value>,
+    /// (custom_id, async request id), in input order.
+    requests: Vec<(String, String)>,
+    completed: u64,
+    failed: u64,
+}
+
+impl BatchRecord {
+    fn view(&self) -> Value {
+        json!({
+            "id": self.id, "object": "batch", "endpoint": self.endpoint,
+            "input_file_id": self.input_file_id,
+            "completion_window": self.completion_window,
+            "status": self.status, "created_at": self.created_at,
+            "in_progress_at": self.in_progress_at, "cancelling_at": self.cancelling_at,
+            "cancelled_at": self.cancelled_at, "completed_at": self.completed_at,
+            "failed_at": self.failed_at,
+            "expires_at": self.created_at + 24 * 3600,
+            "output_file_id": self.output_file_id, "error_file_id": self.error_file_id,
+            "errors": if self.errors.is_empty() { Value::Null } else {
+                json!({"object": "list", "data": self.errors})
+            },
+            "request_counts": {
+                "total": self.requests.len(), "completed": self.completed, "failed": self.failed,
+            },
+            "metadata": self.metadata,
+        })
+    }
+
+    fn is_open(&self) -> bool {
+        matches!(self.status.as_str(), "in_progress" | "cancelling")
+    }
+}
+
+fn now_s() -> u64 {
+    now_ms() / 1000
+}
+
+/// One part of a `multipart/form-data` body.
+#[derive(Debug, PartialEq)]
+pub struct Part<'a> {
+    pub name: String,
+    pub filename: Option<String>,
+    pub data: &'a [u8],
+}
+
+/// The `name="…"` parameter of a header value.
+fn param(header: &str, name: &str) -> Option<String> {
+    header.split(';').find_map(|p| {
+        let (k, v) = p.trim().split_once('=')?;
+        k.trim()
+            .eq_ignore_ascii_case(name)
+            .then(|| v.trim().trim_matches('"').to_string())
+    })
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    if needle.is_empty() || haystack.len() < needle.len() {
+        return None;
+    }
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+/// Splits a `multipart/form-data` body (RFC 7578), held in memory.
+pub fn parse_multipart<'a>(
+    content_type: &str,
+    body: &'a [u8],
+) -> std::result::Result<Vec<Part<'a>>, String> {
+    if !content_type
+        .trim_start()
+        .to_ascii_lowercase()
+        .starts_with("multipart/form-data")
+    {
+        return Err("expected a multipart/form-data body".into());
+    }
+    let boundary = param(content_type, "boundary")
+        .filter(|b| !b.is_empty() && b.len() <= 200)
+        .ok_or("the multipart content type names no boundary")?;
+    let delimiter = format!("--{boundary}");
+    let mut rest = match find(body, delimiter.as_bytes()) {
+        Some(i) => &body[i + delimiter.len()..],
+        None => return Err("the multipart body has no boundary line".into()),
+    };
+    let next = format!("\r\n--{boundary}");
+    let mut parts = Vec::new();
+    loop {
+        if rest.starts_with(b"--") {
+            return Ok(parts);
+        }
+        rest = rest
+            .strip_prefix(b"\r\n")
+            .ok_or("a multipart boundary must end its line")?;
+        let head_end = find(rest, b"\r\n\r\n").ok_or("a multipart part has no header end")?;
+        let head =
+            std::str::from_utf8(&rest[..head_end]).map_err(|_| "a part header is not UTF-8")?;
+        let after_head = &rest[head_end + 4..];
+        let end = find(after_head, next.as_bytes()).ok_or("a multipart part is not closed")?;
+        let disposition = head
+            .split("\r\n")
+            .find_map(|l| {
+                let (k, v) = l.split_once(':')?;
+                k.trim()
+                    .eq_ignore_ascii_case("content-disposition")
+                    .then_some(v)
+            })
+            .ok_or("a multipart part has no Content-Disposition")?;
+        parts.push(Part {
+            name: param(disposition, "name").ok_or("a multipart part has no name")?,
+            filename: param(disposition, "filename"),
+            data: &after_head[..end],
+        });
+        rest = &after_head[end + next.len()..];
+    }
+}
+
+impl AsyncQueue {
+    fn new_object_id(&self, prefix: &str) -> String {
+        let n = self
+            .next_id
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        format!("{prefix}{}{:012x}{n:06x}", self.id_prefix, now_ms())
+    }
+
+    /// Stores an uploaded file (purpose `batch`, JSONL).
+    pub fn create_file(&self, filename: &str, purpose: &str, data: &[u8]) -> Result<FileMeta> {
+        if purpose != "batch" {
+            return Err(ApiError(
+                400,
+                "invalid_purpose",
+                format!("purpose {purpose:?} is not supported: only \"batch\""),
+            ));
+        }
+        let meta = FileMeta {
+            id: self.new_object_id("file-"),
+            bytes: data.len() as u64,
+            created_at: now_s(),
+            filename: filename.to_string(),
+            purpose: purpose.to_string(),
+        };
+        self.put_file(&meta, data)?;
+        Ok(meta)
+    }
+
+    fn put_file(&self, meta: &FileMeta, data: &[u8]) -> Result<()> {
+        let db = self.store.db();
+        let txn = db.begin_write()?;
+        {
+            let bytes = serde_json::to_vec(meta).expect("file meta serializes");
+            txn.open_table(FILES)?
+                .insert(meta.id.as_str(), bytes.as_slice())?;
+            txn.open_table(FILE_DATA)?.insert(meta.id.as_str(), data)?;
+        }
+        txn.commit()?;
+        Ok(())
+    }
+
+    pub fn file(&self, id: &str) -> Result<(FileMeta, Vec<u8>)> {
+        let txn = self.store.db().begin_read()?;
+        let (Ok(files), Ok(data)) = (txn.open_table(FILES), txn.open_table(FILE_DATA)) else {
+            return Err(no_file(id));
+        };
+        let meta = files.get(id)?.ok_or_else(|| no_file(id))?;
+        let meta: FileMeta = serde_json::from_slice(meta.value())
+            .map_err(|e| ApiError(500, "queue_error", e.to_string()))?;
+        let bytes = data
+            .get(id)?
+            .map(|d| d.value().to_vec())
+            .unwrap_or_default();
+        Ok((meta, bytes))
+    }
+
+    /// Validates the input file and queues its requests.
+    pub fn create_batch(
+        self: &Arc<Self>,
+        input_file_id: &str,
+        endpoint: &str,
+        completion_window: &str,
+        metadata: Option<Value>,
+        fairness_id: &str,
+    ) -> Result<Value> {
+        if !BATCH_ENDPOINTS.contains(&endpoint) {
+            return Err(ApiError(
+                400,
+                "invalid_endpoint",
+                format!("endpoint must be one of {BATCH_ENDPOINTS:?}"),
+            ));
+        }
+        if completion_window != "24h" {
+            return Err(ApiError(
+                400,
+                "invalid_completion_window",
+                "completion_window must be \"24h\"".into(),
+            ));
+        }
+        let (_, input) = self.file(input_file_id)?;
+        let now = now_s();
+        let mut record = BatchRecord {
+            id: self.new_object_id("batch_"),
+            endpoint: endpoint.to_string(),
+            input_file_id: input_file_id.to_string(),
+            completion_window: completion_window.to_string(),
+            metadata,
+            status: "in_progress".into(),
+            created_at: now,
+            in_progress_at: Some(now),
+            cancelling_at: None,
+            cancelled_at: None,
+            completed_at: None,
+            failed_at: None,
+            output_file_id: None,
+            error_file_id: None,
+            errors: Vec::new(),
+            requests: Vec::new(),
+            completed: 0,
+            failed: 0,
+        };
+        let mut jobs = Vec::new();
+        let mut seen = std::collections::HashSet::new();
+        let text = String::from_utf8_lossy(&input);
+        for (i, line) in text
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+        {
+            let n = i + 1;
+            let mut fail = |code: &str, message: String| {
+                record
+                    .errors
+                    .push(json!({"code": code, "message": message, "line": n}));
+            };
+            let Ok(v) = serde_json::from_str::<Value>(line) else {
+                fail("invalid_json_line", format!("line {n} is not JSON"));
+                continue;
+            };
+            let custom_id = v["custom_id"].as_str().unwrap_or_default().to_string();
+            if custom_id.is_empty() {
+                fail("missing_custom_id", format!("line {n} has no custom_id"));
+                continue;
+            }
+            if !seen.insert(custom_id.clone()) {
+                fail(
+                    "duplicate_custom_id",
+                    format!("custom_id {custom_id:?} appears twice"),
+                );
+                continue;
+            }
+            if v["method"] != "POST" || v["url"] != endpoint {
+                fail(
+                    "invalid_request",
+                    format!("line {n}: method must be POST and url {endpoint}"),
+                );
+                continue;
+            }
+            if !v["body"].is_object() {
+                fail(
+                    "invalid_request",
+                    format!("line {n}: body must be an object"),
+                );
+                continue;
+            }
+            let job_id = format!("areq_{}_{}", record.id, record.requests.len());
+            jobs.push((
+                NewJob {
+                    path: endpoint.to_string(),
+                    body: v["body"].to_string(),
+                    fairness_id: fairness_id.to_string(),
+                    idempotency_key: Some(format!("batch:{}:{custom_id}", record.id)),
+                    deadline_ms: None,
+                },
+                job_id.clone(),
+            ));
+            record.requests.push((custom_id, job_id));
+        }
+        if record.requests.is_empty() && record.errors.is_empty() {
+            record
+                .errors
+                .push(json!({"code": "empty_file", "message": "the input file holds no request"}));
+        }
+        if !record.errors.is_empty() {
+            record.status = "failed".into();
+            record.failed_at = Some(now);
+            record.in_progress_at = None;
+            record.requests.clear();
+        } else {
+            self.store.submit_many(jobs, now_ms())?;
+            self.submitted.notify_one();
+        }
+        self.put_batch(&record)?;
+        Ok(record.view())
+    }
+
+    fn put_batch(&self, record: &BatchRecord) -> Result<()> {
+        let txn = self.store.db().begin_write()?;
+        {
+            let bytes = serde_json::to_vec(record).expect("batch serializes");
+            txn.open_table(BATCHES)?
+                .insert(record.id.as_str(), bytes.as_slice())?;
+        }
+        txn.commit()?;
+        Ok(())
+    }
+
+    fn load_batch(&self, id: &str) -> Result<BatchRecord> {
+        let txn = self.store.db().begin_read()?;
+        let Ok(batches) = txn.open_table(BATCHES) else {
+            return Err(no_batch(id));
+        };
+        let record = batches.get(id)?.ok_or_else(|| no_batch(id))?;
+        serde_json::from_slice(record.value())
+            .map_err(|e| ApiError(500, "queue_error", e.to_string()))
+    }
+
+    /// The batch, brought up to date with its requests (finalized when all
+    /// are done).
+    pub fn batch(&self, id: &str) -> Result<Value> {
+        let mut record = self.load_batch(id)?;
+        if record.is_open() {
+            self.refresh(&mut record)?;
+        }
+        Ok(record.view())
+    }
+
+    fn refresh(&self, record: &mut BatchRecord) -> Result<()> {
+        let ids: Vec<String> = record.requests.iter().map(|(_, id)| id.clone()).collect();
+        let jobs = self.store.get_many(&ids)?;
+        let answered = |j: &Job| {
+            j.answer
+                .as_ref()
+                .is_some_and(|a| (200..300).contains(&a.status))
+        };
+        record.completed = jobs
+            .iter()
+            .flatten()
+            .filter(|j| j.status.is_final() && answered(j))
+            .count() as u64;
+        record.failed = jobs
+            .iter()
+            .flatten()
+            .filter(|j| j.status.is_final() && !answered(j))
+            .count() as u64;
+        if !jobs
+            .iter()
+            .all(|j| j.as_ref().is_none_or(|j| j.status.is_final()))
+        {
+            return Ok(());
+        }
+        let mut output = String::new();
+        let mut errors = String::new();
+        for ((custom_id, job_id), job) in record.requests.iter().zip(&jobs) {
+            let line = match job.as_ref().and_then(|j| j.answer.as_ref().map(|a| (j, a))) {
+                Some((_, answer)) => {
+                    let body = serde_json::from_str::<Value>(&answer.body)
+                        .unwrap_or_else(|_| Value::String(answer.body.clone()));
+                    json!({"id": format!("batch_req_{job_id}"), "custom_id": custom_id,
+                           "response": {"status_code": answer.status, "request_id": job_id, "body": body},
+                           "error": null})
+                }
+                None => {
+                    let (code, message) = match job {
+                        Some(j) => (
+                            serde_json::to_value(j.status).unwrap_or_default(),
+                            j.last_error
+                                .clone()
+                                .unwrap_or_else(|| format!("{:?}", j.status)),
+                        ),
+                        None => (json!("purged"), "the request is no longer kept".to_string()),
+                    };
+                    let line = json!({"id": format!("batch_req_{job_id}"), "custom_id": custom_id,
+                                      "response": null, "error": {"code": code, "message": message}});
+                    errors.push_str(&line.to_string());
+                    errors.push('\n');
+                    continue;
+                }
+            };
+            output.push_str(&line.to_string());
+            output.push('\n');
+        }
+        let now = now_s();
+        for (text, name, slot) in [
+            (output, "output", &mut record.output_file_id),
+            (errors, "errors", &mut record.error_file_id),
+        ] {
+            if text.is_empty() {
+                continue;
+            }
+            let meta = FileMeta {
+                id: self.new_object_id("file-"),
+                bytes: text.len() as u64,
+                created_at: now,
+                filename: format!("{}_{name}.jsonl", record.id),
+                purpose: "batch_output".into(),
+            };
+            self.put_file(&meta, text.as_bytes())?;
+            *slot = Some(meta.id);
+        }
+        if record.status == "cancelling" {
+            record.status = "cancelled".into();
+            record.cancelled_at = Some(now);
+        } else {
+            record.status = "completed".into();
+            record.completed_at = Some(now);
+        }
+        self.put_batch(record)
+    }
+
+    pub fn list_batches(&self, limit: usize, after: Option<&str>) -> Result<Value> {
+        let ids: Vec<String> = {
+            let txn = self.store.db().begin_read()?;
+            match txn.open_table(BATCHES) {
+                Ok(batches) => batches
+                    .iter()?
+                    .filter_map(|e| e.ok())
+                    .map(|(k, _)| k.value().to_string())
+                    .collect(),
+                Err(_) => Vec::new(),
+            }
+        };
+        // Newest first; ids sort by creation time.
+        let mut ids: Vec<String> = ids.into_iter().rev().collect();
+        if let Some(after) = after {
+            if let Some(i) = ids.iter().position(|id| id == after) {
+                ids.drain(..=i);
+            }
+        }
+        let has_more = ids.len() > limit;
+        let data: Vec<Value> = ids
+            .iter()
+            .take(limit)
+            .map(|id| self.batch(id))
+            .collect::<Result<_>>()?;
+        Ok(json!({
+            "object": "list",
+            "first_id": data.first().map(|b| b["id"].clone()),
+            "last_id": data.last().map(|b| b["id"].clone()),
+            "has_more": has_more,
+            "data": data,
+        }))
+    }
+
+    /// Cancels a batch's requests not yet finished; it is `cancelled` once
+    /// those under way are done.
+    pub fn cancel_batch(&self, id: &str) -> Result<Value> {
+        let mut record = self.load_batch(id)?;
+        if record.status != "in_progress" {
+            return Err(ApiError(
+                409,
+                "batch_not_in_progress",
+                format!(
+                    "batch {id} is {}: only a batch in progress can be cancelled",
+                    record.status
+                ),
+            ));
+        }
+        let now = now_ms();
+        for (_, job) in &record.requests {
+            self.store.cancel(job, now)?;
+        }
+        self.finished.notify_waiters();
+        record.status = "cancelling".into();
+        record.cancelling_at = Some(now / 1000);
+        self.put_batch(&record)?;
+        self.refresh(&mut record)?;
+        Ok(record.view())
+    }
+}
+
+fn no_file(id: &str) -> ApiError {
+    ApiError(404, "file_not_found", format!("no file {id}"))
+}
+
+fn no_batch(id: &str) -> ApiError {
+    ApiError(404, "batch_not_found", format!("no batch {id}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    const CT: &str = "multipart/form-data; boundary=XyZ";
+
+    #[test]
+    fn multipart_parts_come_out_with_names_and_files() {
+        let body = b"--XyZ\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n\
+--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\n\
+Content-Type: application/octet-stream\r\n\r\n{\"a\":1}\n{\"b\":2}\n\r\n--XyZ--\r\n";
+        let parts = parse_multipart(CT, body).unwrap();
+        assert_eq!(parts.len(), 2);
+        assert_eq!(parts[0].name, "purpose");
+        assert_eq!(parts[0].data, b"batch");
+        assert_eq!(parts[1].filename.as_deref(), Some("in.jsonl"));
+        assert_eq!(parts[1].data, b"{\"a\":1}\n{\"b\":2}\n");
+        assert!(parse_multipart("application/json", body).is_err());
+        assert!(
+            parse_multipart("multipart/form-data", body).is_err(),
+            "no boundary"
+        );
+        assert!(parse_multipart(CT, b"--XyZ\r\nno end").is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn multipart_parsing_never_panics(body in proptest::collection::vec(any::<u8>(), 0..300),
+                                          boundary in "[A-Za-z0-9]{0,8}") {
+            let _ = parse_multipart(&format!("multipart/form-data; boundary={boundary}"), &body);
+        }
+    }
+}

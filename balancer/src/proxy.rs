@@ -46,7 +46,6 @@ use crate::policy::{
 };
 use crate::request::{route_of, Refusal};
 use crate::state::{AdmitError, LeaseGuard, Shared};
-use serde_json::Value;
 
 /// Pingora's retry buffer size (`BODY_BUF_LIMIT` in pingora-core).
 const PINGORA_RETRY_BUFFER: usize = 64 * 1024;
@@ -60,18 +59,13 @@ const WAIT_HEADER: &str = "x-flowgate-wait-ms";
 
 /// Request id: kept from the client when usable, else generated; sent to
 /// the model server, returned to the client, written to the access log.
-const REQUEST_ID_HEADER: &str = "x-request-id";
+pub(crate) const REQUEST_ID_HEADER: &str = "x-request-id";
 
 /// Longest client-supplied request id kept; longer ones are replaced.
 const MAX_REQUEST_ID_LEN: usize = 128;
 
-/// Longest `?wait=` of an async status request.
-const ASYNC_MAX_WAIT: Duration = Duration::from_secs(60);
-/// How long a submitted async request may stay queued (`1h`, `30m`).
-const ASYNC_DEADLINE_HEADER: &str = "x-flowgate-async-deadline";
-
 /// Paths proxied to model servers (POST only).
-const INFERENCE_PATHS: [&str; 4] = [
+pub(crate) const INFERENCE_PATHS: [&str; 4] = [
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/embeddings",
@@ -155,7 +149,7 @@ pub struct RequestCtx {
     /// Set for requests that count as inference outcomes in metrics.
     inference: bool,
     /// Why the balancer answered itself, for metrics and the access log.
-    reason: &'static str,
+    pub(crate) reason: &'static str,
     /// The request's `model` field, for the access log.
     model: String,
     /// The request's flow, for the access log.
@@ -170,10 +164,10 @@ pub struct RequestCtx {
     /// Status of the upstream response header, once it arrived.
     upstream_status: Option<u16>,
     /// `x-request-id`, and whether the client sent it.
-    request_id: String,
+    pub(crate) request_id: String,
     request_id_given: bool,
     /// What the request's API key grants, when keys are required.
-    grant: Option<Grant>,
+    pub(crate) grant: Option<Grant>,
     /// Timing and usage of the answer as it passes.
     meter: ResponseMeter,
 }
@@ -245,331 +239,7 @@ impl Inference {
         true
     }
 
-    /// The OpenAI Batch API (files and batches) on the async queue.
-    async fn route_batch(
-        &self,
-        session: &mut Session,
-        ctx: &mut RequestCtx,
-        method: &Method,
-        path: &str,
-    ) -> Result<bool> {
-        use asyncq::batch::ApiError;
-        let Some(queue) = self.async_queue.clone() else {
-            let body = error_body(
-                "the Batch API needs the async path: start the balancer with --async-dir",
-                "invalid_request_error",
-                "async_disabled",
-            );
-            self.send_json(session, ctx, StatusCode::NOT_FOUND, body, &[])
-                .await?;
-            return Ok(true);
-        };
-        let segments: Vec<String> = path
-            .trim_start_matches("/v1/")
-            .split('/')
-            .map(str::to_string)
-            .collect();
-        let segments: Vec<&str> = segments.iter().map(String::as_str).collect();
-        let body = if *method == Method::POST {
-            let body_timeout = self.limits.body_timeout;
-            match tokio::time::timeout(body_timeout, self.read_body(session)).await {
-                Ok(read) => match read? {
-                    Ok((body, _)) => body,
-                    Err(refusal) => return self.refuse_unread(session, ctx, refusal).await,
-                },
-                Err(_) => {
-                    self.shared.metrics.client_refusal("body_timeout");
-                    let refusal = Refusal::new(
-                        StatusCode::REQUEST_TIMEOUT,
-                        "invalid_request_error",
-                        "body_timeout",
-                        format!("the request body did not arrive within {body_timeout:?}"),
-                    );
-                    return self.refuse_unread(session, ctx, refusal).await;
-                }
-            }
-        } else {
-            Bytes::new()
-        };
-        let headers = &session.req_header().headers;
-        let content_type = headers
-            .get(http::header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-            .to_string();
-        let query = session.req_header().uri.query().unwrap_or("").to_string();
-        let tenant = match &ctx.grant {
-            Some(g) => g.tenant.to_string(),
-            None => headers
-                .get(FAIRNESS_ID_HEADER)
-                .and_then(|v| v.to_str().ok())
-                .map(str::trim)
-                .filter(|id| flowgate::flow::valid_fairness_id(id))
-                .unwrap_or("default")
-                .to_string(),
-        };
-        let (method, segs) = (
-            method.clone(),
-            segments.iter().map(|s| s.to_string()).collect::<Vec<_>>(),
-        );
-        // The store syncs to disk: off the proxy's threads.
-        let answer = tokio::task::spawn_blocking(
-            move || -> std::result::Result<(Value, Option<Vec<u8>>), ApiError> {
-                let segs: Vec<&str> = segs.iter().map(String::as_str).collect();
-                let bad = |m: String| ApiError(400, "invalid_request", m);
-                match (&method, segs.as_slice()) {
-                    (&Method::POST, ["files"]) => {
-                        let parts = asyncq::batch::parse_multipart(&content_type, &body)
-                            .map_err(bad)?;
-                        let field = |name: &str| parts.iter().find(|p| p.name == name);
-                        let file = field("file")
-                            .ok_or_else(|| bad("the form has no file field".into()))?;
-                        let purpose = field("purpose")
-                            .map(|p| String::from_utf8_lossy(p.data).trim().to_string())
-                            .ok_or_else(|| bad("the form has no purpose field".into()))?;
-                        let name = file
-                            .filename
-                            .clone()
-                            .unwrap_or_else(|| "upload.jsonl".into());
-                        Ok((queue.create_file(&name, &purpose, file.data)?.view(), None))
-                    }
-                    (&Method::GET, ["files", id]) => Ok((queue.file(id)?.0.view(), None)),
-                    (&Method::GET, ["files", id, "content"]) => {
-                        Ok((Value::Null, Some(queue.file(id)?.1)))
-                    }
-                    (&Method::POST, ["batches"]) => {
-                        let v: Value = serde_json::from_slice(&body)
-                            .map_err(|e| bad(format!("the body is not JSON: {e}")))?;
-                        let field = |k: &str| {
-                            v[k].as_str()
-                                .map(str::to_string)
-                                .ok_or_else(|| bad(format!("{k} is required")))
-                        };
-                        let batch = queue.create_batch(
-                            &field("input_file_id")?,
-                            &field("endpoint")?,
-                            &field("completion_window")?,
-                            v.get("metadata").cloned().filter(|m| !m.is_null()),
-                            &tenant,
-                        )?;
-                        Ok((batch, None))
-                    }
-                    (&Method::GET, ["batches"]) => {
-                        let param = |k: &str| {
-                            query.split('&').find_map(|kv| {
-                                kv.strip_prefix(&format!("{k}=")[..]).map(str::to_string)
-                            })
-                        };
-                        let limit = param("limit")
-                            .and_then(|l| l.parse().ok())
-                            .unwrap_or(20usize)
-                            .clamp(1, 100);
-                        Ok((queue.list_batches(limit, param("after").as_deref())?, None))
-                    }
-                    (&Method::GET, ["batches", id]) => Ok((queue.batch(id)?, None)),
-                    (&Method::POST, ["batches", id, "cancel"]) => {
-                        Ok((queue.cancel_batch(id)?, None))
-                    }
-                    _ => Err(ApiError(
-                        404,
-                        "not_found",
-                        format!("no route for {method} /v1/{}", segs.join("/")),
-                    )),
-                }
-            },
-        )
-        .await;
-        let (status, body, raw) = match answer {
-            Ok(Ok((v, raw))) => (StatusCode::OK, v.to_string().into_bytes(), raw),
-            Ok(Err(ApiError(status, code, message))) => (
-                StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
-                error_body(&message, "invalid_request_error", code),
-                None,
-            ),
-            Err(e) => (
-                StatusCode::INTERNAL_SERVER_ERROR,
-                error_body(&e.to_string(), "server_error", "queue_error"),
-                None,
-            ),
-        };
-        match raw {
-            None => self.send_json(session, ctx, status, body, &[]).await?,
-            Some(content) => {
-                let mut h = ResponseHeader::build(StatusCode::OK, Some(3))?;
-                h.insert_header("content-type", "application/octet-stream")?;
-                h.insert_header("content-length", content.len().to_string())?;
-                if !ctx.request_id.is_empty() {
-                    h.insert_header(REQUEST_ID_HEADER, ctx.request_id.as_str())?;
-                }
-                session.write_response_header(Box::new(h), false).await?;
-                session
-                    .write_response_body(Some(Bytes::from(content)), true)
-                    .await?;
-            }
-        }
-        Ok(true)
-    }
-
-    /// The async path's API: submit, status (long-poll), cancel.
-    async fn route_async(
-        &self,
-        session: &mut Session,
-        ctx: &mut RequestCtx,
-        method: &Method,
-        path: &str,
-    ) -> Result<bool> {
-        let error = |status: StatusCode, code: &str, message: String| {
-            (status, error_body(&message, "invalid_request_error", code))
-        };
-        let Some(queue) = self.async_queue.clone() else {
-            let (status, body) = error(
-                StatusCode::NOT_FOUND,
-                "async_disabled",
-                "the async path is off: start the balancer with --async-dir".into(),
-            );
-            self.send_json(session, ctx, status, body, &[]).await?;
-            return Ok(true);
-        };
-        let rest = &path["/v1/async".len()..];
-        // `/v1/async/chat/completions` is for `/v1/chat/completions`.
-        let target = format!("/v1{rest}");
-        let (status, body) = if let Some(id) = rest.strip_prefix("/requests/") {
-            let id = id.to_string();
-            let found = match *method {
-                Method::GET => {
-                    let wait = session
-                        .req_header()
-                        .uri
-                        .query()
-                        .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("wait=")))
-                        .map(flowgate::duration::parse_duration);
-                    match wait {
-                        Some(Err(e)) => {
-                            let (status, body) =
-                                error(StatusCode::BAD_REQUEST, "bad_wait", format!("wait: {e}"));
-                            self.send_json(session, ctx, status, body, &[]).await?;
-                            return Ok(true);
-                        }
-                        Some(Ok(w)) => queue.get(&id, w.min(ASYNC_MAX_WAIT)).await,
-                        None => queue.get(&id, Duration::ZERO).await,
-                    }
-                }
-                Method::DELETE => queue.cancel(&id).await,
-                _ => {
-                    let (status, body) = error(
-                        StatusCode::METHOD_NOT_ALLOWED,
-                        "method_not_allowed",
-                        format!("{method} is not allowed on {path}"),
-                    );
-                    let allow = [("allow", "GET, DELETE".to_string())];
-                    self.send_json(session, ctx, status, body, &allow).await?;
-                    return Ok(true);
-                }
-            };
-            match found {
-                Ok(Some(job)) => (StatusCode::OK, asyncq::view(&job).to_string().into_bytes()),
-                Ok(None) => error(
-                    StatusCode::NOT_FOUND,
-                    "unknown_request",
-                    format!("no async request {id}"),
-                ),
-                Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, "queue_error", e),
-            }
-        } else if INFERENCE_PATHS.contains(&target.as_str()) && *method == Method::POST {
-            let body_timeout = self.limits.body_timeout;
-            let read = tokio::time::timeout(body_timeout, self.read_body(session)).await;
-            let body = match read {
-                Ok(read) => match read? {
-                    Ok((body, _)) => body,
-                    Err(refusal) => return self.refuse_unread(session, ctx, refusal).await,
-                },
-                Err(_) => {
-                    self.shared.metrics.client_refusal("body_timeout");
-                    let refusal = Refusal::new(
-                        StatusCode::REQUEST_TIMEOUT,
-                        "invalid_request_error",
-                        "body_timeout",
-                        format!("the request body did not arrive within {body_timeout:?}"),
-                    );
-                    return self.refuse_unread(session, ctx, refusal).await;
-                }
-            };
-            if let Err(r) = route_of(&body, &self.prefix) {
-                return self.refuse(session, ctx, r).await;
-            }
-            let headers = &session.req_header().headers;
-            let text = |name: &str| {
-                headers
-                    .get(name)
-                    .and_then(|v| v.to_str().ok())
-                    .map(|v| v.trim().to_string())
-            };
-            let fairness_id = match (&ctx.grant, text(FAIRNESS_ID_HEADER)) {
-                (Some(g), _) => g.tenant.to_string(),
-                (None, None) => "default".into(),
-                (None, Some(id)) if flowgate::flow::valid_fairness_id(&id) => id,
-                (None, Some(_)) => {
-                    let (status, body) = error(
-                        StatusCode::BAD_REQUEST,
-                        "bad_header",
-                        format!("{FAIRNESS_ID_HEADER} must be 1 to 128 visible ASCII characters"),
-                    );
-                    self.send_json(session, ctx, status, body, &[]).await?;
-                    return Ok(true);
-                }
-            };
-            let deadline_ms =
-                match text(ASYNC_DEADLINE_HEADER).map(|d| flowgate::duration::parse_duration(&d)) {
-                    None => None,
-                    Some(Ok(d)) => Some(asyncq::now_ms() + d.as_millis() as u64),
-                    Some(Err(e)) => {
-                        let (status, body) = error(
-                            StatusCode::BAD_REQUEST,
-                            "bad_deadline",
-                            format!("{ASYNC_DEADLINE_HEADER}: {e}"),
-                        );
-                        self.send_json(session, ctx, status, body, &[]).await?;
-                        return Ok(true);
-                    }
-                };
-            let job = asyncq::store::NewJob {
-                path: target,
-                body: String::from_utf8_lossy(&body).into_owned(),
-                fairness_id,
-                idempotency_key: text("idempotency-key").filter(|k| !k.is_empty()),
-                deadline_ms,
-            };
-            match queue.submit(job).await {
-                Ok((job, _)) => (
-                    StatusCode::ACCEPTED,
-                    asyncq::view(&job).to_string().into_bytes(),
-                ),
-                Err(asyncq::SubmitError::Full(n)) => error(
-                    StatusCode::TOO_MANY_REQUESTS,
-                    "async_queue_full",
-                    format!("the async queue holds its maximum of {n} requests"),
-                ),
-                Err(asyncq::SubmitError::TooLarge(n)) => error(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "request_too_large",
-                    format!("the request body exceeds {n} bytes"),
-                ),
-                Err(asyncq::SubmitError::Storage(e)) => {
-                    error(StatusCode::INTERNAL_SERVER_ERROR, "queue_error", e)
-                }
-            }
-        } else {
-            error(
-                StatusCode::NOT_FOUND,
-                "not_found",
-                format!("no route for {method} {path}"),
-            )
-        };
-        self.send_json(session, ctx, status, body, &[]).await?;
-        Ok(true)
-    }
-
-    async fn send_json(
+    pub(crate) async fn send_json(
         &self,
         session: &mut Session,
         ctx: &RequestCtx,
@@ -577,8 +247,22 @@ impl Inference {
         body: Vec<u8>,
         extra: &[(&'static str, String)],
     ) -> Result<()> {
+        self.send_body(session, ctx, status, "application/json", body, extra)
+            .await
+    }
+
+    /// Answers with `body` of `content_type` and the request id.
+    pub(crate) async fn send_body(
+        &self,
+        session: &mut Session,
+        ctx: &RequestCtx,
+        status: StatusCode,
+        content_type: &'static str,
+        body: Vec<u8>,
+        extra: &[(&'static str, String)],
+    ) -> Result<()> {
         let mut h = ResponseHeader::build(status, Some(5 + extra.len()))?;
-        h.insert_header("content-type", "application/json")?;
+        h.insert_header("content-type", content_type)?;
         h.insert_header("content-length", body.len().to_string())?;
         if !ctx.request_id.is_empty() {
             h.insert_header(REQUEST_ID_HEADER, ctx.request_id.as_str())?;
@@ -592,7 +276,7 @@ impl Inference {
             .await
     }
 
-    async fn refuse(
+    pub(crate) async fn refuse(
         &self,
         session: &mut Session,
         ctx: &mut RequestCtx,
@@ -615,7 +299,7 @@ impl Inference {
     /// Refuses a request whose body may still be unread: answers, drains
     /// what the client still sends for a short while (closing on unread
     /// data would reset the connection and lose the answer), then closes.
-    async fn refuse_unread(
+    pub(crate) async fn refuse_unread(
         &self,
         session: &mut Session,
         ctx: &mut RequestCtx,
@@ -627,6 +311,26 @@ impl Inference {
             let _ = tokio::time::timeout(LINGER, session.drain_request_body()).await;
         }
         answered
+    }
+
+    /// [`Self::read_body`] within the client body timeout (408 after).
+    pub(crate) async fn read_body_timed(
+        &self,
+        session: &mut Session,
+    ) -> Result<std::result::Result<(Bytes, bool), Refusal>> {
+        let body_timeout = self.limits.body_timeout;
+        match tokio::time::timeout(body_timeout, self.read_body(session)).await {
+            Ok(read) => read,
+            Err(_) => {
+                self.shared.metrics.client_refusal("body_timeout");
+                Ok(Err(Refusal::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "invalid_request_error",
+                    "body_timeout",
+                    format!("the request body did not arrive within {body_timeout:?}"),
+                )))
+            }
+        }
     }
 
     /// Reads the whole request body (see the module docs for the replay
@@ -852,20 +556,7 @@ impl ProxyHttp for Inference {
             return Ok(done);
         }
         ctx.inference = true;
-        let body_timeout = self.limits.body_timeout;
-        let read = match tokio::time::timeout(body_timeout, self.read_body(session)).await {
-            Ok(read) => read?,
-            Err(_) => {
-                self.shared.metrics.client_refusal("body_timeout");
-                Err(Refusal::new(
-                    StatusCode::REQUEST_TIMEOUT,
-                    "invalid_request_error",
-                    "body_timeout",
-                    format!("the request body did not arrive within {body_timeout:?}"),
-                ))
-            }
-        };
-        let (body, in_retry_buffer) = match read {
+        let (body, in_retry_buffer) = match self.read_body_timed(session).await? {
             Ok(read) => read,
             Err(refusal) => return self.refuse_unread(session, ctx, refusal).await,
         };

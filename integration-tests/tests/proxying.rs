@@ -223,7 +223,17 @@ async fn answers_are_metered_from_their_streams_and_usage() {
         .unwrap();
     let prompt = streamed_prompt + answer["usage"]["prompt_tokens"].as_u64().unwrap();
 
-    let text = metrics_text(&b).await;
+    // The balancer meters an answer when it logs it, which may be just after
+    // the client has read the last byte.
+    let completion = "flowgate_tokens_total{kind=\"completion\",model=\"sim-model\"}";
+    let text = wait_for("both answers metered", Duration::from_secs(5), || async {
+        let text = metrics_text(&b).await;
+        let done = text
+            .lines()
+            .any(|l| l.strip_prefix(completion).is_some_and(|v| v.trim() == "10"));
+        done.then_some(text)
+    })
+    .await;
     let m = |name: &str| series(&text, &format!("{name}{{model=\"sim-model\"}}"));
     assert_eq!(
         m("flowgate_time_to_first_token_seconds_count"),

@@ -8,6 +8,7 @@
 //! interactive requests always go first, async ones fill what is left.
 
 pub mod batch;
+mod http;
 pub mod store;
 
 use std::net::SocketAddr;

@@ -286,3 +286,78 @@ async fn interactive_requests_go_before_the_async_backlog() {
     );
     assert!(views.iter().all(|v| v["status"] == "succeeded"));
 }
+
+#[tokio::test]
+async fn a_worker_consumes_results_from_the_feed_and_events_stream_each_change() {
+    let dir = TempDir::new("async-feed");
+    let (b, _sim, _agent) = fleet(
+        &["--async-dir", dir.arg()],
+        &["--ttft-ms", "300", "--output-tokens", "1"],
+    )
+    .await;
+
+    // One request's status changes as server-sent events, until final.
+    let id = accepted(&b, "watched", &[]).await;
+    let stream = client()
+        .get(b.url(&format!("/v1/async/requests/{id}/events")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stream.status(), 200);
+    assert_eq!(stream.headers()["content-type"], "text/event-stream");
+    let text = stream.text().await.unwrap();
+    let statuses: Vec<String> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .map(|d| {
+            serde_json::from_str::<Value>(d).unwrap()["status"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(
+        statuses.last().map(String::as_str),
+        Some("succeeded"),
+        "{text}"
+    );
+    assert!(statuses.contains(&"dispatched".to_string()), "{statuses:?}");
+    assert!(
+        statuses.windows(2).all(|w| w[0] != w[1]),
+        "one event per change: {statuses:?}"
+    );
+
+    // A worker follows the results feed with its cursor: every request once.
+    let mut ids = Vec::new();
+    for i in 0..6 {
+        ids.push(accepted(&b, &format!("feed {i}"), &[]).await);
+    }
+    let mut seen = Vec::new();
+    let mut cursor: Option<String> = None;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while seen.len() < 7 {
+        assert!(Instant::now() < deadline, "feed gave {seen:?}");
+        let url = match &cursor {
+            Some(c) => b.url(&format!("/v1/async/results?after={c}&wait=5s&limit=4")),
+            None => b.url("/v1/async/results?wait=5s&limit=4"),
+        };
+        let page = get_json(&url).await;
+        for v in page["data"].as_array().unwrap() {
+            assert_eq!(v["status"], "succeeded");
+            seen.push(v["id"].as_str().unwrap().to_string());
+        }
+        cursor = page["next_cursor"].as_str().map(str::to_string);
+    }
+    let mut want = ids.clone();
+    want.push(id);
+    want.sort();
+    seen.sort();
+    assert_eq!(seen, want, "each finished request exactly once");
+    // Nothing new: an empty page after the wait, the cursor unchanged.
+    let started = Instant::now();
+    let c = cursor.clone().unwrap();
+    let page = get_json(&b.url(&format!("/v1/async/results?after={c}&wait=300ms"))).await;
+    assert!(page["data"].as_array().unwrap().is_empty());
+    assert_eq!(page["next_cursor"].as_str(), Some(c.as_str()));
+    assert!(started.elapsed() >= Duration::from_millis(300));
+}

@@ -568,7 +568,7 @@ impl AsyncQueue {
         for (_, job) in &record.requests {
             self.store.cancel(job, now)?;
         }
-        self.finished.notify_waiters();
+        self.changed.notify_waiters();
         record.status = "cancelling".into();
         record.cancelling_at = Some(now / 1000);
         self.put_batch(&record)?;

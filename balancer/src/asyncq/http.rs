@@ -8,6 +8,7 @@ use bytes::Bytes;
 use flowgate::openai::error_body;
 use http::{Method, StatusCode};
 use pingora_core::Result;
+use pingora_http::ResponseHeader;
 use pingora_proxy::Session;
 use serde_json::Value;
 
@@ -19,10 +20,75 @@ use crate::request::route_of;
 
 /// Longest `?wait=` of an async status request.
 const ASYNC_MAX_WAIT: Duration = Duration::from_secs(60);
+/// A comment line on an idle event stream this often.
+const EVENTS_KEEPALIVE: Duration = Duration::from_secs(15);
 /// How long a submitted async request may stay queued (`1h`, `30m`).
 const ASYNC_DEADLINE_HEADER: &str = "x-flowgate-async-deadline";
 
 impl Inference {
+    /// `GET /v1/async/requests/{id}/events`: the request's view as an SSE
+    /// `status` event now and at every change, until it is final.
+    async fn async_events(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        queue: &std::sync::Arc<asyncq::AsyncQueue>,
+        id: &str,
+    ) -> Result<bool> {
+        let mut seen = None;
+        let mut started = false;
+        loop {
+            let job = match queue.next_state(id, seen, EVENTS_KEEPALIVE).await {
+                Ok(job) => job,
+                Err(e) => {
+                    if started {
+                        return Ok(true);
+                    }
+                    let body = error_body(&e, "server_error", "queue_error");
+                    self.send_json(session, ctx, StatusCode::INTERNAL_SERVER_ERROR, body, &[])
+                        .await?;
+                    return Ok(true);
+                }
+            };
+            let Some(job) = job else {
+                if !started {
+                    let body = error_body(
+                        &format!("no async request {id}"),
+                        "invalid_request_error",
+                        "unknown_request",
+                    );
+                    self.send_json(session, ctx, StatusCode::NOT_FOUND, body, &[])
+                        .await?;
+                }
+                return Ok(true);
+            };
+            if !started {
+                started = true;
+                let mut h = ResponseHeader::build(StatusCode::OK, Some(4))?;
+                h.insert_header("content-type", "text/event-stream")?;
+                h.insert_header("cache-control", "no-cache")?;
+                if !ctx.request_id.is_empty() {
+                    h.insert_header("x-request-id", ctx.request_id.as_str())?;
+                }
+                session.write_response_header(Box::new(h), false).await?;
+            }
+            let chunk = if Some(job.status) == seen {
+                // Nothing new within the keep-alive interval.
+                ": keep-alive\n\n".to_string()
+            } else {
+                seen = Some(job.status);
+                format!("event: status\ndata: {}\n\n", asyncq::view(&job))
+            };
+            let last = job.status.is_final();
+            session
+                .write_response_body(Some(Bytes::from(chunk)), last)
+                .await?;
+            if last {
+                return Ok(true);
+            }
+        }
+    }
+
     /// The OpenAI Batch API (files and batches) on the async queue.
     pub(crate) async fn route_batch(
         &self,
@@ -190,27 +256,72 @@ impl Inference {
         let rest = &path["/v1/async".len()..];
         // `/v1/async/chat/completions` is for `/v1/chat/completions`.
         let target = format!("/v1{rest}");
-        let (status, body) = if let Some(id) = rest.strip_prefix("/requests/") {
+        let query = session.req_header().uri.query().unwrap_or("").to_string();
+        let param = |name: &str| {
+            query
+                .split('&')
+                .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+                .map(str::to_string)
+        };
+        let wait = match param("wait").map(|w| flowgate::duration::parse_duration(&w)) {
+            None => Duration::ZERO,
+            Some(Ok(w)) => w.min(ASYNC_MAX_WAIT),
+            Some(Err(e)) => {
+                let (status, body) =
+                    error(StatusCode::BAD_REQUEST, "bad_wait", format!("wait: {e}"));
+                self.send_json(session, ctx, status, body, &[]).await?;
+                return Ok(true);
+            }
+        };
+        if let (&Method::GET, Some(id)) = (
+            method,
+            rest.strip_prefix("/requests/")
+                .and_then(|r| r.strip_suffix("/events")),
+        ) {
+            return self.async_events(session, ctx, &queue, id).await;
+        }
+        let (status, body) = if rest == "/results" && *method == Method::GET {
+            let after = match param("after").map(|a| a.parse::<u64>()) {
+                None => None,
+                Some(Ok(a)) => Some(a),
+                Some(Err(_)) => {
+                    let (status, body) = error(
+                        StatusCode::BAD_REQUEST,
+                        "bad_cursor",
+                        "after must be a cursor from next_cursor".into(),
+                    );
+                    self.send_json(session, ctx, status, body, &[]).await?;
+                    return Ok(true);
+                }
+            };
+            let limit = param("limit")
+                .and_then(|l| l.parse().ok())
+                .unwrap_or(100usize)
+                .clamp(1, 1000);
+            match queue.results(after, limit, wait).await {
+                Ok(found) => {
+                    let next = found.last().map(|(n, _)| *n).or(after);
+                    let data: Vec<Value> = found
+                        .iter()
+                        .map(|(n, job)| {
+                            let mut v = asyncq::view(job);
+                            v["cursor"] = Value::from(n.to_string());
+                            v
+                        })
+                        .collect();
+                    let page = serde_json::json!({
+                        "object": "list",
+                        "data": data,
+                        "next_cursor": next.map(|n| n.to_string()),
+                    });
+                    (StatusCode::OK, page.to_string().into_bytes())
+                }
+                Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, "queue_error", e),
+            }
+        } else if let Some(id) = rest.strip_prefix("/requests/") {
             let id = id.to_string();
             let found = match *method {
-                Method::GET => {
-                    let wait = session
-                        .req_header()
-                        .uri
-                        .query()
-                        .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("wait=")))
-                        .map(flowgate::duration::parse_duration);
-                    match wait {
-                        Some(Err(e)) => {
-                            let (status, body) =
-                                error(StatusCode::BAD_REQUEST, "bad_wait", format!("wait: {e}"));
-                            self.send_json(session, ctx, status, body, &[]).await?;
-                            return Ok(true);
-                        }
-                        Some(Ok(w)) => queue.get(&id, w.min(ASYNC_MAX_WAIT)).await,
-                        None => queue.get(&id, Duration::ZERO).await,
-                    }
-                }
+                Method::GET => queue.get(&id, wait).await,
                 Method::DELETE => queue.cancel(&id).await,
                 _ => {
                     let (status, body) = error(

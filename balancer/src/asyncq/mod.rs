@@ -146,8 +146,8 @@ pub struct AsyncQueue {
     config: AsyncConfig,
     /// Woken on a new request.
     submitted: Notify,
-    /// Woken whenever a request reaches a final state.
-    finished: Notify,
+    /// Woken whenever a request changes state (dispatched, or final).
+    changed: Notify,
     token: Secret,
     token_text: String,
     next_id: AtomicU64,
@@ -184,7 +184,7 @@ impl AsyncQueue {
             store,
             config,
             submitted: Notify::new(),
-            finished: Notify::new(),
+            changed: Notify::new(),
             token: Secret::new(&token_text),
             token_text,
             next_id: AtomicU64::new(0),
@@ -227,23 +227,76 @@ impl AsyncQueue {
         }
     }
 
+    /// The request `id`; with `wait`, once it is final or `wait` passed.
     pub async fn get(self: &Arc<Self>, id: &str, wait: Duration) -> Result<Option<Job>, String> {
+        self.wait_until(
+            wait,
+            |job: &Option<Job>| job.as_ref().is_none_or(|j| j.status.is_final()),
+            {
+                let id = id.to_string();
+                move |q: &Store| q.get(&id)
+            },
+        )
+        .await
+    }
+
+    /// The request `id` once its state differs from `seen` (or `wait` passed).
+    pub async fn next_state(
+        self: &Arc<Self>,
+        id: &str,
+        seen: Option<Status>,
+        wait: Duration,
+    ) -> Result<Option<Job>, String> {
+        self.wait_until(
+            wait,
+            move |job: &Option<Job>| job.as_ref().is_none_or(|j| Some(j.status) != seen),
+            {
+                let id = id.to_string();
+                move |q: &Store| q.get(&id)
+            },
+        )
+        .await
+    }
+
+    /// Finished requests after the feed position `after`, in finish order;
+    /// with `wait`, once there is one or `wait` passed.
+    pub async fn results(
+        self: &Arc<Self>,
+        after: Option<u64>,
+        limit: usize,
+        wait: Duration,
+    ) -> Result<Vec<(u64, Job)>, String> {
+        self.wait_until(
+            wait,
+            |found: &Vec<(u64, Job)>| !found.is_empty(),
+            move |q: &Store| q.finished_since(after, limit),
+        )
+        .await
+    }
+
+    /// Reads with `read` (off the async threads) until `done` holds or
+    /// `wait` passed, waking on every state change.
+    async fn wait_until<T: Send + 'static>(
+        self: &Arc<Self>,
+        wait: Duration,
+        done: impl Fn(&T) -> bool,
+        read: impl Fn(&Store) -> Result<T, StoreError> + Send + Sync + Clone + 'static,
+    ) -> Result<T, String> {
         let deadline = Instant::now() + wait;
         loop {
-            let finished = self.finished.notified();
-            tokio::pin!(finished);
-            finished.as_mut().enable();
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
             let q = Arc::clone(self);
-            let key = id.to_string();
-            let job = tokio::task::spawn_blocking(move || q.store.get(&key))
+            let read = read.clone();
+            let found = tokio::task::spawn_blocking(move || read(&q.store))
                 .await
                 .map_err(|e| e.to_string())?
                 .map_err(|e| e.to_string())?;
-            match &job {
-                Some(j) if !j.status.is_final() && Instant::now() < deadline => {}
-                _ => return Ok(job),
+            if done(&found) || Instant::now() >= deadline {
+                return Ok(found);
             }
-            let _ = tokio::time::timeout_at(deadline.into(), finished).await;
+            let _ = tokio::time::timeout_at(deadline.into(), changed).await;
         }
     }
 
@@ -256,7 +309,7 @@ impl AsyncQueue {
             .map_err(|e| e.to_string())?;
         if job.as_ref().is_some_and(|j| j.status == Status::Cancelled) {
             self.metrics.ended(Status::Cancelled);
-            self.finished.notify_waiters();
+            self.changed.notify_waiters();
         }
         Ok(job)
     }
@@ -411,7 +464,7 @@ impl Dispatcher {
                 }
                 if job.status.is_final() {
                     queue.metrics.ended(job.status);
-                    queue.finished.notify_waiters();
+                    queue.changed.notify_waiters();
                 }
             }
             Ok(Ok((None, _))) => {}
@@ -464,7 +517,7 @@ impl BackgroundService for Dispatcher {
                         queue.metrics.ended(Status::Expired);
                     }
                     if !r.dead_lettered.is_empty() || !r.expired.is_empty() {
-                        queue.finished.notify_waiters();
+                        queue.changed.notify_waiters();
                     }
                 }
                 let q = Arc::clone(queue);
@@ -503,6 +556,9 @@ impl BackgroundService for Dispatcher {
                 let leased = tokio::task::spawn_blocking(move || q.store.lease(n, now_ms())).await;
                 match leased {
                     Ok(Ok(jobs)) => {
+                        if !jobs.is_empty() {
+                            queue.changed.notify_waiters();
+                        }
                         for job in jobs {
                             queue.in_flight.fetch_add(1, Ordering::Relaxed);
                             tokio::spawn(Self::deliver(

@@ -25,9 +25,11 @@ const QUEUE: TableDefinition<u64, &str> = TableDefinition::new("queue");
 const KEYS: TableDefinition<&str, &str> = TableDefinition::new("idempotency_keys");
 /// id → lease end (Unix ms), for dispatched requests.
 const LEASES: TableDefinition<&str, u64> = TableDefinition::new("leases");
-/// `finished_ms:id` → (), for retention.
-const FINISHED: TableDefinition<&str, ()> = TableDefinition::new("finished");
-/// Counters: `next_seq`.
+/// Finish order (a sequence number) → id: the results feed, and retention.
+const FINISHED: TableDefinition<u64, &str> = TableDefinition::new("finished_order");
+/// (deadline ms, queue seq) → id, for queued requests with a deadline.
+const DEADLINES: TableDefinition<(u64, u64), &str> = TableDefinition::new("deadlines");
+/// Counters: `next_seq`, `next_finish`.
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -155,8 +157,19 @@ fn decode(bytes: &[u8]) -> Result<Job> {
     serde_json::from_slice(bytes).map_err(|e| StoreError::Storage(format!("corrupt job: {e}")))
 }
 
-fn finished_key(ms: u64, id: &str) -> String {
-    format!("{ms:020}:{id}")
+/// Takes the next number of the counter `name`.
+fn next(txn: &redb::WriteTransaction, name: &str) -> Result<u64> {
+    let mut meta = txn.open_table(META)?;
+    let n = meta.get(name)?.map_or(0, |v| v.value());
+    meta.insert(name, n + 1)?;
+    Ok(n)
+}
+
+/// Appends `id` to the finish order.
+fn mark_finished(txn: &redb::WriteTransaction, id: &str) -> Result<()> {
+    let n = next(txn, "next_finish")?;
+    txn.open_table(FINISHED)?.insert(n, id)?;
+    Ok(())
 }
 
 /// Queue lengths for metrics.
@@ -197,6 +210,7 @@ impl Store {
             txn.open_table(KEYS)?;
             txn.open_table(LEASES)?;
             txn.open_table(FINISHED)?;
+            txn.open_table(DEADLINES)?;
             txn.open_table(META)?;
         }
         txn.commit()?;
@@ -256,14 +270,11 @@ impl Store {
                     evicted.status = Status::Evicted;
                     evicted.updated_ms = now_ms;
                     jobs.insert(oldest.as_str(), encode(&evicted).as_slice())?;
-                    txn.open_table(FINISHED)?
-                        .insert(finished_key(now_ms, &oldest).as_str(), ())?;
+                    mark_finished(txn, &oldest)?;
                 }
             }
         }
-        let mut meta = txn.open_table(META)?;
-        let seq = meta.get("next_seq")?.map_or(0, |v| v.value());
-        meta.insert("next_seq", seq + 1)?;
+        let seq = next(txn, "next_seq")?;
         let job = Job {
             id,
             path: new.path,
@@ -281,6 +292,10 @@ impl Store {
         };
         jobs.insert(job.id.as_str(), encode(&job).as_slice())?;
         queue.insert(seq, job.id.as_str())?;
+        if let Some(deadline) = job.deadline_ms {
+            txn.open_table(DEADLINES)?
+                .insert((deadline, seq), job.id.as_str())?;
+        }
         if let Some(key) = &job.idempotency_key {
             keys.insert(key.as_str(), job.id.as_str())?;
         }
@@ -417,8 +432,7 @@ impl Store {
             txn.open_table(LEASES)?.remove(id)?;
             job.status = Status::Cancelled;
             job.updated_ms = now_ms;
-            txn.open_table(FINISHED)?
-                .insert(finished_key(now_ms, id).as_str(), ())?;
+            mark_finished(&txn, id)?;
             jobs.insert(id, encode(&job).as_slice())?;
             job
         };
@@ -460,13 +474,14 @@ impl Store {
             }
 
             let mut queue = txn.open_table(QUEUE)?;
-            let queued: Vec<(u64, String)> = queue
-                .iter()?
+            let mut deadlines = txn.open_table(DEADLINES)?;
+            let due: Vec<((u64, u64), String)> = deadlines
+                .range((0, 0)..=(now_ms, u64::MAX))?
                 .filter_map(|e| e.ok())
-                .map(|(seq, id)| (seq.value(), id.value().to_string()))
+                .map(|(k, id)| (k.value(), id.value().to_string()))
                 .collect();
-            let mut finished = txn.open_table(FINISHED)?;
-            for (seq, id) in queued {
+            for (key, id) in due {
+                deadlines.remove(key)?;
                 let Some(mut job) = jobs
                     .get(id.as_str())?
                     .map(|j| decode(j.value()))
@@ -474,28 +489,38 @@ impl Store {
                 else {
                     continue;
                 };
-                if job.deadline_ms.is_some_and(|d| d <= now_ms) {
-                    queue.remove(seq)?;
+                // Only a request still queued expires; one under way gets
+                // its answer (and expires if it is ever queued again).
+                if job.status == Status::Queued && job.seq == key.1 {
+                    queue.remove(key.1)?;
                     job.status = Status::Expired;
                     job.updated_ms = now_ms;
-                    finished.insert(finished_key(now_ms, &id).as_str(), ())?;
+                    mark_finished(&txn, &id)?;
                     jobs.insert(id.as_str(), encode(&job).as_slice())?;
                     done.expired.push(id);
                 }
             }
 
-            let retention = self.config.retention.as_millis() as u64;
-            let horizon = finished_key(now_ms.saturating_sub(retention), "");
-            let old: Vec<String> = finished
-                .range::<&str>(..horizon.as_str())?
-                .filter_map(|e| e.ok())
-                .map(|(k, _)| k.value().to_string())
-                .collect();
+            let horizon = now_ms.saturating_sub(self.config.retention.as_millis() as u64);
+            let mut finished = txn.open_table(FINISHED)?;
             let mut keys = txn.open_table(KEYS)?;
-            for key in old {
-                finished.remove(key.as_str())?;
-                let id = &key[21..];
-                if let Some(job) = jobs.remove(id)?.map(|j| decode(j.value())).transpose()? {
+            loop {
+                let Some((n, id)) = finished
+                    .first()?
+                    .map(|(n, id)| (n.value(), id.value().to_string()))
+                else {
+                    break;
+                };
+                let job = jobs
+                    .get(id.as_str())?
+                    .map(|j| decode(j.value()))
+                    .transpose()?;
+                if job.as_ref().is_some_and(|j| j.updated_ms > horizon) {
+                    break;
+                }
+                finished.remove(n)?;
+                if let Some(job) = job {
+                    jobs.remove(id.as_str())?;
                     if let Some(k) = &job.idempotency_key {
                         keys.remove(k.as_str())?;
                     }
@@ -505,6 +530,31 @@ impl Store {
         }
         txn.commit()?;
         Ok(done)
+    }
+
+    /// Finished requests in the order they finished, after the position
+    /// `after` (`None`: from the oldest kept), at most `limit`, each with its
+    /// position.
+    pub fn finished_since(&self, after: Option<u64>, limit: usize) -> Result<Vec<(u64, Job)>> {
+        let txn = self.db.begin_read()?;
+        let finished = txn.open_table(FINISHED)?;
+        let jobs = txn.open_table(JOBS)?;
+        let start = after.map_or(0, |a| a.saturating_add(1));
+        let mut out = Vec::new();
+        for entry in finished.range(start..)? {
+            if out.len() >= limit {
+                break;
+            }
+            let (n, id) = entry?;
+            if let Some(job) = jobs
+                .get(id.value())?
+                .map(|j| decode(j.value()))
+                .transpose()?
+            {
+                out.push((n.value(), job));
+            }
+        }
+        Ok(out)
     }
 
     pub fn counts(&self) -> Result<Counts> {
@@ -531,6 +581,10 @@ impl Store {
     /// or applies the dead-letter policy.
     fn redeliver(&self, txn: &redb::WriteTransaction, job: &mut Job, now_ms: u64) -> Result<()> {
         job.updated_ms = now_ms;
+        if job.deadline_ms.is_some_and(|d| d <= now_ms) {
+            job.status = Status::Expired;
+            return mark_finished(txn, &job.id);
+        }
         if job.attempts < self.config.max_delivery {
             job.status = Status::Queued;
             txn.open_table(QUEUE)?.insert(job.seq, job.id.as_str())?;
@@ -539,13 +593,14 @@ impl Store {
         match self.config.dead_letter {
             DeadLetter::Drop => {
                 job.status = Status::DeadLettered;
-                txn.open_table(FINISHED)?
-                    .insert(finished_key(now_ms, &job.id).as_str(), ())?;
+                mark_finished(txn, &job.id)?;
             }
             DeadLetter::Rear => {
-                let mut meta = txn.open_table(META)?;
-                let seq = meta.get("next_seq")?.map_or(0, |v| v.value());
-                meta.insert("next_seq", seq + 1)?;
+                let seq = next(txn, "next_seq")?;
+                if let Some(deadline) = job.deadline_ms {
+                    txn.open_table(DEADLINES)?
+                        .insert((deadline, seq), job.id.as_str())?;
+                }
                 job.seq = seq;
                 job.attempts = 0;
                 job.status = Status::Queued;
@@ -575,8 +630,7 @@ impl Store {
             txn.open_table(LEASES)?.remove(id)?;
             update(&mut job);
             job.updated_ms = now_ms;
-            txn.open_table(FINISHED)?
-                .insert(finished_key(now_ms, id).as_str(), ())?;
+            mark_finished(&txn, id)?;
             jobs.insert(id, encode(&job).as_slice())?;
             job
         };
@@ -794,5 +848,45 @@ mod tests {
         let mut again = new_job("b");
         again.idempotency_key = Some("kb".into());
         assert!(store.submit(again, "b2".into(), 1100).unwrap().1);
+    }
+
+    #[test]
+    fn the_results_feed_lists_finished_requests_in_finish_order() {
+        let d = dir("feed");
+        let store = Store::open(&d.0, QueueConfig::default()).unwrap();
+        for id in ["a", "b", "c"] {
+            store.submit(new_job(id), id.into(), 0).unwrap();
+        }
+        store.lease(3, 1).unwrap();
+        store.finish("c", 1, ok(200), 2).unwrap();
+        store.finish("a", 1, ok(200), 2).unwrap();
+        let feed = store.finished_since(None, 10).unwrap();
+        let ids: Vec<_> = feed.iter().map(|(_, j)| j.id.as_str()).collect();
+        assert_eq!(ids, ["c", "a"], "finish order, not id or time order");
+        let cursor = feed[1].0;
+        assert!(store.finished_since(Some(cursor), 10).unwrap().is_empty());
+        store.finish("b", 1, ok(500), 3).unwrap();
+        let more = store.finished_since(Some(cursor), 10).unwrap();
+        assert_eq!(more.len(), 1);
+        assert_eq!(
+            (more[0].1.id.as_str(), more[0].1.status),
+            ("b", Status::Failed)
+        );
+        assert_eq!(store.finished_since(None, 1).unwrap().len(), 1, "limit");
+    }
+
+    #[test]
+    fn a_request_queued_again_after_its_deadline_expires() {
+        let d = dir("deadline-retry");
+        let store = Store::open(&d.0, QueueConfig::default()).unwrap();
+        let mut job = new_job("a");
+        job.deadline_ms = Some(100);
+        store.submit(job, "a".into(), 0).unwrap();
+        store.lease(1, 10).unwrap();
+        // The deadline passes while it is under way: no expiry then.
+        assert!(store.reclaim(150).unwrap().expired.is_empty());
+        let retried = store.retry("a", 1, "500", true, 160).unwrap().unwrap();
+        assert_eq!(retried.status, Status::Expired);
+        assert!(store.lease(1, 170).unwrap().is_empty());
     }
 }

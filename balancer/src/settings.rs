@@ -16,7 +16,7 @@ use flowgate::DispatcherConfig;
 use serde::Deserialize;
 
 use crate::asyncq::store::{DeadLetter, QueueConfig};
-use crate::asyncq::{AsyncConfig, Gate};
+use crate::asyncq::{AsyncConfig, Gate, PromQuery};
 use crate::auth::{ApiKeys, Secret};
 use crate::limits::{self, ClientLimits, MAX_MAX_HEADER_BYTES};
 use crate::policy::{self, ConfigDuration, FlowControlSection, PriorityRules, SaturationSection};
@@ -191,8 +191,9 @@ pub struct Cli {
     pub async_dir: Option<PathBuf>,
 
     /// Where the async dispatch budget's D comes from: `balancer` (1 − the
-    /// share of the fleet's slots taken by interactive work) or
-    /// `always-open` (1) [default: balancer]
+    /// share of the fleet's slots taken by interactive work), `prometheus`
+    /// (--async-promql against --async-prometheus-url) or `always-open` (1)
+    /// [default: balancer]
     #[arg(long, value_enum, value_name = "GATE")]
     pub async_gate: Option<Gate>,
 
@@ -241,6 +242,23 @@ pub struct Cli {
     /// [default: 24h]
     #[arg(long, value_name = "DURATION", value_parser = flowgate::duration::parse_duration)]
     pub async_retention: Option<Duration>,
+
+    /// How often the async gate is read; after a 429 from the fleet the gate
+    /// stays closed until the next reading [default: 250ms; 2s with
+    /// --async-gate prometheus]
+    #[arg(long, value_name = "DURATION", value_parser = flowgate::duration::parse_duration)]
+    pub async_gate_interval: Option<Duration>,
+
+    /// Prometheus server for --async-gate prometheus: `http://host:9090`
+    #[arg(long, value_name = "URL")]
+    pub async_prometheus_url: Option<String>,
+
+    /// PromQL instant query giving D (0 to 1) for --async-gate prometheus,
+    /// e.g. `sum(flowgate_endpoint_slots{state="idle"}) /
+    /// sum(flowgate_endpoint_slots)`; an error, an empty answer or NaN
+    /// reads as D = 0
+    #[arg(long, value_name = "QUERY")]
+    pub async_promql: Option<String>,
 }
 
 /// The config file: the same settings as the flags.
@@ -476,6 +494,23 @@ impl Settings {
                 None => None,
                 Some(dir) => {
                     let d = QueueConfig::default();
+                    let gate = cli.async_gate.unwrap_or(Gate::Balancer);
+                    let prometheus = match (gate, cli.async_prometheus_url.clone(), cli.async_promql.clone()) {
+                        (Gate::Prometheus, Some(url), Some(query)) => {
+                            if !url.starts_with("http://") {
+                                return Err(SettingsError::Invalid(format!(
+                                    "--async-prometheus-url {url:?} must be an http:// URL"
+                                )));
+                            }
+                            Some(PromQuery { url, query })
+                        }
+                        (Gate::Prometheus, _, _) => {
+                            return Err(SettingsError::Invalid(
+                                "--async-gate prometheus needs --async-prometheus-url and --async-promql".into(),
+                            ))
+                        }
+                        _ => None,
+                    };
                     Some(AsyncConfig {
                         dir,
                         queue: QueueConfig {
@@ -490,7 +525,12 @@ impl Settings {
                             retention: cli.async_retention.unwrap_or(d.retention),
                             auto_evict: cli.async_auto_evict,
                         },
-                        gate: cli.async_gate.unwrap_or(Gate::Balancer),
+                        gate,
+                        gate_interval: cli.async_gate_interval.unwrap_or(match gate {
+                            Gate::Prometheus => Duration::from_secs(2),
+                            _ => Duration::from_millis(250),
+                        }),
+                        prometheus,
                         max_sys: cli.async_max_sys,
                         baseline: cli.async_baseline.unwrap_or(0.0),
                         priority: cli.async_priority.unwrap_or(-1000),
@@ -606,8 +646,8 @@ impl Settings {
             if a.queue.max_length == 0 || a.queue.max_delivery == 0 {
                 return invalid("async_max_length and async_max_delivery must be at least 1");
             }
-            if a.queue.max_idle.is_zero() {
-                return invalid("async_max_idle must be above 0");
+            if a.queue.max_idle.is_zero() || a.gate_interval.is_zero() {
+                return invalid("async_max_idle and async_gate_interval must be above 0");
             }
             if self.tls.is_some() {
                 return invalid(

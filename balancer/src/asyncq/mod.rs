@@ -30,9 +30,6 @@ use crate::auth::Secret;
 use crate::state::Shared;
 use store::{Answer, Job, NewJob, QueueConfig, Status, Store, StoreError};
 
-/// How often the gate is read: a 429 closes it until the next reading.
-const READING_INTERVAL: Duration = Duration::from_millis(250);
-
 /// The token header that marks the dispatcher's own requests.
 pub const TOKEN_HEADER: &str = "x-flowgate-async-token";
 
@@ -45,6 +42,17 @@ pub enum Gate {
     /// `D = 1 − S`, `S` the share of the fleet's slots taken by
     /// interactive work (busy or waiting in the buffer).
     Balancer,
+    /// `D` is the value of a PromQL query against a Prometheus server.
+    Prometheus,
+}
+
+/// Where the `prometheus` gate reads `D`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromQuery {
+    /// The server's base URL, `http://host:9090`.
+    pub url: String,
+    /// An instant query whose first sample is `D` (0 to 1).
+    pub query: String,
 }
 
 #[derive(Debug, Clone)]
@@ -58,6 +66,10 @@ pub struct AsyncConfig {
     pub baseline: f64,
     /// The flow-control priority of async work.
     pub priority: i32,
+    /// How often the gate is read; a 429 closes it until the next reading.
+    pub gate_interval: Duration,
+    /// The `prometheus` gate's server and query.
+    pub prometheus: Option<PromQuery>,
 }
 
 pub fn now_ms() -> u64 {
@@ -336,6 +348,46 @@ pub fn view(job: &Job) -> Value {
     })
 }
 
+/// Runs an instant query; its first sample (a vector's or a scalar) is `D`.
+async fn query_prometheus(client: &reqwest::Client, q: &PromQuery) -> Result<f64, String> {
+    let url = format!("{}/api/v1/query", q.url.trim_end_matches('/'));
+    let resp = client
+        .get(&url)
+        .query(&[("query", q.query.as_str())])
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .map_err(|e| format!("cannot query Prometheus at {url}: {e}"))?;
+    let status = resp.status();
+    let body: Value = resp
+        .json()
+        .await
+        .map_err(|e| format!("Prometheus answered {status} with no JSON: {e}"))?;
+    prometheus_value(&body)
+}
+
+/// `D` from a Prometheus query answer.
+fn prometheus_value(body: &Value) -> Result<f64, String> {
+    if body["status"] != "success" {
+        return Err(format!("Prometheus refused the query: {}", body["error"]));
+    }
+    let result = &body["data"]["result"];
+    let sample = match body["data"]["resultType"].as_str() {
+        Some("vector") => &result[0]["value"],
+        Some("scalar") => result,
+        other => {
+            return Err(format!(
+                "the query gave a {other:?}, not a vector or scalar"
+            ))
+        }
+    };
+    sample[1]
+        .as_str()
+        .and_then(|v| v.parse::<f64>().ok())
+        .filter(|v| v.is_finite())
+        .ok_or_else(|| "the query gave no number (an empty vector or NaN)".to_string())
+}
+
 /// Random bytes for ids and the token, from the OS.
 fn getrandom(buf: &mut [u8]) {
     use std::io::Read;
@@ -360,8 +412,8 @@ pub struct Dispatcher {
 }
 
 impl Dispatcher {
-    /// `D` for the configured gate.
-    fn spare(&self, async_in_flight: u64) -> (Option<f64>, u64) {
+    /// `D` for the configured gate, and `max_sys`.
+    async fn spare(&self, client: &reqwest::Client, async_in_flight: u64) -> (Option<f64>, u64) {
         let snap = self.queue.shared.snapshot();
         let slots: u64 = snap
             .endpoints
@@ -370,10 +422,17 @@ impl Dispatcher {
             .filter_map(|e| e.agent.as_ref().map(|a| u64::from(a.slots_total)))
             .sum();
         let max_sys = self.queue.config.max_sys.unwrap_or(slots);
-        let spare = match self.queue.config.gate {
-            Gate::AlwaysOpen => Some(1.0),
-            Gate::Balancer if slots == 0 => Some(0.0),
-            Gate::Balancer => {
+        let spare = match (self.queue.config.gate, &self.queue.config.prometheus) {
+            (Gate::AlwaysOpen, _) => Some(1.0),
+            (Gate::Prometheus, Some(q)) => match query_prometheus(client, q).await {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    warn!("async gate: {e}; D = 0 until it can be read");
+                    None
+                }
+            },
+            (Gate::Prometheus, None) | (Gate::Balancer, _) if slots == 0 => Some(0.0),
+            (Gate::Prometheus, None) | (Gate::Balancer, _) => {
                 let busy: u64 = snap
                     .endpoints
                     .iter()
@@ -501,7 +560,8 @@ impl BackgroundService for Dispatcher {
             baseline: queue.config.baseline,
         });
         let mut last_reclaim = Instant::now() - Duration::from_secs(1);
-        let mut last_reading = Instant::now() - READING_INTERVAL;
+        let interval = queue.config.gate_interval;
+        let mut last_reading = Instant::now() - interval;
         info!(dir = %queue.config.dir.display(), "async dispatcher started");
         loop {
             if last_reclaim.elapsed() >= Duration::from_millis(500) {
@@ -536,9 +596,9 @@ impl BackgroundService for Dispatcher {
                 }
             }
             let in_flight = queue.in_flight.load(Ordering::Relaxed);
-            if last_reading.elapsed() >= READING_INTERVAL {
+            if last_reading.elapsed() >= interval {
                 last_reading = Instant::now();
-                let (spare, max_sys) = self.spare(in_flight);
+                let (spare, max_sys) = self.spare(&client, in_flight).await;
                 budget.set_config(BudgetConfig {
                     max_sys,
                     baseline: queue.config.baseline,
@@ -579,5 +639,31 @@ impl BackgroundService for Dispatcher {
                 _ = shutdown.changed() => return,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prometheus_answers_give_d_or_a_reason() {
+        let vector = json!({"status": "success", "data": {"resultType": "vector",
+            "result": [{"metric": {}, "value": [1.7e9, "0.75"]}]}});
+        assert_eq!(prometheus_value(&vector), Ok(0.75));
+        let scalar = json!({"status": "success", "data": {"resultType": "scalar",
+            "result": [1.7e9, "0.5"]}});
+        assert_eq!(prometheus_value(&scalar), Ok(0.5));
+        let empty = json!({"status": "success", "data": {"resultType": "vector", "result": []}});
+        assert!(prometheus_value(&empty).unwrap_err().contains("no number"));
+        let nan =
+            json!({"status": "success", "data": {"resultType": "scalar", "result": [1, "NaN"]}});
+        assert!(prometheus_value(&nan).is_err());
+        let refused = json!({"status": "error", "error": "parse error"});
+        assert!(prometheus_value(&refused)
+            .unwrap_err()
+            .contains("parse error"));
+        let matrix = json!({"status": "success", "data": {"resultType": "matrix", "result": []}});
+        assert!(prometheus_value(&matrix).is_err());
     }
 }

@@ -1,0 +1,158 @@
+//! The async dispatch budget read by PromQL from a real Prometheus server
+//! (Debian's `prometheus` package, installed by `scripts/test`) scraping the
+//! balancer: while Prometheus cannot be read, D = 0 and nothing is
+//! dispatched; once it scrapes, D is the query's value and the backlog
+//! drains.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::Value;
+
+/// A Prometheus server of the test's own, killed and its data removed on
+/// drop.
+struct Prometheus {
+    child: Child,
+    dir: PathBuf,
+}
+
+impl Prometheus {
+    fn start(port: u16, scrape: &str) -> Prometheus {
+        let dir = std::env::temp_dir().join(format!("flowgate-prom-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = dir.join("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 500ms\n  evaluation_interval: 500ms\n\
+                 scrape_configs:\n  - job_name: flowgate\n    metrics_path: /metrics\n\
+                 \x20   static_configs:\n      - targets: ['{scrape}']\n"
+            ),
+        )
+        .unwrap();
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect(
+                "the prometheus command (Debian's prometheus package; scripts/test installs it)",
+            );
+        Prometheus { child, dir }
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+const QUERY: &str = "sum(flowgate_endpoint_slots{state=\"idle\"}) / sum(flowgate_endpoint_slots)";
+
+#[tokio::test]
+async fn the_prometheus_gate_reads_d_by_promql_and_closes_when_it_cannot() {
+    let dir = std::env::temp_dir().join(format!("flowgate-async-prom-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let prom_port = free_port();
+    let prom_url = format!("http://127.0.0.1:{prom_port}");
+    let (b, _sim, _agent) = fleet(
+        &[
+            "--async-dir",
+            dir.to_str().unwrap(),
+            "--async-gate",
+            "prometheus",
+            "--async-prometheus-url",
+            &prom_url,
+            "--async-promql",
+            QUERY,
+            "--async-gate-interval",
+            "300ms",
+        ],
+        &["--output-tokens", "2"],
+    )
+    .await;
+    let mut ids = Vec::new();
+    for i in 0..10 {
+        let resp = client()
+            .post(b.url("/v1/async/chat/completions"))
+            .json(&chat_for(Some("sim-model"), &format!("job {i}")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 202);
+        ids.push(
+            resp.json::<Value>().await.unwrap()["id"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
+    }
+    // No Prometheus yet: D = 0. Watch for two seconds (several readings):
+    // nothing may leave the queue.
+    let watch_until = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < watch_until {
+        assert_eq!(
+            metric(&b, "flowgate_async_budget_spare_ratio", &[]).await,
+            0.0
+        );
+        assert_eq!(
+            metric(&b, "flowgate_async_deliveries_total", &[]).await,
+            0.0
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let _prom = Prometheus::start(prom_port, &b.management.to_string());
+    // Prometheus scrapes the balancer; D becomes the query's value (all 4
+    // slots idle: 1) and the backlog drains.
+    wait_for(
+        "D read from Prometheus",
+        Duration::from_secs(30),
+        || async {
+            (metric(&b, "flowgate_async_budget_spare_ratio", &[]).await > 0.0).then_some(())
+        },
+    )
+    .await;
+    let answer = get_json(&format!(
+        "{prom_url}/api/v1/query?query={}",
+        QUERY
+            .replace('{', "%7B")
+            .replace('}', "%7D")
+            .replace('"', "%22")
+            .replace('=', "%3D")
+    ))
+    .await;
+    assert_eq!(answer["status"], "success", "{answer}");
+    wait_for("the backlog to drain", Duration::from_secs(30), || async {
+        for id in &ids {
+            let v = get_json(&b.url(&format!("/v1/async/requests/{id}"))).await;
+            if v["status"] != "succeeded" {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
+    assert_eq!(
+        metric(
+            &b,
+            "flowgate_async_outcomes_total",
+            &[("status", "succeeded")]
+        )
+        .await,
+        10.0
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -190,6 +190,12 @@ pub struct Cli {
     #[arg(long, value_name = "DIR")]
     pub async_dir: Option<PathBuf>,
 
+    /// Keep the async queue in Redis instead (`redis://host:6379/0`; Streams
+    /// with a consumer group), so several balancers share it; turns the
+    /// async path on
+    #[arg(long, value_name = "URL")]
+    pub queue_url: Option<String>,
+
     /// Where the async dispatch budget's D comes from: `balancer` (1 − the
     /// share of the fleet's slots taken by interactive work), `prometheus`
     /// (--async-promql against --async-prometheus-url) or `always-open` (1)
@@ -490,9 +496,18 @@ impl Settings {
         };
         let s = Settings {
             scale_up_webhook,
-            async_queue: match cli.async_dir.clone() {
-                None => None,
-                Some(dir) => {
+            async_queue: match (cli.async_dir.clone(), cli.queue_url.clone()) {
+                (None, None) => None,
+                (dir, redis_url) => {
+                    if redis_url
+                        .as_ref()
+                        .is_some_and(|u| !(u.starts_with("redis://") || u.starts_with("unix://")))
+                    {
+                        return Err(SettingsError::Invalid(
+                            "--queue-url must be a redis:// (or unix://) URL".into(),
+                        ));
+                    }
+                    let dir = dir.unwrap_or_default();
                     let d = QueueConfig::default();
                     let gate = cli.async_gate.unwrap_or(Gate::Balancer);
                     let prometheus = match (gate, cli.async_prometheus_url.clone(), cli.async_promql.clone()) {
@@ -513,6 +528,7 @@ impl Settings {
                     };
                     Some(AsyncConfig {
                         dir,
+                        redis_url,
                         queue: QueueConfig {
                             max_length: cli.async_max_length.unwrap_or(d.max_length),
                             max_payload_bytes: cli

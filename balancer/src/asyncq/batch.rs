@@ -12,19 +12,16 @@
 
 use std::sync::Arc;
 
-use redb::{ReadableDatabase, ReadableTable, TableDefinition};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use super::store::{Job, NewJob, StoreError};
 use super::{now_ms, AsyncQueue};
 
-/// id → file metadata (JSON).
-const FILES: TableDefinition<&str, &[u8]> = TableDefinition::new("files");
-/// id → file content.
-const FILE_DATA: TableDefinition<&str, &[u8]> = TableDefinition::new("file_data");
-/// id → batch record (JSON).
-const BATCHES: TableDefinition<&str, &[u8]> = TableDefinition::new("batches");
+/// Blob kinds: file metadata (JSON), file content, batch records (JSON).
+const FILES: &str = "files";
+const FILE_DATA: &str = "file_data";
+const BATCHES: &str = "batches";
 
 /// Endpoints a batch may target.
 const BATCH_ENDPOINTS: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"];
@@ -46,32 +43,11 @@ impl From<StoreError> for ApiError {
                 "request_too_large",
                 format!("a request of the batch exceeds {n} bytes"),
             ),
+            StoreError::BadCursor => ApiError(400, "bad_cursor", e.to_string()),
             StoreError::Storage(e) => ApiError(500, "queue_error", e),
         }
     }
 }
-
-impl From<redb::Error> for ApiError {
-    fn from(e: redb::Error) -> Self {
-        ApiError(500, "queue_error", e.to_string())
-    }
-}
-
-macro_rules! db_err {
-    ($($t:ty),*) => {$(
-        impl From<$t> for ApiError {
-            fn from(e: $t) -> Self {
-                ApiError::from(redb::Error::from(e))
-            }
-        }
-    )*};
-}
-db_err!(
-    redb::TransactionError,
-    redb::TableError,
-    redb::StorageError,
-    redb::CommitError
-);
 
 type Result<T> = std::result::Result<T, ApiError>;
 
@@ -231,7 +207,8 @@ impl AsyncQueue {
         let n = self
             .next_id
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        format!("{prefix}{}{:012x}{n:06x}", self.id_prefix, now_ms())
+        // Time first: ids sort by creation, also across balancers.
+        format!("{prefix}{:012x}{}{n:06x}", now_ms(), self.id_prefix)
     }
 
     /// Stores an uploaded file (purpose `batch`, JSONL).
@@ -255,30 +232,18 @@ impl AsyncQueue {
     }
 
     fn put_file(&self, meta: &FileMeta, data: &[u8]) -> Result<()> {
-        let db = self.store.db();
-        let txn = db.begin_write()?;
-        {
-            let bytes = serde_json::to_vec(meta).expect("file meta serializes");
-            txn.open_table(FILES)?
-                .insert(meta.id.as_str(), bytes.as_slice())?;
-            txn.open_table(FILE_DATA)?.insert(meta.id.as_str(), data)?;
-        }
-        txn.commit()?;
+        let bytes = serde_json::to_vec(meta).expect("file meta serializes");
+        // Content first: a file is listed only once it is whole.
+        self.store.put_blob(FILE_DATA, &meta.id, data)?;
+        self.store.put_blob(FILES, &meta.id, &bytes)?;
         Ok(())
     }
 
     pub fn file(&self, id: &str) -> Result<(FileMeta, Vec<u8>)> {
-        let txn = self.store.db().begin_read()?;
-        let (Ok(files), Ok(data)) = (txn.open_table(FILES), txn.open_table(FILE_DATA)) else {
-            return Err(no_file(id));
-        };
-        let meta = files.get(id)?.ok_or_else(|| no_file(id))?;
-        let meta: FileMeta = serde_json::from_slice(meta.value())
+        let meta = self.store.get_blob(FILES, id)?.ok_or_else(|| no_file(id))?;
+        let meta: FileMeta = serde_json::from_slice(&meta)
             .map_err(|e| ApiError(500, "queue_error", e.to_string()))?;
-        let bytes = data
-            .get(id)?
-            .map(|d| d.value().to_vec())
-            .unwrap_or_default();
+        let bytes = self.store.get_blob(FILE_DATA, id)?.unwrap_or_default();
         Ok((meta, bytes))
     }
 
@@ -403,24 +368,17 @@ impl AsyncQueue {
     }
 
     fn put_batch(&self, record: &BatchRecord) -> Result<()> {
-        let txn = self.store.db().begin_write()?;
-        {
-            let bytes = serde_json::to_vec(record).expect("batch serializes");
-            txn.open_table(BATCHES)?
-                .insert(record.id.as_str(), bytes.as_slice())?;
-        }
-        txn.commit()?;
+        let bytes = serde_json::to_vec(record).expect("batch serializes");
+        self.store.put_blob(BATCHES, &record.id, &bytes)?;
         Ok(())
     }
 
     fn load_batch(&self, id: &str) -> Result<BatchRecord> {
-        let txn = self.store.db().begin_read()?;
-        let Ok(batches) = txn.open_table(BATCHES) else {
-            return Err(no_batch(id));
-        };
-        let record = batches.get(id)?.ok_or_else(|| no_batch(id))?;
-        serde_json::from_slice(record.value())
-            .map_err(|e| ApiError(500, "queue_error", e.to_string()))
+        let record = self
+            .store
+            .get_blob(BATCHES, id)?
+            .ok_or_else(|| no_batch(id))?;
+        serde_json::from_slice(&record).map_err(|e| ApiError(500, "queue_error", e.to_string()))
     }
 
     /// The batch, brought up to date with its requests (finalized when all
@@ -517,17 +475,7 @@ impl AsyncQueue {
     }
 
     pub fn list_batches(&self, limit: usize, after: Option<&str>) -> Result<Value> {
-        let ids: Vec<String> = {
-            let txn = self.store.db().begin_read()?;
-            match txn.open_table(BATCHES) {
-                Ok(batches) => batches
-                    .iter()?
-                    .filter_map(|e| e.ok())
-                    .map(|(k, _)| k.value().to_string())
-                    .collect(),
-                Err(_) => Vec::new(),
-            }
-        };
+        let ids = self.store.blob_ids(BATCHES)?;
         // Newest first; ids sort by creation time.
         let mut ids: Vec<String> = ids.into_iter().rev().collect();
         if let Some(after) = after {

@@ -281,42 +281,39 @@ impl Inference {
             return self.async_events(session, ctx, &queue, id).await;
         }
         let (status, body) = if rest == "/results" && *method == Method::GET {
-            let after = match param("after").map(|a| a.parse::<u64>()) {
-                None => None,
-                Some(Ok(a)) => Some(a),
-                Some(Err(_)) => {
-                    let (status, body) = error(
-                        StatusCode::BAD_REQUEST,
-                        "bad_cursor",
-                        "after must be a cursor from next_cursor".into(),
-                    );
-                    self.send_json(session, ctx, status, body, &[]).await?;
-                    return Ok(true);
-                }
-            };
+            let after = param("after");
             let limit = param("limit")
                 .and_then(|l| l.parse().ok())
                 .unwrap_or(100usize)
                 .clamp(1, 1000);
-            match queue.results(after, limit, wait).await {
+            match queue.results(after.clone(), limit, wait).await {
                 Ok(found) => {
-                    let next = found.last().map(|(n, _)| *n).or(after);
+                    let next = found.last().map(|(n, _)| n.clone()).or(after);
                     let data: Vec<Value> = found
                         .iter()
                         .map(|(n, job)| {
                             let mut v = asyncq::view(job);
-                            v["cursor"] = Value::from(n.to_string());
+                            v["cursor"] = Value::from(n.as_str());
                             v
                         })
                         .collect();
                     let page = serde_json::json!({
                         "object": "list",
                         "data": data,
-                        "next_cursor": next.map(|n| n.to_string()),
+                        "next_cursor": next,
                     });
                     (StatusCode::OK, page.to_string().into_bytes())
                 }
-                Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, "queue_error", e),
+                Err(asyncq::store::StoreError::BadCursor) => error(
+                    StatusCode::BAD_REQUEST,
+                    "bad_cursor",
+                    "after must be a cursor from next_cursor".into(),
+                ),
+                Err(e) => error(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "queue_error",
+                    e.to_string(),
+                ),
             }
         } else if let Some(id) = rest.strip_prefix("/requests/") {
             let id = id.to_string();

@@ -7,8 +7,10 @@
 //! control and scheduling as interactive work, in its own low-priority band:
 //! interactive requests always go first, async ones fill what is left.
 
+mod backend;
 pub mod batch;
 mod http;
+mod redis_store;
 pub mod store;
 
 use std::net::SocketAddr;
@@ -28,6 +30,7 @@ use tracing::{info, warn};
 
 use crate::auth::Secret;
 use crate::state::Shared;
+use backend::Backend;
 use store::{Answer, Job, NewJob, QueueConfig, Status, Store, StoreError};
 
 /// The token header that marks the dispatcher's own requests.
@@ -57,7 +60,10 @@ pub struct PromQuery {
 
 #[derive(Debug, Clone)]
 pub struct AsyncConfig {
+    /// The embedded store's directory.
     pub dir: PathBuf,
+    /// `redis://…`: the queue lives in Redis instead, shared by balancers.
+    pub redis_url: Option<String>,
     pub queue: QueueConfig,
     pub gate: Gate,
     /// The fleet's capacity in requests; `None`: its slots, as reported.
@@ -154,7 +160,7 @@ impl AsyncMetrics {
 
 /// The queue, shared by the API and the dispatcher.
 pub struct AsyncQueue {
-    store: Store,
+    store: Backend,
     config: AsyncConfig,
     /// Woken on a new request.
     submitted: Notify,
@@ -181,14 +187,29 @@ pub enum SubmitError {
 
 impl AsyncQueue {
     pub fn open(config: AsyncConfig, shared: Arc<Shared>) -> Result<Arc<Self>, String> {
-        let store = Store::open(&config.dir, config.queue.clone()).map_err(|e| {
-            format!(
-                "cannot open the async queue in {}: {e}",
-                config.dir.display()
-            )
-        })?;
         let mut seed = [0u8; 16];
         getrandom(&mut seed);
+        let store = match &config.redis_url {
+            None => {
+                Backend::Embedded(Store::open(&config.dir, config.queue.clone()).map_err(|e| {
+                    format!(
+                        "cannot open the async queue in {}: {e}",
+                        config.dir.display()
+                    )
+                })?)
+            }
+            Some(url) => {
+                let consumer: String = seed[8..].iter().map(|b| format!("{b:02x}")).collect();
+                Backend::Redis(Box::new(
+                    redis_store::RedisStore::open(
+                        url,
+                        config.queue.clone(),
+                        format!("balancer-{consumer}"),
+                    )
+                    .map_err(|e| format!("cannot open the async queue at {url}: {e}"))?,
+                ))
+            }
+        };
         let token_text: String = seed.iter().map(|b| format!("{b:02x}")).collect();
         let id_prefix: String = seed[..6].iter().map(|b| format!("{b:02x}")).collect();
         let metrics = AsyncMetrics::new(&shared);
@@ -235,7 +256,7 @@ impl AsyncQueue {
             }
             Err(StoreError::Full(n)) => Err(SubmitError::Full(n)),
             Err(StoreError::TooLarge(n)) => Err(SubmitError::TooLarge(n)),
-            Err(StoreError::Storage(e)) => Err(SubmitError::Storage(e)),
+            Err(e) => Err(SubmitError::Storage(e.to_string())),
         }
     }
 
@@ -246,10 +267,11 @@ impl AsyncQueue {
             |job: &Option<Job>| job.as_ref().is_none_or(|j| j.status.is_final()),
             {
                 let id = id.to_string();
-                move |q: &Store| q.get(&id)
+                move |q: &Backend| q.get(&id)
             },
         )
         .await
+        .map_err(|e| e.to_string())
     }
 
     /// The request `id` once its state differs from `seen` (or `wait` passed).
@@ -264,24 +286,25 @@ impl AsyncQueue {
             move |job: &Option<Job>| job.as_ref().is_none_or(|j| Some(j.status) != seen),
             {
                 let id = id.to_string();
-                move |q: &Store| q.get(&id)
+                move |q: &Backend| q.get(&id)
             },
         )
         .await
+        .map_err(|e| e.to_string())
     }
 
     /// Finished requests after the feed position `after`, in finish order;
     /// with `wait`, once there is one or `wait` passed.
     pub async fn results(
         self: &Arc<Self>,
-        after: Option<u64>,
+        after: Option<String>,
         limit: usize,
         wait: Duration,
-    ) -> Result<Vec<(u64, Job)>, String> {
+    ) -> Result<Vec<(String, Job)>, StoreError> {
         self.wait_until(
             wait,
-            |found: &Vec<(u64, Job)>| !found.is_empty(),
-            move |q: &Store| q.finished_since(after, limit),
+            |found: &Vec<(String, Job)>| !found.is_empty(),
+            move |q: &Backend| q.finished_since(after.as_deref(), limit),
         )
         .await
     }
@@ -292,8 +315,8 @@ impl AsyncQueue {
         self: &Arc<Self>,
         wait: Duration,
         done: impl Fn(&T) -> bool,
-        read: impl Fn(&Store) -> Result<T, StoreError> + Send + Sync + Clone + 'static,
-    ) -> Result<T, String> {
+        read: impl Fn(&Backend) -> Result<T, StoreError> + Send + Sync + Clone + 'static,
+    ) -> Result<T, StoreError> {
         let deadline = Instant::now() + wait;
         loop {
             let changed = self.changed.notified();
@@ -303,8 +326,7 @@ impl AsyncQueue {
             let read = read.clone();
             let found = tokio::task::spawn_blocking(move || read(&q.store))
                 .await
-                .map_err(|e| e.to_string())?
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| StoreError::Storage(e.to_string()))??;
             if done(&found) || Instant::now() >= deadline {
                 return Ok(found);
             }

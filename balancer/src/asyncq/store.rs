@@ -29,6 +29,8 @@ const LEASES: TableDefinition<&str, u64> = TableDefinition::new("leases");
 const FINISHED: TableDefinition<u64, &str> = TableDefinition::new("finished_order");
 /// (deadline ms, queue seq) → id, for queued requests with a deadline.
 const DEADLINES: TableDefinition<(u64, u64), &str> = TableDefinition::new("deadlines");
+/// `kind/id` → bytes: the Batch API's files and batches.
+const BLOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("blobs");
 /// Counters: `next_seq`, `next_finish`.
 const META: TableDefinition<&str, u64> = TableDefinition::new("meta");
 
@@ -119,6 +121,35 @@ pub struct Job {
     /// Why the last delivery failed, if it did.
     pub last_error: Option<String>,
     seq: u64,
+    /// Redis: the request's entry in the queue stream.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) stream_entry: Option<String>,
+    /// Redis: when the current delivery's lease runs out (Unix ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) lease_until_ms: Option<u64>,
+}
+
+impl Job {
+    /// A new queued request.
+    pub(super) fn new(new: NewJob, id: String, now_ms: u64) -> Job {
+        Job {
+            id,
+            path: new.path,
+            body: new.body,
+            fairness_id: new.fairness_id,
+            idempotency_key: new.idempotency_key,
+            deadline_ms: new.deadline_ms,
+            status: Status::Queued,
+            attempts: 0,
+            created_ms: now_ms,
+            updated_ms: now_ms,
+            answer: None,
+            last_error: None,
+            seq: 0,
+            stream_entry: None,
+            lease_until_ms: None,
+        }
+    }
 }
 
 /// A request to queue.
@@ -139,15 +170,29 @@ pub enum StoreError {
     TooLarge(usize),
     #[error("queue store: {0}")]
     Storage(String),
+    #[error("not a cursor this queue gave out")]
+    BadCursor,
 }
 
-impl<E: Into<redb::Error>> From<E> for StoreError {
-    fn from(e: E) -> Self {
-        StoreError::Storage(e.into().to_string())
-    }
+macro_rules! redb_errors {
+    ($($t:ty),*) => {$(
+        impl From<$t> for StoreError {
+            fn from(e: $t) -> Self {
+                StoreError::Storage(redb::Error::from(e).to_string())
+            }
+        }
+    )*};
 }
+redb_errors!(
+    redb::Error,
+    redb::DatabaseError,
+    redb::TransactionError,
+    redb::TableError,
+    redb::StorageError,
+    redb::CommitError
+);
 
-type Result<T> = std::result::Result<T, StoreError>;
+pub type Result<T> = std::result::Result<T, StoreError>;
 
 fn encode(job: &Job) -> Vec<u8> {
     serde_json::to_vec(job).expect("a job serializes")
@@ -211,6 +256,7 @@ impl Store {
             txn.open_table(LEASES)?;
             txn.open_table(FINISHED)?;
             txn.open_table(DEADLINES)?;
+            txn.open_table(BLOBS)?;
             txn.open_table(META)?;
         }
         txn.commit()?;
@@ -276,19 +322,8 @@ impl Store {
         }
         let seq = next(txn, "next_seq")?;
         let job = Job {
-            id,
-            path: new.path,
-            body: new.body,
-            fairness_id: new.fairness_id,
-            idempotency_key: new.idempotency_key,
-            deadline_ms: new.deadline_ms,
-            status: Status::Queued,
-            attempts: 0,
-            created_ms: now_ms,
-            updated_ms: now_ms,
-            answer: None,
-            last_error: None,
             seq,
+            ..Job::new(new, id, now_ms)
         };
         jobs.insert(job.id.as_str(), encode(&job).as_slice())?;
         queue.insert(seq, job.id.as_str())?;
@@ -302,9 +337,33 @@ impl Store {
         Ok((job, true))
     }
 
-    /// The database, for the Batch API's own tables.
-    pub(super) fn db(&self) -> &Database {
-        &self.db
+    /// Stores `bytes` as `id` of `kind` (Batch API files and batches).
+    pub fn put_blob(&self, kind: &str, id: &str, bytes: &[u8]) -> Result<()> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(BLOBS)?
+            .insert(format!("{kind}/{id}").as_str(), bytes)?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    pub fn get_blob(&self, kind: &str, id: &str) -> Result<Option<Vec<u8>>> {
+        let txn = self.db.begin_read()?;
+        let blobs = txn.open_table(BLOBS)?;
+        let found = blobs.get(format!("{kind}/{id}").as_str())?;
+        Ok(found.map(|b| b.value().to_vec()))
+    }
+
+    /// The ids of `kind`, in id order.
+    pub fn blob_ids(&self, kind: &str) -> Result<Vec<String>> {
+        let txn = self.db.begin_read()?;
+        let blobs = txn.open_table(BLOBS)?;
+        let (from, to) = (format!("{kind}/"), format!("{kind}0"));
+        let mut ids = Vec::new();
+        for entry in blobs.range(from.as_str()..to.as_str())? {
+            let (k, _) = entry?;
+            ids.push(k.value()[from.len()..].to_string());
+        }
+        Ok(ids)
     }
 
     /// Several requests at once (`None` for unknown ids).
@@ -535,7 +594,10 @@ impl Store {
     /// Finished requests in the order they finished, after the position
     /// `after` (`None`: from the oldest kept), at most `limit`, each with its
     /// position.
-    pub fn finished_since(&self, after: Option<u64>, limit: usize) -> Result<Vec<(u64, Job)>> {
+    pub fn finished_since(&self, after: Option<&str>, limit: usize) -> Result<Vec<(String, Job)>> {
+        let after = after
+            .map(|a| a.parse::<u64>().map_err(|_| StoreError::BadCursor))
+            .transpose()?;
         let txn = self.db.begin_read()?;
         let finished = txn.open_table(FINISHED)?;
         let jobs = txn.open_table(JOBS)?;
@@ -551,7 +613,7 @@ impl Store {
                 .map(|j| decode(j.value()))
                 .transpose()?
             {
-                out.push((n.value(), job));
+                out.push((n.value().to_string(), job));
             }
         }
         Ok(out)
@@ -863,16 +925,20 @@ mod tests {
         let feed = store.finished_since(None, 10).unwrap();
         let ids: Vec<_> = feed.iter().map(|(_, j)| j.id.as_str()).collect();
         assert_eq!(ids, ["c", "a"], "finish order, not id or time order");
-        let cursor = feed[1].0;
-        assert!(store.finished_since(Some(cursor), 10).unwrap().is_empty());
+        let cursor = feed[1].0.clone();
+        assert!(store.finished_since(Some(&cursor), 10).unwrap().is_empty());
         store.finish("b", 1, ok(500), 3).unwrap();
-        let more = store.finished_since(Some(cursor), 10).unwrap();
+        let more = store.finished_since(Some(&cursor), 10).unwrap();
         assert_eq!(more.len(), 1);
         assert_eq!(
             (more[0].1.id.as_str(), more[0].1.status),
             ("b", Status::Failed)
         );
         assert_eq!(store.finished_since(None, 1).unwrap().len(), 1, "limit");
+        assert!(matches!(
+            store.finished_since(Some("x"), 1),
+            Err(StoreError::BadCursor)
+        ));
     }
 
     #[test]

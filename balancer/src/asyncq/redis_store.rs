@@ -1,0 +1,540 @@
+//! The async queue in Redis (`--queue-url redis://…`), so that several
+//! balancers share one queue: a stream with a consumer group holds the
+//! queued and dispatched requests, the consumer group's pending list is the
+//! set of leases. Same semantics as the embedded [`super::store::Store`],
+//! with these differences: a request delivered again goes to the back of the
+//! queue, `auto_evict` is not offered (a full queue refuses), and two
+//! balancers that change one request at the same moment (a cancel racing an
+//! answer) may both win; the last write stays.
+//!
+//! Keys, under `flowgate:{queue}:`: `queue` (stream, field `id`; group
+//! `dispatchers`), `job:{id}` (JSON), `key:{idempotency key}` (id),
+//! `finished` (stream of finished ids: the results feed), `blob:{kind}:{id}`
+//! and `blobs:{kind}` (a sorted set of ids) for the Batch API.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use redis::{Connection, Value};
+
+use super::store::{
+    Answer, Counts, DeadLetter, Job, NewJob, QueueConfig, Reclaimed, Result, Status, StoreError,
+};
+
+const GROUP: &str = "dispatchers";
+
+impl From<redis::RedisError> for StoreError {
+    fn from(e: redis::RedisError) -> Self {
+        StoreError::Storage(format!("redis: {e}"))
+    }
+}
+
+pub struct RedisStore {
+    client: redis::Client,
+    conn: Mutex<Option<Connection>>,
+    config: QueueConfig,
+    prefix: String,
+    /// This balancer's name in the consumer group.
+    consumer: String,
+}
+
+fn bulk(v: &Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        Value::SimpleString(s) => Some(s.clone()),
+        _ => None,
+    }
+}
+
+/// Stream entries `[[entry id, [field, value, …]], …]` as (entry id, the
+/// `id` field).
+fn entries(v: &Value) -> Vec<(String, String)> {
+    let Value::Array(items) = v else {
+        return Vec::new();
+    };
+    items
+        .iter()
+        .filter_map(|item| {
+            let Value::Array(pair) = item else {
+                return None;
+            };
+            let entry = bulk(pair.first()?)?;
+            let Value::Array(fields) = pair.get(1)? else {
+                return None;
+            };
+            let id = fields
+                .chunks(2)
+                .find(|kv| bulk(&kv[0]).as_deref() == Some("id"))
+                .and_then(|kv| kv.get(1).and_then(bulk))?;
+            Some((entry, id))
+        })
+        .collect()
+}
+
+impl RedisStore {
+    /// Connects and creates the consumer group (checked at start-up).
+    pub fn open(url: &str, config: QueueConfig, consumer: String) -> Result<RedisStore> {
+        let client = redis::Client::open(url)
+            .map_err(|e| StoreError::Storage(format!("bad --queue-url {url}: {e}")))?;
+        let store = RedisStore {
+            client,
+            conn: Mutex::new(None),
+            config,
+            prefix: "flowgate:default:".into(),
+            consumer,
+        };
+        let created = store.run(|c| {
+            redis::cmd("XGROUP")
+                .arg("CREATE")
+                .arg(store.key("queue"))
+                .arg(GROUP)
+                .arg("0")
+                .arg("MKSTREAM")
+                .query::<()>(c)
+        });
+        match created {
+            Ok(()) => Ok(store),
+            Err(StoreError::Storage(e)) if e.contains("BUSYGROUP") => Ok(store),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn key(&self, name: &str) -> String {
+        format!("{}{name}", self.prefix)
+    }
+
+    /// Runs `f` on the connection, connecting (again) when needed.
+    fn run<T>(&self, f: impl FnOnce(&mut Connection) -> redis::RedisResult<T>) -> Result<T> {
+        let mut guard = self.conn.lock().expect("redis connection lock");
+        if guard.is_none() {
+            let conn = self
+                .client
+                .get_connection_with_timeout(Duration::from_secs(5))?;
+            conn.set_read_timeout(Some(Duration::from_secs(10)))?;
+            *guard = Some(conn);
+        }
+        let result = f(guard.as_mut().expect("connected"));
+        if let Err(e) = &result {
+            if e.is_io_error() || e.is_connection_dropped() || e.is_timeout() {
+                *guard = None;
+            }
+        }
+        Ok(result?)
+    }
+
+    fn load(&self, c: &mut Connection, id: &str) -> redis::RedisResult<Option<Job>> {
+        let raw: Option<String> = redis::cmd("GET")
+            .arg(self.key(&format!("job:{id}")))
+            .query(c)?;
+        Ok(raw.and_then(|r| serde_json::from_str(&r).ok()))
+    }
+
+    fn save(&self, c: &mut Connection, job: &Job) -> redis::RedisResult<()> {
+        let key = self.key(&format!("job:{}", job.id));
+        let json = serde_json::to_string(job).expect("a job serializes");
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(&key).arg(json);
+        if job.status.is_final() {
+            cmd.arg("PX").arg(self.config.retention.as_millis() as u64);
+        }
+        cmd.query(c)
+    }
+
+    /// Adds the request to the back of the queue.
+    fn enqueue(&self, c: &mut Connection, job: &mut Job) -> redis::RedisResult<()> {
+        let entry: String = redis::cmd("XADD")
+            .arg(self.key("queue"))
+            .arg("*")
+            .arg("id")
+            .arg(&job.id)
+            .query(c)?;
+        job.stream_entry = Some(entry);
+        job.status = Status::Queued;
+        self.save(c, job)
+    }
+
+    /// Takes the request's entry off the queue (acknowledged and deleted).
+    fn dequeue(&self, c: &mut Connection, job: &mut Job) -> redis::RedisResult<bool> {
+        let Some(entry) = job.stream_entry.take() else {
+            return Ok(false);
+        };
+        let acked: i64 = redis::cmd("XACK")
+            .arg(self.key("queue"))
+            .arg(GROUP)
+            .arg(&entry)
+            .query(c)?;
+        let deleted: i64 = redis::cmd("XDEL")
+            .arg(self.key("queue"))
+            .arg(&entry)
+            .query(c)?;
+        Ok(acked + deleted > 0)
+    }
+
+    fn finished(&self, c: &mut Connection, job: &Job) -> redis::RedisResult<()> {
+        self.save(c, job)?;
+        let retention_start =
+            super::now_ms().saturating_sub(self.config.retention.as_millis() as u64);
+        redis::cmd("XADD")
+            .arg(self.key("finished"))
+            .arg("MINID")
+            .arg(retention_start)
+            .arg("*")
+            .arg("id")
+            .arg(&job.id)
+            .query::<String>(c)
+            .map(drop)
+    }
+
+    fn queued(&self, c: &mut Connection) -> redis::RedisResult<(u64, u64)> {
+        let len: u64 = redis::cmd("XLEN").arg(self.key("queue")).query(c)?;
+        let pending: Value = redis::cmd("XPENDING")
+            .arg(self.key("queue"))
+            .arg(GROUP)
+            .query(c)?;
+        let pending = match pending {
+            Value::Array(v) => match v.first() {
+                Some(Value::Int(n)) => *n as u64,
+                _ => 0,
+            },
+            _ => 0,
+        };
+        Ok((len.saturating_sub(pending), pending))
+    }
+
+    pub fn submit(&self, new: NewJob, id: String, now_ms: u64) -> Result<(Job, bool)> {
+        let mut done = self.submit_many(vec![(new, id)], now_ms)?;
+        Ok(done.pop().expect("one request in, one out"))
+    }
+
+    pub fn submit_many(&self, new: Vec<(NewJob, String)>, now_ms: u64) -> Result<Vec<(Job, bool)>> {
+        if new
+            .iter()
+            .any(|(j, _)| j.body.len() > self.config.max_payload_bytes)
+        {
+            return Err(StoreError::TooLarge(self.config.max_payload_bytes));
+        }
+        self.run(|c| {
+            let (queued, _) = self.queued(c)?;
+            if queued as usize + new.len() > self.config.max_length {
+                return Ok(Err(StoreError::Full(self.config.max_length)));
+            }
+            let mut out = Vec::with_capacity(new.len());
+            for (n, id) in new {
+                if let Some(k) = &n.idempotency_key {
+                    let claimed: Option<String> = redis::cmd("SET")
+                        .arg(self.key(&format!("key:{k}")))
+                        .arg(&id)
+                        .arg("NX")
+                        .arg("GET")
+                        .query(c)?;
+                    if let Some(existing) = claimed {
+                        if let Some(job) = self.load(c, &existing)? {
+                            out.push((job, false));
+                            continue;
+                        }
+                    }
+                }
+                let mut job = Job::new(n, id, now_ms);
+                self.enqueue(c, &mut job)?;
+                out.push((job, true));
+            }
+            Ok(Ok(out))
+        })?
+    }
+
+    pub fn get(&self, id: &str) -> Result<Option<Job>> {
+        self.run(|c| self.load(c, id))
+    }
+
+    pub fn get_many(&self, ids: &[String]) -> Result<Vec<Option<Job>>> {
+        self.run(|c| ids.iter().map(|id| self.load(c, id)).collect())
+    }
+
+    pub fn lease(&self, n: usize, now_ms: u64) -> Result<Vec<Job>> {
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        self.run(|c| {
+            let reply: Value = redis::cmd("XREADGROUP")
+                .arg("GROUP")
+                .arg(GROUP)
+                .arg(&self.consumer)
+                .arg("COUNT")
+                .arg(n)
+                .arg("STREAMS")
+                .arg(self.key("queue"))
+                .arg(">")
+                .query(c)?;
+            let mut delivered = Vec::new();
+            if let Value::Array(streams) = &reply {
+                for stream in streams {
+                    if let Value::Array(pair) = stream {
+                        if let Some(items) = pair.get(1) {
+                            delivered.extend(entries(items));
+                        }
+                    }
+                }
+            }
+            let mut leased = Vec::new();
+            for (entry, id) in delivered {
+                let Some(mut job) = self.load(c, &id)? else {
+                    let mut gone = Job::new(NewJob::default(), id, now_ms);
+                    gone.stream_entry = Some(entry);
+                    self.dequeue(c, &mut gone)?;
+                    continue;
+                };
+                job.stream_entry = Some(entry);
+                if job.status.is_final() {
+                    // Cancelled while queued.
+                    self.dequeue(c, &mut job)?;
+                    continue;
+                }
+                if job.deadline_ms.is_some_and(|d| d <= now_ms) {
+                    self.dequeue(c, &mut job)?;
+                    job.status = Status::Expired;
+                    job.updated_ms = now_ms;
+                    self.finished(c, &job)?;
+                    continue;
+                }
+                job.status = Status::Dispatched;
+                job.attempts += 1;
+                job.updated_ms = now_ms;
+                job.lease_until_ms = Some(now_ms + self.config.max_idle.as_millis() as u64);
+                self.save(c, &job)?;
+                leased.push(job);
+            }
+            Ok(leased)
+        })
+    }
+
+    /// Ends a lease held by `attempt`, then `update` (which returns
+    /// whether the request is final).
+    fn end_lease(
+        &self,
+        id: &str,
+        attempt: u32,
+        now_ms: u64,
+        update: impl FnOnce(&Self, &mut Connection, &mut Job) -> redis::RedisResult<()>,
+    ) -> Result<Option<Job>> {
+        self.run(|c| {
+            let Some(mut job) = self.load(c, id)? else {
+                return Ok(None);
+            };
+            if job.status != Status::Dispatched || job.attempts != attempt {
+                return Ok(None);
+            }
+            self.dequeue(c, &mut job)?;
+            job.lease_until_ms = None;
+            job.updated_ms = now_ms;
+            update(self, c, &mut job)?;
+            Ok(Some(job))
+        })
+    }
+
+    pub fn finish(
+        &self,
+        id: &str,
+        attempt: u32,
+        answer: Answer,
+        now_ms: u64,
+    ) -> Result<Option<Job>> {
+        self.end_lease(id, attempt, now_ms, |s, c, job| {
+            job.status = if (200..300).contains(&answer.status) {
+                Status::Succeeded
+            } else {
+                Status::Failed
+            };
+            job.answer = Some(answer);
+            s.finished(c, job)
+        })
+    }
+
+    pub fn retry(
+        &self,
+        id: &str,
+        attempt: u32,
+        error: &str,
+        counted: bool,
+        now_ms: u64,
+    ) -> Result<Option<Job>> {
+        self.end_lease(id, attempt, now_ms, |s, c, job| {
+            job.last_error = Some(error.to_string());
+            if !counted {
+                job.attempts -= 1;
+            }
+            s.redeliver(c, job, now_ms)
+        })
+    }
+
+    fn redeliver(&self, c: &mut Connection, job: &mut Job, now_ms: u64) -> redis::RedisResult<()> {
+        if job.deadline_ms.is_some_and(|d| d <= now_ms) {
+            job.status = Status::Expired;
+            return self.finished(c, job);
+        }
+        if job.attempts >= self.config.max_delivery {
+            match self.config.dead_letter {
+                DeadLetter::Drop => {
+                    job.status = Status::DeadLettered;
+                    return self.finished(c, job);
+                }
+                DeadLetter::Rear => job.attempts = 0,
+            }
+        }
+        self.enqueue(c, job)
+    }
+
+    pub fn cancel(&self, id: &str, now_ms: u64) -> Result<Option<Job>> {
+        self.run(|c| {
+            let Some(mut job) = self.load(c, id)? else {
+                return Ok(None);
+            };
+            if job.status.is_final() {
+                return Ok(Some(job));
+            }
+            self.dequeue(c, &mut job)?;
+            job.status = Status::Cancelled;
+            job.updated_ms = now_ms;
+            job.lease_until_ms = None;
+            self.finished(c, &job)?;
+            Ok(Some(job))
+        })
+    }
+
+    /// Delivers again what any balancer leased and did not finish in time.
+    pub fn reclaim(&self, now_ms: u64) -> Result<Reclaimed> {
+        let idle = self.config.max_idle.as_millis() as u64;
+        self.run(|c| {
+            let pending: Value = redis::cmd("XPENDING")
+                .arg(self.key("queue"))
+                .arg(GROUP)
+                .arg("IDLE")
+                .arg(idle)
+                .arg("-")
+                .arg("+")
+                .arg(100)
+                .query(c)?;
+            let mut done = Reclaimed::default();
+            let Value::Array(rows) = pending else {
+                return Ok(done);
+            };
+            for row in rows {
+                let Value::Array(fields) = row else { continue };
+                let Some(entry) = fields.first().and_then(bulk) else {
+                    continue;
+                };
+                // Whoever acknowledges the entry first delivers it again.
+                let acked: i64 = redis::cmd("XACK")
+                    .arg(self.key("queue"))
+                    .arg(GROUP)
+                    .arg(&entry)
+                    .query(c)?;
+                if acked == 0 {
+                    continue;
+                }
+                let range: Value = redis::cmd("XRANGE")
+                    .arg(self.key("queue"))
+                    .arg(&entry)
+                    .arg(&entry)
+                    .query(c)?;
+                redis::cmd("XDEL")
+                    .arg(self.key("queue"))
+                    .arg(&entry)
+                    .query::<i64>(c)?;
+                let Some((_, id)) = entries(&range).into_iter().next() else {
+                    continue;
+                };
+                let Some(mut job) = self.load(c, &id)? else {
+                    continue;
+                };
+                if job.status != Status::Dispatched {
+                    continue;
+                }
+                job.stream_entry = None;
+                job.lease_until_ms = None;
+                job.updated_ms = now_ms;
+                job.last_error = Some("the lease ran out before the dispatch finished".into());
+                self.redeliver(c, &mut job, now_ms)?;
+                match job.status {
+                    Status::DeadLettered => done.dead_lettered.push(id),
+                    Status::Expired => done.expired.push(id),
+                    _ => done.redelivered.push(id),
+                }
+            }
+            Ok(done)
+        })
+    }
+
+    pub fn counts(&self) -> Result<Counts> {
+        self.run(|c| {
+            let (queued, dispatched) = self.queued(c)?;
+            Ok(Counts {
+                queued,
+                dispatched,
+                oldest_queued_ms: None,
+            })
+        })
+    }
+
+    pub fn finished_since(&self, after: Option<&str>, limit: usize) -> Result<Vec<(String, Job)>> {
+        let start = match after {
+            None => "-".to_string(),
+            Some(a)
+                if a.split_once('-')
+                    .is_some_and(|(l, r)| l.parse::<u64>().is_ok() && r.parse::<u64>().is_ok()) =>
+            {
+                format!("({a}")
+            }
+            Some(_) => return Err(StoreError::BadCursor),
+        };
+        self.run(|c| {
+            let range: Value = redis::cmd("XRANGE")
+                .arg(self.key("finished"))
+                .arg(&start)
+                .arg("+")
+                .arg("COUNT")
+                .arg(limit)
+                .query(c)?;
+            let mut out = Vec::new();
+            for (entry, id) in entries(&range) {
+                if let Some(job) = self.load(c, &id)? {
+                    out.push((entry, job));
+                }
+            }
+            Ok(out)
+        })
+    }
+
+    pub fn put_blob(&self, kind: &str, id: &str, bytes: &[u8]) -> Result<()> {
+        self.run(|c| {
+            redis::cmd("SET")
+                .arg(self.key(&format!("blob:{kind}:{id}")))
+                .arg(bytes)
+                .query::<()>(c)?;
+            redis::cmd("ZADD")
+                .arg(self.key(&format!("blobs:{kind}")))
+                .arg(0)
+                .arg(id)
+                .query::<i64>(c)?;
+            Ok(())
+        })
+    }
+
+    pub fn get_blob(&self, kind: &str, id: &str) -> Result<Option<Vec<u8>>> {
+        self.run(|c| {
+            redis::cmd("GET")
+                .arg(self.key(&format!("blob:{kind}:{id}")))
+                .query(c)
+        })
+    }
+
+    /// The ids of `kind`, in id order (all scores are 0: lexicographic).
+    pub fn blob_ids(&self, kind: &str) -> Result<Vec<String>> {
+        self.run(|c| {
+            redis::cmd("ZRANGE")
+                .arg(self.key(&format!("blobs:{kind}")))
+                .arg(0)
+                .arg(-1)
+                .query(c)
+        })
+    }
+}

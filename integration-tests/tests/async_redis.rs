@@ -1,0 +1,173 @@
+//! The async queue in Redis (`--queue-url`), against a real redis-server
+//! (Debian's `redis-server` package, installed by `scripts/test`, started
+//! here on a port of the test's own): balancers share one queue, a request
+//! accepted by one is answered through another, and a request leased by a
+//! balancer that is SIGKILLed mid-dispatch is delivered again by another
+//! once its lease runs out.
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+use serde_json::Value;
+
+struct Redis {
+    child: Child,
+    url: String,
+}
+
+impl Redis {
+    async fn start() -> Redis {
+        let port = free_port();
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+            ])
+            .args(["--appendonly", "no", "--protected-mode", "yes"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server (Debian's redis-server package; scripts/test installs it)");
+        wait_for(
+            "redis-server to listen",
+            Duration::from_secs(10),
+            || async move {
+                tokio::net::TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .ok()
+                    .map(drop)
+            },
+        )
+        .await;
+        Redis {
+            child,
+            url: format!("redis://127.0.0.1:{port}/0"),
+        }
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn accepted(b: &Balancer, content: &str, headers: &[(&str, &str)]) -> String {
+    let mut req = client()
+        .post(b.url("/v1/async/chat/completions"))
+        .json(&chat_for(Some("sim-model"), content));
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = req.send().await.unwrap();
+    assert_eq!(resp.status(), 202);
+    resp.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+async fn view(b: &Balancer, id: &str) -> Value {
+    get_json(&b.url(&format!("/v1/async/requests/{id}"))).await
+}
+
+#[tokio::test]
+async fn balancers_share_one_queue_in_redis() {
+    let redis = Redis::start().await;
+    // A has no model server: what it accepts, B's fleet answers.
+    let a = Balancer::start(&["--queue-url", &redis.url]).await;
+    let mut ids = Vec::new();
+    for i in 0..12 {
+        ids.push(accepted(&a, &format!("shared {i}"), &[]).await);
+    }
+    let keyed = accepted(&a, "keyed", &[("idempotency-key", "k-1")]).await;
+    ids.push(keyed.clone());
+    a.proc.signal("KILL");
+    drop(a);
+
+    let (b, _sim, _agent) = fleet(&["--queue-url", &redis.url], &[]).await;
+    assert_eq!(
+        accepted(&b, "keyed", &[("idempotency-key", "k-1")]).await,
+        keyed,
+        "the key is shared too"
+    );
+    wait_for(
+        "the shared backlog to drain",
+        Duration::from_secs(30),
+        || async {
+            for id in &ids {
+                if view(&b, id).await["status"] != "succeeded" {
+                    return None;
+                }
+            }
+            Some(())
+        },
+    )
+    .await;
+    for id in &ids {
+        let v = view(&b, id).await;
+        assert_eq!(v["attempts"], 1, "{v}");
+        assert_eq!(v["response"]["object"], "chat.completion");
+    }
+    // The results feed lists each once.
+    let page = get_json(&b.url("/v1/async/results?limit=100")).await;
+    let mut fed: Vec<String> = page["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["id"].as_str().unwrap().to_string())
+        .collect();
+    fed.sort();
+    let mut want = ids.clone();
+    want.sort();
+    assert_eq!(fed, want);
+    assert_eq!(
+        metric(&b, "flowgate_requests_total", &[("code", "200")]).await,
+        13.0
+    );
+}
+
+#[tokio::test]
+async fn a_lease_lost_with_its_balancer_is_delivered_again_by_another() {
+    let redis = Redis::start().await;
+    // C leases the request, its server takes 20 s to answer, and C dies.
+    let (c, _slow_sim, _slow_agent) = fleet(
+        &["--queue-url", &redis.url, "--async-max-idle", "1s"],
+        &["--ttft-ms", "20000"],
+    )
+    .await;
+    let id = accepted(&c, "survivor", &[]).await;
+    wait_for("C to dispatch it", Duration::from_secs(10), || async {
+        (view(&c, &id).await["status"] == "dispatched").then_some(())
+    })
+    .await;
+    c.proc.signal("KILL");
+    drop(c);
+
+    // B takes it over once the 1 s lease has run out.
+    let (b, _sim, _agent) =
+        fleet(&["--queue-url", &redis.url, "--async-max-idle", "1s"], &[]).await;
+    let v = wait_for("B to deliver it again", Duration::from_secs(20), || async {
+        let v = view(&b, &id).await;
+        (v["status"] == "succeeded").then_some(v)
+    })
+    .await;
+    assert_eq!(v["attempts"], 2, "{v}");
+    assert_eq!(
+        metric(
+            &b,
+            "flowgate_async_deliveries_total",
+            &[("kind", "redelivery")]
+        )
+        .await,
+        1.0
+    );
+}

@@ -249,9 +249,12 @@ pub struct Cli {
     #[arg(long, value_name = "DURATION", value_parser = flowgate::duration::parse_duration)]
     pub async_retention: Option<Duration>,
 
-    /// How often the async gate is read; after a 429 from the fleet the gate
-    /// stays closed until the next reading [default: 250ms; 2s with
-    /// --async-gate prometheus]
+    /// The balancer gate: D is the lowest of its readings (taken every
+    /// ≤ 100 ms) over this window, so a moment when interactive clients are
+    /// between requests is not mistaken for spare capacity. The prometheus
+    /// gate: how often the query runs. After a 429 from the fleet the gate
+    /// stays closed this long [default: 1s; 2s with --async-gate
+    /// prometheus]
     #[arg(long, value_name = "DURATION", value_parser = flowgate::duration::parse_duration)]
     pub async_gate_interval: Option<Duration>,
 
@@ -544,7 +547,7 @@ impl Settings {
                         gate,
                         gate_interval: cli.async_gate_interval.unwrap_or(match gate {
                             Gate::Prometheus => Duration::from_secs(2),
-                            _ => Duration::from_millis(250),
+                            _ => Duration::from_secs(1),
                         }),
                         prometheus,
                         max_sys: cli.async_max_sys,

@@ -6,7 +6,6 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -17,14 +16,13 @@ use serde_json::Value;
 /// drop.
 struct Prometheus {
     child: Child,
-    dir: PathBuf,
+    _dir: TempDir,
 }
 
 impl Prometheus {
     fn start(port: u16, scrape: &str) -> Prometheus {
-        let dir = std::env::temp_dir().join(format!("flowgate-prom-{}-{port}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let config = dir.join("prometheus.yml");
+        let dir = TempDir::new(&format!("prom-{port}"));
+        let config = dir.0.join("prometheus.yml");
         std::fs::write(
             &config,
             format!(
@@ -36,10 +34,7 @@ impl Prometheus {
         .unwrap();
         let child = Command::new("prometheus")
             .arg(format!("--config.file={}", config.display()))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.join("data").display()
-            ))
+            .arg(format!("--storage.tsdb.path={}", dir.path("data")))
             .arg(format!("--web.listen-address=127.0.0.1:{port}"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -47,7 +42,7 @@ impl Prometheus {
             .expect(
                 "the prometheus command (Debian's prometheus package; scripts/test installs it)",
             );
-        Prometheus { child, dir }
+        Prometheus { child, _dir: dir }
     }
 }
 
@@ -55,7 +50,6 @@ impl Drop for Prometheus {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -63,14 +57,13 @@ const QUERY: &str = "sum(flowgate_endpoint_slots{state=\"idle\"}) / sum(flowgate
 
 #[tokio::test]
 async fn the_prometheus_gate_reads_d_by_promql_and_closes_when_it_cannot() {
-    let dir = std::env::temp_dir().join(format!("flowgate-async-prom-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let dir = TempDir::new("async-prom");
     let prom_port = free_port();
     let prom_url = format!("http://127.0.0.1:{prom_port}");
     let (b, _sim, _agent) = fleet(
         &[
             "--async-dir",
-            dir.to_str().unwrap(),
+            dir.arg(),
             "--async-gate",
             "prometheus",
             "--async-prometheus-url",
@@ -154,5 +147,4 @@ async fn the_prometheus_gate_reads_d_by_promql_and_closes_when_it_cannot() {
         .await,
         10.0
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }

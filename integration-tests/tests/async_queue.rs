@@ -6,31 +6,10 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::*;
 use serde_json::{json, Value};
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let dir = std::env::temp_dir().join(format!("flowgate-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        TempDir(dir)
-    }
-
-    fn arg(&self) -> &str {
-        self.0.to_str().unwrap()
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 async fn submit(b: &Balancer, content: &str, headers: &[(&str, &str)]) -> reqwest::Response {
     let mut req = client()

@@ -14,9 +14,8 @@ use common::*;
 
 #[tokio::test]
 async fn the_openai_python_clients_batch_example_works() {
-    let dir = std::env::temp_dir().join(format!("flowgate-batch-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let (b, _sim, _agent) = fleet(&["--async-dir", dir.to_str().unwrap()], &[]).await;
+    let dir = TempDir::new("batch");
+    let (b, _sim, _agent) = fleet(&["--async-dir", dir.arg()], &[]).await;
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/openai_batch.py");
     let base = b.url("/v1");
     let out = tokio::task::spawn_blocking(move || {
@@ -28,7 +27,6 @@ async fn the_openai_python_clients_batch_example_works() {
     })
     .await
     .unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
     assert!(
         out.status.success(),
         "the openai client's batch example failed (is `openai` installed? scripts/test \

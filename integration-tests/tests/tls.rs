@@ -6,31 +6,9 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::process::{Command, Output};
 
 use common::*;
-
-/// A directory of the test's own, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let dir = std::env::temp_dir().join(format!("flowgate-{name}-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        TempDir(dir)
-    }
-
-    fn path(&self, file: &str) -> String {
-        self.0.join(file).to_str().unwrap().to_string()
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// A self-signed P-256 certificate for 127.0.0.1, valid for a day.
 fn self_signed(dir: &TempDir) -> (String, String) {

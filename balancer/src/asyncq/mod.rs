@@ -72,7 +72,9 @@ pub struct AsyncConfig {
     pub baseline: f64,
     /// The flow-control priority of async work.
     pub priority: i32,
-    /// How often the gate is read; a 429 closes it until the next reading.
+    /// The balancer gate: the window whose lowest D counts. The
+    /// prometheus gate: how often it is read. A 429 closes either for one
+    /// interval.
     pub gate_interval: Duration,
     /// The `prometheus` gate's server and query.
     pub prometheus: Option<PromQuery>,
@@ -584,6 +586,8 @@ impl BackgroundService for Dispatcher {
         let mut last_reclaim = Instant::now() - Duration::from_secs(1);
         let interval = queue.config.gate_interval;
         let mut last_reading = Instant::now() - interval;
+        let mut throttled_until: Option<Instant> = None;
+        let mut window: std::collections::VecDeque<(Instant, f64)> = Default::default();
         info!(dir = %queue.config.dir.display(), "async dispatcher started");
         loop {
             if last_reclaim.elapsed() >= Duration::from_millis(500) {
@@ -618,17 +622,40 @@ impl BackgroundService for Dispatcher {
                 }
             }
             let in_flight = queue.in_flight.load(Ordering::Relaxed);
-            if last_reading.elapsed() >= interval {
-                last_reading = Instant::now();
+            let now = Instant::now();
+            // The balancer gate is sampled on every round and the lowest D
+            // of the last interval counts: a moment when interactive
+            // clients happen to be between requests is not spare capacity.
+            let sample = match queue.config.gate {
+                Gate::Balancer => true,
+                _ => now.duration_since(last_reading) >= interval,
+            };
+            if sample && throttled_until.is_none_or(|t| now >= t) {
+                last_reading = now;
+                throttled_until = None;
                 let (spare, max_sys) = self.spare(&client, in_flight).await;
                 budget.set_config(BudgetConfig {
                     max_sys,
                     baseline: queue.config.baseline,
                 });
-                budget.reading(spare);
+                let reading = match queue.config.gate {
+                    Gate::Balancer => {
+                        window.push_back((now, spare.unwrap_or(0.0)));
+                        while window
+                            .front()
+                            .is_some_and(|(t, _)| now.duration_since(*t) > interval)
+                        {
+                            window.pop_front();
+                        }
+                        window.iter().map(|(_, d)| *d).reduce(f64::min)
+                    }
+                    _ => spare,
+                };
+                budget.reading(reading);
             }
             if queue.throttled.swap(false, Ordering::Relaxed) {
                 budget.throttled();
+                throttled_until = Some(now + interval);
             }
             queue.metrics.spare.set(budget.spare());
             queue.metrics.allowed.set(budget.allowed() as f64);

@@ -450,3 +450,35 @@ pub async fn metric(b: &Balancer, name: &str, labels: &[(&str, &str)]) -> f64 {
         })
         .sum()
 }
+
+/// A fresh directory of the test's own, removed when dropped.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(name: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(format!("flowgate-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("create a temporary directory");
+        TempDir(dir)
+    }
+
+    /// The directory, as a command-line argument.
+    pub fn arg(&self) -> &str {
+        self.0.to_str().expect("a UTF-8 temporary path")
+    }
+
+    /// A file in the directory, as a command-line argument.
+    pub fn path(&self, file: &str) -> String {
+        self.0
+            .join(file)
+            .to_str()
+            .expect("a UTF-8 temporary path")
+            .to_string()
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

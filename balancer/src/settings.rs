@@ -297,6 +297,9 @@ pub struct FileConfig {
     pub max_header_bytes: Option<usize>,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
+    /// The async path (README "Async path").
+    #[serde(rename = "async")]
+    pub async_queue: Option<AsyncSection>,
     /// Priority bands, fairness and ordering policies, limits, TTLs.
     pub flow_control: Option<FlowControlSection>,
     /// When an endpoint stops taking new work.
@@ -309,6 +312,111 @@ pub struct FileConfig {
     pub model_priorities: BTreeMap<String, i32>,
     /// Scorer weights, prefix index, retries, circuit breaker.
     pub scheduling: Option<SchedulingSection>,
+}
+
+/// The config file's `async:` section: the `--async-*` flags (and
+/// `--queue-url`) without their prefix, camelCase.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct AsyncSection {
+    pub dir: Option<PathBuf>,
+    pub queue_url: Option<String>,
+    pub gate: Option<Gate>,
+    pub gate_interval: Option<ConfigDuration>,
+    pub prometheus_url: Option<String>,
+    pub promql: Option<String>,
+    pub max_sys: Option<u64>,
+    pub baseline: Option<f64>,
+    pub priority: Option<i32>,
+    pub max_length: Option<usize>,
+    pub auto_evict: Option<bool>,
+    pub max_delivery: Option<u32>,
+    pub max_idle: Option<ConfigDuration>,
+    pub dead_letter: Option<DeadLetter>,
+    pub retention: Option<ConfigDuration>,
+}
+
+/// The async path's settings: flags over the file's `async:` section over
+/// defaults; `None` when neither a directory nor a queue URL is given.
+fn async_settings(
+    cli: &Cli,
+    file: AsyncSection,
+    max_payload_bytes: usize,
+) -> Result<Option<AsyncConfig>, SettingsError> {
+    let invalid = |m: String| Err(SettingsError::Invalid(m));
+    let (dir, redis_url) = match (
+        cli.async_dir.clone().or(file.dir),
+        cli.queue_url.clone().or(file.queue_url),
+    ) {
+        (None, None) => return Ok(None),
+        (dir, url) => (dir.unwrap_or_default(), url),
+    };
+    if redis_url
+        .as_ref()
+        .is_some_and(|u| !(u.starts_with("redis://") || u.starts_with("unix://")))
+    {
+        return invalid("queue_url must be a redis:// (or unix://) URL".into());
+    }
+    let gate = cli.async_gate.or(file.gate).unwrap_or(Gate::Balancer);
+    let url = cli.async_prometheus_url.clone().or(file.prometheus_url);
+    let query = cli.async_promql.clone().or(file.promql);
+    let prometheus = match (gate, url, query) {
+        (Gate::Prometheus, Some(url), Some(query)) => {
+            if !url.starts_with("http://") {
+                return invalid(format!(
+                    "async prometheus_url {url:?} must be an http:// URL"
+                ));
+            }
+            Some(PromQuery { url, query })
+        }
+        (Gate::Prometheus, _, _) => {
+            return invalid(
+                "the prometheus async gate needs a Prometheus URL and a PromQL query \
+                 (--async-prometheus-url, --async-promql)"
+                    .into(),
+            )
+        }
+        _ => None,
+    };
+    let d = QueueConfig::default();
+    let duration = |flag: Option<Duration>, key: Option<ConfigDuration>, default: Duration| {
+        flag.or(key.map(|d| d.0)).unwrap_or(default)
+    };
+    Ok(Some(AsyncConfig {
+        dir,
+        redis_url,
+        queue: QueueConfig {
+            max_length: cli
+                .async_max_length
+                .or(file.max_length)
+                .unwrap_or(d.max_length),
+            max_payload_bytes,
+            max_delivery: cli
+                .async_max_delivery
+                .or(file.max_delivery)
+                .unwrap_or(d.max_delivery),
+            max_idle: duration(cli.async_max_idle, file.max_idle, d.max_idle),
+            dead_letter: cli
+                .async_dead_letter
+                .or(file.dead_letter)
+                .unwrap_or(d.dead_letter),
+            retention: duration(cli.async_retention, file.retention, d.retention),
+            auto_evict: cli.async_auto_evict || file.auto_evict.unwrap_or(false),
+        },
+        gate,
+        gate_interval: duration(
+            cli.async_gate_interval,
+            file.gate_interval,
+            match gate {
+                Gate::Prometheus => Duration::from_secs(2),
+                _ => Duration::from_secs(1),
+            },
+        ),
+        prometheus,
+        max_sys: cli.async_max_sys.or(file.max_sys),
+        baseline: cli.async_baseline.or(file.baseline).unwrap_or(0.0),
+        priority: cli.async_priority.or(file.priority).unwrap_or(-1000),
+    }))
 }
 
 /// Effective settings after merging flags, file and defaults.
@@ -390,7 +498,14 @@ impl Settings {
         Self::merge(cli, file)
     }
 
-    pub fn merge(cli: Cli, file: FileConfig) -> Result<Self, SettingsError> {
+    pub fn merge(cli: Cli, mut file: FileConfig) -> Result<Self, SettingsError> {
+        let async_queue = async_settings(
+            &cli,
+            file.async_queue.take().unwrap_or_default(),
+            cli.max_request_bytes
+                .or(file.max_request_bytes)
+                .unwrap_or(DEFAULT_MAX_REQUEST_BYTES),
+        )?;
         let default_addr = |s: &str| s.parse::<SocketAddr>().expect("valid default address");
         let fc = file.flow_control.unwrap_or_default();
         let either = |top: &str, nested: &str, a: bool, b: bool| {
@@ -499,63 +614,7 @@ impl Settings {
         };
         let s = Settings {
             scale_up_webhook,
-            async_queue: match (cli.async_dir.clone(), cli.queue_url.clone()) {
-                (None, None) => None,
-                (dir, redis_url) => {
-                    if redis_url
-                        .as_ref()
-                        .is_some_and(|u| !(u.starts_with("redis://") || u.starts_with("unix://")))
-                    {
-                        return Err(SettingsError::Invalid(
-                            "--queue-url must be a redis:// (or unix://) URL".into(),
-                        ));
-                    }
-                    let dir = dir.unwrap_or_default();
-                    let d = QueueConfig::default();
-                    let gate = cli.async_gate.unwrap_or(Gate::Balancer);
-                    let prometheus = match (gate, cli.async_prometheus_url.clone(), cli.async_promql.clone()) {
-                        (Gate::Prometheus, Some(url), Some(query)) => {
-                            if !url.starts_with("http://") {
-                                return Err(SettingsError::Invalid(format!(
-                                    "--async-prometheus-url {url:?} must be an http:// URL"
-                                )));
-                            }
-                            Some(PromQuery { url, query })
-                        }
-                        (Gate::Prometheus, _, _) => {
-                            return Err(SettingsError::Invalid(
-                                "--async-gate prometheus needs --async-prometheus-url and --async-promql".into(),
-                            ))
-                        }
-                        _ => None,
-                    };
-                    Some(AsyncConfig {
-                        dir,
-                        redis_url,
-                        queue: QueueConfig {
-                            max_length: cli.async_max_length.unwrap_or(d.max_length),
-                            max_payload_bytes: cli
-                                .max_request_bytes
-                                .or(file.max_request_bytes)
-                                .unwrap_or(DEFAULT_MAX_REQUEST_BYTES),
-                            max_delivery: cli.async_max_delivery.unwrap_or(d.max_delivery),
-                            max_idle: cli.async_max_idle.unwrap_or(d.max_idle),
-                            dead_letter: cli.async_dead_letter.unwrap_or(d.dead_letter),
-                            retention: cli.async_retention.unwrap_or(d.retention),
-                            auto_evict: cli.async_auto_evict,
-                        },
-                        gate,
-                        gate_interval: cli.async_gate_interval.unwrap_or(match gate {
-                            Gate::Prometheus => Duration::from_secs(2),
-                            _ => Duration::from_secs(1),
-                        }),
-                        prometheus,
-                        max_sys: cli.async_max_sys,
-                        baseline: cli.async_baseline.unwrap_or(0.0),
-                        priority: cli.async_priority.unwrap_or(-1000),
-                    })
-                }
-            },
+            async_queue,
             tls: match (cli.tls_cert.or(file.tls_cert), cli.tls_key.or(file.tls_key)) {
                 (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
                 (None, None) => None,
@@ -787,6 +846,36 @@ mod tests {
                 max_header_bytes: 32 * 1024,
             }
         );
+    }
+
+    #[test]
+    fn the_async_section_is_read_and_flags_win() {
+        let file = FileConfig::parse(
+            "async:\n  dir: /var/lib/flowgate\n  gate: always-open\n  maxDelivery: 3\n  \
+             maxIdle: 2m\n  deadLetter: rear\n  priority: -50\n",
+        )
+        .unwrap();
+        let s = Settings::merge(cli(&["--async-max-delivery", "7"]), file).unwrap();
+        let a = s.async_queue.expect("on");
+        assert_eq!(a.dir, PathBuf::from("/var/lib/flowgate"));
+        assert_eq!(a.gate, Gate::AlwaysOpen);
+        assert_eq!(a.queue.max_delivery, 7, "the flag wins");
+        assert_eq!(a.queue.max_idle, Duration::from_secs(120));
+        assert_eq!(a.queue.dead_letter, DeadLetter::Rear);
+        assert_eq!(a.priority, -50);
+        assert!(Settings::merge(cli(&[]), FileConfig::default())
+            .unwrap()
+            .async_queue
+            .is_none());
+
+        let err = FileConfig::parse("async:\n  gates: balancer\n").unwrap_err();
+        assert!(err.to_string().contains("gates"), "{err}");
+        let prom = FileConfig::parse("async:\n  dir: /tmp/q\n  gate: prometheus\n").unwrap();
+        let err = Settings::merge(cli(&[]), prom).unwrap_err();
+        assert!(err.to_string().contains("PromQL"), "{err}");
+        let err =
+            Settings::merge(cli(&["--queue-url", "http://x"]), FileConfig::default()).unwrap_err();
+        assert!(err.to_string().contains("redis://"), "{err}");
     }
 
     #[test]

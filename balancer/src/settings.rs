@@ -16,7 +16,7 @@ use flowgate::DispatcherConfig;
 use serde::Deserialize;
 
 use crate::asyncq::store::{DeadLetter, QueueConfig};
-use crate::asyncq::{AsyncConfig, Gate, PromQuery};
+use crate::asyncq::{AsyncConfig, CapacityUnit, Gate, PromQuery};
 use crate::auth::{ApiKeys, Secret};
 use crate::limits::{self, ClientLimits, MAX_MAX_HEADER_BYTES};
 use crate::policy::{self, ConfigDuration, FlowControlSection, PriorityRules, SaturationSection};
@@ -203,10 +203,17 @@ pub struct Cli {
     #[arg(long, value_enum, value_name = "GATE")]
     pub async_gate: Option<Gate>,
 
-    /// The fleet's capacity in requests for the budget N = max_sys × (D − B)
-    /// [default: the eligible servers' slots, as reported]
+    /// The fleet's capacity for the budget N = max_sys × (D − B), in
+    /// --async-capacity-unit [default: the eligible servers' slots, as
+    /// reported; required with tokens or bytes]
     #[arg(long, value_name = "N")]
     pub async_max_sys: Option<u64>,
+
+    /// What max_sys and N count: `requests`, `tokens` (a request's prompt
+    /// bytes / 4 plus its max_tokens, 256 if unset) or `bytes` (its body)
+    /// [default: requests]
+    #[arg(long, value_enum, value_name = "UNIT")]
+    pub async_capacity_unit: Option<CapacityUnit>,
 
     /// B, the share of the fleet (0 to 1) kept for interactive work; no
     /// async work is dispatched while D ≤ B [default: 0]
@@ -326,6 +333,7 @@ pub struct AsyncSection {
     pub prometheus_url: Option<String>,
     pub promql: Option<String>,
     pub max_sys: Option<u64>,
+    pub capacity_unit: Option<CapacityUnit>,
     pub baseline: Option<f64>,
     pub priority: Option<i32>,
     pub max_length: Option<usize>,
@@ -378,6 +386,17 @@ fn async_settings(
         }
         _ => None,
     };
+    let unit = cli
+        .async_capacity_unit
+        .or(file.capacity_unit)
+        .unwrap_or(CapacityUnit::Requests);
+    let max_sys = cli.async_max_sys.or(file.max_sys);
+    if unit != CapacityUnit::Requests && max_sys.is_none() {
+        return invalid(
+            "an async capacity in tokens or bytes needs max_sys (--async-max-sys) in that unit"
+                .into(),
+        );
+    }
     let d = QueueConfig::default();
     let duration = |flag: Option<Duration>, key: Option<ConfigDuration>, default: Duration| {
         flag.or(key.map(|d| d.0)).unwrap_or(default)
@@ -413,7 +432,8 @@ fn async_settings(
             },
         ),
         prometheus,
-        max_sys: cli.async_max_sys.or(file.max_sys),
+        max_sys,
+        unit,
         baseline: cli.async_baseline.or(file.baseline).unwrap_or(0.0),
         priority: cli.async_priority.or(file.priority).unwrap_or(-1000),
     }))

@@ -340,3 +340,47 @@ async fn a_worker_consumes_results_from_the_feed_and_events_stream_each_change()
     assert_eq!(page["next_cursor"].as_str(), Some(c.as_str()));
     assert!(started.elapsed() >= Duration::from_millis(300));
 }
+
+#[tokio::test]
+async fn a_budget_in_bytes_bounds_the_async_bytes_in_flight() {
+    let dir = TempDir::new("async-bytes");
+    // Every request's body is the same size; N = 2.5 bodies: while less
+    // than N is out another may go, so at most 3 are in flight (4 slots).
+    let body_len = chat_for(Some("sim-model"), "sized job 0").to_string().len();
+    let max_sys = (body_len * 5 / 2).to_string();
+    let (b, sim, _agent) = fleet(
+        &[
+            "--async-dir",
+            dir.arg(),
+            "--async-gate",
+            "always-open",
+            "--async-capacity-unit",
+            "bytes",
+            "--async-max-sys",
+            &max_sys,
+        ],
+        &["--ttft-ms", "400", "--output-tokens", "1"],
+    )
+    .await;
+    let mut ids = Vec::new();
+    for i in 0..8 {
+        ids.push(accepted(&b, &format!("sized job {i}"), &[]).await);
+    }
+    let mut most = 0;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        most = most.max(sim.stats().await["processing"].as_u64().unwrap());
+        let mut done = 0;
+        for id in &ids {
+            if status(&b, id, "0").await["status"] == "succeeded" {
+                done += 1;
+            }
+        }
+        if done == ids.len() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{done} of 8 done");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(most, 3, "async requests on the server at once");
+}

@@ -49,6 +49,40 @@ pub enum Gate {
     Prometheus,
 }
 
+/// What the budget's `max_sys` and `N` count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CapacityUnit {
+    /// Each request counts 1.
+    Requests,
+    /// A request counts its estimated tokens: prompt bytes / 4 plus its
+    /// `max_tokens` (or `max_completion_tokens`; 256 when it names none).
+    Tokens,
+    /// A request counts its body's bytes.
+    Bytes,
+}
+
+/// Output tokens assumed for a request that names no `max_tokens`.
+const DEFAULT_OUTPUT_TOKENS: u64 = 256;
+
+impl CapacityUnit {
+    /// What `job` counts against the budget.
+    pub fn cost(self, job: &Job) -> u64 {
+        match self {
+            CapacityUnit::Requests => 1,
+            CapacityUnit::Bytes => job.body.len().max(1) as u64,
+            CapacityUnit::Tokens => {
+                let body: Value = serde_json::from_str(&job.body).unwrap_or(Value::Null);
+                let output = ["max_completion_tokens", "max_tokens"]
+                    .iter()
+                    .find_map(|k| body[*k].as_u64())
+                    .unwrap_or(DEFAULT_OUTPUT_TOKENS);
+                (job.body.len() as u64).div_ceil(4) + output
+            }
+        }
+    }
+}
+
 /// Where the `prometheus` gate reads `D`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PromQuery {
@@ -66,8 +100,10 @@ pub struct AsyncConfig {
     pub redis_url: Option<String>,
     pub queue: QueueConfig,
     pub gate: Gate,
-    /// The fleet's capacity in requests; `None`: its slots, as reported.
+    /// The fleet's capacity in `unit`; `None`: its slots, as reported
+    /// (requests only).
     pub max_sys: Option<u64>,
+    pub unit: CapacityUnit,
     /// Share of the fleet kept for interactive work.
     pub baseline: f64,
     /// The flow-control priority of async work.
@@ -176,6 +212,8 @@ pub struct AsyncQueue {
     shared: Arc<Shared>,
     /// Deliveries under way.
     in_flight: AtomicU64,
+    /// What they count against the budget, in the configured unit.
+    in_flight_cost: AtomicU64,
     /// The fleet answered 429 since the last reading.
     throttled: AtomicBool,
 }
@@ -227,6 +265,7 @@ impl AsyncQueue {
             metrics,
             shared,
             in_flight: AtomicU64::new(0),
+            in_flight_cost: AtomicU64::new(0),
             throttled: AtomicBool::new(false),
         }))
     }
@@ -555,6 +594,9 @@ impl Dispatcher {
             Err(e) => warn!(request = job.id, "async delivery task: {e}"),
         }
         queue.in_flight.fetch_sub(1, Ordering::Relaxed);
+        queue
+            .in_flight_cost
+            .fetch_sub(queue.config.unit.cost(&job), Ordering::Relaxed);
         queue.submitted.notify_one();
     }
 }
@@ -659,7 +701,15 @@ impl BackgroundService for Dispatcher {
             }
             queue.metrics.spare.set(budget.spare());
             queue.metrics.allowed.set(budget.allowed() as f64);
-            let n = budget.available(in_flight) as usize;
+            let cost = queue.in_flight_cost.load(Ordering::Relaxed);
+            let available = budget.available(cost);
+            // In requests, take all that fit at once; in tokens or bytes,
+            // one at a time (its cost is known once it is read; the last
+            // one may overshoot N).
+            let n = match queue.config.unit {
+                CapacityUnit::Requests => available as usize,
+                _ => usize::from(available > 0),
+            };
             if n > 0 && !self.queue.shared.is_shutting_down() {
                 let q = Arc::clone(queue);
                 let leased = tokio::task::spawn_blocking(move || q.store.lease(n, now_ms())).await;
@@ -668,14 +718,22 @@ impl BackgroundService for Dispatcher {
                         if !jobs.is_empty() {
                             queue.changed.notify_waiters();
                         }
+                        let leased_any = !jobs.is_empty();
                         for job in jobs {
                             queue.in_flight.fetch_add(1, Ordering::Relaxed);
+                            queue
+                                .in_flight_cost
+                                .fetch_add(queue.config.unit.cost(&job), Ordering::Relaxed);
                             tokio::spawn(Self::deliver(
                                 Arc::clone(queue),
                                 client.clone(),
                                 url.clone(),
                                 job,
                             ));
+                        }
+                        if leased_any && n < available as usize {
+                            // More may fit: look again at once.
+                            continue;
                         }
                     }
                     Ok(Err(e)) => warn!("async queue store: {e}"),
@@ -694,6 +752,27 @@ impl BackgroundService for Dispatcher {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn requests_cost_one_their_bytes_or_their_estimated_tokens() {
+        let body = r#"{"messages":[{"role":"user","content":"hello there"}],"max_tokens":100}"#;
+        let mut job = Job::new(
+            NewJob {
+                body: body.into(),
+                ..NewJob::default()
+            },
+            "a".into(),
+            0,
+        );
+        assert_eq!(CapacityUnit::Requests.cost(&job), 1);
+        assert_eq!(CapacityUnit::Bytes.cost(&job), body.len() as u64);
+        assert_eq!(
+            CapacityUnit::Tokens.cost(&job),
+            (body.len() as u64).div_ceil(4) + 100
+        );
+        job.body = "{}".into();
+        assert_eq!(CapacityUnit::Tokens.cost(&job), 1 + DEFAULT_OUTPUT_TOKENS);
+    }
 
     #[test]
     fn prometheus_answers_give_d_or_a_reason() {

@@ -251,6 +251,11 @@ pub struct Cli {
     #[arg(long, value_enum, value_name = "POLICY")]
     pub async_dead_letter: Option<DeadLetter>,
 
+    /// Finished async requests kept at most; while the result store holds
+    /// as many, the dispatcher takes no new work [default: 1000000]
+    #[arg(long, value_name = "N")]
+    pub async_max_results: Option<u64>,
+
     /// How long finished async requests and their answers are kept: `24h`
     /// [default: 24h]
     #[arg(long, value_name = "DURATION", value_parser = flowgate::duration::parse_duration)]
@@ -337,6 +342,7 @@ pub struct AsyncSection {
     pub baseline: Option<f64>,
     pub priority: Option<i32>,
     pub max_length: Option<usize>,
+    pub max_results: Option<u64>,
     pub auto_evict: Option<bool>,
     pub max_delivery: Option<u32>,
     pub max_idle: Option<ConfigDuration>,
@@ -421,6 +427,10 @@ fn async_settings(
                 .unwrap_or(d.dead_letter),
             retention: duration(cli.async_retention, file.retention, d.retention),
             auto_evict: cli.async_auto_evict || file.auto_evict.unwrap_or(false),
+            max_results: cli
+                .async_max_results
+                .or(file.max_results)
+                .unwrap_or(d.max_results),
         },
         gate,
         gate_interval: duration(

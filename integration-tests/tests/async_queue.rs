@@ -384,3 +384,46 @@ async fn a_budget_in_bytes_bounds_the_async_bytes_in_flight() {
     }
     assert_eq!(most, 3, "async requests on the server at once");
 }
+
+#[tokio::test]
+async fn a_full_result_store_holds_dispatching_until_results_age_out() {
+    let dir = TempDir::new("async-results");
+    let (b, _sim, _agent) = fleet(
+        &[
+            "--async-dir",
+            dir.arg(),
+            "--async-max-results",
+            "2",
+            "--async-retention",
+            "4s",
+        ],
+        &["--output-tokens", "1"],
+    )
+    .await;
+    let first = [accepted(&b, "a", &[]).await, accepted(&b, "b", &[]).await];
+    wait_final(&b, &first, Duration::from_secs(10)).await;
+    wait_for(
+        "the result store to count 2",
+        Duration::from_secs(5),
+        || async { (metric(&b, "flowgate_async_results_stored", &[]).await == 2.0).then_some(()) },
+    )
+    .await;
+    let held = [accepted(&b, "c", &[]).await, accepted(&b, "d", &[]).await];
+    // The store is full: nothing is taken for a second (several rounds).
+    let watch_until = Instant::now() + Duration::from_secs(1);
+    while Instant::now() < watch_until {
+        for id in &held {
+            assert_eq!(status(&b, id, "0").await["status"], "queued");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The first two age out after 4 s; then the others are served.
+    let views = wait_final(&b, &held, Duration::from_secs(15)).await;
+    assert!(views.iter().all(|v| v["status"] == "succeeded"));
+    let gone = client()
+        .get(b.url(&format!("/v1/async/requests/{}", first[0])))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(gone.status(), 404, "purged after retention");
+}

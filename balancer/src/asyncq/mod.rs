@@ -124,6 +124,7 @@ pub fn now_ms() -> u64 {
 
 struct AsyncMetrics {
     requests: IntGaugeVec,
+    results: prometheus::IntGauge,
     oldest_age: Gauge,
     spare: Gauge,
     allowed: Gauge,
@@ -140,6 +141,11 @@ impl AsyncMetrics {
                     "Async requests by state (queued, dispatched)",
                 ),
                 &["queue", "state"],
+            )
+            .expect("metric"),
+            results: prometheus::IntGauge::new(
+                "flowgate_async_results_stored",
+                "Finished async requests kept with their answers (queue default)",
             )
             .expect("metric"),
             oldest_age: Gauge::new(
@@ -176,6 +182,7 @@ impl AsyncMetrics {
         };
         for c in [
             Box::new(m.requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(m.results.clone()),
             Box::new(m.oldest_age.clone()),
             Box::new(m.spare.clone()),
             Box::new(m.allowed.clone()),
@@ -629,6 +636,7 @@ impl BackgroundService for Dispatcher {
         let interval = queue.config.gate_interval;
         let mut last_reading = Instant::now() - interval;
         let mut throttled_until: Option<Instant> = None;
+        let mut results_full = false;
         let mut window: std::collections::VecDeque<(Instant, f64)> = Default::default();
         info!(dir = %queue.config.dir.display(), "async dispatcher started");
         loop {
@@ -661,6 +669,15 @@ impl BackgroundService for Dispatcher {
                         c.oldest_queued_ms
                             .map_or(0.0, |t| now_ms().saturating_sub(t) as f64 / 1000.0),
                     );
+                    m.results.set(c.finished as i64);
+                    let full = c.finished >= queue.config.queue.max_results;
+                    if full && !results_full {
+                        warn!(
+                            kept = c.finished,
+                            "async result store full: no new dispatches until results age out"
+                        );
+                    }
+                    results_full = full;
                 }
             }
             let in_flight = queue.in_flight.load(Ordering::Relaxed);
@@ -710,7 +727,7 @@ impl BackgroundService for Dispatcher {
                 CapacityUnit::Requests => available as usize,
                 _ => usize::from(available > 0),
             };
-            if n > 0 && !self.queue.shared.is_shutting_down() {
+            if n > 0 && !results_full && !self.queue.shared.is_shutting_down() {
                 let q = Arc::clone(queue);
                 let leased = tokio::task::spawn_blocking(move || q.store.lease(n, now_ms())).await;
                 match leased {

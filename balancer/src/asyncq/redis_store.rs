@@ -467,9 +467,11 @@ impl RedisStore {
     pub fn counts(&self) -> Result<Counts> {
         self.run(|c| {
             let (queued, dispatched) = self.queued(c)?;
+            let finished: u64 = redis::cmd("XLEN").arg(self.key("finished")).query(c)?;
             Ok(Counts {
                 queued,
                 dispatched,
+                finished,
                 oldest_queued_ms: None,
             })
         })

@@ -78,6 +78,9 @@ pub struct QueueConfig {
     pub retention: Duration,
     /// Evict the oldest queued request instead of refusing a new one.
     pub auto_evict: bool,
+    /// Finished requests kept at most: while as many are kept, the
+    /// dispatcher takes no new work (answers are never dropped early).
+    pub max_results: u64,
 }
 
 impl Default for QueueConfig {
@@ -90,6 +93,7 @@ impl Default for QueueConfig {
             dead_letter: DeadLetter::Drop,
             retention: Duration::from_secs(24 * 3600),
             auto_evict: false,
+            max_results: 1_000_000,
         }
     }
 }
@@ -222,6 +226,8 @@ fn mark_finished(txn: &redb::WriteTransaction, id: &str) -> Result<()> {
 pub struct Counts {
     pub queued: u64,
     pub dispatched: u64,
+    /// Finished requests kept (until retention ends).
+    pub finished: u64,
     /// Creation time of the oldest queued request (Unix ms).
     pub oldest_queued_ms: Option<u64>,
 }
@@ -635,6 +641,7 @@ impl Store {
         Ok(Counts {
             queued: queue.len()?,
             dispatched: leases.len()?,
+            finished: txn.open_table(FINISHED)?.len()?,
             oldest_queued_ms,
         })
     }

@@ -8,7 +8,7 @@
 mod common;
 
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::*;
 use serde_json::Value;
@@ -170,4 +170,56 @@ async fn a_lease_lost_with_its_balancer_is_delivered_again_by_another() {
         .await,
         1.0
     );
+}
+
+/// Queued async requests go out highest priority first, first come first
+/// within a priority, in both stores.
+#[tokio::test]
+async fn async_requests_go_out_by_priority_in_both_stores() {
+    let redis = Redis::start().await;
+    let dir = TempDir::new("async-prio");
+    let config =
+        ConfigFile::new("flowControl:\n  allowClientPriority: true\nobjectives:\n  nightly: 5\n");
+    for store in [
+        ["--async-dir", dir.arg()],
+        ["--queue-url", redis.url.as_str()],
+    ] {
+        // No server yet: everything waits, then one slot serves them in
+        // lease order.
+        let b = Balancer::start(&["--config", config.arg(), store[0], store[1]]).await;
+        let submissions: [(&str, &[(&str, &str)]); 5] = [
+            ("low", &[("x-flowgate-priority", "-3")]),
+            ("plain-1", &[]),
+            ("objective", &[("x-gateway-inference-objective", "nightly")]),
+            ("plain-2", &[]),
+            ("high", &[("x-flowgate-priority", "9")]),
+        ];
+        let mut names = std::collections::HashMap::new();
+        for (name, headers) in submissions {
+            names.insert(accepted(&b, name, headers).await, name);
+        }
+        let sim = Sim::start(&["--slots", "1", "--output-tokens", "1"]);
+        let _agent = agent(&sim, &b);
+        let mut order = Vec::new();
+        let mut cursor: Option<String> = None;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while order.len() < 5 {
+            assert!(Instant::now() < deadline, "answered so far: {order:?}");
+            let url = match &cursor {
+                Some(c) => b.url(&format!("/v1/async/results?after={c}&wait=2s")),
+                None => b.url("/v1/async/results?wait=2s"),
+            };
+            let page = get_json(&url).await;
+            for v in page["data"].as_array().unwrap() {
+                order.push(names[v["id"].as_str().unwrap()]);
+            }
+            cursor = page["next_cursor"].as_str().map(str::to_string);
+        }
+        assert_eq!(
+            order,
+            ["high", "objective", "plain-1", "plain-2", "low"],
+            "{}",
+            store[0]
+        );
+    }
 }

@@ -255,6 +255,7 @@ impl AsyncQueue {
         completion_window: &str,
         metadata: Option<Value>,
         fairness_id: &str,
+        priority: i32,
     ) -> Result<Value> {
         if !BATCH_ENDPOINTS.contains(&endpoint) {
             return Err(ApiError(
@@ -342,6 +343,7 @@ impl AsyncQueue {
                     path: endpoint.to_string(),
                     body: v["body"].to_string(),
                     fairness_id: fairness_id.to_string(),
+                    priority,
                     idempotency_key: Some(format!("batch:{}:{custom_id}", record.id)),
                     deadline_ms: None,
                 },

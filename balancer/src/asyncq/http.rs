@@ -14,9 +14,9 @@ use serde_json::Value;
 
 use super::batch::ApiError;
 use crate::asyncq;
-use crate::policy::FAIRNESS_ID_HEADER;
+use crate::policy::{FlowHeaders, FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER};
 use crate::proxy::{Inference, RequestCtx, INFERENCE_PATHS};
-use crate::request::route_of;
+use crate::request::{route_of, Refusal};
 
 /// Longest `?wait=` of an async status request.
 const ASYNC_MAX_WAIT: Duration = Duration::from_secs(60);
@@ -26,6 +26,36 @@ const EVENTS_KEEPALIVE: Duration = Duration::from_secs(15);
 const ASYNC_DEADLINE_HEADER: &str = "x-flowgate-async-deadline";
 
 impl Inference {
+    /// The tenant and priority of an async submission: the same headers and
+    /// rules as an interactive request (an API key's tenant and ceiling
+    /// win). The priority orders the async queue; on the fleet all async
+    /// work runs in the async band.
+    fn async_flow(
+        &self,
+        session: &Session,
+        ctx: &RequestCtx,
+        model: &str,
+    ) -> std::result::Result<(String, i32), Refusal> {
+        let headers = &session.req_header().headers;
+        let header = |name: &str| headers.get(name).map(|v| v.as_bytes());
+        let (flow, _) = self
+            .priorities
+            .classify(
+                FlowHeaders {
+                    fairness_id: header(FAIRNESS_ID_HEADER),
+                    objective: header(OBJECTIVE_HEADER),
+                    priority: header(PRIORITY_HEADER),
+                    ttl: None,
+                },
+                model,
+            )
+            .map_err(Refusal::from)?;
+        Ok(match &ctx.grant {
+            Some(g) => (g.tenant.to_string(), g.priority(flow.priority)),
+            None => (flow.fairness_id.to_string(), flow.priority),
+        })
+    }
+
     /// `GET /v1/async/requests/{id}/events`: the request's view as an SSE
     /// `status` event now and at every change, until it is final.
     async fn async_events(
@@ -128,15 +158,11 @@ impl Inference {
             .unwrap_or("")
             .to_string();
         let query = session.req_header().uri.query().unwrap_or("").to_string();
-        let tenant = match &ctx.grant {
-            Some(g) => g.tenant.to_string(),
-            None => headers
-                .get(FAIRNESS_ID_HEADER)
-                .and_then(|v| v.to_str().ok())
-                .map(str::trim)
-                .filter(|id| flowgate::flow::valid_fairness_id(id))
-                .unwrap_or("default")
-                .to_string(),
+        // A batch's tenant and priority come from its creation request
+        // (its lines may name several models: model priorities do not apply).
+        let (tenant, priority) = match self.async_flow(session, ctx, "") {
+            Ok(flow) => flow,
+            Err(r) => return self.refuse(session, ctx, r).await,
         };
         let (method, segs) = (
             method.clone(),
@@ -181,6 +207,7 @@ impl Inference {
                             &field("completion_window")?,
                             v.get("metadata").cloned().filter(|m| !m.is_null()),
                             &tenant,
+                            priority,
                         )?;
                         Ok((batch, None))
                     }
@@ -345,29 +372,20 @@ impl Inference {
                 Ok((body, _)) => body,
                 Err(refusal) => return self.refuse_unread(session, ctx, refusal).await,
             };
-            if let Err(r) = route_of(&body, &self.prefix) {
-                return self.refuse(session, ctx, r).await;
-            }
+            let model = match route_of(&body, &self.prefix) {
+                Ok((model, _)) => model,
+                Err(r) => return self.refuse(session, ctx, r).await,
+            };
+            let (fairness_id, priority) = match self.async_flow(session, ctx, &model) {
+                Ok(flow) => flow,
+                Err(r) => return self.refuse(session, ctx, r).await,
+            };
             let headers = &session.req_header().headers;
             let text = |name: &str| {
                 headers
                     .get(name)
                     .and_then(|v| v.to_str().ok())
                     .map(|v| v.trim().to_string())
-            };
-            let fairness_id = match (&ctx.grant, text(FAIRNESS_ID_HEADER)) {
-                (Some(g), _) => g.tenant.to_string(),
-                (None, None) => "default".into(),
-                (None, Some(id)) if flowgate::flow::valid_fairness_id(&id) => id,
-                (None, Some(_)) => {
-                    let (status, body) = error(
-                        StatusCode::BAD_REQUEST,
-                        "bad_header",
-                        format!("{FAIRNESS_ID_HEADER} must be 1 to 128 visible ASCII characters"),
-                    );
-                    self.send_json(session, ctx, status, body, &[]).await?;
-                    return Ok(true);
-                }
             };
             let deadline_ms =
                 match text(ASYNC_DEADLINE_HEADER).map(|d| flowgate::duration::parse_duration(&d)) {
@@ -387,6 +405,7 @@ impl Inference {
                 path: target,
                 body: String::from_utf8_lossy(&body).into_owned(),
                 fairness_id,
+                priority,
                 idempotency_key: text("idempotency-key").filter(|k| !k.is_empty()),
                 deadline_ms,
             };

@@ -7,8 +7,9 @@
 //! balancers that change one request at the same moment (a cancel racing an
 //! answer) may both win; the last write stays.
 //!
-//! Keys, under `flowgate:{queue}:`: `queue` (stream, field `id`; group
-//! `dispatchers`), `job:{id}` (JSON), `key:{idempotency key}` (id),
+//! Keys, under `flowgate:{queue}:`: `queue:{priority}` (a stream per
+//! priority, field `id`, group `dispatchers`; `priorities` is the sorted
+//! set of them, highest first), `job:{id}` (JSON), `key:{idempotency key}` (id),
 //! `finished` (stream of finished ids: the results feed), `blob:{kind}:{id}`
 //! and `blobs:{kind}` (a sorted set of ids) for the Batch API.
 
@@ -83,20 +84,24 @@ impl RedisStore {
             prefix: "flowgate:default:".into(),
             consumer,
         };
-        let created = store.run(|c| {
-            redis::cmd("XGROUP")
-                .arg("CREATE")
-                .arg(store.key("queue"))
-                .arg(GROUP)
-                .arg("0")
-                .arg("MKSTREAM")
-                .query::<()>(c)
-        });
-        match created {
-            Ok(()) => Ok(store),
-            Err(StoreError::Storage(e)) if e.contains("BUSYGROUP") => Ok(store),
-            Err(e) => Err(e),
-        }
+        // Reachable now, or a clear error at start-up.
+        store.run(|c| redis::cmd("PING").query::<String>(c))?;
+        Ok(store)
+    }
+
+    /// The stream of queued requests of `priority`.
+    fn queue_key(&self, priority: i32) -> String {
+        self.key(&format!("queue:{priority}"))
+    }
+
+    /// The priorities with a queue stream, highest first.
+    fn priorities(&self, c: &mut Connection) -> redis::RedisResult<Vec<i32>> {
+        let found: Vec<String> = redis::cmd("ZRANGE")
+            .arg(self.key("priorities"))
+            .arg(0)
+            .arg(-1)
+            .query(c)?;
+        Ok(found.iter().filter_map(|p| p.parse().ok()).collect())
     }
 
     fn key(&self, name: &str) -> String {
@@ -140,10 +145,30 @@ impl RedisStore {
         cmd.query(c)
     }
 
-    /// Adds the request to the back of the queue.
+    /// Adds the request to the back of its priority's queue.
     fn enqueue(&self, c: &mut Connection, job: &mut Job) -> redis::RedisResult<()> {
+        let added: i64 = redis::cmd("ZADD")
+            .arg(self.key("priorities"))
+            .arg("NX")
+            .arg(-i64::from(job.priority))
+            .arg(job.priority)
+            .query(c)?;
+        if added == 1 {
+            let created = redis::cmd("XGROUP")
+                .arg("CREATE")
+                .arg(self.queue_key(job.priority))
+                .arg(GROUP)
+                .arg("0")
+                .arg("MKSTREAM")
+                .query::<()>(c);
+            if let Err(e) = created {
+                if e.code() != Some("BUSYGROUP") {
+                    return Err(e);
+                }
+            }
+        }
         let entry: String = redis::cmd("XADD")
-            .arg(self.key("queue"))
+            .arg(self.queue_key(job.priority))
             .arg("*")
             .arg("id")
             .arg(&job.id)
@@ -159,12 +184,12 @@ impl RedisStore {
             return Ok(false);
         };
         let acked: i64 = redis::cmd("XACK")
-            .arg(self.key("queue"))
+            .arg(self.queue_key(job.priority))
             .arg(GROUP)
             .arg(&entry)
             .query(c)?;
         let deleted: i64 = redis::cmd("XDEL")
-            .arg(self.key("queue"))
+            .arg(self.queue_key(job.priority))
             .arg(&entry)
             .query(c)?;
         Ok(acked + deleted > 0)
@@ -186,19 +211,24 @@ impl RedisStore {
     }
 
     fn queued(&self, c: &mut Connection) -> redis::RedisResult<(u64, u64)> {
-        let len: u64 = redis::cmd("XLEN").arg(self.key("queue")).query(c)?;
-        let pending: Value = redis::cmd("XPENDING")
-            .arg(self.key("queue"))
-            .arg(GROUP)
-            .query(c)?;
-        let pending = match pending {
-            Value::Array(v) => match v.first() {
-                Some(Value::Int(n)) => *n as u64,
+        let (mut queued, mut dispatched) = (0, 0);
+        for priority in self.priorities(c)? {
+            let len: u64 = redis::cmd("XLEN").arg(self.queue_key(priority)).query(c)?;
+            let pending: Value = redis::cmd("XPENDING")
+                .arg(self.queue_key(priority))
+                .arg(GROUP)
+                .query(c)?;
+            let pending = match pending {
+                Value::Array(v) => match v.first() {
+                    Some(Value::Int(n)) => *n as u64,
+                    _ => 0,
+                },
                 _ => 0,
-            },
-            _ => 0,
-        };
-        Ok((len.saturating_sub(pending), pending))
+            };
+            queued += len.saturating_sub(pending);
+            dispatched += pending;
+        }
+        Ok((queued, dispatched))
     }
 
     pub fn submit(&self, new: NewJob, id: String, now_ms: u64) -> Result<(Job, bool)> {
@@ -255,30 +285,42 @@ impl RedisStore {
             return Ok(Vec::new());
         }
         self.run(|c| {
-            let reply: Value = redis::cmd("XREADGROUP")
-                .arg("GROUP")
-                .arg(GROUP)
-                .arg(&self.consumer)
-                .arg("COUNT")
-                .arg(n)
-                .arg("STREAMS")
-                .arg(self.key("queue"))
-                .arg(">")
-                .query(c)?;
+            // Highest priority first, each stream in arrival order.
             let mut delivered = Vec::new();
-            if let Value::Array(streams) = &reply {
-                for stream in streams {
-                    if let Value::Array(pair) = stream {
-                        if let Some(items) = pair.get(1) {
-                            delivered.extend(entries(items));
+            for priority in self.priorities(c)? {
+                if delivered.len() >= n {
+                    break;
+                }
+                let reply: Value = redis::cmd("XREADGROUP")
+                    .arg("GROUP")
+                    .arg(GROUP)
+                    .arg(&self.consumer)
+                    .arg("COUNT")
+                    .arg(n - delivered.len())
+                    .arg("STREAMS")
+                    .arg(self.queue_key(priority))
+                    .arg(">")
+                    .query(c)?;
+                if let Value::Array(streams) = &reply {
+                    for stream in streams {
+                        if let Value::Array(pair) = stream {
+                            if let Some(items) = pair.get(1) {
+                                delivered.extend(
+                                    entries(items).into_iter().map(|(e, id)| (priority, e, id)),
+                                );
+                            }
                         }
                     }
                 }
             }
             let mut leased = Vec::new();
-            for (entry, id) in delivered {
+            for (priority, entry, id) in delivered {
                 let Some(mut job) = self.load(c, &id)? else {
-                    let mut gone = Job::new(NewJob::default(), id, now_ms);
+                    let gone = NewJob {
+                        priority,
+                        ..NewJob::default()
+                    };
+                    let mut gone = Job::new(gone, id, now_ms);
                     gone.stream_entry = Some(entry);
                     self.dequeue(c, &mut gone)?;
                     continue;
@@ -404,60 +446,63 @@ impl RedisStore {
     pub fn reclaim(&self, now_ms: u64) -> Result<Reclaimed> {
         let idle = self.config.max_idle.as_millis() as u64;
         self.run(|c| {
-            let pending: Value = redis::cmd("XPENDING")
-                .arg(self.key("queue"))
-                .arg(GROUP)
-                .arg("IDLE")
-                .arg(idle)
-                .arg("-")
-                .arg("+")
-                .arg(100)
-                .query(c)?;
             let mut done = Reclaimed::default();
-            let Value::Array(rows) = pending else {
-                return Ok(done);
-            };
-            for row in rows {
-                let Value::Array(fields) = row else { continue };
-                let Some(entry) = fields.first().and_then(bulk) else {
-                    continue;
-                };
-                // Whoever acknowledges the entry first delivers it again.
-                let acked: i64 = redis::cmd("XACK")
-                    .arg(self.key("queue"))
+            for priority in self.priorities(c)? {
+                let stream = self.queue_key(priority);
+                let pending: Value = redis::cmd("XPENDING")
+                    .arg(&stream)
                     .arg(GROUP)
-                    .arg(&entry)
+                    .arg("IDLE")
+                    .arg(idle)
+                    .arg("-")
+                    .arg("+")
+                    .arg(100)
                     .query(c)?;
-                if acked == 0 {
-                    continue;
-                }
-                let range: Value = redis::cmd("XRANGE")
-                    .arg(self.key("queue"))
-                    .arg(&entry)
-                    .arg(&entry)
-                    .query(c)?;
-                redis::cmd("XDEL")
-                    .arg(self.key("queue"))
-                    .arg(&entry)
-                    .query::<i64>(c)?;
-                let Some((_, id)) = entries(&range).into_iter().next() else {
+                let Value::Array(rows) = pending else {
                     continue;
                 };
-                let Some(mut job) = self.load(c, &id)? else {
-                    continue;
-                };
-                if job.status != Status::Dispatched {
-                    continue;
-                }
-                job.stream_entry = None;
-                job.lease_until_ms = None;
-                job.updated_ms = now_ms;
-                job.last_error = Some("the lease ran out before the dispatch finished".into());
-                self.redeliver(c, &mut job, now_ms)?;
-                match job.status {
-                    Status::DeadLettered => done.dead_lettered.push(id),
-                    Status::Expired => done.expired.push(id),
-                    _ => done.redelivered.push(id),
+                for row in rows {
+                    let Value::Array(fields) = row else { continue };
+                    let Some(entry) = fields.first().and_then(bulk) else {
+                        continue;
+                    };
+                    // Whoever acknowledges the entry first delivers it again.
+                    let acked: i64 = redis::cmd("XACK")
+                        .arg(&stream)
+                        .arg(GROUP)
+                        .arg(&entry)
+                        .query(c)?;
+                    if acked == 0 {
+                        continue;
+                    }
+                    let range: Value = redis::cmd("XRANGE")
+                        .arg(&stream)
+                        .arg(&entry)
+                        .arg(&entry)
+                        .query(c)?;
+                    redis::cmd("XDEL")
+                        .arg(&stream)
+                        .arg(&entry)
+                        .query::<i64>(c)?;
+                    let Some((_, id)) = entries(&range).into_iter().next() else {
+                        continue;
+                    };
+                    let Some(mut job) = self.load(c, &id)? else {
+                        continue;
+                    };
+                    if job.status != Status::Dispatched {
+                        continue;
+                    }
+                    job.stream_entry = None;
+                    job.lease_until_ms = None;
+                    job.updated_ms = now_ms;
+                    job.last_error = Some("the lease ran out before the dispatch finished".into());
+                    self.redeliver(c, &mut job, now_ms)?;
+                    match job.status {
+                        Status::DeadLettered => done.dead_lettered.push(id),
+                        Status::Expired => done.expired.push(id),
+                        _ => done.redelivered.push(id),
+                    }
                 }
             }
             Ok(done)

@@ -19,8 +19,11 @@ use serde::{Deserialize, Serialize};
 
 /// id → the request as JSON.
 const JOBS: TableDefinition<&str, &[u8]> = TableDefinition::new("jobs");
-/// Queue order (a sequence number) → id, for queued requests.
+/// Arrival order (a sequence number) → id, for queued requests.
 const QUEUE: TableDefinition<u64, &str> = TableDefinition::new("queue");
+/// Lease order, (−priority, sequence number) → id: the same requests,
+/// highest priority first, first come first within a priority.
+const ORDER: TableDefinition<(i64, u64), &str> = TableDefinition::new("lease_order");
 /// Idempotency key → id.
 const KEYS: TableDefinition<&str, &str> = TableDefinition::new("idempotency_keys");
 /// id → lease end (Unix ms), for dispatched requests.
@@ -113,6 +116,9 @@ pub struct Job {
     pub path: String,
     pub body: String,
     pub fairness_id: String,
+    /// Among queued async requests, higher goes first.
+    #[serde(default)]
+    pub priority: i32,
     pub idempotency_key: Option<String>,
     /// Unix ms after which a still-queued request expires.
     pub deadline_ms: Option<u64>,
@@ -141,6 +147,7 @@ impl Job {
             path: new.path,
             body: new.body,
             fairness_id: new.fairness_id,
+            priority: new.priority,
             idempotency_key: new.idempotency_key,
             deadline_ms: new.deadline_ms,
             status: Status::Queued,
@@ -162,6 +169,7 @@ pub struct NewJob {
     pub path: String,
     pub body: String,
     pub fairness_id: String,
+    pub priority: i32,
     pub idempotency_key: Option<String>,
     pub deadline_ms: Option<u64>,
 }
@@ -214,6 +222,25 @@ fn next(txn: &redb::WriteTransaction, name: &str) -> Result<u64> {
     Ok(n)
 }
 
+fn order_key(job: &Job) -> (i64, u64) {
+    (-i64::from(job.priority), job.seq)
+}
+
+/// Puts `job` in the queue (arrival and lease order).
+fn put_queued(txn: &redb::WriteTransaction, job: &Job) -> Result<()> {
+    txn.open_table(QUEUE)?.insert(job.seq, job.id.as_str())?;
+    txn.open_table(ORDER)?
+        .insert(order_key(job), job.id.as_str())?;
+    Ok(())
+}
+
+/// Takes `job` out of the queue, if it is there.
+fn take_queued(txn: &redb::WriteTransaction, job: &Job) -> Result<()> {
+    txn.open_table(QUEUE)?.remove(job.seq)?;
+    txn.open_table(ORDER)?.remove(order_key(job))?;
+    Ok(())
+}
+
 /// Appends `id` to the finish order.
 fn mark_finished(txn: &redb::WriteTransaction, id: &str) -> Result<()> {
     let n = next(txn, "next_finish")?;
@@ -258,6 +285,7 @@ impl Store {
         {
             txn.open_table(JOBS)?;
             txn.open_table(QUEUE)?;
+            txn.open_table(ORDER)?;
             txn.open_table(KEYS)?;
             txn.open_table(LEASES)?;
             txn.open_table(FINISHED)?;
@@ -310,15 +338,18 @@ impl Store {
                 }
             }
         }
-        let mut queue = txn.open_table(QUEUE)?;
-        if queue.len()? as usize >= self.config.max_length {
+        if txn.open_table(QUEUE)?.len()? as usize >= self.config.max_length {
             if !self.config.auto_evict {
                 return Err(StoreError::Full(self.config.max_length));
             }
-            let oldest = queue.pop_first()?.map(|(_, id)| id.value().to_string());
+            let oldest = txn
+                .open_table(QUEUE)?
+                .first()?
+                .map(|(_, id)| id.value().to_string());
             if let Some(oldest) = oldest {
                 let evicted = jobs.get(oldest.as_str())?.map(|j| decode(j.value()));
                 if let Some(mut evicted) = evicted.transpose()? {
+                    take_queued(txn, &evicted)?;
                     evicted.status = Status::Evicted;
                     evicted.updated_ms = now_ms;
                     jobs.insert(oldest.as_str(), encode(&evicted).as_slice())?;
@@ -332,7 +363,7 @@ impl Store {
             ..Job::new(new, id, now_ms)
         };
         jobs.insert(job.id.as_str(), encode(&job).as_slice())?;
-        queue.insert(seq, job.id.as_str())?;
+        put_queued(txn, &job)?;
         if let Some(deadline) = job.deadline_ms {
             txn.open_table(DEADLINES)?
                 .insert((deadline, seq), job.id.as_str())?;
@@ -401,11 +432,14 @@ impl Store {
         let txn = self.db.begin_write()?;
         let mut leased = Vec::new();
         {
-            let mut queue = txn.open_table(QUEUE)?;
             let mut jobs = txn.open_table(JOBS)?;
             let mut leases = txn.open_table(LEASES)?;
             while leased.len() < n {
-                let Some(id) = queue.pop_first()?.map(|(_, id)| id.value().to_string()) else {
+                let next_up = txn
+                    .open_table(ORDER)?
+                    .first()?
+                    .map(|(k, id)| (k.value(), id.value().to_string()));
+                let Some((key, id)) = next_up else {
                     break;
                 };
                 let Some(mut job) = jobs
@@ -413,8 +447,10 @@ impl Store {
                     .map(|j| decode(j.value()))
                     .transpose()?
                 else {
+                    txn.open_table(ORDER)?.remove(key)?;
                     continue;
                 };
+                take_queued(&txn, &job)?;
                 job.status = Status::Dispatched;
                 job.attempts += 1;
                 job.updated_ms = now_ms;
@@ -493,7 +529,7 @@ impl Store {
             if job.status.is_final() {
                 return Ok(Some(job));
             }
-            txn.open_table(QUEUE)?.remove(job.seq)?;
+            take_queued(&txn, &job)?;
             txn.open_table(LEASES)?.remove(id)?;
             job.status = Status::Cancelled;
             job.updated_ms = now_ms;
@@ -538,7 +574,6 @@ impl Store {
                 jobs.insert(id.as_str(), encode(&job).as_slice())?;
             }
 
-            let mut queue = txn.open_table(QUEUE)?;
             let mut deadlines = txn.open_table(DEADLINES)?;
             let due: Vec<((u64, u64), String)> = deadlines
                 .range((0, 0)..=(now_ms, u64::MAX))?
@@ -557,7 +592,7 @@ impl Store {
                 // Only a request still queued expires; one under way gets
                 // its answer (and expires if it is ever queued again).
                 if job.status == Status::Queued && job.seq == key.1 {
-                    queue.remove(key.1)?;
+                    take_queued(&txn, &job)?;
                     job.status = Status::Expired;
                     job.updated_ms = now_ms;
                     mark_finished(&txn, &id)?;
@@ -656,8 +691,7 @@ impl Store {
         }
         if job.attempts < self.config.max_delivery {
             job.status = Status::Queued;
-            txn.open_table(QUEUE)?.insert(job.seq, job.id.as_str())?;
-            return Ok(());
+            return put_queued(txn, job);
         }
         match self.config.dead_letter {
             DeadLetter::Drop => {
@@ -673,7 +707,7 @@ impl Store {
                 job.seq = seq;
                 job.attempts = 0;
                 job.status = Status::Queued;
-                txn.open_table(QUEUE)?.insert(seq, job.id.as_str())?;
+                put_queued(txn, job)?;
             }
         }
         Ok(())
@@ -917,6 +951,45 @@ mod tests {
         let mut again = new_job("b");
         again.idempotency_key = Some("kb".into());
         assert!(store.submit(again, "b2".into(), 1100).unwrap().1);
+    }
+
+    #[test]
+    fn higher_priority_requests_are_leased_first() {
+        let d = dir("priority");
+        let store = Store::open(&d.0, QueueConfig::default()).unwrap();
+        for (id, priority) in [("low", -5), ("first", 0), ("high", 10), ("second", 0)] {
+            let job = NewJob {
+                priority,
+                ..new_job(id)
+            };
+            store.submit(job, id.into(), 0).unwrap();
+        }
+        let order: Vec<_> = store
+            .lease(4, 1)
+            .unwrap()
+            .into_iter()
+            .map(|j| j.id)
+            .collect();
+        assert_eq!(order, ["high", "first", "second", "low"]);
+        // A retried request keeps its place among its priority.
+        store.retry("first", 1, "500", true, 2).unwrap();
+        store
+            .submit(
+                NewJob {
+                    priority: 0,
+                    ..new_job("third")
+                },
+                "third".into(),
+                3,
+            )
+            .unwrap();
+        let order: Vec<_> = store
+            .lease(4, 4)
+            .unwrap()
+            .into_iter()
+            .map(|j| j.id)
+            .collect();
+        assert_eq!(order, ["first", "third"]);
     }
 
     #[test]

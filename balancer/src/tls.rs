@@ -1,7 +1,7 @@
 //! Optional TLS (rustls) on the inference port.
 //!
 //! Pingora loads the certificate and key when the listener starts and panics
-//! on a bad file, so [`check`] loads them first and turns every problem into
+//! on a bad file, so [`TlsFiles::check`] loads them first and turns every problem into
 //! one clear start-up error.
 
 use std::path::{Path, PathBuf};

@@ -1,6 +1,10 @@
-//! The async path: a durable queue of inference requests ([`store`]) that a
-//! dispatcher feeds to the fleet only while the dispatch budget
-//! ([`flowgate::budget`]) allows, results fetched later by id.
+//! The async path: a durable queue of inference requests that a dispatcher
+//! feeds to the fleet only while the dispatch budget ([`flowgate::budget`])
+//! allows; results are fetched later by id, long-poll, event stream or the
+//! results feed. The queue lives in the embedded [`store`] or in Redis
+//! (`redis_store`, shared by several balancers), behind one `Backend`; the
+//! OpenAI Batch API ([`batch`]) is built on it, and `http` answers both
+//! APIs on the inference port.
 //!
 //! The dispatcher sends each request to this balancer's own inference port
 //! with a per-process token, so async work goes through the same flow

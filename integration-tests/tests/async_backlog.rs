@@ -49,12 +49,16 @@ fn p99(sorted: &[Duration]) -> Duration {
     sorted[(sorted.len() * 99).div_ceil(100) - 1]
 }
 
-#[tokio::test]
-async fn interactive_p99_holds_while_a_1000_request_backlog_drains() {
-    let dir = TempDir::new("async-p99");
-    // Four slots, two interactive clients, the default gate (balancer, B = 0).
+/// Two closed-loop interactive clients on four simulated slots: their p99
+/// alone, then beside a 1,000-request batch that the balancer started with
+/// `gate_args` drains; asserts the ratio and that the batch then completes.
+async fn backlog_scenario(gate: &str, gate_args: &[&str]) {
+    let _alone = SERIAL.lock().await;
+    let dir = TempDir::new(&format!("async-p99-{gate}"));
+    let mut args = vec!["--async-dir", dir.arg()];
+    args.extend_from_slice(gate_args);
     let (b, _sim, _agent) = fleet(
-        &["--async-dir", dir.arg()],
+        &args,
         &[
             "--ttft-ms",
             "40",
@@ -67,7 +71,11 @@ async fn interactive_p99_holds_while_a_1000_request_backlog_drains() {
         ],
     )
     .await;
-    let base = interactive_latencies(&b, 2, 100).await;
+    backlog_ratio_and_drain(&b, gate).await;
+}
+
+async fn backlog_ratio_and_drain(b: &Balancer, gate: &str) {
+    let base = interactive_latencies(b, 2, 100).await;
 
     // 1,000 requests in one batch (one transaction).
     let lines: String = (0..1000)
@@ -108,23 +116,26 @@ async fn interactive_p99_holds_while_a_1000_request_backlog_drains() {
         .unwrap();
     assert_eq!(batch["status"], "in_progress", "{batch}");
     wait_for("async work under way", Duration::from_secs(10), || async {
-        (metric(&b, "flowgate_async_deliveries_total", &[]).await > 0.0).then_some(())
+        (metric(b, "flowgate_async_deliveries_total", &[]).await > 0.0).then_some(())
     })
     .await;
 
-    let with_backlog = interactive_latencies(&b, 2, 100).await;
-    let done = metric(&b, "flowgate_async_outcomes_total", &[]).await;
+    let with_backlog = interactive_latencies(b, 2, 100).await;
+    let done = metric(b, "flowgate_async_outcomes_total", &[]).await;
     assert!(
         done < 1000.0,
         "the backlog was still draining ({done} done)"
     );
     let ratio = p99(&with_backlog).as_secs_f64() / p99(&base).as_secs_f64();
     eprintln!(
-        "interactive p99 {:?} alone, {:?} beside the backlog: x{ratio:.2}",
+        "{gate} gate: interactive p99 {:?} alone, {:?} beside the backlog: x{ratio:.2}",
         p99(&base),
         p99(&with_backlog)
     );
-    assert!(ratio <= 1.2, "p99 x{ratio:.2} with the async backlog");
+    assert!(
+        ratio <= 1.2,
+        "{gate} gate: p99 x{ratio:.2} with the async backlog"
+    );
 
     // With the fleet idle the backlog drains fully.
     let id = batch["id"].as_str().unwrap().to_string();
@@ -138,4 +149,56 @@ async fn interactive_p99_holds_while_a_1000_request_backlog_drains() {
     )
     .await;
     assert_eq!(batch["request_counts"]["completed"], 1000, "{batch}");
+}
+
+/// The two scenarios share the machine's two cores: one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+#[tokio::test]
+async fn interactive_p99_holds_while_a_1000_request_backlog_drains() {
+    // The default gate: balancer, B = 0.
+    backlog_scenario("balancer", &[]).await;
+}
+
+#[tokio::test]
+async fn the_same_holds_with_the_budget_read_from_prometheus() {
+    // D by PromQL: the lowest spare share the balancer exported over 3 s.
+    let _alone = SERIAL.lock().await;
+    let port = free_port();
+    let url = format!("http://127.0.0.1:{port}");
+    let dir = TempDir::new("async-p99-prometheus");
+    let (b, _sim, _agent) = fleet(
+        &[
+            "--async-dir",
+            dir.arg(),
+            "--async-gate",
+            "prometheus",
+            "--async-prometheus-url",
+            &url,
+            "--async-promql",
+            "min_over_time(flowgate_async_interactive_spare_ratio[3s])",
+            "--async-gate-interval",
+            "500ms",
+        ],
+        &[
+            "--ttft-ms",
+            "40",
+            "--tpot-ms",
+            "5",
+            "--output-tokens",
+            "2",
+            "--threads",
+            "2",
+        ],
+    )
+    .await;
+    let _prometheus = Prometheus::start(port, &b.management.to_string());
+    wait_for("Prometheus to have 3 s of samples", Duration::from_secs(30), || async {
+        let q = format!("{url}/api/v1/query?query=count_over_time(flowgate_async_interactive_spare_ratio%5B3s%5D)");
+        let v: Value = client().get(&q).send().await.ok()?.json().await.ok()?;
+        let n: f64 = v["data"]["result"][0]["value"][1].as_str()?.parse().ok()?;
+        (n >= 5.0).then_some(())
+    })
+    .await;
+    backlog_ratio_and_drain(&b, "prometheus").await;
 }

@@ -128,6 +128,7 @@ pub fn now_ms() -> u64 {
 
 struct AsyncMetrics {
     requests: IntGaugeVec,
+    interactive_spare: Gauge,
     results: prometheus::IntGauge,
     oldest_age: Gauge,
     spare: Gauge,
@@ -145,6 +146,12 @@ impl AsyncMetrics {
                     "Async requests by state (queued, dispatched)",
                 ),
                 &["queue", "state"],
+            )
+            .expect("metric"),
+            interactive_spare: Gauge::new(
+                "flowgate_async_interactive_spare_ratio",
+                "Share of the eligible slots not taken by interactive work (busy or \
+                 buffered), this balancer's view, updated every dispatcher round",
             )
             .expect("metric"),
             results: prometheus::IntGauge::new(
@@ -187,6 +194,7 @@ impl AsyncMetrics {
         for c in [
             Box::new(m.requests.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(m.results.clone()),
+            Box::new(m.interactive_spare.clone()),
             Box::new(m.oldest_age.clone()),
             Box::new(m.spare.clone()),
             Box::new(m.allowed.clone()),
@@ -487,14 +495,28 @@ pub struct Dispatcher {
 
 impl Dispatcher {
     /// `D` for the configured gate, and `max_sys`.
-    async fn spare(&self, client: &reqwest::Client, async_in_flight: u64) -> (Option<f64>, u64) {
+    /// The share of the eligible servers' slots not taken by interactive
+    /// work (busy, or waiting in the buffer; the dispatcher's own requests
+    /// excluded), and those slots. No slots: no share.
+    fn interactive_spare(&self, async_in_flight: u64) -> (f64, u64) {
         let snap = self.queue.shared.snapshot();
-        let slots: u64 = snap
-            .endpoints
-            .iter()
-            .filter(|e| e.eligible)
-            .filter_map(|e| e.agent.as_ref().map(|a| u64::from(a.slots_total)))
-            .sum();
+        let (mut slots, mut busy) = (0u64, 0u64);
+        for e in snap.endpoints.iter().filter(|e| e.eligible) {
+            if let Some(a) = &e.agent {
+                slots += u64::from(a.slots_total);
+                busy += u64::from(a.slots_total.saturating_sub(e.free_slots));
+            }
+        }
+        if slots == 0 {
+            return (0.0, 0);
+        }
+        let interactive = (busy + snap.buffered as u64).saturating_sub(async_in_flight);
+        (1.0 - (interactive as f64 / slots as f64).min(1.0), slots)
+    }
+
+    /// `D` for the configured gate, and `max_sys`.
+    async fn spare(&self, client: &reqwest::Client, async_in_flight: u64) -> (Option<f64>, u64) {
+        let (interactive, slots) = self.interactive_spare(async_in_flight);
         let max_sys = self.queue.config.max_sys.unwrap_or(slots);
         let spare = match (self.queue.config.gate, &self.queue.config.prometheus) {
             (Gate::AlwaysOpen, _) => Some(1.0),
@@ -505,21 +527,7 @@ impl Dispatcher {
                     None
                 }
             },
-            (Gate::Prometheus, None) | (Gate::Balancer, _) if slots == 0 => Some(0.0),
-            (Gate::Prometheus, None) | (Gate::Balancer, _) => {
-                let busy: u64 = snap
-                    .endpoints
-                    .iter()
-                    .filter(|e| e.eligible)
-                    .filter_map(|e| {
-                        e.agent
-                            .as_ref()
-                            .map(|a| u64::from(a.slots_total.saturating_sub(e.free_slots)))
-                    })
-                    .sum();
-                let interactive = (busy + snap.buffered as u64).saturating_sub(async_in_flight);
-                Some(1.0 - (interactive as f64 / slots as f64).min(1.0))
-            }
+            (Gate::Prometheus, None) | (Gate::Balancer, _) => Some(interactive),
         };
         (spare, max_sys)
     }
@@ -686,6 +694,12 @@ impl BackgroundService for Dispatcher {
             }
             let in_flight = queue.in_flight.load(Ordering::Relaxed);
             let now = Instant::now();
+            // Exported every round, for a PromQL gate to read (see the
+            // README): what the balancer gate would see now.
+            queue
+                .metrics
+                .interactive_spare
+                .set(self.interactive_spare(in_flight).0);
             // The balancer gate is sampled on every round and the lowest D
             // of the last interval counts: a moment when interactive
             // clients happen to be between requests is not spare capacity.

@@ -482,3 +482,46 @@ impl Drop for TempDir {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// A Prometheus server of the test's own, killed and its data removed on
+/// drop.
+pub struct Prometheus {
+    child: Child,
+    _dir: TempDir,
+}
+
+impl Prometheus {
+    /// Prometheus on 127.0.0.1:`port`, scraping `scrape`'s `/metrics`
+    /// every 500 ms.
+    pub fn start(port: u16, scrape: &str) -> Prometheus {
+        let dir = TempDir::new(&format!("prom-{port}"));
+        let config = dir.0.join("prometheus.yml");
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: 500ms\n  evaluation_interval: 500ms\n\
+                 scrape_configs:\n  - job_name: flowgate\n    metrics_path: /metrics\n\
+                 \x20   static_configs:\n      - targets: ['{scrape}']\n"
+            ),
+        )
+        .unwrap();
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", config.display()))
+            .arg(format!("--storage.tsdb.path={}", dir.path("data")))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect(
+                "the prometheus command (Debian's prometheus package; scripts/test installs it)",
+            );
+        Prometheus { child, _dir: dir }
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -223,3 +223,22 @@ async fn async_requests_go_out_by_priority_in_both_stores() {
         );
     }
 }
+
+#[tokio::test]
+async fn a_full_redis_queue_evicts_its_oldest_lowest_priority_request() {
+    let redis = Redis::start().await;
+    let b = Balancer::start(&[
+        "--queue-url",
+        &redis.url,
+        "--async-max-length",
+        "2",
+        "--async-auto-evict",
+    ])
+    .await;
+    let first = accepted(&b, "a", &[]).await;
+    let second = accepted(&b, "b", &[]).await;
+    let third = accepted(&b, "c", &[]).await;
+    assert_eq!(view(&b, &first).await["status"], "evicted");
+    assert_eq!(view(&b, &second).await["status"], "queued");
+    assert_eq!(view(&b, &third).await["status"], "queued");
+}

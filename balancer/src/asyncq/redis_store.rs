@@ -3,7 +3,7 @@
 //! queued and dispatched requests, the consumer group's pending list is the
 //! set of leases. Same semantics as the embedded [`super::store::Store`],
 //! with these differences: a request delivered again goes to the back of the
-//! queue, `auto_evict` is not offered (a full queue refuses), and two
+//! queue, `auto_evict` drops the oldest request of the lowest priority, and two
 //! balancers that change one request at the same moment (a cancel racing an
 //! answer) may both win; the last write stays.
 //!
@@ -245,8 +245,14 @@ impl RedisStore {
         }
         self.run(|c| {
             let (queued, _) = self.queued(c)?;
-            if queued as usize + new.len() > self.config.max_length {
-                return Ok(Err(StoreError::Full(self.config.max_length)));
+            let over = (queued as usize + new.len()).saturating_sub(self.config.max_length);
+            if over > 0 {
+                if !self.config.auto_evict || new.len() > self.config.max_length {
+                    return Ok(Err(StoreError::Full(self.config.max_length)));
+                }
+                for _ in 0..over {
+                    self.evict_one(c, now_ms)?;
+                }
             }
             let mut out = Vec::with_capacity(new.len());
             for (n, id) in new {
@@ -270,6 +276,55 @@ impl RedisStore {
             }
             Ok(Ok(out))
         })?
+    }
+
+    /// Drops the oldest queued request of the lowest priority (marked
+    /// `evicted`) to make room.
+    fn evict_one(&self, c: &mut Connection, now_ms: u64) -> redis::RedisResult<()> {
+        for priority in self.priorities(c)?.into_iter().rev() {
+            let reply: Value = redis::cmd("XREADGROUP")
+                .arg("GROUP")
+                .arg(GROUP)
+                .arg(&self.consumer)
+                .arg("COUNT")
+                .arg(1)
+                .arg("STREAMS")
+                .arg(self.queue_key(priority))
+                .arg(">")
+                .query(c)?;
+            let Value::Array(streams) = &reply else {
+                continue;
+            };
+            let Some(Value::Array(pair)) = streams.first() else {
+                continue;
+            };
+            let Some((entry, id)) = pair
+                .get(1)
+                .and_then(|items| entries(items).into_iter().next())
+            else {
+                continue;
+            };
+            let mut job = match self.load(c, &id)? {
+                Some(job) => job,
+                None => Job::new(
+                    NewJob {
+                        priority,
+                        ..NewJob::default()
+                    },
+                    id,
+                    now_ms,
+                ),
+            };
+            job.stream_entry = Some(entry);
+            self.dequeue(c, &mut job)?;
+            if !job.status.is_final() {
+                job.status = Status::Evicted;
+                job.updated_ms = now_ms;
+                self.finished(c, &job)?;
+            }
+            return Ok(());
+        }
+        Ok(())
     }
 
     pub fn get(&self, id: &str) -> Result<Option<Job>> {

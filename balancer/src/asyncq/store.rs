@@ -342,10 +342,18 @@ impl Store {
             if !self.config.auto_evict {
                 return Err(StoreError::Full(self.config.max_length));
             }
-            let oldest = txn
-                .open_table(QUEUE)?
-                .first()?
-                .map(|(_, id)| id.value().to_string());
+            // The oldest request of the lowest priority makes room.
+            let oldest = {
+                let order = txn.open_table(ORDER)?;
+                let lowest = order.last()?.map(|(k, _)| k.value().0);
+                let mut found = None;
+                if let Some(rank) = lowest {
+                    if let Some(entry) = order.range((rank, 0)..=(rank, u64::MAX))?.next() {
+                        found = Some(entry?.1.value().to_string());
+                    }
+                }
+                found
+            };
             if let Some(oldest) = oldest {
                 let evicted = jobs.get(oldest.as_str())?.map(|j| decode(j.value()));
                 if let Some(mut evicted) = evicted.transpose()? {

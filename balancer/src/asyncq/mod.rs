@@ -6,36 +6,32 @@
 //! OpenAI Batch API ([`batch`]) is built on it, and `http` answers both
 //! APIs on the inference port.
 //!
-//! The dispatcher sends each request to this balancer's own inference port
+//! The [`Dispatcher`] sends each request to this balancer's own inference port
 //! with a per-process token, so async work goes through the same flow
 //! control and scheduling as interactive work, in its own low-priority band:
 //! interactive requests always go first, async ones fill what is left.
 
 mod backend;
 pub mod batch;
+mod dispatcher;
 mod http;
 mod redis_store;
 pub mod store;
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use async_trait::async_trait;
-use flowgate::budget::{Budget, BudgetConfig};
-use pingora_core::server::ShutdownWatch;
-use pingora_core::services::background::BackgroundService;
 use prometheus::{Gauge, IntCounterVec, IntGaugeVec, Opts};
 use serde_json::{json, Value};
 use tokio::sync::Notify;
-use tracing::{info, warn};
 
 use crate::auth::Secret;
 use crate::state::Shared;
 use backend::Backend;
-use store::{Answer, Job, NewJob, QueueConfig, Status, Store, StoreError};
+pub use dispatcher::Dispatcher;
+use store::{Job, NewJob, QueueConfig, Status, Store, StoreError};
 
 /// The token header that marks the dispatcher's own requests.
 pub const TOKEN_HEADER: &str = "x-flowgate-async-token";
@@ -430,46 +426,6 @@ pub fn view(job: &Job) -> Value {
     })
 }
 
-/// Runs an instant query; its first sample (a vector's or a scalar) is `D`.
-async fn query_prometheus(client: &reqwest::Client, q: &PromQuery) -> Result<f64, String> {
-    let url = format!("{}/api/v1/query", q.url.trim_end_matches('/'));
-    let resp = client
-        .get(&url)
-        .query(&[("query", q.query.as_str())])
-        .timeout(Duration::from_secs(5))
-        .send()
-        .await
-        .map_err(|e| format!("cannot query Prometheus at {url}: {e}"))?;
-    let status = resp.status();
-    let body: Value = resp
-        .json()
-        .await
-        .map_err(|e| format!("Prometheus answered {status} with no JSON: {e}"))?;
-    prometheus_value(&body)
-}
-
-/// `D` from a Prometheus query answer.
-fn prometheus_value(body: &Value) -> Result<f64, String> {
-    if body["status"] != "success" {
-        return Err(format!("Prometheus refused the query: {}", body["error"]));
-    }
-    let result = &body["data"]["result"];
-    let sample = match body["data"]["resultType"].as_str() {
-        Some("vector") => &result[0]["value"],
-        Some("scalar") => result,
-        other => {
-            return Err(format!(
-                "the query gave a {other:?}, not a vector or scalar"
-            ))
-        }
-    };
-    sample[1]
-        .as_str()
-        .and_then(|v| v.parse::<f64>().ok())
-        .filter(|v| v.is_finite())
-        .ok_or_else(|| "the query gave no number (an empty vector or NaN)".to_string())
-}
-
 /// Random bytes for ids and the token, from the OS.
 fn getrandom(buf: &mut [u8]) {
     use std::io::Read;
@@ -482,304 +438,6 @@ fn getrandom(buf: &mut [u8]) {
         let t = now_ms().to_le_bytes();
         for (i, b) in buf.iter_mut().enumerate() {
             *b = t[i % 8] ^ (i as u8).wrapping_mul(97);
-        }
-    }
-}
-
-/// Sends queued requests to the fleet while the budget allows.
-pub struct Dispatcher {
-    pub queue: Arc<AsyncQueue>,
-    /// The balancer's own inference port.
-    pub inference: SocketAddr,
-}
-
-impl Dispatcher {
-    /// `D` for the configured gate, and `max_sys`.
-    /// The share of the eligible servers' slots not taken by interactive
-    /// work (busy, or waiting in the buffer; the dispatcher's own requests
-    /// excluded), and those slots. No slots: no share.
-    fn interactive_spare(&self, async_in_flight: u64) -> (f64, u64) {
-        let snap = self.queue.shared.snapshot();
-        let (mut slots, mut busy) = (0u64, 0u64);
-        for e in snap.endpoints.iter().filter(|e| e.eligible) {
-            if let Some(a) = &e.agent {
-                slots += u64::from(a.slots_total);
-                busy += u64::from(a.slots_total.saturating_sub(e.free_slots));
-            }
-        }
-        if slots == 0 {
-            return (0.0, 0);
-        }
-        let interactive = (busy + snap.buffered as u64).saturating_sub(async_in_flight);
-        (1.0 - (interactive as f64 / slots as f64).min(1.0), slots)
-    }
-
-    /// `D` for the configured gate, and `max_sys`.
-    async fn spare(&self, client: &reqwest::Client, async_in_flight: u64) -> (Option<f64>, u64) {
-        let (interactive, slots) = self.interactive_spare(async_in_flight);
-        let max_sys = self.queue.config.max_sys.unwrap_or(slots);
-        let spare = match (self.queue.config.gate, &self.queue.config.prometheus) {
-            (Gate::AlwaysOpen, _) => Some(1.0),
-            (Gate::Prometheus, Some(q)) => match query_prometheus(client, q).await {
-                Ok(d) => Some(d),
-                Err(e) => {
-                    warn!("async gate: {e}; D = 0 until it can be read");
-                    None
-                }
-            },
-            (Gate::Prometheus, None) | (Gate::Balancer, _) => Some(interactive),
-        };
-        (spare, max_sys)
-    }
-
-    async fn deliver(queue: Arc<AsyncQueue>, client: reqwest::Client, url: String, job: Job) {
-        if job.attempts > 1 {
-            queue
-                .metrics
-                .deliveries
-                .with_label_values(&["default", "redelivery"])
-                .inc();
-        } else {
-            queue
-                .metrics
-                .deliveries
-                .with_label_values(&["default", "first"])
-                .inc();
-        }
-        let sent = client
-            .post(format!("{url}{}", job.path))
-            .header("content-type", "application/json")
-            .header(TOKEN_HEADER, queue.token_text.as_str())
-            .header(crate::policy::FAIRNESS_ID_HEADER, job.fairness_id.as_str())
-            .header(crate::policy::TTL_HEADER, "60s")
-            .body(job.body.clone())
-            .send()
-            .await;
-        let (id, attempt) = (job.id.clone(), job.attempts);
-        let q = Arc::clone(&queue);
-        let outcome = match sent {
-            Ok(resp) => {
-                let status = resp.status().as_u16();
-                match resp.text().await {
-                    Ok(body) => Ok((status, body)),
-                    Err(e) => Err(format!("answer cut: {e}")),
-                }
-            }
-            Err(e) => Err(format!("cannot reach the inference port: {e}")),
-        };
-        let ended = tokio::task::spawn_blocking(move || match outcome {
-            Ok((status, _)) if matches!(status, 429 | 503 | 504) => q
-                .store
-                .retry(
-                    &id,
-                    attempt,
-                    &format!("the fleet had no room ({status})"),
-                    false,
-                    now_ms(),
-                )
-                .map(|j| (j, Some(status))),
-            Ok((status, _)) if status >= 500 => q
-                .store
-                .retry(
-                    &id,
-                    attempt,
-                    &format!("the fleet answered {status}"),
-                    true,
-                    now_ms(),
-                )
-                .map(|j| (j, None)),
-            Ok((status, body)) => q
-                .store
-                .finish(&id, attempt, Answer { status, body }, now_ms())
-                .map(|j| (j, None)),
-            Err(e) => q
-                .store
-                .retry(&id, attempt, &e, true, now_ms())
-                .map(|j| (j, None)),
-        })
-        .await;
-        match ended {
-            Ok(Ok((Some(job), no_room))) => {
-                if no_room == Some(429) {
-                    queue.throttled.store(true, Ordering::Relaxed);
-                }
-                if job.status.is_final() {
-                    queue.metrics.ended(job.status);
-                    queue.changed.notify_waiters();
-                }
-            }
-            Ok(Ok((None, _))) => {}
-            Ok(Err(e)) => warn!(request = job.id, "async queue store: {e}"),
-            Err(e) => warn!(request = job.id, "async delivery task: {e}"),
-        }
-        queue.in_flight.fetch_sub(1, Ordering::Relaxed);
-        queue
-            .in_flight_cost
-            .fetch_sub(queue.config.unit.cost(&job), Ordering::Relaxed);
-        queue.submitted.notify_one();
-    }
-}
-
-#[async_trait]
-impl BackgroundService for Dispatcher {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
-        let queue = &self.queue;
-        let client = match reqwest::Client::builder()
-            .timeout(Duration::from_secs(600))
-            .build()
-        {
-            Ok(c) => c,
-            Err(e) => {
-                warn!("async dispatcher cannot build its HTTP client: {e}");
-                return;
-            }
-        };
-        let host = if self.inference.ip().is_unspecified() {
-            SocketAddr::from(([127, 0, 0, 1], self.inference.port()))
-        } else {
-            self.inference
-        };
-        let url = format!("http://{host}");
-        let mut budget = Budget::new(BudgetConfig {
-            max_sys: 0,
-            baseline: queue.config.baseline,
-        });
-        let mut last_reclaim = Instant::now() - Duration::from_secs(1);
-        let interval = queue.config.gate_interval;
-        let mut last_reading = Instant::now() - interval;
-        let mut throttled_until: Option<Instant> = None;
-        let mut results_full = false;
-        let mut window: std::collections::VecDeque<(Instant, f64)> = Default::default();
-        info!(dir = %queue.config.dir.display(), "async dispatcher started");
-        loop {
-            if last_reclaim.elapsed() >= Duration::from_millis(500) {
-                last_reclaim = Instant::now();
-                let q = Arc::clone(queue);
-                if let Ok(Ok(r)) =
-                    tokio::task::spawn_blocking(move || q.store.reclaim(now_ms())).await
-                {
-                    for _ in &r.dead_lettered {
-                        queue.metrics.ended(Status::DeadLettered);
-                    }
-                    for _ in &r.expired {
-                        queue.metrics.ended(Status::Expired);
-                    }
-                    if !r.dead_lettered.is_empty() || !r.expired.is_empty() {
-                        queue.changed.notify_waiters();
-                    }
-                }
-                let q = Arc::clone(queue);
-                if let Ok(Ok(c)) = tokio::task::spawn_blocking(move || q.store.counts()).await {
-                    let m = &queue.metrics;
-                    m.requests
-                        .with_label_values(&["default", "queued"])
-                        .set(c.queued as i64);
-                    m.requests
-                        .with_label_values(&["default", "dispatched"])
-                        .set(c.dispatched as i64);
-                    m.oldest_age.set(
-                        c.oldest_queued_ms
-                            .map_or(0.0, |t| now_ms().saturating_sub(t) as f64 / 1000.0),
-                    );
-                    m.results.set(c.finished as i64);
-                    let full = c.finished >= queue.config.queue.max_results;
-                    if full && !results_full {
-                        warn!(
-                            kept = c.finished,
-                            "async result store full: no new dispatches until results age out"
-                        );
-                    }
-                    results_full = full;
-                }
-            }
-            let in_flight = queue.in_flight.load(Ordering::Relaxed);
-            let now = Instant::now();
-            // Exported every round, for a PromQL gate to read (see the
-            // README): what the balancer gate would see now.
-            queue
-                .metrics
-                .interactive_spare
-                .set(self.interactive_spare(in_flight).0);
-            // The balancer gate is sampled on every round and the lowest D
-            // of the last interval counts: a moment when interactive
-            // clients happen to be between requests is not spare capacity.
-            let sample = match queue.config.gate {
-                Gate::Balancer => true,
-                _ => now.duration_since(last_reading) >= interval,
-            };
-            if sample && throttled_until.is_none_or(|t| now >= t) {
-                last_reading = now;
-                throttled_until = None;
-                let (spare, max_sys) = self.spare(&client, in_flight).await;
-                budget.set_config(BudgetConfig {
-                    max_sys,
-                    baseline: queue.config.baseline,
-                });
-                let reading = match queue.config.gate {
-                    Gate::Balancer => {
-                        window.push_back((now, spare.unwrap_or(0.0)));
-                        while window
-                            .front()
-                            .is_some_and(|(t, _)| now.duration_since(*t) > interval)
-                        {
-                            window.pop_front();
-                        }
-                        window.iter().map(|(_, d)| *d).reduce(f64::min)
-                    }
-                    _ => spare,
-                };
-                budget.reading(reading);
-            }
-            if queue.throttled.swap(false, Ordering::Relaxed) {
-                budget.throttled();
-                throttled_until = Some(now + interval);
-            }
-            queue.metrics.spare.set(budget.spare());
-            queue.metrics.allowed.set(budget.allowed() as f64);
-            let cost = queue.in_flight_cost.load(Ordering::Relaxed);
-            let available = budget.available(cost);
-            // In requests, take all that fit at once; in tokens or bytes,
-            // one at a time (its cost is known once it is read; the last
-            // one may overshoot N).
-            let n = match queue.config.unit {
-                CapacityUnit::Requests => available as usize,
-                _ => usize::from(available > 0),
-            };
-            if n > 0 && !results_full && !self.queue.shared.is_shutting_down() {
-                let q = Arc::clone(queue);
-                let leased = tokio::task::spawn_blocking(move || q.store.lease(n, now_ms())).await;
-                match leased {
-                    Ok(Ok(jobs)) => {
-                        if !jobs.is_empty() {
-                            queue.changed.notify_waiters();
-                        }
-                        let leased_any = !jobs.is_empty();
-                        for job in jobs {
-                            queue.in_flight.fetch_add(1, Ordering::Relaxed);
-                            queue
-                                .in_flight_cost
-                                .fetch_add(queue.config.unit.cost(&job), Ordering::Relaxed);
-                            tokio::spawn(Self::deliver(
-                                Arc::clone(queue),
-                                client.clone(),
-                                url.clone(),
-                                job,
-                            ));
-                        }
-                        if leased_any && n < available as usize {
-                            // More may fit: look again at once.
-                            continue;
-                        }
-                    }
-                    Ok(Err(e)) => warn!("async queue store: {e}"),
-                    Err(e) => warn!("async lease task: {e}"),
-                }
-            }
-            tokio::select! {
-                () = queue.submitted.notified() => {}
-                () = tokio::time::sleep(Duration::from_millis(100)) => {}
-                _ = shutdown.changed() => return,
-            }
         }
     }
 }
@@ -807,26 +465,5 @@ mod tests {
         );
         job.body = "{}".into();
         assert_eq!(CapacityUnit::Tokens.cost(&job), 1 + DEFAULT_OUTPUT_TOKENS);
-    }
-
-    #[test]
-    fn prometheus_answers_give_d_or_a_reason() {
-        let vector = json!({"status": "success", "data": {"resultType": "vector",
-            "result": [{"metric": {}, "value": [1.7e9, "0.75"]}]}});
-        assert_eq!(prometheus_value(&vector), Ok(0.75));
-        let scalar = json!({"status": "success", "data": {"resultType": "scalar",
-            "result": [1.7e9, "0.5"]}});
-        assert_eq!(prometheus_value(&scalar), Ok(0.5));
-        let empty = json!({"status": "success", "data": {"resultType": "vector", "result": []}});
-        assert!(prometheus_value(&empty).unwrap_err().contains("no number"));
-        let nan =
-            json!({"status": "success", "data": {"resultType": "scalar", "result": [1, "NaN"]}});
-        assert!(prometheus_value(&nan).is_err());
-        let refused = json!({"status": "error", "error": "parse error"});
-        assert!(prometheus_value(&refused)
-            .unwrap_err()
-            .contains("parse error"));
-        let matrix = json!({"status": "success", "data": {"resultType": "matrix", "result": []}});
-        assert!(prometheus_value(&matrix).is_err());
     }
 }

@@ -72,6 +72,8 @@ impl Inference {
                 Ok(job) => job,
                 Err(e) => {
                     if started {
+                        // End the stream cleanly: the client reconnects.
+                        session.write_response_body(None, true).await?;
                         return Ok(true);
                     }
                     let body = error_body(&e, "server_error", "queue_error");
@@ -89,6 +91,9 @@ impl Inference {
                     );
                     self.send_json(session, ctx, StatusCode::NOT_FOUND, body, &[])
                         .await?;
+                } else {
+                    // Purged while watched (retention ended).
+                    session.write_response_body(None, true).await?;
                 }
                 return Ok(true);
             };
@@ -98,7 +103,7 @@ impl Inference {
                 h.insert_header("content-type", "text/event-stream")?;
                 h.insert_header("cache-control", "no-cache")?;
                 if !ctx.request_id.is_empty() {
-                    h.insert_header("x-request-id", ctx.request_id.as_str())?;
+                    h.insert_header(crate::proxy::REQUEST_ID_HEADER, ctx.request_id.as_str())?;
                 }
                 session.write_response_header(Box::new(h), false).await?;
             }

@@ -25,7 +25,6 @@ pub struct Dispatcher {
 }
 
 impl Dispatcher {
-    /// `D` for the configured gate, and `max_sys`.
     /// The share of the eligible servers' slots not taken by interactive
     /// work (busy, or waiting in the buffer; the dispatcher's own requests
     /// excluded), and those slots. No slots: no share.
@@ -43,24 +42,6 @@ impl Dispatcher {
         }
         let interactive = (busy + snap.buffered as u64).saturating_sub(async_in_flight);
         (1.0 - (interactive as f64 / slots as f64).min(1.0), slots)
-    }
-
-    /// `D` for the configured gate, and `max_sys`.
-    async fn spare(&self, client: &reqwest::Client, async_in_flight: u64) -> (Option<f64>, u64) {
-        let (interactive, slots) = self.interactive_spare(async_in_flight);
-        let max_sys = self.queue.config.max_sys.unwrap_or(slots);
-        let spare = match (self.queue.config.gate, &self.queue.config.prometheus) {
-            (Gate::AlwaysOpen, _) => Some(1.0),
-            (Gate::Prometheus, Some(q)) => match query_prometheus(client, q).await {
-                Ok(d) => Some(d),
-                Err(e) => {
-                    warn!("async gate: {e}; D = 0 until it can be read");
-                    None
-                }
-            },
-            (Gate::Prometheus, None) | (Gate::Balancer, _) => Some(interactive),
-        };
-        (spare, max_sys)
     }
 
     async fn deliver(queue: Arc<AsyncQueue>, client: reqwest::Client, url: String, job: Job) {
@@ -181,6 +162,11 @@ impl BackgroundService for Dispatcher {
         let mut throttled_until: Option<Instant> = None;
         let mut results_full = false;
         let mut window: std::collections::VecDeque<(Instant, f64)> = Default::default();
+        let local_window = match queue.config.gate {
+            Gate::Balancer => interval,
+            _ => Duration::from_secs(1),
+        };
+        let mut prometheus_d: Option<f64> = None;
         info!(dir = %queue.config.dir.display(), "async dispatcher started");
         loop {
             if last_reclaim.elapsed() >= Duration::from_millis(500) {
@@ -225,41 +211,46 @@ impl BackgroundService for Dispatcher {
             }
             let in_flight = queue.in_flight.load(Ordering::Relaxed);
             let now = Instant::now();
-            // Exported every round, for a PromQL gate to read (see the
-            // README): what the balancer gate would see now.
-            queue
-                .metrics
-                .interactive_spare
-                .set(self.interactive_spare(in_flight).0);
-            // The balancer gate is sampled on every round and the lowest D
-            // of the last interval counts: a moment when interactive
-            // clients happen to be between requests is not spare capacity.
-            let sample = match queue.config.gate {
-                Gate::Balancer => true,
-                _ => now.duration_since(last_reading) >= interval,
-            };
-            if sample && throttled_until.is_none_or(|t| now >= t) {
-                last_reading = now;
+            // This balancer's own view, every round: exported for a PromQL
+            // gate to read (see the README), and the lowest of the last
+            // window kept: a moment when interactive clients happen to be
+            // between requests is not spare capacity.
+            let (local, slots) = self.interactive_spare(in_flight);
+            queue.metrics.interactive_spare.set(local);
+            window.push_back((now, local));
+            while window
+                .front()
+                .is_some_and(|(t, _)| now.duration_since(*t) > local_window)
+            {
+                window.pop_front();
+            }
+            let local_min = window.iter().map(|(_, d)| *d).fold(local, f64::min);
+            if let (Gate::Prometheus, Some(q)) = (queue.config.gate, &queue.config.prometheus) {
+                if now.duration_since(last_reading) >= interval {
+                    last_reading = now;
+                    prometheus_d = match query_prometheus(&client, q).await {
+                        Ok(d) => Some(d),
+                        Err(e) => {
+                            warn!("async gate: {e}; D = 0 until it can be read");
+                            None
+                        }
+                    };
+                }
+            }
+            if throttled_until.is_none_or(|t| now >= t) {
                 throttled_until = None;
-                let (spare, max_sys) = self.spare(&client, in_flight).await;
                 budget.set_config(BudgetConfig {
-                    max_sys,
+                    max_sys: queue.config.max_sys.unwrap_or(slots),
                     baseline: queue.config.baseline,
                 });
-                let reading = match queue.config.gate {
-                    Gate::Balancer => {
-                        window.push_back((now, spare.unwrap_or(0.0)));
-                        while window
-                            .front()
-                            .is_some_and(|(t, _)| now.duration_since(*t) > interval)
-                        {
-                            window.pop_front();
-                        }
-                        window.iter().map(|(_, d)| *d).reduce(f64::min)
-                    }
-                    _ => spare,
-                };
-                budget.reading(reading);
+                // The Prometheus answer is capped by what this balancer sees
+                // now: its own interactive load shows here at once, and in
+                // Prometheus only a scrape later.
+                budget.reading(match queue.config.gate {
+                    Gate::AlwaysOpen => Some(1.0),
+                    Gate::Balancer => Some(local_min),
+                    Gate::Prometheus => prometheus_d.map(|d| d.min(local_min)),
+                });
             }
             if queue.throttled.swap(false, Ordering::Relaxed) {
                 budget.throttled();

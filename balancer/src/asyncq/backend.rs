@@ -24,8 +24,15 @@ macro_rules! delegate {
     };
 }
 
+impl Backend {
+    /// Queues one request (see `submit_many`).
+    pub fn submit(&self, new: NewJob, id: String, now_ms: u64) -> Result<(Job, bool)> {
+        let mut done = self.submit_many(vec![(new, id)], now_ms)?;
+        Ok(done.pop().expect("one request in, one out"))
+    }
+}
+
 delegate! {
-    submit(new: NewJob, id: String, now_ms: u64) -> Result<(Job, bool)>;
     submit_many(new: Vec<(NewJob, String)>, now_ms: u64) -> Result<Vec<(Job, bool)>>;
     get(id: &str) -> Result<Option<Job>>;
     get_many(ids: &[String]) -> Result<Vec<Option<Job>>>;

@@ -19,7 +19,8 @@ use std::time::Duration;
 use redis::{Connection, Value};
 
 use super::store::{
-    Answer, Counts, DeadLetter, Job, NewJob, QueueConfig, Reclaimed, Result, Status, StoreError,
+    Answer, Counts, Job, NewJob, QueueConfig, Reclaimed, Redelivery, Result, Status, StoreError,
+    LEASE_LOST,
 };
 
 const GROUP: &str = "dispatchers";
@@ -231,18 +232,8 @@ impl RedisStore {
         Ok((queued, dispatched))
     }
 
-    pub fn submit(&self, new: NewJob, id: String, now_ms: u64) -> Result<(Job, bool)> {
-        let mut done = self.submit_many(vec![(new, id)], now_ms)?;
-        Ok(done.pop().expect("one request in, one out"))
-    }
-
     pub fn submit_many(&self, new: Vec<(NewJob, String)>, now_ms: u64) -> Result<Vec<(Job, bool)>> {
-        if new
-            .iter()
-            .any(|(j, _)| j.body.len() > self.config.max_payload_bytes)
-        {
-            return Err(StoreError::TooLarge(self.config.max_payload_bytes));
-        }
+        self.config.check_payloads(&new)?;
         self.run(|c| {
             let (queued, _) = self.queued(c)?;
             let over = (queued as usize + new.len()).saturating_sub(self.config.max_length);
@@ -436,11 +427,7 @@ impl RedisStore {
         now_ms: u64,
     ) -> Result<Option<Job>> {
         self.end_lease(id, attempt, now_ms, |s, c, job| {
-            job.status = if (200..300).contains(&answer.status) {
-                Status::Succeeded
-            } else {
-                Status::Failed
-            };
+            job.status = answer.outcome();
             job.answer = Some(answer);
             s.finished(c, job)
         })
@@ -455,29 +442,23 @@ impl RedisStore {
         now_ms: u64,
     ) -> Result<Option<Job>> {
         self.end_lease(id, attempt, now_ms, |s, c, job| {
-            job.last_error = Some(error.to_string());
-            if !counted {
-                job.attempts -= 1;
-            }
-            s.redeliver(c, job, now_ms)
+            let next = s.config.redelivery(job, error, counted, now_ms);
+            s.redeliver(c, job, next)
         })
     }
 
-    fn redeliver(&self, c: &mut Connection, job: &mut Job, now_ms: u64) -> redis::RedisResult<()> {
-        if job.deadline_ms.is_some_and(|d| d <= now_ms) {
-            job.status = Status::Expired;
-            return self.finished(c, job);
+    /// Carries out [`QueueConfig::redelivery`]'s decision (in Redis both
+    /// kinds of requeue go to the back of the queue).
+    fn redeliver(
+        &self,
+        c: &mut Connection,
+        job: &mut Job,
+        next: Redelivery,
+    ) -> redis::RedisResult<()> {
+        match next {
+            Redelivery::Finished => self.finished(c, job),
+            Redelivery::Again | Redelivery::Rear => self.enqueue(c, job),
         }
-        if job.attempts >= self.config.max_delivery {
-            match self.config.dead_letter {
-                DeadLetter::Drop => {
-                    job.status = Status::DeadLettered;
-                    return self.finished(c, job);
-                }
-                DeadLetter::Rear => job.attempts = 0,
-            }
-        }
-        self.enqueue(c, job)
     }
 
     pub fn cancel(&self, id: &str, now_ms: u64) -> Result<Option<Job>> {
@@ -550,14 +531,9 @@ impl RedisStore {
                     }
                     job.stream_entry = None;
                     job.lease_until_ms = None;
-                    job.updated_ms = now_ms;
-                    job.last_error = Some("the lease ran out before the dispatch finished".into());
-                    self.redeliver(c, &mut job, now_ms)?;
-                    match job.status {
-                        Status::DeadLettered => done.dead_lettered.push(id),
-                        Status::Expired => done.expired.push(id),
-                        _ => done.redelivered.push(id),
-                    }
+                    let next = self.config.redelivery(&mut job, LEASE_LOST, true, now_ms);
+                    self.redeliver(c, &mut job, next)?;
+                    done.record(&job);
                 }
             }
             Ok(done)

@@ -86,6 +86,56 @@ pub struct QueueConfig {
     pub max_results: u64,
 }
 
+impl QueueConfig {
+    /// Refuses a submission with a body over `max_payload_bytes`.
+    pub(super) fn check_payloads(&self, new: &[(NewJob, String)]) -> Result<()> {
+        if new
+            .iter()
+            .any(|(j, _)| j.body.len() > self.max_payload_bytes)
+        {
+            return Err(StoreError::TooLarge(self.max_payload_bytes));
+        }
+        Ok(())
+    }
+
+    /// Applies a failed delivery to `job` (its error, and its count unless
+    /// the fleet merely had no room) and says where it goes: past its
+    /// deadline it expires; under `max_delivery` it is queued again; then
+    /// the dead-letter policy. Sets its status; both stores follow it.
+    pub(super) fn redelivery(
+        &self,
+        job: &mut Job,
+        error: &str,
+        counted: bool,
+        now_ms: u64,
+    ) -> Redelivery {
+        job.last_error = Some(error.to_string());
+        if !counted {
+            job.attempts -= 1;
+        }
+        job.updated_ms = now_ms;
+        if job.deadline_ms.is_some_and(|d| d <= now_ms) {
+            job.status = Status::Expired;
+            return Redelivery::Finished;
+        }
+        if job.attempts < self.max_delivery {
+            job.status = Status::Queued;
+            return Redelivery::Again;
+        }
+        match self.dead_letter {
+            DeadLetter::Drop => {
+                job.status = Status::DeadLettered;
+                Redelivery::Finished
+            }
+            DeadLetter::Rear => {
+                job.attempts = 0;
+                job.status = Status::Queued;
+                Redelivery::Rear
+            }
+        }
+    }
+}
+
 impl Default for QueueConfig {
     fn default() -> Self {
         QueueConfig {
@@ -106,6 +156,29 @@ impl Default for QueueConfig {
 pub struct Answer {
     pub status: u16,
     pub body: String,
+}
+
+impl Answer {
+    /// The final state it gives its request: `succeeded` for a 2xx.
+    pub fn outcome(&self) -> Status {
+        if (200..300).contains(&self.status) {
+            Status::Succeeded
+        } else {
+            Status::Failed
+        }
+    }
+}
+
+/// Where a request goes after a failed delivery (see
+/// [`QueueConfig::redelivery`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Redelivery {
+    /// Final (`expired` or `dead_lettered`).
+    Finished,
+    /// Queued again at its place.
+    Again,
+    /// Queued again at the back, with a fresh count (`rear`).
+    Rear,
 }
 
 /// One async request as stored.
@@ -215,7 +288,7 @@ fn decode(bytes: &[u8]) -> Result<Job> {
 }
 
 /// Takes the next number of the counter `name`.
-fn next(txn: &redb::WriteTransaction, name: &str) -> Result<u64> {
+fn next_number(txn: &redb::WriteTransaction, name: &str) -> Result<u64> {
     let mut meta = txn.open_table(META)?;
     let n = meta.get(name)?.map_or(0, |v| v.value());
     meta.insert(name, n + 1)?;
@@ -243,7 +316,7 @@ fn take_queued(txn: &redb::WriteTransaction, job: &Job) -> Result<()> {
 
 /// Appends `id` to the finish order.
 fn mark_finished(txn: &redb::WriteTransaction, id: &str) -> Result<()> {
-    let n = next(txn, "next_finish")?;
+    let n = next_number(txn, "next_finish")?;
     txn.open_table(FINISHED)?.insert(n, id)?;
     Ok(())
 }
@@ -259,6 +332,9 @@ pub struct Counts {
     pub oldest_queued_ms: Option<u64>,
 }
 
+/// Why a request whose lease ran out is delivered again.
+pub(super) const LEASE_LOST: &str = "the lease ran out before the dispatch finished";
+
 /// What [`Store::reclaim`] did.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Reclaimed {
@@ -268,6 +344,18 @@ pub struct Reclaimed {
     pub expired: Vec<String>,
     /// Finished requests past retention, deleted.
     pub purged: usize,
+}
+
+impl Reclaimed {
+    /// Files a request whose lease ran out under what became of it.
+    pub(super) fn record(&mut self, job: &Job) {
+        let list = match job.status {
+            Status::DeadLettered => &mut self.dead_lettered,
+            Status::Expired => &mut self.expired,
+            _ => &mut self.redelivered,
+        };
+        list.push(job.id.clone());
+    }
 }
 
 pub struct Store {
@@ -297,21 +385,18 @@ impl Store {
         Ok(Store { db, config })
     }
 
-    /// Queues a request; with an idempotency key already seen, returns the
-    /// request that key made instead (`false`: nothing new was queued).
+    /// One request (tests; the balancer goes through `Backend::submit`).
+    #[cfg(test)]
     pub fn submit(&self, new: NewJob, id: String, now_ms: u64) -> Result<(Job, bool)> {
         let mut done = self.submit_many(vec![(new, id)], now_ms)?;
         Ok(done.pop().expect("one request in, one out"))
     }
 
-    /// Queues several requests in one transaction: all or none.
+    /// Queues several requests in one transaction: all or none. With an
+    /// idempotency key already seen, a request is the one that key made
+    /// (`false`: nothing new was queued).
     pub fn submit_many(&self, new: Vec<(NewJob, String)>, now_ms: u64) -> Result<Vec<(Job, bool)>> {
-        if new
-            .iter()
-            .any(|(j, _)| j.body.len() > self.config.max_payload_bytes)
-        {
-            return Err(StoreError::TooLarge(self.config.max_payload_bytes));
-        }
+        self.config.check_payloads(&new)?;
         let txn = self.db.begin_write()?;
         let mut out = Vec::with_capacity(new.len());
         for (job, id) in new {
@@ -365,7 +450,7 @@ impl Store {
                 }
             }
         }
-        let seq = next(txn, "next_seq")?;
+        let seq = next_number(txn, "next_seq")?;
         let job = Job {
             seq,
             ..Job::new(new, id, now_ms)
@@ -482,11 +567,7 @@ impl Store {
         now_ms: u64,
     ) -> Result<Option<Job>> {
         self.end_lease(id, attempt, now_ms, |job| {
-            job.status = if (200..300).contains(&answer.status) {
-                Status::Succeeded
-            } else {
-                Status::Failed
-            };
+            job.status = answer.outcome();
             job.answer = Some(answer);
         })
     }
@@ -514,11 +595,8 @@ impl Store {
                 return Ok(None);
             }
             leases.remove(id)?;
-            job.last_error = Some(error.to_string());
-            if !counted {
-                job.attempts -= 1;
-            }
-            self.redeliver(&txn, &mut job, now_ms)?;
+            let next = self.config.redelivery(&mut job, error, counted, now_ms);
+            self.redeliver(&txn, &mut job, next)?;
             jobs.insert(id, encode(&job).as_slice())?;
             job
         };
@@ -572,13 +650,9 @@ impl Store {
                 else {
                     continue;
                 };
-                job.last_error = Some("the lease ran out before the dispatch finished".into());
-                self.redeliver(&txn, &mut job, now_ms)?;
-                if job.status == Status::DeadLettered {
-                    done.dead_lettered.push(id.clone());
-                } else {
-                    done.redelivered.push(id.clone());
-                }
+                let next = self.config.redelivery(&mut job, LEASE_LOST, true, now_ms);
+                self.redeliver(&txn, &mut job, next)?;
+                done.record(&job);
                 jobs.insert(id.as_str(), encode(&job).as_slice())?;
             }
 
@@ -689,36 +763,25 @@ impl Store {
         })
     }
 
-    /// Puts a request whose delivery failed back in the queue at its place,
-    /// or applies the dead-letter policy.
-    fn redeliver(&self, txn: &redb::WriteTransaction, job: &mut Job, now_ms: u64) -> Result<()> {
-        job.updated_ms = now_ms;
-        if job.deadline_ms.is_some_and(|d| d <= now_ms) {
-            job.status = Status::Expired;
-            return mark_finished(txn, &job.id);
-        }
-        if job.attempts < self.config.max_delivery {
-            job.status = Status::Queued;
-            return put_queued(txn, job);
-        }
-        match self.config.dead_letter {
-            DeadLetter::Drop => {
-                job.status = Status::DeadLettered;
-                mark_finished(txn, &job.id)?;
-            }
-            DeadLetter::Rear => {
-                let seq = next(txn, "next_seq")?;
+    /// Carries out [`QueueConfig::redelivery`]'s decision.
+    fn redeliver(
+        &self,
+        txn: &redb::WriteTransaction,
+        job: &mut Job,
+        next: Redelivery,
+    ) -> Result<()> {
+        match next {
+            Redelivery::Finished => mark_finished(txn, &job.id),
+            Redelivery::Again => put_queued(txn, job),
+            Redelivery::Rear => {
+                job.seq = next_number(txn, "next_seq")?;
                 if let Some(deadline) = job.deadline_ms {
                     txn.open_table(DEADLINES)?
-                        .insert((deadline, seq), job.id.as_str())?;
+                        .insert((deadline, job.seq), job.id.as_str())?;
                 }
-                job.seq = seq;
-                job.attempts = 0;
-                job.status = Status::Queued;
-                put_queued(txn, job)?;
+                put_queued(txn, job)
             }
         }
-        Ok(())
     }
 
     /// Ends a lease with `update` if `attempt` still holds it.
@@ -774,6 +837,12 @@ mod tests {
         }
     }
 
+    /// The ids `store.lease(n, now_ms)` hands out, in order.
+    fn leased_ids(store: &Store, n: usize, now_ms: u64) -> Vec<String> {
+        let leased = store.lease(n, now_ms).unwrap();
+        leased.into_iter().map(|j| j.id).collect()
+    }
+
     fn ok(status: u16) -> Answer {
         Answer {
             status,
@@ -799,12 +868,7 @@ mod tests {
         let c = store.counts().unwrap();
         assert_eq!((c.queued, c.dispatched), (2, 1));
         assert_eq!(c.oldest_queued_ms, Some(1));
-        let ids: Vec<_> = store
-            .lease(5, 3)
-            .unwrap()
-            .into_iter()
-            .map(|j| j.id)
-            .collect();
+        let ids = leased_ids(&store, 5, 3);
         assert_eq!(ids, ["id1", "id2"]);
         let done = store.finish("id1", 1, ok(200), 4).unwrap().unwrap();
         assert_eq!(done.status, Status::Succeeded);
@@ -859,12 +923,7 @@ mod tests {
         .unwrap();
         store.submit(new_job("c"), "c".into(), 2).unwrap();
         assert_eq!(store.get("a").unwrap().unwrap().status, Status::Evicted);
-        let ids: Vec<_> = store
-            .lease(5, 3)
-            .unwrap()
-            .into_iter()
-            .map(|j| j.id)
-            .collect();
+        let ids = leased_ids(&store, 5, 3);
         assert_eq!(ids, ["b", "c"]);
     }
 
@@ -921,12 +980,7 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!((after.status, after.attempts), (Status::Queued, 0));
-        let ids: Vec<_> = rear
-            .lease(5, 4)
-            .unwrap()
-            .into_iter()
-            .map(|j| j.id)
-            .collect();
+        let ids = leased_ids(&rear, 5, 4);
         assert_eq!(ids, ["y", "x"], "dead-lettered to the rear");
     }
 
@@ -972,12 +1026,7 @@ mod tests {
             };
             store.submit(job, id.into(), 0).unwrap();
         }
-        let order: Vec<_> = store
-            .lease(4, 1)
-            .unwrap()
-            .into_iter()
-            .map(|j| j.id)
-            .collect();
+        let order = leased_ids(&store, 4, 1);
         assert_eq!(order, ["high", "first", "second", "low"]);
         // A retried request keeps its place among its priority.
         store.retry("first", 1, "500", true, 2).unwrap();
@@ -991,12 +1040,7 @@ mod tests {
                 3,
             )
             .unwrap();
-        let order: Vec<_> = store
-            .lease(4, 4)
-            .unwrap()
-            .into_iter()
-            .map(|j| j.id)
-            .collect();
+        let order = leased_ids(&store, 4, 4);
         assert_eq!(order, ["first", "third"]);
     }
 

@@ -114,10 +114,7 @@ pub(crate) mod tests {
     use super::*;
 
     pub(crate) fn fixture(path: &str) -> String {
-        let full = format!(
-            "{}/../../shared/fixtures/{path}",
-            env!("CARGO_MANIFEST_DIR")
-        );
+        let full = format!("{}/fixtures/{path}", env!("CARGO_MANIFEST_DIR"));
         let raw = std::fs::read_to_string(&full).unwrap_or_else(|e| panic!("{full}: {e}"));
         // Fixtures are raw HTTP responses: keep the body.
         match raw

@@ -11,12 +11,15 @@
 //! - [`prefix`]: prompt block hashing and the per-endpoint prefix index.
 //! - [`flow`]: flow-controlled queues (priority bands, tenant fairness,
 //!   ordering, capacity limits, deadlines).
+//! - [`blame`]: whose fault a failed answer is (the endpoint's or the
+//!   request's).
 //! - [`dispatcher`]: the queues in front of the endpoints: admission,
 //!   dispatch, expiry.
-//! - [`duration`]: `250ms` / `10s` / `2m` parsing for flags, config and
+//! - [`duration`]: `250ms` / `10s` / `2m` / `1h` / `7d` parsing for flags, config and
 //!   headers.
 //! - [`openai`]: OpenAI-style error bodies shared by the binaries.
 
+pub mod blame;
 pub mod budget;
 pub mod dispatcher;
 pub mod duration;

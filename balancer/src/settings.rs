@@ -261,6 +261,12 @@ pub struct Cli {
     #[arg(long, value_name = "DURATION", value_parser = flowgate::duration::parse_duration)]
     pub async_retention: Option<Duration>,
 
+    /// How long Batch API files are kept: uploads that set no
+    /// `expires_after`, batch output and error files, and finished batch
+    /// records (from their creation) [default: 30d]
+    #[arg(long, value_name = "DURATION", value_parser = flowgate::duration::parse_duration)]
+    pub async_file_retention: Option<Duration>,
+
     /// The balancer gate: D is the lowest of its readings (taken every
     /// ≤ 100 ms) over this window, so a moment when interactive clients are
     /// between requests is not mistaken for spare capacity. The prometheus
@@ -348,6 +354,7 @@ pub struct AsyncSection {
     pub max_idle: Option<ConfigDuration>,
     pub dead_letter: Option<DeadLetter>,
     pub retention: Option<ConfigDuration>,
+    pub file_retention: Option<ConfigDuration>,
 }
 
 /// The async path's settings: flags over the file's `async:` section over
@@ -426,6 +433,11 @@ fn async_settings(
                 .or(file.dead_letter)
                 .unwrap_or(d.dead_letter),
             retention: duration(cli.async_retention, file.retention, d.retention),
+            file_retention: duration(
+                cli.async_file_retention,
+                file.file_retention,
+                d.file_retention,
+            ),
             auto_evict: cli.async_auto_evict || file.auto_evict.unwrap_or(false),
             max_results: cli
                 .async_max_results

@@ -45,5 +45,6 @@ delegate! {
     finished_since(after: Option<&str>, limit: usize) -> Result<Vec<(String, Job)>>;
     put_blob(kind: &str, id: &str, bytes: &[u8]) -> Result<()>;
     get_blob(kind: &str, id: &str) -> Result<Option<Vec<u8>>>;
+    delete_blob(kind: &str, id: &str) -> Result<()>;
     blob_ids(kind: &str) -> Result<Vec<String>>;
 }

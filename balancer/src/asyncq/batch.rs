@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use super::store::{Job, NewJob, StoreError};
-use super::{now_ms, AsyncQueue};
+use super::{now_ms, AsyncQueue, Caller};
 
 /// Blob kinds: file metadata (JSON), file content, batch records (JSON).
 const FILES: &str = "files";
@@ -51,6 +51,11 @@ impl From<StoreError> for ApiError {
 
 type Result<T> = std::result::Result<T, ApiError>;
 
+/// The tenant of files and batches stored before they recorded one.
+fn default_owner() -> String {
+    flowgate::flow::DEFAULT_FAIRNESS_ID.to_string()
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct FileMeta {
     pub id: String,
@@ -58,6 +63,12 @@ pub struct FileMeta {
     pub created_at: u64,
     pub filename: String,
     pub purpose: String,
+    /// The tenant that uploaded it (or whose batch wrote it).
+    #[serde(default = "default_owner")]
+    pub owner: String,
+    /// Unix seconds after which it is deleted.
+    #[serde(default)]
+    pub expires_at: Option<u64>,
 }
 
 impl FileMeta {
@@ -66,6 +77,7 @@ impl FileMeta {
             "id": self.id, "object": "file", "bytes": self.bytes,
             "created_at": self.created_at, "filename": self.filename,
             "purpose": self.purpose, "status": "processed",
+            "expires_at": self.expires_at,
         })
     }
 }
@@ -73,6 +85,9 @@ impl FileMeta {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct BatchRecord {
     id: String,
+    /// The tenant that created it.
+    #[serde(default = "default_owner")]
+    owner: String,
     endpoint: String,
     input_file_id: String,
     completion_window: String,
@@ -203,16 +218,22 @@ pub fn parse_multipart<'a>(
 }
 
 impl AsyncQueue {
-    fn new_object_id(&self, prefix: &str) -> String {
-        let n = self
-            .next_id
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    fn new_object_id(&self, prefix: &str) -> Result<String> {
         // Time first: ids sort by creation, also across balancers.
-        format!("{prefix}{:012x}{}{n:06x}", now_ms(), self.id_prefix)
+        super::random_id(prefix, Some(now_ms())).map_err(|e| ApiError(500, "queue_error", e))
     }
 
-    /// Stores an uploaded file (purpose `batch`, JSONL).
-    pub fn create_file(&self, filename: &str, purpose: &str, data: &[u8]) -> Result<FileMeta> {
+    /// Stores an uploaded file (purpose `batch`, JSONL) of `caller`'s
+    /// tenant, deleted after `expires_after` (else the configured file
+    /// retention).
+    pub fn create_file(
+        &self,
+        filename: &str,
+        purpose: &str,
+        data: &[u8],
+        expires_after: Option<u64>,
+        caller: &Caller,
+    ) -> Result<FileMeta> {
         if purpose != "batch" {
             return Err(ApiError(
                 400,
@@ -220,15 +241,31 @@ impl AsyncQueue {
                 format!("purpose {purpose:?} is not supported: only \"batch\""),
             ));
         }
-        let meta = FileMeta {
-            id: self.new_object_id("file-"),
-            bytes: data.len() as u64,
-            created_at: now_s(),
-            filename: filename.to_string(),
-            purpose: purpose.to_string(),
-        };
+        let meta = self.new_file(filename, purpose, data, expires_after, &caller.tenant)?;
         self.put_file(&meta, data)?;
         Ok(meta)
+    }
+
+    /// A file's record: its id, its owner, when it expires.
+    fn new_file(
+        &self,
+        filename: &str,
+        purpose: &str,
+        data: &[u8],
+        expires_after: Option<u64>,
+        owner: &str,
+    ) -> Result<FileMeta> {
+        let created_at = now_s();
+        let keep = expires_after.unwrap_or(self.config.queue.file_retention.as_secs());
+        Ok(FileMeta {
+            id: self.new_object_id("file-")?,
+            bytes: data.len() as u64,
+            created_at,
+            filename: filename.to_string(),
+            purpose: purpose.to_string(),
+            owner: owner.to_string(),
+            expires_at: Some(created_at.saturating_add(keep)),
+        })
     }
 
     fn put_file(&self, meta: &FileMeta, data: &[u8]) -> Result<()> {
@@ -239,12 +276,93 @@ impl AsyncQueue {
         Ok(())
     }
 
-    pub fn file(&self, id: &str) -> Result<(FileMeta, Vec<u8>)> {
+    /// The file `id`'s record, if `caller` may see it (another tenant's
+    /// file answers exactly as an unknown one).
+    pub fn file_meta(&self, id: &str, caller: &Caller) -> Result<FileMeta> {
         let meta = self.store.get_blob(FILES, id)?.ok_or_else(|| no_file(id))?;
         let meta: FileMeta = serde_json::from_slice(&meta)
             .map_err(|e| ApiError(500, "queue_error", e.to_string()))?;
-        let bytes = self.store.get_blob(FILE_DATA, id)?.unwrap_or_default();
-        Ok((meta, bytes))
+        if !caller.sees(&meta.owner) {
+            return Err(no_file(id));
+        }
+        Ok(meta)
+    }
+
+    /// The file `id`'s content, if `caller` may see it.
+    pub fn file_content(&self, id: &str, caller: &Caller) -> Result<Vec<u8>> {
+        self.file_meta(id, caller)?;
+        Ok(self.store.get_blob(FILE_DATA, id)?.unwrap_or_default())
+    }
+
+    /// `caller`'s files, newest first (OpenAI's list).
+    pub fn list_files(&self, limit: usize, caller: &Caller) -> Result<Value> {
+        let mut data = Vec::new();
+        let mut has_more = false;
+        // Ids sort by creation time.
+        for id in self.store.blob_ids(FILES)?.iter().rev() {
+            let meta = match self.file_meta(id, caller) {
+                Ok(meta) => meta,
+                Err(ApiError(404, ..)) => continue,
+                Err(e) => return Err(e),
+            };
+            if data.len() == limit {
+                has_more = true;
+                break;
+            }
+            data.push(meta.view());
+        }
+        Ok(json!({
+            "object": "list",
+            "first_id": data.first().map(|f| f["id"].clone()),
+            "last_id": data.last().map(|f| f["id"].clone()),
+            "has_more": has_more,
+            "data": data,
+        }))
+    }
+
+    /// Deletes the file `id` if `caller` may see it (OpenAI's answer).
+    pub fn delete_file(&self, id: &str, caller: &Caller) -> Result<Value> {
+        self.file_meta(id, caller)?;
+        self.remove_file(id)?;
+        Ok(json!({"id": id, "object": "file", "deleted": true}))
+    }
+
+    /// Record first: a file is gone for readers before its content is.
+    fn remove_file(&self, id: &str) -> Result<()> {
+        self.store.delete_blob(FILES, id)?;
+        self.store.delete_blob(FILE_DATA, id)?;
+        Ok(())
+    }
+
+    /// Deletes files past their `expires_at`, and finished batches whose
+    /// retention (the file retention, from their creation) ended. Returns
+    /// how many of each went.
+    pub fn purge_expired_files(&self, now_s: u64) -> Result<(usize, usize)> {
+        let mut files = 0;
+        for id in self.store.blob_ids(FILES)? {
+            let Some(raw) = self.store.get_blob(FILES, &id)? else {
+                continue;
+            };
+            let expired = serde_json::from_slice::<FileMeta>(&raw)
+                .map(|m| m.expires_at.is_some_and(|t| t <= now_s))
+                .unwrap_or(false);
+            if expired {
+                self.remove_file(&id)?;
+                files += 1;
+            }
+        }
+        let keep = self.config.queue.file_retention.as_secs();
+        let mut batches = 0;
+        for id in self.store.blob_ids(BATCHES)? {
+            let Ok(record) = self.load_batch(&id) else {
+                continue;
+            };
+            if !record.is_open() && record.created_at.saturating_add(keep) <= now_s {
+                self.store.delete_blob(BATCHES, &id)?;
+                batches += 1;
+            }
+        }
+        Ok((files, batches))
     }
 
     /// Validates the input file and queues its requests.
@@ -254,7 +372,7 @@ impl AsyncQueue {
         endpoint: &str,
         completion_window: &str,
         metadata: Option<Value>,
-        fairness_id: &str,
+        caller: &Caller,
         priority: i32,
     ) -> Result<Value> {
         if !BATCH_ENDPOINTS.contains(&endpoint) {
@@ -271,10 +389,11 @@ impl AsyncQueue {
                 "completion_window must be \"24h\"".into(),
             ));
         }
-        let (_, input) = self.file(input_file_id)?;
+        let input = self.file_content(input_file_id, caller)?;
         let now = now_s();
         let mut record = BatchRecord {
-            id: self.new_object_id("batch_"),
+            id: self.new_object_id("batch_")?,
+            owner: caller.tenant.clone(),
             endpoint: endpoint.to_string(),
             input_file_id: input_file_id.to_string(),
             completion_window: completion_window.to_string(),
@@ -342,7 +461,7 @@ impl AsyncQueue {
                 NewJob {
                     path: endpoint.to_string(),
                     body: v["body"].to_string(),
-                    fairness_id: fairness_id.to_string(),
+                    fairness_id: caller.tenant.clone(),
                     priority,
                     idempotency_key: Some(format!("batch:{}:{custom_id}", record.id)),
                     deadline_ms: None,
@@ -383,10 +502,20 @@ impl AsyncQueue {
         serde_json::from_slice(&record).map_err(|e| ApiError(500, "queue_error", e.to_string()))
     }
 
+    /// The batch `id`, if `caller` may see it (another tenant's batch
+    /// answers exactly as an unknown one).
+    fn visible_batch(&self, id: &str, caller: &Caller) -> Result<BatchRecord> {
+        let record = self.load_batch(id)?;
+        if !caller.sees(&record.owner) {
+            return Err(no_batch(id));
+        }
+        Ok(record)
+    }
+
     /// The batch, brought up to date with its requests (finalized when all
     /// are done).
-    pub fn batch(&self, id: &str) -> Result<Value> {
-        let mut record = self.load_batch(id)?;
+    pub fn batch(&self, id: &str, caller: &Caller) -> Result<Value> {
+        let mut record = self.visible_batch(id, caller)?;
         if record.is_open() {
             self.refresh(&mut record)?;
         }
@@ -456,13 +585,14 @@ impl AsyncQueue {
             if text.is_empty() {
                 continue;
             }
-            let meta = FileMeta {
-                id: self.new_object_id("file-"),
-                bytes: text.len() as u64,
-                created_at: now,
-                filename: format!("{}_{name}.jsonl", record.id),
-                purpose: "batch_output".into(),
-            };
+            let filename = format!("{}_{name}.jsonl", record.id);
+            let meta = self.new_file(
+                &filename,
+                "batch_output",
+                text.as_bytes(),
+                None,
+                &record.owner,
+            )?;
             self.put_file(&meta, text.as_bytes())?;
             *slot = Some(meta.id);
         }
@@ -476,7 +606,13 @@ impl AsyncQueue {
         self.put_batch(record)
     }
 
-    pub fn list_batches(&self, limit: usize, after: Option<&str>) -> Result<Value> {
+    /// `caller`'s batches, newest first, after the batch `after`.
+    pub fn list_batches(
+        &self,
+        limit: usize,
+        after: Option<&str>,
+        caller: &Caller,
+    ) -> Result<Value> {
         let ids = self.store.blob_ids(BATCHES)?;
         // Newest first; ids sort by creation time.
         let mut ids: Vec<String> = ids.into_iter().rev().collect();
@@ -485,12 +621,21 @@ impl AsyncQueue {
                 ids.drain(..=i);
             }
         }
-        let has_more = ids.len() > limit;
-        let data: Vec<Value> = ids
-            .iter()
-            .take(limit)
-            .map(|id| self.batch(id))
-            .collect::<Result<_>>()?;
+        let mut data = Vec::new();
+        let mut has_more = false;
+        for id in &ids {
+            let view = match self.batch(id, caller) {
+                Ok(view) => view,
+                // Another tenant's, or deleted since the listing.
+                Err(ApiError(404, ..)) => continue,
+                Err(e) => return Err(e),
+            };
+            if data.len() == limit {
+                has_more = true;
+                break;
+            }
+            data.push(view);
+        }
         Ok(json!({
             "object": "list",
             "first_id": data.first().map(|b| b["id"].clone()),
@@ -502,8 +647,8 @@ impl AsyncQueue {
 
     /// Cancels a batch's requests not yet finished; it is `cancelled` once
     /// those under way are done.
-    pub fn cancel_batch(&self, id: &str) -> Result<Value> {
-        let mut record = self.load_batch(id)?;
+    pub fn cancel_batch(&self, id: &str, caller: &Caller) -> Result<Value> {
+        let mut record = self.visible_batch(id, caller)?;
         if record.status != "in_progress" {
             return Err(ApiError(
                 409,

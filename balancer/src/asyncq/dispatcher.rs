@@ -17,6 +17,9 @@ use tracing::{info, warn};
 use super::store::{Answer, Job, Status};
 use super::{now_ms, AsyncQueue, CapacityUnit, Gate, PromQuery, TOKEN_HEADER};
 
+/// How often expired Batch API files and batches are looked for.
+const FILE_PURGE_INTERVAL: Duration = Duration::from_secs(10);
+
 /// Sends queued requests to the fleet while the budget allows.
 pub struct Dispatcher {
     pub queue: Arc<AsyncQueue>,
@@ -157,6 +160,7 @@ impl BackgroundService for Dispatcher {
             baseline: queue.config.baseline,
         });
         let mut last_reclaim = Instant::now() - Duration::from_secs(1);
+        let mut last_file_purge = Instant::now() - FILE_PURGE_INTERVAL;
         let interval = queue.config.gate_interval;
         let mut last_reading = Instant::now() - interval;
         let mut throttled_until: Option<Instant> = None;
@@ -169,6 +173,23 @@ impl BackgroundService for Dispatcher {
         let mut prometheus_d: Option<f64> = None;
         info!(dir = %queue.config.dir.display(), "async dispatcher started");
         loop {
+            if last_file_purge.elapsed() >= FILE_PURGE_INTERVAL {
+                last_file_purge = Instant::now();
+                let q = Arc::clone(queue);
+                match tokio::task::spawn_blocking(move || q.purge_expired_files(now_ms() / 1000))
+                    .await
+                {
+                    Ok(Ok((0, 0))) => {}
+                    Ok(Ok((files, batches))) => {
+                        info!(
+                            files,
+                            batches, "Batch API: expired files and batches deleted"
+                        )
+                    }
+                    Ok(Err(e)) => warn!("Batch API retention: {}", e.2),
+                    Err(e) => warn!("Batch API retention task: {e}"),
+                }
+            }
             if last_reclaim.elapsed() >= Duration::from_millis(500) {
                 last_reclaim = Instant::now();
                 let q = Arc::clone(queue);
@@ -267,9 +288,23 @@ impl BackgroundService for Dispatcher {
                 CapacityUnit::Requests => available as usize,
                 _ => usize::from(available > 0),
             };
-            if n > 0 && !results_full && !self.queue.shared.is_shutting_down() {
+            if n > 0 && !self.queue.shared.is_shutting_down() {
+                // The result store's bound holds at every instant: what is
+                // kept now plus every delivery under way (each may add an
+                // answer) never passes it.
+                let max_results = queue.config.queue.max_results;
                 let q = Arc::clone(queue);
-                let leased = tokio::task::spawn_blocking(move || q.store.lease(n, now_ms())).await;
+                let leased = tokio::task::spawn_blocking(move || {
+                    let kept = q.store.counts()?.finished;
+                    let under_way = q.in_flight.load(Ordering::Relaxed);
+                    let room = max_results.saturating_sub(kept.saturating_add(under_way));
+                    let n = n.min(usize::try_from(room).unwrap_or(usize::MAX));
+                    if n == 0 {
+                        return Ok(Vec::new());
+                    }
+                    q.store.lease(n, now_ms())
+                })
+                .await;
                 match leased {
                     Ok(Ok(jobs)) => {
                         if !jobs.is_empty() {

@@ -19,7 +19,7 @@ mod redis_store;
 pub mod store;
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -221,8 +221,6 @@ pub struct AsyncQueue {
     changed: Notify,
     token: Secret,
     token_text: String,
-    next_id: AtomicU64,
-    id_prefix: String,
     metrics: AsyncMetrics,
     shared: Arc<Shared>,
     /// Deliveries under way.
@@ -243,7 +241,8 @@ pub enum SubmitError {
 impl AsyncQueue {
     pub fn open(config: AsyncConfig, shared: Arc<Shared>) -> Result<Arc<Self>, String> {
         let mut seed = [0u8; 16];
-        getrandom(&mut seed);
+        getrandom::fill(&mut seed)
+            .map_err(|e| format!("the OS gave no random bytes for the async token: {e}"))?;
         let store = match &config.redis_url {
             None => {
                 Backend::Embedded(Store::open(&config.dir, config.queue.clone()).map_err(|e| {
@@ -266,7 +265,6 @@ impl AsyncQueue {
             }
         };
         let token_text: String = seed.iter().map(|b| format!("{b:02x}")).collect();
-        let id_prefix: String = seed[..6].iter().map(|b| format!("{b:02x}")).collect();
         let metrics = AsyncMetrics::new(&shared);
         Ok(Arc::new(AsyncQueue {
             store,
@@ -275,8 +273,6 @@ impl AsyncQueue {
             changed: Notify::new(),
             token: Secret::new(&token_text),
             token_text,
-            next_id: AtomicU64::new(0),
-            id_prefix,
             metrics,
             shared,
             in_flight: AtomicU64::new(0),
@@ -294,14 +290,9 @@ impl AsyncQueue {
         token.is_some_and(|t| self.token.matches(t))
     }
 
-    fn new_id(&self) -> String {
-        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
-        format!("areq_{}{:016x}{n:08x}", self.id_prefix, now_ms())
-    }
-
     pub async fn submit(self: &Arc<Self>, job: NewJob) -> Result<(Job, bool), SubmitError> {
         let q = Arc::clone(self);
-        let id = self.new_id();
+        let id = random_id("areq_", None).map_err(SubmitError::Storage)?;
         let result = tokio::task::spawn_blocking(move || q.store.submit(job, id, now_ms()))
             .await
             .map_err(|e| SubmitError::Storage(e.to_string()))?;
@@ -316,51 +307,80 @@ impl AsyncQueue {
         }
     }
 
-    /// The request `id`; with `wait`, once it is final or `wait` passed.
-    pub async fn get(self: &Arc<Self>, id: &str, wait: Duration) -> Result<Option<Job>, String> {
+    /// The request `id` if `caller` may see it; with `wait`, once it is
+    /// final or `wait` passed.
+    pub async fn get(
+        self: &Arc<Self>,
+        id: &str,
+        wait: Duration,
+        caller: Option<&str>,
+    ) -> Result<Option<Job>, String> {
         self.wait_until(
             wait,
             |job: &Option<Job>| job.as_ref().is_none_or(|j| j.status.is_final()),
-            {
-                let id = id.to_string();
-                move |q: &Backend| q.get(&id)
-            },
+            read_visible(id, caller),
         )
         .await
         .map_err(|e| e.to_string())
     }
 
-    /// The request `id` once its state differs from `seen` (or `wait` passed).
+    /// The request `id` (if `caller` may see it) once its state differs
+    /// from `seen` (or `wait` passed).
     pub async fn next_state(
         self: &Arc<Self>,
         id: &str,
         seen: Option<Status>,
         wait: Duration,
+        caller: Option<&str>,
     ) -> Result<Option<Job>, String> {
         self.wait_until(
             wait,
             move |job: &Option<Job>| job.as_ref().is_none_or(|j| Some(j.status) != seen),
-            {
-                let id = id.to_string();
-                move |q: &Backend| q.get(&id)
-            },
+            read_visible(id, caller),
         )
         .await
         .map_err(|e| e.to_string())
     }
 
-    /// Finished requests after the feed position `after`, in finish order;
-    /// with `wait`, once there is one or `wait` passed.
+    /// Finished requests `caller` may see after the feed position `after`,
+    /// in finish order, and the position to read on from; with `wait`, once
+    /// there is one or `wait` passed. One call looks at no more than
+    /// [`FEED_SCAN_LIMIT`] entries, so another tenant's many results cost a
+    /// caller a bounded amount of work (it reads on from the cursor).
     pub async fn results(
         self: &Arc<Self>,
         after: Option<String>,
         limit: usize,
         wait: Duration,
-    ) -> Result<Vec<(String, Job)>, StoreError> {
+        caller: Option<&str>,
+    ) -> Result<FeedPage, StoreError> {
+        let caller = caller.map(str::to_string);
         self.wait_until(
             wait,
-            |found: &Vec<(String, Job)>| !found.is_empty(),
-            move |q: &Backend| q.finished_since(after.as_deref(), limit),
+            |page: &FeedPage| !page.found.is_empty(),
+            move |q: &Backend| {
+                let mut page = FeedPage {
+                    found: Vec::new(),
+                    next: after.clone(),
+                };
+                let mut scanned = 0;
+                while page.found.len() < limit && scanned < FEED_SCAN_LIMIT {
+                    let ask = (limit - page.found.len()).min(FEED_SCAN_LIMIT - scanned);
+                    let batch = q.finished_since(page.next.as_deref(), ask)?;
+                    let end = batch.len() < ask;
+                    scanned += batch.len();
+                    for (cursor, job) in batch {
+                        page.next = Some(cursor.clone());
+                        if visible_to(&job.fairness_id, caller.as_deref()) {
+                            page.found.push((cursor, job));
+                        }
+                    }
+                    if end {
+                        break;
+                    }
+                }
+                Ok(page)
+            },
         )
         .await
     }
@@ -390,18 +410,101 @@ impl AsyncQueue {
         }
     }
 
-    pub async fn cancel(self: &Arc<Self>, id: &str) -> Result<Option<Job>, String> {
+    /// Cancels the request `id` if `caller` may see it (`None`: no such
+    /// request, for this caller).
+    pub async fn cancel(
+        self: &Arc<Self>,
+        id: &str,
+        caller: Option<&str>,
+    ) -> Result<Option<Job>, String> {
         let q = Arc::clone(self);
         let key = id.to_string();
-        let job = tokio::task::spawn_blocking(move || q.store.cancel(&key, now_ms()))
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?;
+        let caller = caller.map(str::to_string);
+        let job = tokio::task::spawn_blocking(move || {
+            // A request's tenant never changes: look, then cancel.
+            match q.store.get(&key)? {
+                Some(j) if visible_to(&j.fairness_id, caller.as_deref()) => {
+                    q.store.cancel(&key, now_ms())
+                }
+                _ => Ok(None),
+            }
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?;
         if job.as_ref().is_some_and(|j| j.status == Status::Cancelled) {
             self.metrics.ended(Status::Cancelled);
             self.changed.notify_waiters();
         }
         Ok(job)
+    }
+}
+
+/// Results-feed entries one read looks at, at most.
+pub const FEED_SCAN_LIMIT: usize = 10_000;
+
+/// A page of the results feed.
+pub struct FeedPage {
+    /// (cursor, request), in finish order.
+    pub found: Vec<(String, Job)>,
+    /// Where the next read goes on from: past every entry looked at, the
+    /// caller's or not.
+    pub next: Option<String>,
+}
+
+/// Reads the request `id`, as `None` when `caller` may not see it.
+fn read_visible(
+    id: &str,
+    caller: Option<&str>,
+) -> impl Fn(&Backend) -> Result<Option<Job>, StoreError> + Send + Sync + Clone + 'static {
+    let (id, caller) = (id.to_string(), caller.map(str::to_string));
+    move |q: &Backend| {
+        Ok(q.get(&id)?
+            .filter(|j| visible_to(&j.fairness_id, caller.as_deref())))
+    }
+}
+
+/// Who calls the async or Batch API.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    /// The tenant what it creates belongs to: its API key's, else its
+    /// fairness header's (or `default`).
+    pub tenant: String,
+    /// Whether the tenant is an identity (it came from an API key): only
+    /// then are reads scoped to it.
+    pub authenticated: bool,
+}
+
+impl Caller {
+    /// The tenant to scope reads to, `None` without API keys.
+    pub fn scope(&self) -> Option<&str> {
+        self.authenticated.then_some(self.tenant.as_str())
+    }
+
+    /// Whether a record created under tenant `owner` is visible to it.
+    pub fn sees(&self, owner: &str) -> bool {
+        visible_to(owner, self.scope())
+    }
+}
+
+/// Whether a record created under tenant `owner` is visible to `caller`.
+///
+/// With API keys every request carries the tenant of its key (`Some`), and
+/// sees only what that tenant created: another tenant's id reads exactly as
+/// an unknown one. Without keys there is no identity (`None`): nothing is
+/// scoped.
+pub fn visible_to(owner: &str, caller: Option<&str>) -> bool {
+    caller.is_none_or(|c| c == owner)
+}
+
+/// The idempotency key as stored: with API keys, scoped to the caller's
+/// tenant (the same key from two tenants names two requests; the tenant's
+/// length first, so no tenant name can forge another's prefix); without
+/// keys, as given.
+pub fn scoped_idempotency_key(key: &str, caller: Option<&str>) -> String {
+    match caller {
+        Some(tenant) => format!("tenant:{}:{tenant}:{key}", tenant.len()),
+        None => key.to_string(),
     }
 }
 
@@ -426,20 +529,23 @@ pub fn view(job: &Job) -> Value {
     })
 }
 
-/// Random bytes for ids and the token, from the OS.
-fn getrandom(buf: &mut [u8]) {
-    use std::io::Read;
-    if std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(buf))
-        .is_err()
-    {
-        // Not secret then, but unique enough for ids; the token is only
-        // ever compared, never guessable from outside the process's port.
-        let t = now_ms().to_le_bytes();
-        for (i, b) in buf.iter_mut().enumerate() {
-            *b = t[i % 8] ^ (i as u8).wrapping_mul(97);
-        }
+/// A new id: `prefix`, then (with `time_ms`) the time in 12 hex digits so
+/// ids sort by creation, then 128 bits from the OS's random source (so an id
+/// cannot be guessed from another: ids are the only key to a tenant's
+/// requests, files and batches).
+pub fn random_id(prefix: &str, time_ms: Option<u64>) -> Result<String, String> {
+    use std::fmt::Write;
+    let mut bytes = [0u8; 16];
+    getrandom::fill(&mut bytes).map_err(|e| format!("the OS gave no random bytes: {e}"))?;
+    let mut id = String::with_capacity(prefix.len() + 12 + 32);
+    id.push_str(prefix);
+    if let Some(t) = time_ms {
+        let _ = write!(id, "{:012x}", t & 0xffff_ffff_ffff);
     }
+    for b in bytes {
+        let _ = write!(id, "{b:02x}");
+    }
+    Ok(id)
 }
 
 #[cfg(test)]

@@ -597,6 +597,19 @@ impl RedisStore {
         })
     }
 
+    pub fn delete_blob(&self, kind: &str, id: &str) -> Result<()> {
+        self.run(|c| {
+            redis::cmd("ZREM")
+                .arg(self.key(&format!("blobs:{kind}")))
+                .arg(id)
+                .query::<i64>(c)?;
+            redis::cmd("DEL")
+                .arg(self.key(&format!("blob:{kind}:{id}")))
+                .query::<i64>(c)?;
+            Ok(())
+        })
+    }
+
     pub fn get_blob(&self, kind: &str, id: &str) -> Result<Option<Vec<u8>>> {
         self.run(|c| {
             redis::cmd("GET")

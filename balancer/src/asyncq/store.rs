@@ -84,6 +84,9 @@ pub struct QueueConfig {
     /// Finished requests kept at most: while as many are kept, the
     /// dispatcher takes no new work (answers are never dropped early).
     pub max_results: u64,
+    /// How long Batch API files (uploads without `expires_after`, and
+    /// batch output) and finished batches are kept.
+    pub file_retention: Duration,
 }
 
 impl QueueConfig {
@@ -145,6 +148,7 @@ impl Default for QueueConfig {
             max_idle: Duration::from_secs(300),
             dead_letter: DeadLetter::Drop,
             retention: Duration::from_secs(24 * 3600),
+            file_retention: Duration::from_secs(30 * 24 * 3600),
             auto_evict: false,
             max_results: 1_000_000,
         }
@@ -472,6 +476,14 @@ impl Store {
         let txn = self.db.begin_write()?;
         txn.open_table(BLOBS)?
             .insert(format!("{kind}/{id}").as_str(), bytes)?;
+        txn.commit()?;
+        Ok(())
+    }
+
+    pub fn delete_blob(&self, kind: &str, id: &str) -> Result<()> {
+        let txn = self.db.begin_write()?;
+        txn.open_table(BLOBS)?
+            .remove(format!("{kind}/{id}").as_str())?;
         txn.commit()?;
         Ok(())
     }

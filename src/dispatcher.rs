@@ -389,6 +389,13 @@ impl<T> Dispatcher<T> {
         self.registry.release(lease);
     }
 
+    /// Gives back the slot of a request whose client left before its answer
+    /// ended: kept busy while the engine may still work on it
+    /// ([`crate::endpoint`]'s accounting rules); follow with `dispatch`.
+    pub fn orphan(&mut self, lease: Lease, streamed: bool, now: Instant) {
+        self.registry.orphan(lease, streamed, now);
+    }
+
     /// Records how a request to `endpoint` ended for its circuit breaker:
     /// `ok` is `false` for a connection failure or a 5xx answer only.
     /// Returns `true` when this failure opened the circuit.

@@ -13,6 +13,16 @@
 //!   behind a release therefore never hides a slot the balancer just freed.
 //! - An endpoint whose agent went away stays known while requests are in
 //!   flight to it (ineligible for new work) and is forgotten when they finish.
+//! - A slot is free only when the engine's slot is free. llama-server goes
+//!   on generating a non-streamed answer after its client left (measured:
+//!   1,500 tokens ran on for 28.8 s), so a lease whose client left before
+//!   the answer ended is *orphaned* ([`Registry::orphan`]), not released: it
+//!   stays in `in_flight` until a later report shows the engine with no more
+//!   busy slots than the balancer's live requests explain
+//!   (`slots_busy ≤ in_flight − orphans`, oldest orphans first), or
+//!   [`ORPHAN_MAX_AGE`] passed, or the agent went away. Streamed llama.cpp
+//!   requests stop within 0.05 s of the disconnect, and vLLM and SGLang
+//!   abort on disconnect: those leases are released at once.
 //!
 //! Scheduling: a request names a [`Route`] (its model and prompt prefix).
 //! Only endpoints that serve the model, are eligible (ready, not draining,
@@ -96,6 +106,11 @@ impl Saturation {
         }
     }
 }
+
+/// The longest an orphaned slot ([`Registry::orphan`]) stays counted busy
+/// when no report frees it: a lost or confused agent cannot hold a slot
+/// forever.
+pub const ORPHAN_MAX_AGE: Duration = Duration::from_secs(300);
 
 /// How long a model stays known (requests for it are queued, not refused
 /// with 404) after the last endpoint serving it went away, so a rolling
@@ -235,6 +250,9 @@ pub(crate) struct Endpoint {
     in_flight_peak: u32,
     /// Busy slots the balancer did not cause, from the last report.
     foreign_busy: u32,
+    /// When each orphaned slot (counted in `in_flight`) was orphaned,
+    /// oldest first.
+    orphans: std::collections::VecDeque<Instant>,
     breaker: Breaker,
     /// Prompt blocks recently sent here.
     prefix: PrefixLru,
@@ -315,6 +333,13 @@ impl Endpoint {
         }
     }
 
+    /// Gives back the `n` oldest orphaned slots.
+    fn free_orphans(&mut self, n: usize) {
+        let n = n.min(self.orphans.len());
+        self.orphans.drain(..n);
+        self.in_flight -= n as u32;
+    }
+
     /// Slots the balancer may still fill.
     pub(crate) fn free_slots(&self) -> u32 {
         self.slots_total()
@@ -337,6 +362,9 @@ pub struct EndpointSnapshot {
     /// Why an eligible endpoint takes no new work now (`null`: it does).
     pub saturation: Option<Saturation>,
     pub in_flight: u32,
+    /// Of `in_flight`: slots whose client left while the engine still works
+    /// on them.
+    pub orphaned: u32,
     pub foreign_busy: u32,
     pub free_slots: u32,
     /// Milliseconds until the circuit breaker lets work through again
@@ -434,6 +462,7 @@ impl Registry {
                         in_flight: 0,
                         in_flight_peak: 0,
                         foreign_busy: 0,
+                        orphans: Default::default(),
                         breaker: Breaker::default(),
                         prefix: PrefixLru::new(self.scheduling.prefix.capacity_blocks),
                     },
@@ -456,6 +485,13 @@ impl Registry {
             }
         };
         ep.foreign_busy = report.slots_busy.saturating_sub(ep.in_flight_peak);
+        // Orphans the engine no longer works on: busy slots beyond what the
+        // balancer's live requests explain are still orphans; the rest are
+        // free (oldest first).
+        let live = ep.in_flight.saturating_sub(ep.orphans.len() as u32);
+        let running_orphans = report.slots_busy.saturating_sub(live);
+        let done = (ep.orphans.len() as u32).saturating_sub(running_orphans);
+        ep.free_orphans(done as usize);
         ep.in_flight_peak = ep.in_flight;
         for m in &report.models {
             match self.models.get_mut(m.as_str()) {
@@ -479,6 +515,9 @@ impl Registry {
                 self.by_agent.remove(&a.report.agent_id);
             }
             ep.foreign_busy = 0;
+            // No report can free them any more, and the endpoint takes no
+            // new work: nothing is left to protect.
+            ep.free_orphans(ep.orphans.len());
             if ep.in_flight == 0 {
                 self.forget(id);
             }
@@ -508,6 +547,14 @@ impl Registry {
     pub(crate) fn drop_stale(&mut self, now: Instant) -> Vec<String> {
         self.models
             .retain(|_, seen| now.saturating_duration_since(*seen) < MODEL_MEMORY);
+        for ep in self.endpoints.values_mut() {
+            let old = ep
+                .orphans
+                .iter()
+                .take_while(|t| now.saturating_duration_since(**t) >= ORPHAN_MAX_AGE)
+                .count();
+            ep.free_orphans(old);
+        }
         let stale: Vec<(EndpointId, String)> = self
             .endpoints
             .values()
@@ -716,6 +763,29 @@ impl Registry {
         }
     }
 
+    /// Gives back the slot of a request whose client left before its
+    /// answer ended: at once when the engine stops on a disconnect (a
+    /// streamed request, or vLLM and SGLang), else it stays counted busy as
+    /// an orphan until a report shows it free (see the module docs).
+    pub(crate) fn orphan(&mut self, lease: Lease, streamed: bool, now: Instant) {
+        let keeps_working = self.endpoints.get(&lease.endpoint).is_some_and(|ep| {
+            !streamed
+                && ep
+                    .agent
+                    .as_ref()
+                    .is_some_and(|a| a.report.backend == crate::protocol::BackendKind::Llamacpp)
+        });
+        if !keeps_working {
+            self.release(lease);
+            return;
+        }
+        let ep = self
+            .endpoints
+            .get_mut(&lease.endpoint)
+            .expect("checked above");
+        ep.orphans.push_back(now);
+    }
+
     /// Requests the balancer has in flight to an endpoint.
     pub(crate) fn in_flight_of(&self, id: EndpointId) -> u32 {
         self.endpoints.get(&id).map_or(0, |e| e.in_flight)
@@ -764,6 +834,7 @@ impl Registry {
                     None
                 },
                 in_flight: e.in_flight,
+                orphaned: e.orphans.len() as u32,
                 foreign_busy: e.foreign_busy,
                 free_slots: e.free_slots(),
                 circuit_open_ms: e.breaker.open_until.and_then(|t| {
@@ -841,6 +912,99 @@ mod tests {
             "the freed slot is usable at once"
         );
         let _ = l2;
+    }
+
+    #[test]
+    fn a_slot_whose_client_left_stays_busy_until_the_engine_is_done() {
+        let t0 = Instant::now();
+        let mut r = registry_with(1, t0);
+        let lease = r.acquire(&Route::default(), t0).unwrap();
+        // llama-server goes on with a non-streamed answer after its client
+        // left: the slot is not free.
+        r.orphan(lease, false, t0);
+        assert!(r.acquire(&Route::default(), t0).is_none(), "still busy");
+        assert_eq!(r.snapshot(t0)[0].orphaned, 1);
+        let mut busy = report("a", "127.0.0.1:1", 1);
+        busy.slots_busy = 1;
+        let t1 = t0 + Duration::from_millis(100);
+        r.apply_report(busy.clone(), addr("127.0.0.1:1"), t1);
+        assert!(
+            r.acquire(&Route::default(), t1).is_none(),
+            "the engine says busy"
+        );
+        // The engine finished: the next report shows the slot idle.
+        busy.slots_busy = 0;
+        let t2 = t1 + Duration::from_millis(100);
+        r.apply_report(busy, addr("127.0.0.1:1"), t2);
+        assert_eq!(r.snapshot(t2)[0].orphaned, 0);
+        let next = r.acquire(&Route::default(), t2).expect("free now");
+        r.release(next);
+        assert_eq!(r.total_in_flight(), 0);
+    }
+
+    #[test]
+    fn orphans_beside_live_requests_are_freed_only_by_what_the_engine_shows() {
+        let t0 = Instant::now();
+        let mut r = registry_with(3, t0);
+        let live = r.acquire(&Route::default(), t0).unwrap();
+        let gone = r.acquire(&Route::default(), t0).unwrap();
+        r.orphan(gone, false, t0);
+        let mut rep = report("a", "127.0.0.1:1", 3);
+        // Our live request and the orphan both run.
+        rep.slots_busy = 2;
+        r.apply_report(rep.clone(), addr("127.0.0.1:1"), t0);
+        assert_eq!(r.total_in_flight(), 2);
+        // One busy slot: the live request explains it; the orphan is done.
+        rep.slots_busy = 1;
+        r.apply_report(rep, addr("127.0.0.1:1"), t0);
+        assert_eq!(r.total_in_flight(), 1);
+        r.release(live);
+        assert_eq!(r.total_in_flight(), 0);
+    }
+
+    #[test]
+    fn an_orphan_is_freed_at_once_when_the_engine_stops_with_its_client() {
+        let t0 = Instant::now();
+        let mut r = registry_with(1, t0);
+        let streamed = r.acquire(&Route::default(), t0).unwrap();
+        r.orphan(streamed, true, t0);
+        assert_eq!(r.total_in_flight(), 0, "a streamed llama.cpp answer stops");
+        let mut vllm = report("v", "127.0.0.1:2", 1);
+        vllm.backend = crate::protocol::BackendKind::Vllm;
+        r.apply_report(vllm, addr("127.0.0.1:2"), t0);
+        let on_vllm = r
+            .acquire(
+                &Route {
+                    subset: Some(vec![addr("127.0.0.1:2")].into()),
+                    ..Route::default()
+                },
+                t0,
+            )
+            .unwrap();
+        r.orphan(on_vllm, false, t0);
+        assert_eq!(r.total_in_flight(), 0, "vLLM aborts on disconnect");
+    }
+
+    #[test]
+    fn a_lost_agent_cannot_hold_an_orphan_forever() {
+        let t0 = Instant::now();
+        let mut r = registry_with(1, t0);
+        let lease = r.acquire(&Route::default(), t0).unwrap();
+        r.orphan(lease, false, t0);
+        let mut busy = report("a", "127.0.0.1:1", 1);
+        busy.slots_busy = 1;
+        // The agent keeps saying busy (or is confused): the bound frees it.
+        let late = t0 + ORPHAN_MAX_AGE - Duration::from_millis(1);
+        r.apply_report(busy, addr("127.0.0.1:1"), late);
+        r.drop_stale(late);
+        assert_eq!(r.total_in_flight(), 1);
+        r.drop_stale(t0 + ORPHAN_MAX_AGE);
+        assert_eq!(r.total_in_flight(), 0);
+        // An agent that goes away frees them too (nothing can report them).
+        let l = r.acquire(&Route::default(), late).unwrap();
+        r.orphan(l, false, late);
+        r.deregister("a");
+        assert_eq!(r.total_in_flight(), 0);
     }
 
     #[test]

@@ -61,6 +61,7 @@ use crate::policy::{
 };
 use crate::request::{route_of, Refusal};
 use crate::state::{AdmitError, LeaseGuard, Shared};
+use flowgate::blame::{self, Verdict};
 
 /// Request header (and `envoy.lb` metadata key) naming the chosen endpoint.
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
@@ -156,6 +157,11 @@ struct Exchange {
     lease: Option<LeaseGuard>,
     /// Whether the request was placed (or refused).
     decided: bool,
+    /// The request or its answer is streamed (the engine stops when the
+    /// client leaves).
+    streamed: bool,
+    /// The response headers came through.
+    answered: bool,
 }
 
 impl Exchange {
@@ -171,23 +177,35 @@ impl Exchange {
             body: Vec::new(),
             lease: None,
             decided: false,
+            streamed: false,
+            answered: false,
         }
     }
 
-    /// Answers Envoy's messages until the stream ends. The lease, if any,
-    /// is given back when this returns, however the stream ended.
+    /// Answers Envoy's messages until the stream ends. A lease still held
+    /// then is a request whose answer did not end (its client or Envoy
+    /// left): its slot is orphaned, free once the engine is done with it.
     async fn run(mut self, mut inbound: Streaming<ProcessingRequest>) {
         loop {
             let message = match inbound.message().await {
                 Ok(Some(m)) => m,
-                Ok(None) => return,
+                Ok(None) => break,
                 Err(status) => {
                     debug!(%status, "EPP stream ended by an error");
-                    return;
+                    break;
                 }
             };
             if self.step(message).await.is_err() {
-                return;
+                break;
+            }
+        }
+        if let Some(lease) = self.lease.take() {
+            if self.answered && self.response_mode == BodyMode::None {
+                // Envoy sends no response body: the stream's end is the
+                // answer's, as far as this side can tell.
+                lease.release();
+            } else {
+                lease.orphan(self.streamed);
             }
         }
     }
@@ -289,13 +307,34 @@ impl Exchange {
     }
 
     async fn on_response_headers(&mut self, h: HttpHeaders) -> Result<(), Gone> {
-        let status = header_pairs(h.headers.as_ref())
-            .find(|(n, _)| *n == ":status")
-            .and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse::<u16>().ok());
+        self.answered = true;
+        let mut status = None;
+        let mut json = false;
+        for (name, value) in header_pairs(h.headers.as_ref()) {
+            if name == ":status" {
+                status = std::str::from_utf8(value)
+                    .ok()
+                    .and_then(|v| v.parse::<u16>().ok());
+            } else if name.eq_ignore_ascii_case("content-type") {
+                json = blame::is_json_content_type(value);
+                self.streamed |= value.starts_with(b"text/event-stream");
+            }
+        }
         if let (Some(code), Some(lease)) = (status, &self.lease) {
-            self.epp.shared.metrics.record_outcome(code, "");
-            // 5xx feed the circuit breaker as in the proxy; 4xx never do.
-            self.epp.shared.record_outcome(lease, code < 500);
+            // Whose fault, as in the proxy ([`flowgate::blame`]); Envoy
+            // retries on its own, so a suspect 5xx counts here.
+            let reason = match blame::verdict(code, json) {
+                Verdict::Fine => {
+                    self.epp.shared.record_outcome(lease, true);
+                    ""
+                }
+                Verdict::RequestRejected => "request-rejected",
+                Verdict::Suspect => {
+                    self.epp.shared.record_outcome(lease, false);
+                    ""
+                }
+            };
+            self.epp.shared.metrics.record_outcome(code, reason);
         }
         if h.end_of_stream {
             self.finish();
@@ -403,11 +442,13 @@ impl Exchange {
     }
 
     /// What flow control needs to know of the request.
-    fn request_meta(&self) -> Result<RequestMeta, Refusal> {
+    fn request_meta(&mut self) -> Result<RequestMeta, Refusal> {
         let (model, mut route) = if self.body.is_empty() {
             (String::new(), Route::default())
         } else {
-            route_of(&self.body, &self.epp.prefix)?
+            let facts = route_of(&self.body, &self.epp.prefix)?;
+            self.streamed = facts.stream;
+            (facts.model, facts.route)
         };
         if let Some(entries) = &self.subset {
             route.subset = Some(self.resolve_subset(entries).into());

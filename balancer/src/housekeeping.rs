@@ -58,8 +58,9 @@ impl BackgroundService for Housekeeping {
 
 /// On SIGTERM Pingora stops accepting connections, then waits out the whole
 /// grace period before it exits. This watcher exits as soon as no request is
-/// in flight or buffered, so a drained balancer stops at once and a busy one
-/// gets up to the grace period.
+/// under way (from its head on: one still sending its body counts), buffered
+/// or in flight, so a drained balancer stops at once and a busy one gets up
+/// to the grace period.
 pub fn exit_when_drained(server: &Server, shared: Arc<Shared>, grace: Duration) {
     let mut phases = server.watch_execution_phase();
     std::thread::Builder::new()
@@ -73,8 +74,7 @@ pub fn exit_when_drained(server: &Server, shared: Arc<Shared>, grace: Duration) 
                         "SIGTERM: draining in-flight requests"
                     );
                     loop {
-                        let snap = shared.snapshot();
-                        if snap.in_flight == 0 && snap.buffered == 0 {
+                        if shared.is_drained() {
                             info!("drained: exiting");
                             std::process::exit(0);
                         }

@@ -13,12 +13,14 @@
 //! with 411 and a clear message.
 //!
 //! Retries: a connection failure, an upstream error before the response
-//! header, or a 5xx response header sends the request again (up to
+//! header, or a suspect 5xx response header sends the request again (up to
 //! `scheduling.retries` times) through flow control to another endpoint
 //! serving its model, if one is eligible. Nothing has reached the client
 //! then, and the same replay path resends the body. Once a response header
-//! went to the client nothing is retried. Each failure and each answer
-//! below 500 feeds the endpoint's circuit breaker.
+//! went to the client nothing is retried. Whose fault a failure is, and so
+//! what feeds the endpoint's circuit breaker, is [`flowgate::blame`]'s rule:
+//! an engine's own error object, or a 5xx that a second endpoint repeats, is
+//! the request's and is passed to the client uncounted.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -26,9 +28,10 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
+use flowgate::blame::{self, Verdict};
 use flowgate::openai::error_body;
 use flowgate::prefix::PrefixConfig;
-use flowgate::RequestMeta;
+use flowgate::{EndpointId, RequestMeta};
 use http::{Method, StatusCode};
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_core::upstreams::peer::Peer;
@@ -45,7 +48,7 @@ use crate::policy::{
     FlowHeaders, PriorityRules, FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER, TTL_HEADER,
 };
 use crate::request::{route_of, Refusal};
-use crate::state::{AdmitError, LeaseGuard, Shared};
+use crate::state::{ActiveRequest, AdmitError, LeaseGuard, Shared};
 
 /// Pingora's retry buffer size (`BODY_BUF_LIMIT` in pingora-core).
 const PINGORA_RETRY_BUFFER: usize = 64 * 1024;
@@ -60,6 +63,9 @@ const WAIT_HEADER: &str = "x-flowgate-wait-ms";
 /// Request id: kept from the client when usable, else generated; sent to
 /// the model server, returned to the client, written to the access log.
 pub(crate) const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// Bytes of an engine's error answer kept to check its shape.
+const MAX_ERROR_BODY: usize = 16 * 1024;
 
 /// Longest client-supplied request id kept; longer ones are replaced.
 const MAX_REQUEST_ID_LEN: usize = 128;
@@ -152,6 +158,8 @@ pub struct RequestCtx {
     pub(crate) reason: &'static str,
     /// The request's `model` field, for the access log.
     model: String,
+    /// The request asked for a streamed answer.
+    stream: bool,
     /// The request's flow, for the access log.
     fairness_id: String,
     priority: i32,
@@ -163,6 +171,14 @@ pub struct RequestCtx {
     retry_pending: bool,
     /// Status of the upstream response header, once it arrived.
     upstream_status: Option<u16>,
+    /// An endpoint whose 5xx awaits a second endpoint's answer to the same
+    /// request before it counts against it ([`flowgate::blame`]).
+    suspect: Option<(EndpointId, SocketAddr)>,
+    /// This answer is an engine's refusal of the request, passed on
+    /// uncounted; its body (the first [`MAX_ERROR_BODY`] bytes) is checked
+    /// once it has arrived.
+    rejected: bool,
+    error_body: Vec<u8>,
     /// `x-request-id`, and whether the client sent it.
     pub(crate) request_id: String,
     request_id_given: bool,
@@ -170,6 +186,8 @@ pub struct RequestCtx {
     pub(crate) grant: Option<Grant>,
     /// Timing and usage of the answer as it passes.
     meter: ResponseMeter,
+    /// Counts the request as under way until the context is dropped.
+    active: Option<ActiveRequest>,
 }
 
 impl Inference {
@@ -215,6 +233,14 @@ impl Inference {
     fn record_outcome(&self, ctx: &RequestCtx, ok: bool) {
         if let Some(lease) = &ctx.lease {
             self.shared.record_outcome(lease, ok);
+        }
+    }
+
+    /// A suspect 5xx that no second endpoint repeated counts against the
+    /// endpoint that gave it.
+    fn blame_suspect(&self, ctx: &mut RequestCtx) {
+        if let Some((endpoint, addr)) = ctx.suspect.take() {
+            self.shared.record_endpoint_outcome(endpoint, addr, false);
         }
     }
 
@@ -516,21 +542,27 @@ impl ProxyHttp for Inference {
             inference: false,
             reason: "",
             model: String::new(),
+            stream: false,
             fairness_id: String::new(),
             priority: 0,
             meta: None,
             retries: 0,
             retry_pending: false,
             upstream_status: None,
+            suspect: None,
+            rejected: false,
+            error_body: Vec::new(),
             request_id: String::new(),
             request_id_given: false,
             grant: None,
             meter: ResponseMeter::default(),
+            active: None,
         }
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
         limits::head_done(session);
+        ctx.active = Some(self.shared.request_started());
         let req = session.req_header();
         (ctx.request_id, ctx.request_id_given) = self
             .request_ids
@@ -561,9 +593,10 @@ impl ProxyHttp for Inference {
             Err(refusal) => return self.refuse_unread(session, ctx, refusal).await,
         };
         let route = match route_of(&body, &self.prefix) {
-            Ok((model, route)) => {
-                ctx.model = model;
-                route
+            Ok(facts) => {
+                ctx.model = facts.model;
+                ctx.stream = facts.stream;
+                facts.route
             }
             Err(r) => return self.refuse(session, ctx, r).await,
         };
@@ -676,24 +709,48 @@ impl ProxyHttp for Inference {
     ) -> Result<()> {
         let status = upstream_response.status.as_u16();
         ctx.upstream_status = Some(status);
-        ctx.meter.streaming = upstream_response
-            .headers
+        let headers = &upstream_response.headers;
+        ctx.meter.streaming = headers
             .get(http::header::CONTENT_TYPE)
             .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-        let failed = status >= 500;
-        self.record_outcome(ctx, !failed);
-        if failed {
-            self.shared.metrics.upstream_error("status-5xx");
+        let json = headers
+            .get(http::header::CONTENT_TYPE)
+            .is_some_and(|v| blame::is_json_content_type(v.as_bytes()));
+        let verdict = blame::verdict(status, json);
+        if verdict == Verdict::Fine {
+            self.blame_suspect(ctx);
+            self.record_outcome(ctx, true);
+            return Ok(());
         }
-        if failed && self.begin_retry(ctx, "status-5xx") {
+        if ctx.suspect.is_some() && blame::corroborates(status) {
+            // A second endpoint failed the same request: the request's
+            // fault. Neither endpoint counts; this answer is the client's.
+            ctx.suspect = None;
+            ctx.reason = "request-rejected";
+            self.shared.metrics.upstream_error("request-rejected");
+            return Ok(());
+        }
+        if verdict == Verdict::RequestRejected {
+            ctx.rejected = true;
+            ctx.reason = "request-rejected";
+            self.shared.metrics.upstream_error("request-rejected");
+            return Ok(());
+        }
+        self.shared.metrics.upstream_error("status-5xx");
+        let failed = ctx.lease.as_ref().map(|l| (l.endpoint(), l.addr()));
+        if self.begin_retry(ctx, "status-5xx") {
             // Nothing went to the client yet: drop this answer and try
-            // another endpoint (see `error_while_proxy`).
+            // another endpoint (see `error_while_proxy`); this one counts
+            // unless that one fails the same way.
+            ctx.suspect = failed;
             return Err(Error::explain(
                 ErrorType::HTTPStatus(status),
                 format!("model server answered {status}; retrying on another endpoint"),
             )
             .into_up());
         }
+        // Nowhere else to ask: the endpoint's.
+        self.record_outcome(ctx, false);
         Ok(())
     }
 
@@ -704,6 +761,7 @@ impl ProxyHttp for Inference {
         ctx: &mut RequestCtx,
         mut e: Box<Error>,
     ) -> Box<Error> {
+        self.blame_suspect(ctx);
         self.record_outcome(ctx, false);
         self.shared.metrics.upstream_error("connect");
         let retry = self.begin_retry(ctx, "connect");
@@ -737,6 +795,7 @@ impl ProxyHttp for Inference {
             self.shared.metrics.upstream_error(kind);
         }
         if e.esource() == &ErrorSource::Upstream && before_answer {
+            self.blame_suspect(ctx);
             self.record_outcome(ctx, false);
             if self.begin_retry(ctx, "upstream-error") {
                 e.set_retry(true);
@@ -768,6 +827,11 @@ impl ProxyHttp for Inference {
     ) -> Result<Option<Duration>> {
         if let Some(chunk) = body {
             ctx.meter.on_chunk(chunk, Instant::now());
+            if ctx.rejected && ctx.error_body.len() < MAX_ERROR_BODY {
+                let room = MAX_ERROR_BODY - ctx.error_body.len();
+                ctx.error_body
+                    .extend_from_slice(&chunk[..chunk.len().min(room)]);
+            }
         }
         Ok(None)
     }
@@ -822,8 +886,21 @@ impl ProxyHttp for Inference {
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
         limits::request_done(session);
+        // A retry that never got an answer cannot clear its suspect.
+        self.blame_suspect(ctx);
+        if ctx.rejected && e.is_none() && !blame::is_engine_error(&ctx.error_body) {
+            // JSON, but not an engine's error object: the endpoint's.
+            self.record_outcome(ctx, false);
+        }
         if let Some(lease) = ctx.lease.take() {
-            lease.release();
+            // The client left before its answer ended: the engine may still
+            // be working on it, so its slot is not free yet.
+            let client_left = e.is_some_and(|e| e.esource() == &ErrorSource::Downstream);
+            if client_left {
+                lease.orphan(ctx.stream || ctx.meter.streaming);
+            } else {
+                lease.release();
+            }
         }
         let status = session
             .response_written()

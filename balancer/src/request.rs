@@ -23,6 +23,9 @@ struct InferenceFields {
     /// Completions: the prompt (a string or a list of strings).
     #[serde(default)]
     prompt: Option<serde_json::Value>,
+    /// Whether the answer is streamed (any other value than `true`: not).
+    #[serde(default)]
+    stream: Option<serde_json::Value>,
 }
 
 impl InferenceFields {
@@ -136,10 +139,19 @@ impl From<BadHeader> for Refusal {
     }
 }
 
-/// The requested model (empty when the body names none) and where the
-/// request may go, from an inference request body; a 400 if the body is not
-/// one JSON object.
-pub fn route_of(body: &[u8], prefix: &PrefixConfig) -> Result<(String, Route), Refusal> {
+/// What the balancer reads of an inference request body.
+pub struct BodyFacts {
+    /// The requested model (empty when the body names none).
+    pub model: String,
+    /// Where the request may go.
+    pub route: Route,
+    /// `"stream": true`.
+    pub stream: bool,
+}
+
+/// The facts of an inference request body; a 400 if the body is not one
+/// JSON object.
+pub fn route_of(body: &[u8], prefix: &PrefixConfig) -> Result<BodyFacts, Refusal> {
     let fields = parse_fields(body).map_err(|message| {
         Refusal::new(
             StatusCode::BAD_REQUEST,
@@ -154,7 +166,11 @@ pub fn route_of(body: &[u8], prefix: &PrefixConfig) -> Result<(String, Route), R
         avoid: None,
         subset: None,
     };
-    Ok((fields.model().unwrap_or_default().to_string(), route))
+    Ok(BodyFacts {
+        model: fields.model().unwrap_or_default().to_string(),
+        route,
+        stream: fields.stream == Some(serde_json::Value::Bool(true)),
+    })
 }
 
 #[cfg(test)]

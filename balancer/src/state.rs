@@ -12,7 +12,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -34,6 +34,10 @@ pub struct Shared {
     /// The last minutes of traffic, for the dashboard.
     pub history: History,
     shutting_down: AtomicBool,
+    /// Client requests whose head has arrived and that have not ended
+    /// (reading their body, waiting, being answered): a graceful shutdown
+    /// waits for them.
+    active_requests: AtomicUsize,
     /// Woken when an affinity hold began, which may end before
     /// housekeeping's next planned wake-up.
     timers: Notify,
@@ -77,6 +81,17 @@ impl LeaseGuard {
         self.release_inner();
     }
 
+    /// Gives the slot back for a request whose client left before its
+    /// answer ended: it stays counted busy while the engine may still work
+    /// on it (`streamed` answers stop with the client; see
+    /// [`flowgate::endpoint`]'s accounting rules).
+    pub fn orphan(mut self, streamed: bool) {
+        if let Some(lease) = self.lease.take() {
+            self.shared
+                .with_dispatch(|d| d.orphan(lease, streamed, Instant::now()));
+        }
+    }
+
     fn release_inner(&mut self) {
         if let Some(lease) = self.lease.take() {
             self.shared.release(lease);
@@ -97,6 +112,7 @@ impl Shared {
             metrics: Metrics::new(),
             history: History::default(),
             shutting_down: AtomicBool::new(false),
+            active_requests: AtomicUsize::new(0),
             timers: Notify::new(),
         })
     }
@@ -216,16 +232,20 @@ impl Shared {
     }
 
     /// Feeds the circuit breaker of the endpoint `lease` is on: `ok` is
-    /// `false` for a connection failure or a 5xx answer. Counts and logs
-    /// the circuit opening.
+    /// `false` for a failure that is the endpoint's fault
+    /// ([`flowgate::blame`]). Counts and logs the circuit opening.
     pub fn record_outcome(&self, lease: &LeaseGuard, ok: bool) {
-        let opened = self
-            .lock()
-            .record_outcome(lease.endpoint(), ok, Instant::now());
+        self.record_endpoint_outcome(lease.endpoint(), lease.addr(), ok);
+    }
+
+    /// [`Shared::record_outcome`] for an endpoint whose slot was already
+    /// given back (a failure counted only once a retry elsewhere ended).
+    pub fn record_endpoint_outcome(&self, endpoint: EndpointId, addr: SocketAddr, ok: bool) {
+        let opened = self.lock().record_outcome(endpoint, ok, Instant::now());
         if opened {
             self.metrics.circuit_opened.inc();
             warn!(
-                endpoint = %lease.addr(),
+                endpoint = %addr,
                 "circuit breaker opened: the endpoint failed repeatedly and gets no work for a while"
             );
         }
@@ -308,6 +328,37 @@ impl Shared {
 
     pub fn is_shutting_down(&self) -> bool {
         self.shutting_down.load(Ordering::SeqCst)
+    }
+
+    /// Counts a client request from its head to its end (the guard's drop).
+    pub fn request_started(self: &Arc<Self>) -> ActiveRequest {
+        self.active_requests.fetch_add(1, Ordering::SeqCst);
+        ActiveRequest(Arc::clone(self))
+    }
+
+    /// Whether a graceful shutdown has nothing left to finish: no client
+    /// request under way, none buffered, no live lease (an orphaned slot
+    /// has no client left to answer).
+    pub fn is_drained(&self) -> bool {
+        if self.active_requests.load(Ordering::SeqCst) > 0 {
+            return false;
+        }
+        let d = self.lock();
+        let orphaned: u64 = d
+            .endpoints(Instant::now())
+            .iter()
+            .map(|e| u64::from(e.orphaned))
+            .sum();
+        d.buffered() == 0 && d.in_flight() <= orphaned
+    }
+}
+
+/// A client request under way ([`Shared::request_started`]).
+pub struct ActiveRequest(Arc<Shared>);
+
+impl Drop for ActiveRequest {
+    fn drop(&mut self) {
+        self.0.active_requests.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

@@ -416,6 +416,7 @@ impl<T> Dispatcher<T> {
         now: Instant,
     ) -> Result<ReportOutcome, ReportError> {
         let addr: SocketAddr = report.validate()?;
+        self.registry.check_bounds(&report)?;
         Ok(self.registry.apply_report(report, addr, now))
     }
 
@@ -465,6 +466,12 @@ impl<T> Dispatcher<T> {
     /// Flows with queued requests.
     pub fn flows(&self) -> Vec<FlowSnapshot> {
         self.queues.flows()
+    }
+
+    /// Whether an agent reports serving `model` (now or within the model
+    /// memory): only such names become metric labels.
+    pub fn model_reported(&self, model: &str) -> bool {
+        self.registry.model_reported(model)
     }
 
     /// Requests in flight to one endpoint (0 once it is forgotten).

@@ -53,7 +53,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::prefix::{PrefixConfig, PrefixLru};
-use crate::protocol::{AgentReport, BackendHealth};
+use crate::protocol::{AgentReport, BackendHealth, ReportError};
 use crate::scorer::{Candidate, ScorerWeights, TieBreaker};
 
 /// Reports older than this many monitoring intervals make an agent stale.
@@ -106,6 +106,12 @@ impl Saturation {
         }
     }
 }
+
+/// Agents one balancer takes: a report from a new agent beyond is refused.
+pub const MAX_AGENTS: usize = 2048;
+/// Distinct model names the balancer remembers: a report naming a new one
+/// beyond is refused (they become `/v1/models` entries and metric labels).
+pub const MAX_MODEL_NAMES: usize = 4096;
 
 /// The longest an orphaned slot ([`Registry::orphan`]) stays counted busy
 /// when no report frees it: a lost or confused agent cannot hold a slot
@@ -250,6 +256,9 @@ pub(crate) struct Endpoint {
     in_flight_peak: u32,
     /// Busy slots the balancer did not cause, from the last report.
     foreign_busy: u32,
+    /// The agent the last take-over displaced (to tell two agents taking
+    /// turns from a new owner).
+    displaced: Option<String>,
     /// When each orphaned slot (counted in `in_flight`) was orphaned,
     /// oldest first.
     orphans: std::collections::VecDeque<Instant>,
@@ -383,6 +392,10 @@ pub enum ReportOutcome {
     Updated(EndpointId),
     /// This agent took the endpoint over from another agent id.
     TookOver(EndpointId),
+    /// Two agents watch one server and report in turn: this one took it
+    /// back from the agent that last took it from this one (counted as an
+    /// update; the first take-over of the pair was already reported).
+    TookBack(EndpointId),
 }
 
 /// What [`Registry::pick`] found for a request.
@@ -435,6 +448,24 @@ impl Registry {
         }
     }
 
+    /// Refuses a report that would grow the registry past its bounds: a new
+    /// agent beyond [`MAX_AGENTS`], a new model name beyond
+    /// [`MAX_MODEL_NAMES`].
+    pub(crate) fn check_bounds(&self, report: &AgentReport) -> Result<(), ReportError> {
+        if !self.by_agent.contains_key(&report.agent_id) && self.by_agent.len() >= MAX_AGENTS {
+            return Err(ReportError::TooManyAgents(MAX_AGENTS));
+        }
+        let new_names = report
+            .models
+            .iter()
+            .filter(|m| !self.models.contains_key(m.as_str()))
+            .count();
+        if self.models.len() + new_names > MAX_MODEL_NAMES {
+            return Err(ReportError::TooManyModelNames(MAX_MODEL_NAMES));
+        }
+        Ok(())
+    }
+
     /// Applies a validated report (`addr` is its parsed `external_addr`).
     pub(crate) fn apply_report(
         &mut self,
@@ -462,6 +493,7 @@ impl Registry {
                         in_flight: 0,
                         in_flight_peak: 0,
                         foreign_busy: 0,
+                        displaced: None,
                         orphans: Default::default(),
                         breaker: Breaker::default(),
                         prefix: PrefixLru::new(self.scheduling.prefix.capacity_blocks),
@@ -481,7 +513,13 @@ impl Registry {
             Some(a) => {
                 let previous = a.report.agent_id.clone();
                 self.by_agent.remove(&previous);
-                ReportOutcome::TookOver(id)
+                let back = ep.displaced.as_deref() == Some(report.agent_id.as_str());
+                ep.displaced = Some(previous);
+                if back {
+                    ReportOutcome::TookBack(id)
+                } else {
+                    ReportOutcome::TookOver(id)
+                }
             }
         };
         ep.foreign_busy = report.slots_busy.saturating_sub(ep.in_flight_peak);
@@ -733,6 +771,11 @@ impl Registry {
                 .models
                 .get(m)
                 .is_some_and(|seen| now.saturating_duration_since(*seen) < MODEL_MEMORY)
+    }
+
+    /// Whether some agent reported serving `model` within [`MODEL_MEMORY`].
+    pub(crate) fn model_reported(&self, model: &str) -> bool {
+        self.models.contains_key(model)
     }
 
     /// Records how a request to `endpoint` ended: `false` for a connection
@@ -1028,6 +1071,15 @@ mod tests {
         assert!(r.acquire(&Route::default(), now).is_some());
         assert!(r.acquire(&Route::default(), now).is_none());
         assert_eq!(r.snapshot(now).len(), 1);
+        // Taking turns is one change of owner, reported once.
+        for _ in 0..3 {
+            let a = r.apply_report(report("a", "127.0.0.1:1", 2), addr("127.0.0.1:1"), now);
+            assert!(matches!(a, ReportOutcome::TookBack(_)), "{a:?}");
+            let b = r.apply_report(report("b", "127.0.0.1:1", 2), addr("127.0.0.1:1"), now);
+            assert!(matches!(b, ReportOutcome::TookBack(_)), "{b:?}");
+        }
+        let c = r.apply_report(report("c", "127.0.0.1:1", 2), addr("127.0.0.1:1"), now);
+        assert!(matches!(c, ReportOutcome::TookOver(_)), "a new owner is");
     }
 
     #[test]

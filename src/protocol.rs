@@ -108,7 +108,24 @@ pub enum ReportError {
     BusyOverTotal { busy: u32, total: u32 },
     #[error("kv_cache_usage {0} is not a number in 0..=1")]
     BadKvUsage(String),
+    #[error("a report lists at most {MAX_MODELS_PER_REPORT} models ({0} given)")]
+    TooManyModels(usize),
+    #[error("model names are 1..={MAX_MODEL_NAME_LEN} bytes")]
+    BadModelName,
+    #[error("last_error is at most {MAX_LAST_ERROR_LEN} bytes")]
+    LastErrorTooLong,
+    #[error("this balancer takes at most {0} agents: refused a new one")]
+    TooManyAgents(usize),
+    #[error("this balancer knows at most {0} distinct model names: refused a new one")]
+    TooManyModelNames(usize),
 }
+
+/// Models one report may list (a server and its adapters).
+pub const MAX_MODELS_PER_REPORT: usize = 128;
+/// Longest model name.
+pub const MAX_MODEL_NAME_LEN: usize = 256;
+/// Longest `last_error`.
+pub const MAX_LAST_ERROR_LEN: usize = 4096;
 
 /// Whether `id` is acceptable as an agent id (it appears in URL paths).
 pub fn valid_agent_id(id: &str) -> bool {
@@ -149,6 +166,23 @@ impl AgentReport {
             if !(0.0..=1.0).contains(&kv) {
                 return Err(ReportError::BadKvUsage(kv.to_string()));
             }
+        }
+        if self.models.len() > MAX_MODELS_PER_REPORT {
+            return Err(ReportError::TooManyModels(self.models.len()));
+        }
+        if self
+            .models
+            .iter()
+            .any(|m| m.is_empty() || m.len() > MAX_MODEL_NAME_LEN)
+        {
+            return Err(ReportError::BadModelName);
+        }
+        if self
+            .last_error
+            .as_ref()
+            .is_some_and(|e| e.len() > MAX_LAST_ERROR_LEN)
+        {
+            return Err(ReportError::LastErrorTooLong);
         }
         Ok(addr)
     }

@@ -61,7 +61,9 @@ function renderAgents(endpoints) {
     const r = ep.agent;
     const row = el("tr");
     row.dataset.agent = r ? r.agent_id : "endpoint-" + ep.id;
-    cell(row, "agent", r ? r.agent_id : "–");
+    // The operator's --name, with the random agent id on hover.
+    const agent = cell(row, "agent", r ? r.name || r.agent_id : "–");
+    if (r) agent.title = r.agent_id;
     cell(row, "endpoint", ep.addr);
     cell(row, "backend", r ? r.backend : "–");
     cell(row, "models", r && r.models.length ? r.models.join(", ") : "any");

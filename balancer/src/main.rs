@@ -49,6 +49,12 @@ fn init_logging(s: &Settings) {
         });
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        // Colour only on a terminal, and never with NO_COLOR set
+        // (no-color.org): a log file keeps plain text.
+        .with_ansi(
+            std::io::IsTerminal::is_terminal(&std::io::stderr())
+                && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
+        )
         .with_writer(std::io::stderr);
     match s.log_format {
         LogFormat::Text => builder.init(),

@@ -31,7 +31,7 @@ use crate::history;
 use crate::state::Shared;
 
 /// Largest accepted report body.
-const MAX_REPORT_BYTES: usize = 256 * 1024;
+const MAX_REPORT_BYTES: usize = 64 * 1024;
 
 pub struct Management {
     pub shared: Arc<Shared>,
@@ -81,6 +81,7 @@ async fn read_body(session: &mut ServerSession) -> Result<Vec<u8>, Response<Vec<
         match session.read_request_body().await {
             Ok(Some(chunk)) => {
                 if body.len() + chunk.len() > MAX_REPORT_BYTES {
+                    warn!(path = %session.req_header().uri.path(), "refused a body over {MAX_REPORT_BYTES} bytes");
                     return Err(error(
                         StatusCode::PAYLOAD_TOO_LARGE,
                         "request_too_large",
@@ -131,17 +132,28 @@ impl Management {
             Ok(b) => b,
             Err(resp) => return resp,
         };
+        let invalid = |msg: String| (StatusCode::BAD_REQUEST, "invalid_report", msg);
         let result = serde_json::from_slice::<AgentReport>(&body)
-            .map_err(|e| format!("invalid report: {e}"))
+            .map_err(|e| invalid(format!("invalid report: {e}")))
             .and_then(|report| {
                 if report.agent_id != agent_id {
-                    return Err(ReportError::AgentIdMismatch {
-                        path: agent_id.to_string(),
-                        body: report.agent_id,
-                    }
-                    .to_string());
+                    return Err(invalid(
+                        ReportError::AgentIdMismatch {
+                            path: agent_id.to_string(),
+                            body: report.agent_id,
+                        }
+                        .to_string(),
+                    ));
                 }
-                self.shared.report(report).map_err(|e| e.to_string())
+                self.shared.report(report).map_err(|e| match e {
+                    // Full, not malformed: the agent may try again later.
+                    ReportError::TooManyAgents(_) | ReportError::TooManyModelNames(_) => (
+                        StatusCode::TOO_MANY_REQUESTS,
+                        "registry_full",
+                        e.to_string(),
+                    ),
+                    e => invalid(e.to_string()),
+                })
             });
         let metrics = &self.shared.metrics.reports;
         match result {
@@ -153,6 +165,8 @@ impl Management {
                         ("registered", id)
                     }
                     ReportOutcome::Updated(id) => ("updated", id),
+                    // Two agents taking turns: logged once, at the first.
+                    ReportOutcome::TookBack(id) => ("took_over", id),
                     ReportOutcome::TookOver(id) => {
                         warn!(
                             agent = agent_id,
@@ -170,10 +184,10 @@ impl Management {
                 });
                 json_response(StatusCode::OK, body.to_string().into_bytes())
             }
-            Err(msg) => {
+            Err((status, code, msg)) => {
                 metrics.with_label_values(&["refused"]).inc();
                 warn!(agent = agent_id, "refused report: {msg}");
-                error(StatusCode::BAD_REQUEST, "invalid_report", &msg)
+                error(status, code, &msg)
             }
         }
     }

@@ -15,8 +15,45 @@ use prometheus::{
 use crate::history::{Tallies, OUTCOMES};
 use crate::state::Snapshot;
 
+/// Distinct priority values that get their own metric label; later ones
+/// read `other` (with `allowClientPriority` a client picks any integer).
+pub const MAX_PRIORITY_LABELS: usize = 32;
+
+/// The label for a value a request chose, among at most `cap` distinct
+/// values; every later one is `other`, so no client can grow the number of
+/// series without bound.
+struct BoundedLabels {
+    cap: usize,
+    seen: std::sync::Mutex<std::collections::HashSet<String>>,
+}
+
+impl BoundedLabels {
+    fn new(cap: usize) -> Self {
+        BoundedLabels {
+            cap,
+            seen: Default::default(),
+        }
+    }
+
+    fn label(&self, value: String) -> String {
+        let mut seen = self
+            .seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if seen.contains(&value) {
+            return value;
+        }
+        if seen.len() < self.cap {
+            seen.insert(value.clone());
+            return value;
+        }
+        "other".to_string()
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
+    priority_labels: BoundedLabels,
     /// Requests by final HTTP status and drop reason (empty when served).
     pub requests: IntCounterVec,
     /// Requests that had to wait in the buffer.
@@ -108,6 +145,7 @@ impl Metrics {
         }
         let ep = &["endpoint", "agent"];
         Metrics {
+            priority_labels: BoundedLabels::new(MAX_PRIORITY_LABELS),
             requests: register!(IntCounterVec::new(
                 Opts::new(
                     "flowgate_requests_total",
@@ -420,7 +458,7 @@ impl Metrics {
 
     /// Records how a request's wait in flow control ended.
     pub fn flow_outcome(&self, priority: i32, outcome: Result<(), &str>, waited: Duration) {
-        let priority = priority.to_string();
+        let priority = self.priority_labels.label(priority.to_string());
         let label = match outcome {
             Ok(()) => {
                 self.flow_dispatches.with_label_values(&[&priority]).inc();

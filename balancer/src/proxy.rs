@@ -38,7 +38,7 @@ use pingora_core::upstreams::peer::Peer;
 use pingora_core::{Error, ErrorSource, ErrorType, Result};
 use pingora_http::ResponseHeader;
 use pingora_proxy::{FailToProxy, ProxyHttp, Session};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::asyncq::{self, AsyncQueue};
 use crate::auth::{ApiKeys, Grant};
@@ -49,6 +49,19 @@ use crate::policy::{
 };
 use crate::request::{route_of, Refusal};
 use crate::state::{ActiveRequest, AdmitError, LeaseGuard, Shared};
+
+/// Whether a downstream error means the client's connection is gone (as
+/// opposed to a request it framed wrong).
+fn client_went_away(e: &Error) -> bool {
+    matches!(
+        e.etype(),
+        ErrorType::WriteError
+            | ErrorType::ReadError
+            | ErrorType::ConnectionClosed
+            | ErrorType::ReadTimedout
+            | ErrorType::WriteTimedout
+    )
+}
 
 /// Pingora's retry buffer size (`BODY_BUF_LIMIT` in pingora-core).
 const PINGORA_RETRY_BUFFER: usize = 64 * 1024;
@@ -408,7 +421,13 @@ impl Inference {
                 session.enable_retry_buffering();
                 armed = true;
             }
-            match session.read_request_body().await? {
+            let read = match session.read_request_body().await {
+                Ok(read) => read,
+                // The client went away: nobody to answer.
+                Err(e) if client_went_away(&e) => return Err(e),
+                Err(e) => return Ok(Err(self.bad_framing(&e))),
+            };
+            match read {
                 Some(chunk) => {
                     if buf.len() + chunk.len() > max {
                         return Ok(Err(Refusal::too_large(max)));
@@ -432,6 +451,22 @@ impl Inference {
             )));
         }
         Ok(Ok((buf.freeze(), whole)))
+    }
+
+    /// 400 for a request the client framed wrong (a malformed chunked
+    /// body, a `Connection` header that nominates a protected header): the
+    /// client's mistake, counted as a client refusal, never an upstream
+    /// error.
+    fn bad_framing(&self, e: &Error) -> Refusal {
+        self.shared.metrics.client_refusal("bad_framing");
+        let mut r = Refusal::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "bad_request",
+            format!("the request is malformed ({})", e.etype().as_str()),
+        );
+        r.reason = "bad-framing";
+        r
     }
 
     fn models_body(&self) -> Vec<u8> {
@@ -858,13 +893,16 @@ impl ProxyHttp for Inference {
         e: &Error,
         ctx: &mut RequestCtx,
     ) -> FailToProxy {
-        let downstream_dead = e.esource() == &ErrorSource::Downstream
-            && matches!(
-                e.etype(),
-                ErrorType::WriteError | ErrorType::ReadError | ErrorType::ConnectionClosed
-            );
-        let code = if downstream_dead || session.response_written().is_some() {
+        let downstream = e.esource() == &ErrorSource::Downstream;
+        let code = if (downstream && client_went_away(e)) || session.response_written().is_some() {
             0
+        } else if downstream {
+            // The client's request could not be sent as it was framed.
+            let refusal = self.bad_framing(e);
+            if let Err(we) = self.refuse(session, ctx, refusal).await {
+                debug!("could not send the 400 to the client: {we}");
+            }
+            400
         } else {
             ctx.reason = "upstream-error";
             let msg = format!("the model server failed: {e}");
@@ -882,6 +920,17 @@ impl ProxyHttp for Inference {
             error_code: code,
             can_reuse_downstream: false,
         }
+    }
+
+    fn suppress_error_log(&self, _session: &Session, ctx: &RequestCtx, e: &Error) -> bool {
+        // The client's doing (it left, or framed its request wrong) is not
+        // the balancer's error: the access log line says what happened,
+        // with the request id.
+        let clients = e.esource() == &ErrorSource::Downstream || ctx.reason == "client-gone";
+        if clients {
+            debug!(request_id = ctx.request_id.as_str(), error = %e, "request ended by its client");
+        }
+        clients
     }
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
@@ -921,7 +970,8 @@ impl ProxyHttp for Inference {
             self.shared.metrics.record_outcome(status, reason);
             if ctx.upstream_status.is_some_and(|s| s < 400) {
                 let tpot = ctx.meter.time_per_output_token(usage);
-                self.shared.metrics.answer(&ctx.model, ttft, tpot, usage);
+                let model = self.shared.model_label(&ctx.model);
+                self.shared.metrics.answer(model, ttft, tpot, usage);
             }
         }
         info!(

@@ -251,6 +251,16 @@ impl Shared {
         }
     }
 
+    /// The metric label for a request's model: the name when an agent
+    /// reports serving it, else `other` (a client cannot add series).
+    pub fn model_label<'a>(&self, model: &'a str) -> &'a str {
+        if self.lock().model_reported(model) {
+            model
+        } else {
+            "other"
+        }
+    }
+
     /// Whether an eligible endpoint other than `failed` fits `route`.
     pub fn has_alternative(&self, route: &Route, failed: Option<SocketAddr>) -> bool {
         self.lock().has_alternative(route, failed, Instant::now())

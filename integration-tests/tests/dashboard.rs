@@ -187,7 +187,7 @@ impl Browser {
 /// A report for a simulated agent whose numbers the test chooses.
 async fn report(b: &Balancer, slots_busy: u32, waiting: u32, kv: f64) {
     let body = json!({
-        "protocol_version": 1, "agent_id": "dash-fake", "name": "dash-fake",
+        "protocol_version": 1, "agent_id": "dash-fake", "name": "dash-named",
         "backend": "vllm", "external_addr": "127.0.0.1:9", "models": ["dash-only"],
         "health": "ready", "slots_total": 8, "slots_busy": slots_busy,
         "requests_waiting": waiting, "kv_cache_usage": kv,
@@ -235,6 +235,10 @@ async fn the_dashboard_shows_agents_and_traffic_live_in_a_real_browser() {
 
     // The simulated agent's numbers, as reported.
     browser.wait_text(&row("dash-fake", "slots"), "3 / 8").await;
+    // The operator's name for the agent, its id on hover.
+    browser
+        .wait_text(&row("dash-fake", "agent"), "dash-named")
+        .await;
     browser.wait_text(&row("dash-fake", "kv"), "42 %").await;
     browser.wait_text(&row("dash-fake", "queue"), "2").await;
     browser

@@ -10,7 +10,7 @@
 //! | `x-sim-ttft-ms`      | time to first token                             |
 //! | `x-sim-tpot-ms`      | time per output token                           |
 //! | `x-sim-output-tokens`| tokens to generate                              |
-//! | `x-sim-fault`        | `status=CODE`, `hang`, `drop-mid-stream`, `slow-stream` |
+//! | `x-sim-fault`        | `status=CODE` (a broken server: plain text), `reject=CODE` (the engine's JSON error object, as llama-server answers a malformed request), `hang`, `drop-mid-stream`, `slow-stream` |
 //! | `x-sim-tag`          | recorded in arrival order at `GET /sim/stats`   |
 //!
 //! Responses carry `x-sim-body-bytes` and `x-sim-body-sha256` of the request
@@ -102,6 +102,10 @@ struct Cli {
     /// tpot × (1 + F × (running − 1))
     #[arg(long, value_name = "F", default_value_t = 0.0)]
     decode_slowdown: f64,
+    /// Finish a non-streamed answer (its slot busy) even after its client
+    /// left, as llama-server does
+    #[arg(long)]
+    finish_after_disconnect: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -114,6 +118,7 @@ enum EngineKind {
 #[derive(Debug, Clone, PartialEq)]
 enum Fault {
     Status(u16),
+    Reject(u16),
     Hang,
     DropMidStream,
     SlowStream,
@@ -124,10 +129,15 @@ fn parse_fault(s: &str) -> Option<Fault> {
         "hang" => Some(Fault::Hang),
         "drop-mid-stream" => Some(Fault::DropMidStream),
         "slow-stream" => Some(Fault::SlowStream),
-        other => other
-            .strip_prefix("status=")
-            .and_then(|c| c.parse().ok())
-            .map(Fault::Status),
+        other => {
+            if let Some(code) = other.strip_prefix("reject=") {
+                return code.parse().ok().map(Fault::Reject);
+            }
+            other
+                .strip_prefix("status=")
+                .and_then(|c| c.parse().ok())
+                .map(Fault::Status)
+        }
     }
 }
 
@@ -445,9 +455,14 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
     match fault {
         Some(Fault::Status(code)) => {
             let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            return full(status, "text/plain", "simulated failure\n".to_string());
+        }
+        Some(Fault::Reject(code)) => {
+            // llama-server's shape for a request it cannot take.
+            let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
             return json_resp(
                 status,
-                json!({"error": {"message": "simulated failure", "type": "server_error", "code": code}}),
+                json!({"error": {"message": "Failed to parse tools: simulated", "type": "server_error", "code": code}}),
             );
         }
         Some(Fault::Hang) => {
@@ -471,17 +486,29 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
             sim, processing, path, id, model, tokens, ttft, tpot, fault, usage,
         )
     } else {
-        pause(ttft).await;
-        if sim.cli.decode_slowdown > 0.0 {
-            for _ in 1..tokens {
-                pause(sim.engine.tpot(tpot)).await;
+        let generate = {
+            let sim = Arc::clone(&sim);
+            async move {
+                pause(ttft).await;
+                if sim.cli.decode_slowdown > 0.0 {
+                    for _ in 1..tokens {
+                        pause(sim.engine.tpot(tpot)).await;
+                    }
+                } else {
+                    pause(tpot * tokens.saturating_sub(1)).await;
+                }
+                sim.tokens_total
+                    .fetch_add(u64::from(tokens), Ordering::Relaxed);
+                drop(processing);
             }
+        };
+        if sim.cli.finish_after_disconnect {
+            // llama-server finishes a non-streamed answer (its slot stays
+            // busy) even when the client has left.
+            let _ = tokio::spawn(generate).await;
         } else {
-            pause(tpot * tokens.saturating_sub(1)).await;
+            generate.await;
         }
-        sim.tokens_total
-            .fetch_add(u64::from(tokens), Ordering::Relaxed);
-        drop(processing);
         let mut body = final_body(&path, id, &model, tokens);
         if body.get("usage").is_some() {
             body["usage"]["prompt_tokens"] = json!(prompt_tokens);

@@ -483,6 +483,12 @@ impl<T> Dispatcher<T> {
         self.registry.total_in_flight()
     }
 
+    /// Of [`Dispatcher::in_flight`]: slots whose client left while the
+    /// engine may still work on them.
+    pub fn orphaned(&self) -> u64 {
+        self.registry.total_orphaned()
+    }
+
     pub fn endpoints(&self, now: Instant) -> Vec<EndpointSnapshot> {
         self.registry.snapshot(now)
     }

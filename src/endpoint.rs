@@ -847,6 +847,14 @@ impl Registry {
             .min()
     }
 
+    /// Of [`Registry::total_in_flight`]: orphaned slots, whose clients left.
+    pub(crate) fn total_orphaned(&self) -> u64 {
+        self.endpoints
+            .values()
+            .map(|e| e.orphans.len() as u64)
+            .sum()
+    }
+
     pub(crate) fn total_in_flight(&self) -> u64 {
         self.endpoints
             .values()

@@ -744,13 +744,12 @@ impl ProxyHttp for Inference {
     ) -> Result<()> {
         let status = upstream_response.status.as_u16();
         ctx.upstream_status = Some(status);
-        let headers = &upstream_response.headers;
-        ctx.meter.streaming = headers
+        let content_type = upstream_response
+            .headers
             .get(http::header::CONTENT_TYPE)
-            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-        let json = headers
-            .get(http::header::CONTENT_TYPE)
-            .is_some_and(|v| blame::is_json_content_type(v.as_bytes()));
+            .map_or(&b""[..], |v| v.as_bytes());
+        ctx.meter.streaming = content_type.starts_with(b"text/event-stream");
+        let json = blame::is_json_content_type(content_type);
         let verdict = blame::verdict(status, json);
         if verdict == Verdict::Fine {
             self.blame_suspect(ctx);

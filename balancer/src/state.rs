@@ -354,12 +354,7 @@ impl Shared {
             return false;
         }
         let d = self.lock();
-        let orphaned: u64 = d
-            .endpoints(Instant::now())
-            .iter()
-            .map(|e| u64::from(e.orphaned))
-            .sum();
-        d.buffered() == 0 && d.in_flight() <= orphaned
+        d.buffered() == 0 && d.in_flight() <= d.orphaned()
     }
 }
 

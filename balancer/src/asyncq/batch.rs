@@ -296,28 +296,11 @@ impl AsyncQueue {
 
     /// `caller`'s files, newest first (OpenAI's list).
     pub fn list_files(&self, limit: usize, caller: &Caller) -> Result<Value> {
-        let mut data = Vec::new();
-        let mut has_more = false;
-        // Ids sort by creation time.
-        for id in self.store.blob_ids(FILES)?.iter().rev() {
-            let meta = match self.file_meta(id, caller) {
-                Ok(meta) => meta,
-                Err(ApiError(404, ..)) => continue,
-                Err(e) => return Err(e),
-            };
-            if data.len() == limit {
-                has_more = true;
-                break;
-            }
-            data.push(meta.view());
-        }
-        Ok(json!({
-            "object": "list",
-            "first_id": data.first().map(|f| f["id"].clone()),
-            "last_id": data.last().map(|f| f["id"].clone()),
-            "has_more": has_more,
-            "data": data,
-        }))
+        // Newest first; ids sort by creation time.
+        let ids = self.store.blob_ids(FILES)?;
+        list_page(ids.iter().rev(), limit, |id| {
+            self.file_meta(id, caller).map(|m| m.view())
+        })
     }
 
     /// Deletes the file `id` if `caller` may see it (OpenAI's answer).
@@ -621,28 +604,7 @@ impl AsyncQueue {
                 ids.drain(..=i);
             }
         }
-        let mut data = Vec::new();
-        let mut has_more = false;
-        for id in &ids {
-            let view = match self.batch(id, caller) {
-                Ok(view) => view,
-                // Another tenant's, or deleted since the listing.
-                Err(ApiError(404, ..)) => continue,
-                Err(e) => return Err(e),
-            };
-            if data.len() == limit {
-                has_more = true;
-                break;
-            }
-            data.push(view);
-        }
-        Ok(json!({
-            "object": "list",
-            "first_id": data.first().map(|b| b["id"].clone()),
-            "last_id": data.last().map(|b| b["id"].clone()),
-            "has_more": has_more,
-            "data": data,
-        }))
+        list_page(ids.iter(), limit, |id| self.batch(id, caller))
     }
 
     /// Cancels a batch's requests not yet finished; it is `cancelled` once
@@ -670,6 +632,37 @@ impl AsyncQueue {
         self.refresh(&mut record)?;
         Ok(record.view())
     }
+}
+
+/// An OpenAI list of the first `limit` objects `view` shows among `ids`
+/// (in order), skipping those it answers 404 for: another tenant's, or
+/// deleted since the ids were read.
+fn list_page<'a>(
+    ids: impl Iterator<Item = &'a String>,
+    limit: usize,
+    view: impl Fn(&str) -> Result<Value>,
+) -> Result<Value> {
+    let mut data = Vec::new();
+    let mut has_more = false;
+    for id in ids {
+        let object = match view(id) {
+            Ok(object) => object,
+            Err(ApiError(404, ..)) => continue,
+            Err(e) => return Err(e),
+        };
+        if data.len() == limit {
+            has_more = true;
+            break;
+        }
+        data.push(object);
+    }
+    Ok(json!({
+        "object": "list",
+        "first_id": data.first().map(|o| o["id"].clone()),
+        "last_id": data.last().map(|o| o["id"].clone()),
+        "has_more": has_more,
+        "data": data,
+    }))
 }
 
 fn no_file(id: &str) -> ApiError {

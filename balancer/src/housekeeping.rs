@@ -24,7 +24,9 @@ pub struct Housekeeping {
 
 #[async_trait]
 impl BackgroundService for Housekeeping {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
+    async fn start(&self, _shutdown: ShutdownWatch) {
+        // Runs on through a graceful shutdown: the requests it drains still
+        // need stale agents dropped and affinity holds ended.
         loop {
             let (dropped, next) = self.shared.housekeeping();
             for agent in dropped {
@@ -50,7 +52,6 @@ impl BackgroundService for Housekeeping {
             tokio::select! {
                 () = tokio::time::sleep_until(wake.into()) => {}
                 () = self.shared.timers_changed() => {}
-                _ = shutdown.changed() => return,
             }
         }
     }

@@ -16,6 +16,7 @@ mod proxy;
 mod request;
 mod scaleup;
 mod scheduling;
+mod serve_until_exit;
 mod settings;
 mod state;
 mod tls;
@@ -100,18 +101,25 @@ fn main() -> ExitCode {
     };
     init_logging(&settings);
     let epp_addr = settings.epp_addr.map(|a| ("--epp-addr", a));
-    for (what, addr) in [
-        ("--inference-addr", settings.inference_addr),
-        ("--management-addr", settings.management_addr),
-    ]
-    .into_iter()
-    .chain(epp_addr)
+    for (what, addr) in [("--inference-addr", settings.inference_addr)]
+        .into_iter()
+        .chain(epp_addr)
     {
         if let Err(e) = check_bindable(what, addr) {
             error!("{e}");
             return ExitCode::from(1);
         }
     }
+    let management_listener = match TcpListener::bind(settings.management_addr) {
+        Ok(l) => l,
+        Err(e) => {
+            error!(
+                "cannot listen on --management-addr {}: {e}",
+                settings.management_addr
+            );
+            return ExitCode::from(1);
+        }
+    };
 
     if let Some(files) = &settings.tls {
         if let Err(e) = files.check() {
@@ -190,14 +198,17 @@ fn main() -> ExitCode {
     };
     inference.add_listener(listener);
 
-    let mut management = Service::new(
-        "management".to_string(),
-        management::Management {
-            shared: Arc::clone(&shared),
-            token: settings.management_token.clone(),
-        },
+    // Agents keep reporting while a graceful shutdown drains requests.
+    let management = background_service(
+        "management",
+        serve_until_exit::ServeUntilExit::new(
+            pingora_core::apps::http_app::HttpServer::new_app(management::Management {
+                shared: Arc::clone(&shared),
+                token: settings.management_token.clone(),
+            }),
+            management_listener,
+        ),
     );
-    management.add_tcp(&settings.management_addr.to_string());
 
     let housekeeping = background_service(
         "housekeeping",

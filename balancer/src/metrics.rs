@@ -97,6 +97,8 @@ pub struct Metrics {
     /// Scale-up webhook calls, by result.
     pub scale_up_webhooks: IntCounterVec,
     client_connections: IntGauge,
+    /// Client requests from their head to the end of their answer.
+    pub client_requests: IntGauge,
     client_refusals: IntCounterVec,
 }
 
@@ -364,6 +366,11 @@ impl Metrics {
             client_connections: register!(IntGauge::new(
                 "flowgate_client_connections",
                 "Client connections open on the inference port"
+            )),
+            client_requests: register!(IntGauge::new(
+                "flowgate_client_requests",
+                "Client requests under way on the inference port, from their head to the end \
+                 of their answer (a graceful shutdown waits for them)"
             )),
             client_refusals: register!(IntCounterVec::new(
                 Opts::new(

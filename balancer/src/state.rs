@@ -12,7 +12,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -34,10 +34,6 @@ pub struct Shared {
     /// The last minutes of traffic, for the dashboard.
     pub history: History,
     shutting_down: AtomicBool,
-    /// Client requests whose head has arrived and that have not ended
-    /// (reading their body, waiting, being answered): a graceful shutdown
-    /// waits for them.
-    active_requests: AtomicUsize,
     /// Woken when an affinity hold began, which may end before
     /// housekeeping's next planned wake-up.
     timers: Notify,
@@ -112,7 +108,6 @@ impl Shared {
             metrics: Metrics::new(),
             history: History::default(),
             shutting_down: AtomicBool::new(false),
-            active_requests: AtomicUsize::new(0),
             timers: Notify::new(),
         })
     }
@@ -342,7 +337,7 @@ impl Shared {
 
     /// Counts a client request from its head to its end (the guard's drop).
     pub fn request_started(self: &Arc<Self>) -> ActiveRequest {
-        self.active_requests.fetch_add(1, Ordering::SeqCst);
+        self.metrics.client_requests.inc();
         ActiveRequest(Arc::clone(self))
     }
 
@@ -350,7 +345,7 @@ impl Shared {
     /// request under way, none buffered, no live lease (an orphaned slot
     /// has no client left to answer).
     pub fn is_drained(&self) -> bool {
-        if self.active_requests.load(Ordering::SeqCst) > 0 {
+        if self.metrics.client_requests.get() > 0 {
             return false;
         }
         let d = self.lock();
@@ -363,7 +358,7 @@ pub struct ActiveRequest(Arc<Shared>);
 
 impl Drop for ActiveRequest {
     fn drop(&mut self) {
-        self.0.active_requests.fetch_sub(1, Ordering::SeqCst);
+        self.0.metrics.client_requests.dec();
     }
 }
 

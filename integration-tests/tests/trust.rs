@@ -456,3 +456,51 @@ async fn client_model_names_and_agent_reports_are_bounded() {
         .unwrap();
     assert_eq!(resp.status(), 413);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_waits_for_a_request_whose_body_is_still_arriving() {
+    let (mut b, _sim, _a) = fleet(&[], &["--slots", "1"]).await;
+    let body = serde_json::to_vec(&chat_body()).unwrap();
+    let (first, rest) = body.split_at(body.len() / 2);
+    let mut conn = TcpStream::connect(b.inference).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        conn,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    conn.write_all(first).unwrap();
+    conn.flush().unwrap();
+    // The head is in: the balancer counts the request as under way.
+    wait_for("the head to be read", Duration::from_secs(5), || async {
+        (metric(&b, "flowgate_client_requests", &[]).await >= 1.0).then_some(())
+    })
+    .await;
+    b.proc.signal("TERM");
+    let term = Instant::now();
+    // The client takes its time; the agents keep reporting meanwhile (were
+    // the management port closed with the inference port, the endpoint
+    // would turn stale after 200 ms and the request would wait in vain).
+    wait_for(
+        "a fresh report well into the drain",
+        Duration::from_secs(3),
+        || async {
+            let agents = b.agents().await;
+            let age = agents["endpoints"][0]["report_age_ms"].as_u64()?;
+            (term.elapsed() > Duration::from_millis(500) && age < 150).then_some(())
+        },
+    )
+    .await;
+    conn.write_all(rest).unwrap();
+    let mut answer = String::new();
+    let _ = conn.read_to_string(&mut answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 200"),
+        "the request finished inside the grace period: {answer:?}"
+    );
+    let status = tokio::task::block_in_place(|| b.proc.wait_exit(Duration::from_secs(4)))
+        .expect("exits once drained");
+    assert!(status.success(), "{status:?}");
+}

@@ -266,3 +266,129 @@ async fn real_llama_server_end_to_end() {
         .unwrap();
     assert_eq!(survivor["addr"].as_str().unwrap(), l2.addr);
 }
+
+/// What the real llama-server does with a client's mistakes and with a
+/// client that leaves: its 500s for a bad request are the request's, never
+/// the server's, and a non-streamed answer it goes on computing after the
+/// client left keeps the slot busy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_llama_server_client_mistakes_and_departures() {
+    let b = Balancer::start(&["--buffered-request-timeout", "30000"]).await;
+    let l1 = Llama::start(1).await;
+    let l2 = Llama::start(1).await;
+    let _a1 = agent_at(&l1.addr, &b, &[]);
+    let _a2 = agent_at(&l2.addr, &b, &[]);
+    b.wait_eligible(2).await;
+    let c = client();
+
+    // Requests llama-server refuses with a 500 of its own: passed on as
+    // they are, and no circuit opens however many come.
+    let mistakes = [
+        (
+            json!({"messages": [{"role": "user", "content": "hi"}], "tools": 5}),
+            "Failed to parse tools",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+            ]}]}),
+            "image input is not supported",
+        ),
+    ];
+    for _ in 0..5 {
+        for (body, says) in &mistakes {
+            let r = c
+                .post(b.url("/v1/chat/completions"))
+                .json(body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 500);
+            let v: Value = r.json().await.unwrap();
+            let message = v["error"]["message"].as_str().unwrap_or_default();
+            assert!(message.contains(says), "llama-server's own answer: {v}");
+        }
+    }
+    for ep in b.agents().await["endpoints"].as_array().unwrap() {
+        assert!(ep["circuit_open_ms"].is_null(), "{ep}");
+        assert_eq!(ep["consecutive_failures"], 0, "{ep}");
+        assert_eq!(ep["eligible"], true, "{ep}");
+    }
+    assert_eq!(
+        metric(&b, "flowgate_circuit_breaker_opened_total", &[]).await,
+        0.0
+    );
+    let r = c
+        .post(b.url("/v1/chat/completions"))
+        .json(&chat_req("Name a colour.", 8, false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-flowgate-wait-ms"], "0", "sent at once");
+
+    // Two non-streamed answers of ~800 tokens whose clients leave after
+    // they started: llama-server finishes them anyway, so both 1-slot
+    // servers stay busy, and the next requests wait in the balancer, never
+    // inside llama-server.
+    let long = json!({
+        "messages": [{"role": "user", "content": "Write a long story about a dragon."}],
+        "max_tokens": 800, "temperature": 0, "ignore_eos": true,
+    });
+    let leavers: Vec<_> = (0..2)
+        .map(|_| {
+            let c = c.clone();
+            let url = b.url("/v1/chat/completions");
+            let long = long.clone();
+            tokio::spawn(async move { c.post(url).json(&long).send().await })
+        })
+        .collect();
+    b.wait_in_flight(2, Duration::from_secs(5)).await;
+    let left = Instant::now();
+    for l in &leavers {
+        l.abort();
+    }
+    wait_for("two orphaned slots", Duration::from_secs(5), || async {
+        let agents = b.agents().await;
+        let orphaned: u64 = agents["endpoints"]
+            .as_array()?
+            .iter()
+            .filter_map(|e| e["orphaned"].as_u64())
+            .sum();
+        (orphaned == 2).then_some(())
+    })
+    .await;
+    let next: Vec<_> = (0..2)
+        .map(|i| {
+            let c = c.clone();
+            let url = b.url("/v1/chat/completions");
+            tokio::spawn(async move {
+                let r = c
+                    .post(url)
+                    .json(&chat_req(&format!("Say {i}."), 4, false))
+                    .send()
+                    .await
+                    .unwrap();
+                (r.status().as_u16(), left.elapsed())
+            })
+        })
+        .collect();
+    for n in next {
+        let (status, after) = n.await.unwrap();
+        assert_eq!(status, 200);
+        // 800 tokens take llama-server seconds; a slot freed at the
+        // disconnect would have taken the request at once.
+        assert!(
+            after > Duration::from_secs(1),
+            "answered {after:?} after the departure"
+        );
+    }
+    for addr in [&l1.addr, &l2.addr] {
+        assert_eq!(
+            deferred(&c, addr).await,
+            Some(0),
+            "llama-server at {addr} never queued a request itself"
+        );
+    }
+    b.wait_in_flight(0, Duration::from_secs(5)).await;
+}

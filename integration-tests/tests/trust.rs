@@ -463,7 +463,8 @@ async fn sigterm_waits_for_a_request_whose_body_is_still_arriving() {
     let body = serde_json::to_vec(&chat_body()).unwrap();
     let (first, rest) = body.split_at(body.len() / 2);
     let mut conn = TcpStream::connect(b.inference).unwrap();
-    conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
     write!(
         conn,
         "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n\

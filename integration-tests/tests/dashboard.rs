@@ -3,7 +3,7 @@
 //! management port's `/` against a running balancer with a simulated fleet,
 //! and the page must show the agents' numbers, follow their changes and
 //! chart the traffic. A screenshot is kept at
-//! `target/dashboard-screenshot.png`.
+//! `target/dashboard-screenshot.png` (or `$CARGO_TARGET_DIR/`).
 
 mod common;
 
@@ -299,10 +299,11 @@ async fn the_dashboard_shows_agents_and_traffic_live_in_a_real_browser() {
         .await;
     browser.wait_text("#tile-buffered", "1 / 30").await;
 
-    let target = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join("target")
-        .join("dashboard-screenshot.png");
+    let dir = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    std::fs::create_dir_all(&dir).expect("create the target folder");
+    let target = dir.join("dashboard-screenshot.png");
     browser.screenshot(&target).await;
     browser.close().await;
     waiting.abort();

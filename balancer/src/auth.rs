@@ -18,29 +18,12 @@
 //! and its digest compared with every stored digest in constant time (no
 //! early exit), so response timing says nothing about how close a guess was.
 
+pub use flowgate::admission::Grant;
 use std::path::Path;
-use std::sync::Arc;
 
 use flowgate::flow::valid_fairness_id;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
-
-/// What a valid key grants.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Grant {
-    /// Fairness id of the key's requests.
-    pub tenant: Arc<str>,
-    /// Highest priority the key's requests may have.
-    pub max_priority: Option<i32>,
-}
-
-impl Grant {
-    /// The priority a request of this key gets when it asks for `asked`.
-    pub fn priority(&self, asked: i32) -> i32 {
-        self.max_priority
-            .map_or(asked, |ceiling| asked.min(ceiling))
-    }
-}
 
 /// Why a request was refused 401.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

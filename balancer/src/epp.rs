@@ -47,19 +47,15 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     ProcessingRequest, ProcessingResponse, StreamedBodyResponse, TrailersResponse,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
-use flowgate::openai::error_body;
-use flowgate::prefix::PrefixConfig;
-use flowgate::{RequestMeta, Route};
-use http::StatusCode;
+use flowgate::admission::{AdmissionRules, Caller, FlowHeaders};
+use flowgate::RequestMeta;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, info};
 
-use crate::policy::{
-    FlowHeaders, PriorityRules, FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER, TTL_HEADER,
-};
-use crate::request::{route_of, Refusal};
+use crate::auth::ApiKeys;
+use crate::reply::{Answer, Refusal};
 use crate::state::{AdmitError, LeaseGuard, Shared};
 use flowgate::blame::{self, Verdict};
 
@@ -83,10 +79,13 @@ const HEALTH_NAMES: [&str; 3] = [
 /// The EPP gRPC service, sharing the proxy's state.
 pub struct Epp {
     pub shared: Arc<Shared>,
-    pub priorities: PriorityRules,
-    pub prefix: PrefixConfig,
+    /// How a request's facts are read (the same rules at every door).
+    pub admission: AdmissionRules,
+    /// When set, every request needs one of these keys (in
+    /// `authorization`, as Envoy passes it on).
+    pub api_keys: Option<Arc<ApiKeys>>,
     pub max_request_bytes: usize,
-    pub retry_after_secs: u64,
+    pub retry_after: std::time::Duration,
 }
 
 type Reply = Result<ProcessingResponse, Status>;
@@ -111,14 +110,32 @@ impl ExternalProcessor for Processor {
     }
 }
 
-/// The header values flow control reads.
+/// The request headers admission reads (flow control's and
+/// `authorization`), lower-cased names with their values.
 #[derive(Default)]
-struct FlowHeaderValues {
-    fairness_id: Option<Vec<u8>>,
-    objective: Option<Vec<u8>>,
-    priority: Option<Vec<u8>>,
-    ttl: Option<Vec<u8>>,
+struct KeptHeaders(Vec<(&'static str, Vec<u8>)>);
+
+impl KeptHeaders {
+    fn keep(&mut self, name: &str, value: &[u8]) {
+        let wanted = FlowHeaders::NAMES
+            .iter()
+            .chain(&[AUTHORIZATION])
+            .find(|n| n.eq_ignore_ascii_case(name));
+        if let Some(n) = wanted {
+            self.0.retain(|(k, _)| k != n);
+            self.0.push((n, value.to_vec()));
+        }
+    }
+
+    fn get(&self, name: &str) -> Option<&[u8]> {
+        self.0
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_slice())
+    }
 }
+
+const AUTHORIZATION: &str = "authorization";
 
 /// Envoy went away (the stream ended or broke): nothing more to answer.
 struct Gone;
@@ -149,7 +166,7 @@ struct Exchange {
     tx: mpsc::Sender<Reply>,
     request_mode: BodyMode,
     response_mode: BodyMode,
-    flow_headers: FlowHeaderValues,
+    headers: KeptHeaders,
     /// The subset hint's entries, if the request carried one.
     subset: Option<Vec<String>>,
     body: Vec<u8>,
@@ -172,7 +189,7 @@ impl Exchange {
             // Until Envoy says otherwise (protocol_config).
             request_mode: BodyMode::Buffered,
             response_mode: BodyMode::Buffered,
-            flow_headers: FlowHeaderValues::default(),
+            headers: KeptHeaders::default(),
             subset: None,
             body: Vec::new(),
             lease: None,
@@ -253,16 +270,7 @@ impl Exchange {
 
     async fn on_request_headers(&mut self, h: HttpHeaders) -> Result<(), Gone> {
         for (name, value) in header_pairs(h.headers.as_ref()) {
-            let slot = match name {
-                n if n.eq_ignore_ascii_case(FAIRNESS_ID_HEADER) => {
-                    &mut self.flow_headers.fairness_id
-                }
-                n if n.eq_ignore_ascii_case(OBJECTIVE_HEADER) => &mut self.flow_headers.objective,
-                n if n.eq_ignore_ascii_case(PRIORITY_HEADER) => &mut self.flow_headers.priority,
-                n if n.eq_ignore_ascii_case(TTL_HEADER) => &mut self.flow_headers.ttl,
-                _ => continue,
-            };
-            *slot = Some(value.to_vec());
+            self.headers.keep(name, value);
         }
         if h.end_of_stream || self.request_mode == BodyMode::None {
             return self.decide(Phase::Headers).await;
@@ -441,38 +449,32 @@ impl Exchange {
         Ok(())
     }
 
-    /// What flow control needs to know of the request.
+    /// What flow control needs to know of the request: the admission step
+    /// every door shares (an API key, when keys are on, fixes the tenant
+    /// and caps the priority, as at the proxy).
     fn request_meta(&mut self) -> Result<RequestMeta, Refusal> {
-        let (model, mut route) = if self.body.is_empty() {
-            (String::new(), Route::default())
-        } else {
-            let facts = route_of(&self.body, &self.epp.prefix)?;
-            self.streamed = facts.stream;
-            (facts.model, facts.route)
+        let grant = match &self.epp.api_keys {
+            Some(keys) => Some(
+                keys.authenticate(self.headers.get(AUTHORIZATION))
+                    .map_err(Refusal::unauthorized)?
+                    .clone(),
+            ),
+            None => None,
         };
+        let caller = grant.as_ref().map_or(Caller::Anonymous, Caller::Key);
+        let body = (!self.body.is_empty()).then_some(self.body.as_slice());
+        let headers = &self.headers;
+        let facts = self.epp.admission.inference(
+            FlowHeaders::read(|name| headers.get(name)),
+            body,
+            caller,
+        )?;
+        self.streamed = facts.stream;
+        let mut meta = facts.meta;
         if let Some(entries) = &self.subset {
-            route.subset = Some(self.resolve_subset(entries).into());
+            meta.route.subset = Some(self.resolve_subset(entries).into());
         }
-        let h = &self.flow_headers;
-        let (flow, ttl) = self
-            .epp
-            .priorities
-            .classify(
-                FlowHeaders {
-                    fairness_id: h.fairness_id.as_deref(),
-                    objective: h.objective.as_deref(),
-                    priority: h.priority.as_deref(),
-                    ttl: h.ttl.as_deref(),
-                },
-                &model,
-            )
-            .map_err(Refusal::from)?;
-        Ok(RequestMeta {
-            flow,
-            bytes: self.body.len() as u64,
-            ttl,
-            route,
-        })
+        Ok(meta)
     }
 
     /// The subset hint as sorted endpoint addresses: `ip:port` entries as
@@ -516,15 +518,10 @@ impl Exchange {
             reason = r.reason,
             "EPP answered the request itself"
         );
-        let mut headers = vec![
-            header("content-type", "application/json"),
-            header("x-flowgate-drop-reason", r.reason),
-        ];
-        if r.status == StatusCode::SERVICE_UNAVAILABLE || r.status == StatusCode::TOO_MANY_REQUESTS
-        {
-            let secs = self.epp.retry_after_secs.max(1).to_string();
-            headers.push(header("retry-after", &secs));
-        }
+        // The same answer the proxy gives, carried by Envoy.
+        let a = Answer::refusal(&r, self.epp.retry_after);
+        let mut headers = vec![header("content-type", a.content_type)];
+        headers.extend(a.headers.iter().map(|(k, v)| header(k, v)));
         let answer = ImmediateResponse {
             status: Some(HttpStatus {
                 code: i32::from(r.status.as_u16()),
@@ -533,7 +530,7 @@ impl Exchange {
                 set_headers: headers,
                 remove_headers: Vec::new(),
             }),
-            body: error_body(&r.message, r.kind, r.code),
+            body: a.body,
             grpc_status: None,
             details: format!("flowgate_{}", r.reason.replace('-', "_")),
         };

@@ -10,9 +10,10 @@ use flowgate::{AgentReport, Dispatcher, DispatcherConfig};
 use proptest::prelude::*;
 use serde_json::Value;
 
+use flowgate::admission::{Caller, FlowHeaders};
+
 use crate::auth::ApiKeys;
-use crate::policy::FlowHeaders;
-use crate::request::route_of;
+use crate::reply::Refusal;
 
 /// Keys the parsers look for, plus noise.
 fn key() -> impl Strategy<Value = String> {
@@ -109,10 +110,14 @@ fn bytes() -> impl Strategy<Value = Vec<u8>> {
 proptest! {
     #[test]
     fn request_bodies_are_routed_or_refused_400(raw in bytes(), body in json()) {
-        let prefix = PrefixConfig::default();
+        let rules = flowgate::admission::AdmissionRules {
+            prefix: PrefixConfig::default(),
+            ..Default::default()
+        };
         for input in [raw, serde_json::to_vec(&body).unwrap()] {
-            if let Err(refusal) = route_of(&input, &prefix) {
-                prop_assert_eq!(refusal.status.as_u16(), 400);
+            let facts = rules.inference(FlowHeaders::default(), Some(&input), Caller::Anonymous);
+            if let Err(refused) = facts {
+                prop_assert_eq!(Refusal::from(refused).status.as_u16(), 400);
             }
         }
     }
@@ -125,19 +130,19 @@ proptest! {
         ttl in proptest::option::of(bytes()),
         model in "\\PC{0,12}",
     ) {
-        let config = crate::settings::FileConfig::parse(
+        let config = crate::config::FileConfig::parse(
             "objectives:\n  batch: -1\nflowControl:\n  allowClientPriority: true\n",
         )
         .unwrap();
-        let cli = <crate::settings::Cli as clap::Parser>::parse_from(["balancer"]);
-        let settings = crate::settings::Settings::merge(cli, config).unwrap();
+        let cli = <crate::config::Cli as clap::Parser>::parse_from(["balancer"]);
+        let settings = crate::config::Settings::merge(cli, config).unwrap();
         let headers = FlowHeaders {
             fairness_id: fairness.as_deref(),
             objective: objective.as_deref(),
             priority: priority.as_deref(),
             ttl: ttl.as_deref(),
         };
-        if let Ok((flow, _)) = settings.priorities.classify(headers, &model) {
+        if let Ok((flow, _)) = settings.admission().flow(headers, &model, Caller::Anonymous) {
             prop_assert!(flowgate::flow::valid_fairness_id(&flow.fairness_id));
         }
     }

@@ -713,3 +713,35 @@ impl EppClient {
         Exchange { tx, rx }
     }
 }
+
+/// With API keys, EPP mode admits requests as the proxy does: no key or an
+/// unknown one is a 401 immediate response, a valid one is placed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_api_keys_envoy_requests_need_a_key_as_at_the_proxy() {
+    let keys = ConfigFile::new("keys:\n  - key: sk-alpha\n    tenant: alpha\n");
+    let epp = Epp::start(&["--api-keys-file", keys.arg()]).await;
+    let sim = Sim::start(&["--model", "m", "--slots", "1"]);
+    let _a = agent(&sim, &epp.b);
+    epp.b.wait_eligible(1).await;
+    let body = chat_for(Some("m"), "hello");
+    for (headers, code) in [
+        (vec![], "missing_api_key"),
+        (vec![("authorization", "Bearer sk-beta")], "invalid_api_key"),
+    ] {
+        let mut x = epp.open().await;
+        x.send(request_headers(&headers, false)).await;
+        let _ = x.recv().await;
+        x.send(body_message(serde_json::to_vec(&body).unwrap(), true))
+            .await;
+        let (status, h, err) = immediate(x.recv().await);
+        assert_eq!(status, 401, "{err}");
+        assert_eq!(err["error"]["code"], code, "{err}");
+        assert_eq!(h["www-authenticate"], "Bearer");
+    }
+    let mut x = epp.open().await;
+    let placed = x
+        .request(&[("authorization", "Bearer sk-alpha")], &body)
+        .await;
+    assert_eq!(destination(&placed), sim.addr);
+    x.respond(200, b"{}").await;
+}

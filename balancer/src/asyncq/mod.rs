@@ -14,7 +14,6 @@
 mod backend;
 pub mod batch;
 mod dispatcher;
-mod http;
 mod redis_store;
 pub mod store;
 

@@ -1,0 +1,116 @@
+//! The routes the inference port answers itself: `/health`, `/v1/models`,
+//! the async API, the Batch API, and `404` / `405` for the rest.
+
+use http::{Method, StatusCode};
+use pingora_core::Result;
+use pingora_proxy::Session;
+
+use super::async_api::{self, AsyncDoor};
+use super::{batch_api, Inference, RequestCtx, Step, INFERENCE_PATHS};
+use crate::reply::{Answer, Refusal};
+use flowgate::openai::error_body;
+
+/// The answer to a request the balancer does not proxy; `None`: proxy it.
+pub(super) async fn route(
+    door: &Inference,
+    session: &mut Session,
+    ctx: &mut RequestCtx,
+) -> Result<Option<std::result::Result<Step, Refusal>>> {
+    let req = session.req_header();
+    // The hot path first, without copying the method and path.
+    if req.method == Method::POST && INFERENCE_PATHS.contains(&req.uri.path()) {
+        return Ok(None);
+    }
+    let method = req.method.clone();
+    let path = req.uri.path().to_string();
+    ctx.reason = "local";
+    let is_batch_api = path == "/v1/files"
+        || path.starts_with("/v1/files/")
+        || path == "/v1/batches"
+        || path.starts_with("/v1/batches/");
+    if is_batch_api || path.starts_with("/v1/async/") {
+        let Some(queue) = &door.async_queue else {
+            let message = if is_batch_api {
+                "the Batch API needs the async path: start the balancer with --async-dir"
+            } else {
+                "the async path is off: start the balancer with --async-dir"
+            };
+            return Ok(Some(Err(Refusal::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "async_disabled",
+                message.into(),
+            ))));
+        };
+        let async_door = AsyncDoor {
+            queue,
+            admission: &door.admission,
+            body: door.body_limits,
+            metrics: &door.shared.metrics,
+            grant: ctx.grant.as_ref(),
+            request_id: &ctx.request_id,
+        };
+        let answer = if is_batch_api {
+            batch_api::route(&async_door, session, &method, &path).await?
+        } else {
+            async_api::route(&async_door, session, &method, &path).await?
+        };
+        return Ok(Some(answer));
+    }
+    let not_allowed = |allow: &'static str| {
+        Answer::json(
+            StatusCode::METHOD_NOT_ALLOWED,
+            error_body(
+                &format!("{method} is not allowed on {path}"),
+                "invalid_request_error",
+                "method_not_allowed",
+            ),
+        )
+        .with_header("allow", allow.to_string())
+    };
+    let answer = match path.as_str() {
+        "/health" if method == Method::GET => {
+            if door.shared.is_shutting_down() {
+                Answer::json(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    br#"{"status":"shutting_down"}"#.to_vec(),
+                )
+            } else {
+                Answer::json(StatusCode::OK, br#"{"status":"ok"}"#.to_vec())
+            }
+        }
+        "/health" => not_allowed("GET"),
+        "/v1/models" if method == Method::GET => Answer::json(StatusCode::OK, models_body(door)),
+        "/v1/models" => not_allowed("GET"),
+        p if INFERENCE_PATHS.contains(&p) => not_allowed("POST"),
+        _ => Answer::json(
+            StatusCode::NOT_FOUND,
+            error_body(
+                &format!("no route for {method} {path}"),
+                "invalid_request_error",
+                "not_found",
+            ),
+        ),
+    };
+    Ok(Some(Ok(Step::Answer(answer))))
+}
+
+/// `/v1/models`: every model a live endpoint serves.
+fn models_body(door: &Inference) -> Vec<u8> {
+    let snap = door.shared.snapshot();
+    let mut models: Vec<&str> = snap
+        .endpoints
+        .iter()
+        .filter(|e| !e.stale)
+        .filter_map(|e| e.agent.as_ref())
+        .flat_map(|a| a.models.iter().map(String::as_str))
+        .collect();
+    models.sort_unstable();
+    models.dedup();
+    let data: Vec<serde_json::Value> = models
+        .into_iter()
+        .map(|id| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "flowgate"}))
+        .collect();
+    serde_json::to_vec(&serde_json::json!({"object": "list", "data": data}))
+        .expect("json serialises")
+}

@@ -1,0 +1,662 @@
+//! The inference port: a Pingora `ProxyHttp` that reads the request body,
+//! waits for a slot, then proxies the request unchanged to the endpoint the
+//! slot belongs to and streams the response back. This file only wires
+//! Pingora's hooks; each room of the door is its own file:
+//!
+//! - [`body`]: reading the body (and Pingora's replay of it).
+//! - [`local`]: what the port answers itself (health, models, 404/405).
+//! - [`async_api`] and [`batch_api`]: the async path's and the Batch API's
+//!   routes.
+//! - [`request_id`]: the `x-request-id` of each request.
+//!
+//! A request's facts come from [`flowgate::admission`], as at every door;
+//! every answer the balancer gives itself goes through
+//! [`crate::reply::Answer`] in one place ([`Inference::answer`]).
+//!
+//! Retries: a connection failure, an upstream error before the response
+//! header, or a suspect 5xx response header sends the request again (up to
+//! `scheduling.retries` times) through flow control to another endpoint
+//! serving its model, if one is eligible. Nothing has reached the client
+//! then, and the same replay path resends the body. Once a response header
+//! went to the client nothing is retried. Whose fault a failure is, and so
+//! what feeds the endpoint's circuit breaker, is [`flowgate::blame`]'s rule:
+//! an engine's own error object, or a 5xx that a second endpoint repeats, is
+//! the request's and is passed to the client uncounted.
+
+mod async_api;
+mod batch_api;
+mod body;
+mod local;
+mod request_id;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use flowgate::admission::{AdmissionRules, Caller, FlowHeaders, Grant};
+use flowgate::blame::{self, Verdict};
+use flowgate::{EndpointId, RequestMeta};
+use http::StatusCode;
+use pingora_core::upstreams::peer::HttpPeer;
+use pingora_core::upstreams::peer::Peer;
+use pingora_core::{Error, ErrorSource, ErrorType, Result};
+use pingora_http::ResponseHeader;
+use pingora_proxy::{FailToProxy, ProxyHttp, Session};
+use tracing::{debug, info};
+
+pub use body::BodyLimits;
+pub use request_id::RequestIds;
+
+use crate::asyncq::{self, AsyncQueue};
+use crate::auth::ApiKeys;
+use crate::limits;
+use crate::meter::ResponseMeter;
+use crate::reply::{Answer, Refusal, REQUEST_ID_HEADER};
+use crate::state::{ActiveRequest, AdmitError, LeaseGuard, Shared};
+
+/// Response header: milliseconds the request waited for an endpoint.
+const WAIT_HEADER: &str = "x-flowgate-wait-ms";
+
+/// Bytes of an engine's error answer kept to check its shape.
+const MAX_ERROR_BODY: usize = 16 * 1024;
+
+/// Paths proxied to model servers (POST only).
+pub(crate) const INFERENCE_PATHS: [&str; 4] = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/completion",
+];
+
+pub struct Inference {
+    pub shared: Arc<Shared>,
+    /// The largest body and how long it may take to arrive.
+    pub body_limits: BodyLimits,
+    /// The async path, when on.
+    pub async_queue: Option<Arc<AsyncQueue>>,
+    /// How a request's facts are read (the same rules at every door).
+    pub admission: AdmissionRules,
+    pub connect_timeout: Duration,
+    pub retry_after: Duration,
+    /// Attempts on other endpoints after a failure before the first byte.
+    pub retries: u32,
+    /// When set, every route but `/health` needs one of these keys.
+    pub api_keys: Option<Arc<ApiKeys>>,
+    /// Generates request ids.
+    pub request_ids: RequestIds,
+}
+
+/// What a request's first step decided.
+pub(crate) enum Step {
+    /// Proxy it: it holds a lease.
+    Proxy,
+    /// Answer it with this.
+    Answer(Answer),
+    /// Already answered (an event stream).
+    Answered,
+}
+
+/// Per-request state.
+pub struct RequestCtx {
+    start: Instant,
+    /// The whole request body when it is longer than Pingora's retry buffer
+    /// (which then holds only its tail), sent by `request_body_filter`.
+    body: Option<Bytes>,
+    lease: Option<LeaseGuard>,
+    upstream: Option<SocketAddr>,
+    waited: Duration,
+    /// Set for requests that count as inference outcomes in metrics.
+    inference: bool,
+    /// Why the balancer answered itself, for metrics and the access log.
+    pub(crate) reason: &'static str,
+    /// The request's `model` field, for the access log.
+    model: String,
+    /// The request asked for a streamed answer.
+    stream: bool,
+    /// The request's flow, for the access log.
+    fairness_id: String,
+    priority: i32,
+    /// What it asked of flow control, kept to ask again on a retry.
+    meta: Option<RequestMeta>,
+    /// Retries done so far.
+    retries: u32,
+    /// The endpoint failed and the request goes to another one.
+    retry_pending: bool,
+    /// Status of the upstream response header, once it arrived.
+    upstream_status: Option<u16>,
+    /// An endpoint whose 5xx awaits a second endpoint's answer to the same
+    /// request before it counts against it ([`flowgate::blame`]).
+    suspect: Option<(EndpointId, SocketAddr)>,
+    /// This answer is an engine's refusal of the request, passed on
+    /// uncounted; its body (the first [`MAX_ERROR_BODY`] bytes) is checked
+    /// once it has arrived.
+    rejected: bool,
+    error_body: Vec<u8>,
+    /// `x-request-id`, and whether the client sent it.
+    pub(crate) request_id: String,
+    request_id_given: bool,
+    /// What the request's API key grants, when keys are required.
+    pub(crate) grant: Option<Grant>,
+    /// Timing and usage of the answer as it passes.
+    meter: ResponseMeter,
+    /// Counts the request as under way until the context is dropped.
+    active: Option<ActiveRequest>,
+}
+
+impl Inference {
+    /// Waits in flow control for a slot: `Ok(Ok(()))`, the request holds a
+    /// lease for `ctx.upstream`; `Ok(Err)`, flow control refused it; `Err`,
+    /// the client left while it waited.
+    async fn wait_for_slot(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        request: RequestMeta,
+    ) -> Result<std::result::Result<(), Refusal>> {
+        let shared = Arc::clone(&self.shared);
+        let client_gone = async {
+            // Resolves when the client closes the connection (or sends bytes
+            // it should not while waiting for its answer).
+            let _ = session.downstream_session.read_body_or_idle(true).await;
+        };
+        match shared.admit(request, client_gone).await {
+            Ok((lease, waited)) => {
+                ctx.upstream = Some(lease.addr());
+                ctx.lease = Some(lease);
+                ctx.waited += waited;
+                ctx.upstream_status = None;
+                Ok(Ok(()))
+            }
+            Err(AdmitError::Rejected(r)) => Ok(Err(Refusal::from_reject(r, &ctx.model))),
+            Err(AdmitError::ClientGone) => {
+                ctx.reason = "client-gone";
+                Err(Error::explain(
+                    ErrorType::ConnectionClosed,
+                    "client disconnected while its request was buffered",
+                )
+                .into_down())
+            }
+        }
+    }
+
+    /// The one place the balancer answers a request itself.
+    async fn answer(&self, session: &mut Session, ctx: &mut RequestCtx, step: Step) -> Result<()> {
+        let answer = match step {
+            Step::Proxy | Step::Answered => return Ok(()),
+            Step::Answer(a) => a,
+        };
+        answer.write(session, &ctx.request_id).await
+    }
+
+    /// A refusal's answer; its reason labels the metrics and access log.
+    fn refusal(&self, ctx: &mut RequestCtx, r: &Refusal) -> Step {
+        ctx.reason = r.reason;
+        Step::Answer(Answer::refusal(r, self.retry_after))
+    }
+
+    /// Everything before the proxying: who calls, the local routes, the
+    /// body, the request's facts, a slot.
+    async fn first_step(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+    ) -> Result<std::result::Result<Step, Refusal>> {
+        let req = session.req_header();
+        let from_dispatcher = self.async_queue.as_ref().is_some_and(|q| {
+            q.is_dispatcher(req.headers.get(asyncq::TOKEN_HEADER).map(|v| v.as_bytes()))
+        });
+        if let (Some(keys), false) = (&self.api_keys, from_dispatcher) {
+            if req.uri.path() != "/health" {
+                let authorization = req.headers.get(http::header::AUTHORIZATION);
+                match keys.authenticate(authorization.map(|v| v.as_bytes())) {
+                    Ok(grant) => ctx.grant = Some(grant.clone()),
+                    Err(e) => {
+                        ctx.inference = true;
+                        return Ok(Err(Refusal::unauthorized(e)));
+                    }
+                }
+            }
+        }
+        if let Some(answer) = local::route(self, session, ctx).await? {
+            return Ok(answer);
+        }
+        ctx.inference = true;
+        let body = match body::read_body(session, self.body_limits, &self.shared.metrics).await? {
+            Ok(body) => body,
+            Err(refusal) => return Ok(Err(refusal)),
+        };
+        let caller = match (&ctx.grant, &self.async_queue) {
+            (_, Some(q)) if from_dispatcher => Caller::AsyncDispatcher { band: q.priority() },
+            (Some(g), _) => Caller::Key(g),
+            (None, _) => Caller::Anonymous,
+        };
+        let headers = &session.req_header().headers;
+        let facts = self.admission.inference(
+            FlowHeaders::read(|name| headers.get(name).map(|v| v.as_bytes())),
+            Some(&body.bytes),
+            caller,
+        );
+        let facts = match facts {
+            Ok(facts) => facts,
+            Err(refused) => {
+                // The access log names the model even of a refused request.
+                return Ok(Err(refused.into()));
+            }
+        };
+        ctx.model = facts.model;
+        ctx.stream = facts.stream;
+        ctx.fairness_id = facts.meta.flow.fairness_id.to_string();
+        ctx.priority = facts.meta.flow.priority;
+        // Keep a second copy only when the retry buffer cannot replay it all.
+        ctx.body = (!body.in_retry_buffer).then_some(body.bytes);
+        ctx.meta = Some(facts.meta.clone());
+        Ok(self
+            .wait_for_slot(session, ctx, facts.meta)
+            .await?
+            .map(|()| Step::Proxy))
+    }
+
+    /// Feeds the circuit breaker of the endpoint the request holds.
+    fn record_outcome(&self, ctx: &RequestCtx, ok: bool) {
+        if let Some(lease) = &ctx.lease {
+            self.shared.record_outcome(lease, ok);
+        }
+    }
+
+    /// A suspect 5xx that no second endpoint repeated counts against the
+    /// endpoint that gave it.
+    fn blame_suspect(&self, ctx: &mut RequestCtx) {
+        if let Some((endpoint, addr)) = ctx.suspect.take() {
+            self.shared.record_endpoint_outcome(endpoint, addr, false);
+        }
+    }
+
+    /// After a failed attempt: if the request may go again to another
+    /// endpoint, gives its slot back, counts the retry (`reason` labels the
+    /// metric) and returns `true`; `upstream_peer` then waits for the next
+    /// slot.
+    fn begin_retry(&self, ctx: &mut RequestCtx, reason: &str) -> bool {
+        if ctx.retries >= self.retries {
+            return false;
+        }
+        let Some(meta) = &ctx.meta else { return false };
+        if !self.shared.has_alternative(&meta.route, ctx.upstream) {
+            return false;
+        }
+        ctx.retries += 1;
+        ctx.retry_pending = true;
+        if let Some(lease) = ctx.lease.take() {
+            lease.release();
+        }
+        self.shared.metrics.upstream_retry(reason);
+        true
+    }
+}
+
+#[async_trait]
+impl ProxyHttp for Inference {
+    type CTX = RequestCtx;
+
+    fn new_ctx(&self) -> RequestCtx {
+        RequestCtx {
+            start: Instant::now(),
+            body: None,
+            lease: None,
+            upstream: None,
+            waited: Duration::ZERO,
+            inference: false,
+            reason: "",
+            model: String::new(),
+            stream: false,
+            fairness_id: String::new(),
+            priority: 0,
+            meta: None,
+            retries: 0,
+            retry_pending: false,
+            upstream_status: None,
+            suspect: None,
+            rejected: false,
+            error_body: Vec::new(),
+            request_id: String::new(),
+            request_id_given: false,
+            grant: None,
+            meter: ResponseMeter::default(),
+            active: None,
+        }
+    }
+
+    async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
+        limits::head_done(session);
+        ctx.active = Some(self.shared.request_started());
+        (ctx.request_id, ctx.request_id_given) = self
+            .request_ids
+            .for_request(session.req_header().headers.get(REQUEST_ID_HEADER));
+        let step = match self.first_step(session, ctx).await? {
+            Ok(step) => step,
+            Err(refusal) => self.refusal(ctx, &refusal),
+        };
+        let proxy = matches!(step, Step::Proxy);
+        self.answer(session, ctx, step).await?;
+        Ok(!proxy)
+    }
+
+    async fn upstream_peer(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+    ) -> Result<Box<HttpPeer>> {
+        if ctx.retry_pending {
+            ctx.retry_pending = false;
+            let mut request = ctx.meta.clone().ok_or_else(|| {
+                Error::explain(ErrorType::InternalError, "retry without a request")
+            })?;
+            // The retry waits no longer than the request had left.
+            let ttl = self.shared.ttl(request.ttl);
+            request.ttl = Some(
+                ttl.saturating_sub(ctx.start.elapsed())
+                    .max(Duration::from_millis(1)),
+            );
+            request.route.avoid = ctx.upstream;
+            if let Err(refusal) = self.wait_for_slot(session, ctx, request).await? {
+                // The balancer answers the client itself (503/504/...).
+                let step = self.refusal(ctx, &refusal);
+                self.answer(session, ctx, step).await?;
+                return Err(Error::explain(
+                    ErrorType::HTTPStatus(0),
+                    "retry refused by flow control; the client was answered",
+                ));
+            }
+        }
+        let addr = ctx.upstream.ok_or_else(|| {
+            Error::explain(
+                ErrorType::InternalError,
+                "no endpoint lease for this request",
+            )
+        })?;
+        let mut peer = HttpPeer::new(addr, false, String::new());
+        peer.options.connection_timeout = Some(self.connect_timeout);
+        Ok(Box::new(peer))
+    }
+
+    async fn upstream_request_filter(
+        &self,
+        _session: &mut Session,
+        upstream_request: &mut pingora_http::RequestHeader,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        // The balancer already answered `100 Continue` and holds the body.
+        upstream_request.remove_header(&http::header::EXPECT);
+        // The key was the balancer's; the model server has its own.
+        if self.api_keys.is_some() {
+            upstream_request.remove_header(&http::header::AUTHORIZATION);
+        }
+        if self.async_queue.is_some() {
+            upstream_request.remove_header(asyncq::TOKEN_HEADER);
+        }
+        if !ctx.request_id_given {
+            upstream_request.insert_header(REQUEST_ID_HEADER, ctx.request_id.as_str())?;
+        }
+        Ok(())
+    }
+
+    async fn upstream_response_filter(
+        &self,
+        _session: &mut Session,
+        upstream_response: &mut ResponseHeader,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        let status = upstream_response.status.as_u16();
+        ctx.upstream_status = Some(status);
+        let content_type = upstream_response
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .map_or(&b""[..], |v| v.as_bytes());
+        ctx.meter.streaming = content_type.starts_with(b"text/event-stream");
+        let json = blame::is_json_content_type(content_type);
+        let verdict = blame::verdict(status, json);
+        if verdict == Verdict::Fine {
+            self.blame_suspect(ctx);
+            self.record_outcome(ctx, true);
+            return Ok(());
+        }
+        if ctx.suspect.is_some() && blame::corroborates(status) {
+            // A second endpoint failed the same request: the request's
+            // fault. Neither endpoint counts; this answer is the client's.
+            ctx.suspect = None;
+            ctx.reason = "request-rejected";
+            self.shared.metrics.upstream_error("request-rejected");
+            return Ok(());
+        }
+        if verdict == Verdict::RequestRejected {
+            ctx.rejected = true;
+            ctx.reason = "request-rejected";
+            self.shared.metrics.upstream_error("request-rejected");
+            return Ok(());
+        }
+        self.shared.metrics.upstream_error("status-5xx");
+        let failed = ctx.lease.as_ref().map(|l| (l.endpoint(), l.addr()));
+        if self.begin_retry(ctx, "status-5xx") {
+            // Nothing went to the client yet: drop this answer and try
+            // another endpoint (see `error_while_proxy`); this one counts
+            // unless that one fails the same way.
+            ctx.suspect = failed;
+            return Err(Error::explain(
+                ErrorType::HTTPStatus(status),
+                format!("model server answered {status}; retrying on another endpoint"),
+            )
+            .into_up());
+        }
+        // Nowhere else to ask: the endpoint's.
+        self.record_outcome(ctx, false);
+        Ok(())
+    }
+
+    fn fail_to_connect(
+        &self,
+        _session: &mut Session,
+        _peer: &HttpPeer,
+        ctx: &mut RequestCtx,
+        mut e: Box<Error>,
+    ) -> Box<Error> {
+        self.blame_suspect(ctx);
+        self.record_outcome(ctx, false);
+        self.shared.metrics.upstream_error("connect");
+        let retry = self.begin_retry(ctx, "connect");
+        e.set_retry(retry);
+        e
+    }
+
+    fn error_while_proxy(
+        &self,
+        peer: &HttpPeer,
+        session: &mut Session,
+        e: Box<Error>,
+        ctx: &mut RequestCtx,
+        _client_reused: bool,
+    ) -> Box<Error> {
+        let mut e = e.more_context(format!("Peer: {}", peer.address()));
+        if ctx.retry_pending {
+            // A 5xx header turned into this error by `upstream_response_filter`.
+            e.set_retry(true);
+            return e;
+        }
+        // An upstream failure before any response header: the endpoint
+        // failed; after it, the client already has part of the answer.
+        let before_answer = ctx.upstream_status.is_none() && session.response_written().is_none();
+        if e.esource() == &ErrorSource::Upstream {
+            let kind = if before_answer {
+                "before-response"
+            } else {
+                "mid-response"
+            };
+            self.shared.metrics.upstream_error(kind);
+        }
+        if e.esource() == &ErrorSource::Upstream && before_answer {
+            self.blame_suspect(ctx);
+            self.record_outcome(ctx, false);
+            if self.begin_retry(ctx, "upstream-error") {
+                e.set_retry(true);
+                return e;
+            }
+        }
+        e.set_retry(false);
+        e
+    }
+
+    async fn response_filter(
+        &self,
+        _session: &mut Session,
+        upstream_response: &mut ResponseHeader,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        // How long the request waited in flow control before it was sent.
+        upstream_response.insert_header(WAIT_HEADER, ctx.waited.as_millis().to_string())?;
+        upstream_response.insert_header(REQUEST_ID_HEADER, ctx.request_id.as_str())?;
+        Ok(())
+    }
+
+    fn response_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        _end_of_stream: bool,
+        ctx: &mut RequestCtx,
+    ) -> Result<Option<Duration>> {
+        if let Some(chunk) = body {
+            ctx.meter.on_chunk(chunk, Instant::now());
+            if ctx.rejected && ctx.error_body.len() < MAX_ERROR_BODY {
+                let room = MAX_ERROR_BODY - ctx.error_body.len();
+                ctx.error_body
+                    .extend_from_slice(&chunk[..chunk.len().min(room)]);
+            }
+        }
+        Ok(None)
+    }
+
+    async fn request_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut RequestCtx,
+    ) -> Result<()> {
+        // Pingora hands us the retry buffer once, with end_of_stream set, on
+        // every attempt; when that is only the body's tail, send the whole
+        // body instead.
+        if let Some(full) = &ctx.body {
+            *body = end_of_stream.then(|| full.clone());
+        }
+        Ok(())
+    }
+
+    async fn fail_to_proxy(
+        &self,
+        session: &mut Session,
+        e: &Error,
+        ctx: &mut RequestCtx,
+    ) -> FailToProxy {
+        let downstream = e.esource() == &ErrorSource::Downstream;
+        let code =
+            if (downstream && body::client_went_away(e)) || session.response_written().is_some() {
+                0
+            } else {
+                let refusal = if downstream {
+                    // The client's request could not be sent as it was framed.
+                    body::bad_framing(&self.shared.metrics, e)
+                } else {
+                    let mut r = Refusal::new(
+                        StatusCode::BAD_GATEWAY,
+                        "server_error",
+                        "upstream_error",
+                        format!("the model server failed: {e}"),
+                    );
+                    r.reason = "upstream-error";
+                    r
+                };
+                let step = self.refusal(ctx, &refusal);
+                if let Err(we) = self.answer(session, ctx, step).await {
+                    debug!("could not send the {} to the client: {we}", refusal.status);
+                }
+                refusal.status.as_u16()
+            };
+        FailToProxy {
+            error_code: code,
+            can_reuse_downstream: false,
+        }
+    }
+
+    fn suppress_error_log(&self, _session: &Session, ctx: &RequestCtx, e: &Error) -> bool {
+        // The client's doing (it left, or framed its request wrong) is not
+        // the balancer's error: the access log line says what happened,
+        // with the request id.
+        let clients = e.esource() == &ErrorSource::Downstream || ctx.reason == "client-gone";
+        if clients {
+            debug!(request_id = ctx.request_id.as_str(), error = %e, "request ended by its client");
+        }
+        clients
+    }
+
+    async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
+        limits::request_done(session);
+        // A retry that never got an answer cannot clear its suspect.
+        self.blame_suspect(ctx);
+        if ctx.rejected && e.is_none() && !blame::is_engine_error(&ctx.error_body) {
+            // JSON, but not an engine's error object: the endpoint's.
+            self.record_outcome(ctx, false);
+        }
+        if let Some(lease) = ctx.lease.take() {
+            // The client left before its answer ended: the engine may still
+            // be working on it, so its slot is not free yet.
+            let client_left = e.is_some_and(|e| e.esource() == &ErrorSource::Downstream);
+            if client_left {
+                lease.orphan(ctx.stream || ctx.meter.streaming);
+            } else {
+                lease.release();
+            }
+        }
+        let status = session
+            .response_written()
+            .map(|h| h.status.as_u16())
+            .unwrap_or(if ctx.reason == "client-gone" || e.is_some() {
+                499
+            } else {
+                0
+            });
+        let reason = if ctx.reason.is_empty() && e.is_some() {
+            "client-gone"
+        } else {
+            ctx.reason
+        };
+        let ttft = ctx.meter.time_to_first_token(ctx.start);
+        let usage = ctx.meter.usage();
+        if ctx.inference {
+            self.shared.metrics.record_outcome(status, reason);
+            if ctx.upstream_status.is_some_and(|s| s < 400) {
+                let tpot = ctx.meter.time_per_output_token(usage);
+                let model = self.shared.model_label(&ctx.model);
+                self.shared.metrics.answer(model, ttft, tpot, usage);
+            }
+        }
+        info!(
+            target: "access",
+            request_id = ctx.request_id.as_str(),
+            method = %session.req_header().method,
+            path = session.req_header().uri.path(),
+            model = ctx.model.as_str(),
+            fairness_id = ctx.fairness_id.as_str(),
+            priority = ctx.priority,
+            status,
+            reason,
+            upstream = ctx.upstream.map(|a| a.to_string()).unwrap_or_default(),
+            retries = ctx.retries,
+            wait_ms = ctx.waited.as_millis() as u64,
+            ttft_ms = ttft.map(|t| t.as_millis() as u64),
+            prompt_tokens = usage.map(|u| u.prompt_tokens),
+            completion_tokens = usage.map(|u| u.completion_tokens),
+            duration_ms = ctx.start.elapsed().as_millis() as u64,
+            error = e.map(|e| e.to_string()).unwrap_or_default(),
+        );
+    }
+}

@@ -1,0 +1,197 @@
+//! The answers the balancer gives itself instead of proxying, written the
+//! same way by every HTTP door: an OpenAI-style error object, the request
+//! id, the drop reason, `retry-after` where waiting helps.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use flowgate::admission::{BadHeader, Refused};
+use flowgate::openai::error_body;
+use flowgate::Reject;
+use http::StatusCode;
+use pingora_core::Result;
+use pingora_http::ResponseHeader;
+use pingora_proxy::Session;
+
+use crate::auth::AuthError;
+
+/// Request id: kept from the client when usable, else generated; sent to
+/// the model server, returned to the client, written to the access log.
+pub const REQUEST_ID_HEADER: &str = "x-request-id";
+
+/// Why the balancer answered itself (also a metric label).
+pub const DROP_REASON_HEADER: &str = "x-flowgate-drop-reason";
+
+/// After refusing a request whose body is unread, how long to keep reading
+/// (and discarding) what the client still sends, so it gets to read the
+/// refusal instead of a reset.
+const LINGER: Duration = Duration::from_secs(2);
+
+/// A reply the balancer gives itself instead of proxying.
+pub struct Refusal {
+    pub status: StatusCode,
+    pub kind: &'static str,
+    pub code: &'static str,
+    pub message: String,
+    pub reason: &'static str,
+}
+
+impl Refusal {
+    pub fn new(
+        status: StatusCode,
+        kind: &'static str,
+        code: &'static str,
+        message: String,
+    ) -> Self {
+        Refusal {
+            status,
+            kind,
+            code,
+            message,
+            reason: code,
+        }
+    }
+
+    /// 401: no API key or an unknown one.
+    pub fn unauthorized(e: AuthError) -> Self {
+        let code = match e {
+            AuthError::Missing => "missing_api_key",
+            AuthError::Invalid => "invalid_api_key",
+        };
+        Refusal::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            code,
+            e.message().to_string(),
+        )
+    }
+
+    /// 413: a body over `max` bytes.
+    pub fn too_large(max: usize) -> Self {
+        Refusal::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            "request_too_large",
+            format!("request body exceeds the limit of {max} bytes"),
+        )
+    }
+
+    /// The answer to a refusal by flow control of a request for `model`.
+    pub fn from_reject(r: Reject, model: &str) -> Self {
+        if r == Reject::UnknownModel {
+            return Refusal::new(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "model_not_found",
+                format!("the model `{model}` does not exist or is not served by any model server"),
+            );
+        }
+        let (kind, code) = match r {
+            Reject::BufferFull | Reject::NoEndpoints => ("server_error", "service_unavailable"),
+            Reject::Shed | Reject::Evicted => ("rate_limit_error", "rate_limit_exceeded"),
+            Reject::Timeout => ("server_error", "timeout"),
+            Reject::UnknownModel => unreachable!("answered above"),
+        };
+        Refusal {
+            status: StatusCode::from_u16(r.http_status()).expect("valid status"),
+            kind,
+            code,
+            message: r.to_string(),
+            reason: r.reason(),
+        }
+    }
+}
+
+/// 400: a malformed flow-control header.
+impl From<BadHeader> for Refusal {
+    fn from(bad: BadHeader) -> Self {
+        Refusal::new(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "invalid_header",
+            bad.to_string(),
+        )
+    }
+}
+
+/// 400: what admission refused.
+impl From<Refused> for Refusal {
+    fn from(r: Refused) -> Self {
+        match r {
+            Refused::BadBody(message) => Refusal::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "invalid_json",
+                message,
+            ),
+            Refused::BadHeader(bad) => bad.into(),
+        }
+    }
+}
+
+/// An answer the balancer writes itself.
+pub struct Answer {
+    pub status: StatusCode,
+    pub content_type: &'static str,
+    pub body: Vec<u8>,
+    pub headers: Vec<(&'static str, String)>,
+}
+
+impl Answer {
+    pub fn json(status: StatusCode, body: Vec<u8>) -> Self {
+        Answer {
+            status,
+            content_type: "application/json",
+            body,
+            headers: Vec::new(),
+        }
+    }
+
+    pub fn with_header(mut self, name: &'static str, value: String) -> Self {
+        self.headers.push((name, value));
+        self
+    }
+
+    /// A refusal's answer: its error object, drop reason, `retry-after`
+    /// (503 and 429: a retry may succeed) and `www-authenticate` (401).
+    pub fn refusal(r: &Refusal, retry_after: Duration) -> Self {
+        let mut a = Answer::json(r.status, error_body(&r.message, r.kind, r.code))
+            .with_header(DROP_REASON_HEADER, r.reason.to_string());
+        if r.status == StatusCode::SERVICE_UNAVAILABLE || r.status == StatusCode::TOO_MANY_REQUESTS
+        {
+            a = a.with_header("retry-after", retry_after.as_secs().max(1).to_string());
+        }
+        if r.status == StatusCode::UNAUTHORIZED {
+            a = a.with_header("www-authenticate", "Bearer".to_string());
+        }
+        a
+    }
+
+    /// Writes the answer with the request id. A request whose body was not
+    /// read to its end is answered, its remaining body drained for a short
+    /// while (closing on unread data would reset the connection and lose
+    /// the answer), and its connection closed.
+    pub async fn write(self, session: &mut Session, request_id: &str) -> Result<()> {
+        let unread = !session.is_body_done();
+        if unread {
+            session.set_keepalive(None);
+        }
+        let mut h = ResponseHeader::build(self.status, Some(3 + self.headers.len()))?;
+        h.insert_header("content-type", self.content_type)?;
+        h.insert_header("content-length", self.body.len().to_string())?;
+        if !request_id.is_empty() {
+            h.insert_header(REQUEST_ID_HEADER, request_id)?;
+        }
+        for (k, v) in self.headers {
+            h.insert_header(k, v)?;
+        }
+        session.write_response_header(Box::new(h), false).await?;
+        let written = session
+            .write_response_body(Some(Bytes::from(self.body)), true)
+            .await;
+        if unread && !session.is_body_done() {
+            let _ = tokio::time::timeout(LINGER, session.drain_request_body()).await;
+        }
+        written
+    }
+}

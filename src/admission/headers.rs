@@ -1,0 +1,65 @@
+//! The request headers flow control reads, under one set of names for
+//! every front door.
+
+/// Header naming the tenant a request belongs to (its fairness id).
+pub const FAIRNESS_ID_HEADER: &str = "x-gateway-inference-fairness-id";
+/// Header naming the request's objective, which maps to a priority.
+pub const OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
+/// Header with a numeric priority, honoured only with `allowClientPriority`.
+pub const PRIORITY_HEADER: &str = "x-flowgate-priority";
+/// Header with the longest time the request may wait (`500ms`, `5s`, or
+/// milliseconds), cut to `maxRequestTTL`.
+pub const TTL_HEADER: &str = "x-flowgate-request-ttl";
+
+/// The flow-control view of a request's headers (raw values: checking them
+/// is [`crate::admission::PriorityRules::classify`]'s job).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct FlowHeaders<'a> {
+    pub fairness_id: Option<&'a [u8]>,
+    pub objective: Option<&'a [u8]>,
+    pub priority: Option<&'a [u8]>,
+    pub ttl: Option<&'a [u8]>,
+}
+
+impl<'a> FlowHeaders<'a> {
+    /// Every header name this reads, lower case: a door that collects
+    /// headers itself (EPP mode gets them as a list) keeps these.
+    pub const NAMES: [&'static str; 4] = [
+        FAIRNESS_ID_HEADER,
+        OBJECTIVE_HEADER,
+        PRIORITY_HEADER,
+        TTL_HEADER,
+    ];
+
+    /// Reads the flow headers through `get`, a case-insensitive lookup of
+    /// one header's value. A new header rule is one field here and one
+    /// name in [`Self::NAMES`].
+    pub fn read(get: impl Fn(&str) -> Option<&'a [u8]>) -> Self {
+        FlowHeaders {
+            fairness_id: get(FAIRNESS_ID_HEADER),
+            objective: get(OBJECTIVE_HEADER),
+            priority: get(PRIORITY_HEADER),
+            ttl: get(TTL_HEADER),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_every_name_it_lists() {
+        let h = FlowHeaders::read(|name| {
+            FlowHeaders::NAMES
+                .iter()
+                .find(|n| n.eq_ignore_ascii_case(name))
+                .map(|n| n.as_bytes())
+        });
+        let got = [h.fairness_id, h.objective, h.priority, h.ttl];
+        for (name, value) in FlowHeaders::NAMES.iter().zip(got) {
+            assert_eq!(value, Some(name.as_bytes()));
+            assert_eq!(*name, name.to_ascii_lowercase());
+        }
+    }
+}

@@ -1,0 +1,210 @@
+//! What a request is, gathered once at the edge.
+//!
+//! Every front door (the proxy, EPP mode, the async API and the Batch API)
+//! hands this its headers, body and caller and gets back the request's
+//! facts — model, flow key, TTL, size, route — or a refusal. The doors only
+//! read bytes and write answers; the rules live here, once, so a new header
+//! rule is one edit and holds for every door.
+//!
+//! - [`headers`]: the header names and their raw values.
+//! - [`priority`]: headers + model → tenant, priority, TTL.
+//! - [`caller`]: API key grants and the async dispatcher's standing.
+//! - [`body`]: model, stream flag and prompt prefix of a JSON body.
+
+pub mod body;
+pub mod caller;
+pub mod headers;
+pub mod priority;
+
+use std::time::Duration;
+
+pub use body::{body_facts, BodyFacts};
+pub use caller::{Caller, Grant};
+pub use headers::{FlowHeaders, FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER, TTL_HEADER};
+pub use priority::{BadHeader, PriorityRules};
+
+use crate::dispatcher::RequestMeta;
+use crate::flow::FlowKey;
+use crate::prefix::PrefixConfig;
+
+/// Why a request is refused before it reaches flow control (each a 400).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refused {
+    /// The body is not one JSON object.
+    #[error("{0}")]
+    BadBody(String),
+    /// A flow-control header is malformed.
+    #[error(transparent)]
+    BadHeader(#[from] BadHeader),
+}
+
+/// An inference request's facts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestFacts {
+    /// The requested model (empty when the body names none).
+    pub model: String,
+    /// `"stream": true`.
+    pub stream: bool,
+    /// What flow control and the scheduler need.
+    pub meta: RequestMeta,
+}
+
+/// The operator's rules every door admits requests by.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AdmissionRules {
+    pub priorities: PriorityRules,
+    pub prefix: PrefixConfig,
+}
+
+impl AdmissionRules {
+    /// The facts of an inference request. `body` is `None` for a request
+    /// that has none (EPP mode's headers-only requests): no model, any
+    /// endpoint.
+    pub fn inference(
+        &self,
+        headers: FlowHeaders<'_>,
+        body: Option<&[u8]>,
+        caller: Caller<'_>,
+    ) -> Result<RequestFacts, Refused> {
+        let facts = match body {
+            Some(body) => body_facts(body, &self.prefix).map_err(Refused::BadBody)?,
+            None => BodyFacts::default(),
+        };
+        let (flow, ttl) = self.flow(headers, &facts.model, caller)?;
+        Ok(RequestFacts {
+            model: facts.model,
+            stream: facts.stream,
+            meta: RequestMeta {
+                flow,
+                bytes: body.map_or(0, |b| b.len() as u64),
+                ttl,
+                route: facts.route,
+            },
+        })
+    }
+
+    /// The flow and TTL of a request for `model` from `caller`: the
+    /// headers' asks, then the caller's standing (an API key's tenant and
+    /// ceiling, the async dispatcher's band), which always wins.
+    pub fn flow(
+        &self,
+        headers: FlowHeaders<'_>,
+        model: &str,
+        caller: Caller<'_>,
+    ) -> Result<(FlowKey, Option<Duration>), BadHeader> {
+        let (asked, ttl) = self.priorities.classify(headers, model)?;
+        let flow = match caller {
+            Caller::Anonymous => asked,
+            Caller::Key(grant) => FlowKey::new(
+                std::sync::Arc::clone(&grant.tenant),
+                grant.priority(asked.priority),
+            ),
+            Caller::AsyncDispatcher { band } => FlowKey::new(asked.fairness_id, band),
+        };
+        Ok((flow, ttl))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+    use std::sync::Arc;
+
+    fn rules() -> AdmissionRules {
+        AdmissionRules {
+            priorities: PriorityRules {
+                default_priority: 0,
+                objectives: HashMap::from([("chat".into(), 10)]),
+                models: HashMap::new(),
+                allow_client_priority: true,
+            },
+            prefix: PrefixConfig::default(),
+        }
+    }
+
+    fn headers<'a>(fairness: &'a [u8], objective: &'a [u8]) -> FlowHeaders<'a> {
+        FlowHeaders {
+            fairness_id: Some(fairness),
+            objective: Some(objective),
+            ..FlowHeaders::default()
+        }
+    }
+
+    #[test]
+    fn a_key_beats_the_headers_and_the_dispatcher_keeps_its_band() {
+        let r = rules();
+        let body = br#"{"model":"m","messages":[]}"#;
+        let h = headers(b"someone-else", b"chat");
+        let anonymous = r.inference(h, Some(body), Caller::Anonymous).unwrap();
+        assert_eq!(&*anonymous.meta.flow.fairness_id, "someone-else");
+        assert_eq!(anonymous.meta.flow.priority, 10);
+        assert_eq!(anonymous.meta.bytes, body.len() as u64);
+        assert_eq!(anonymous.model, "m");
+
+        let grant = Grant {
+            tenant: Arc::from("alpha"),
+            max_priority: Some(3),
+        };
+        let keyed = r.inference(h, Some(body), Caller::Key(&grant)).unwrap();
+        assert_eq!(&*keyed.meta.flow.fairness_id, "alpha");
+        assert_eq!(keyed.meta.flow.priority, 3, "capped at the key's ceiling");
+
+        let delivered = r
+            .inference(h, Some(body), Caller::AsyncDispatcher { band: -5 })
+            .unwrap();
+        assert_eq!(&*delivered.meta.flow.fairness_id, "someone-else");
+        assert_eq!(delivered.meta.flow.priority, -5);
+    }
+
+    #[test]
+    fn refusals_name_what_was_wrong() {
+        let r = rules();
+        assert!(matches!(
+            r.inference(FlowHeaders::default(), Some(b"[]"), Caller::Anonymous),
+            Err(Refused::BadBody(_))
+        ));
+        let bad = headers(b"has space", b"chat");
+        let grant = Grant {
+            tenant: Arc::from("alpha"),
+            max_priority: None,
+        };
+        // A malformed header is refused even when a key fixes the tenant.
+        assert!(matches!(
+            r.inference(bad, Some(b"{}"), Caller::Key(&grant)),
+            Err(Refused::BadHeader(_))
+        ));
+        let none = r
+            .inference(FlowHeaders::default(), None, Caller::Anonymous)
+            .unwrap();
+        assert_eq!((none.model.as_str(), none.meta.bytes), ("", 0));
+    }
+
+    proptest! {
+        /// Whatever a client sends, admission answers (never panics), and a
+        /// key's tenant and ceiling always hold.
+        #[test]
+        fn any_input_is_answered_and_a_key_always_binds(
+            fairness in proptest::collection::vec(any::<u8>(), 0..160),
+            priority in proptest::collection::vec(any::<u8>(), 0..24),
+            ttl in proptest::collection::vec(any::<u8>(), 0..24),
+            body in proptest::collection::vec(any::<u8>(), 0..64),
+            ceiling in -100i32..100,
+        ) {
+            let r = rules();
+            let h = FlowHeaders {
+                fairness_id: Some(&fairness),
+                objective: None,
+                priority: Some(&priority),
+                ttl: Some(&ttl),
+            };
+            let grant = Grant { tenant: Arc::from("alpha"), max_priority: Some(ceiling) };
+            let _ = r.inference(h, Some(&body), Caller::Anonymous);
+            if let Ok(f) = r.inference(h, Some(br#"{"model":"m"}"#), Caller::Key(&grant)) {
+                prop_assert_eq!(&*f.meta.flow.fairness_id, "alpha");
+                prop_assert!(f.meta.flow.priority <= ceiling);
+            }
+        }
+    }
+}

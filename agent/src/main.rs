@@ -14,9 +14,9 @@ use std::time::Duration;
 use clap::{Parser, ValueEnum};
 use flowgate::protocol::{MAX_MONITORING_INTERVAL, MIN_MONITORING_INTERVAL};
 use flowgate::{AgentReport, BackendKind, PROTOCOL_VERSION};
+use flowgate_logging::LogFormat;
 use reqwest::Client;
 use tracing::{error, info, warn};
-use tracing_subscriber::EnvFilter;
 
 use crate::backend::Backend;
 use crate::engines::EngineMetrics;
@@ -40,12 +40,6 @@ impl BackendArg {
             BackendArg::Sglang => BackendKind::Sglang,
         }
     }
-}
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum LogFormat {
-    Text,
-    Json,
 }
 
 /// Flowgate agent: polls one model server (health, slots, queue, models) and
@@ -343,22 +337,7 @@ fn main() -> ExitCode {
             .error(clap::error::ErrorKind::MissingRequiredArgument, msg)
             .exit();
     }
-    let filter = EnvFilter::try_from_default_env()
-        .or_else(|_| EnvFilter::try_new(&cli.log_level))
-        .unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        // Colour only on a terminal, and never with NO_COLOR set
-        // (no-color.org): a log file keeps plain text.
-        .with_ansi(
-            std::io::IsTerminal::is_terminal(&std::io::stderr())
-                && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
-        )
-        .with_writer(std::io::stderr);
-    match cli.log_format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().flatten_event(true).init(),
-    }
+    flowgate_logging::init("agent", &cli.log_level, cli.log_format);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -2,22 +2,20 @@
 
 mod asyncq;
 mod auth;
+mod config;
 mod epp;
 #[cfg(test)]
 mod fuzz_tests;
 mod history;
 mod housekeeping;
+mod inference;
 mod limits;
 mod management;
 mod meter;
 mod metrics;
-mod policy;
-mod proxy;
-mod request;
+mod reply;
 mod scaleup;
-mod scheduling;
 mod serve_until_exit;
-mod settings;
 mod state;
 mod tls;
 
@@ -33,35 +31,9 @@ use pingora_core::server::Server;
 use pingora_core::services::background::background_service;
 use pingora_core::services::listening::Service;
 use tracing::{error, info};
-use tracing_subscriber::EnvFilter;
 
-use crate::settings::{Cli, LogFormat, Settings};
+use crate::config::{Cli, Settings};
 use crate::state::Shared;
-
-fn init_logging(s: &Settings) {
-    let filter = EnvFilter::try_from_default_env()
-        .or_else(|_| EnvFilter::try_new(&s.log_level))
-        .unwrap_or_else(|e| {
-            eprintln!(
-                "balancer: invalid log level {:?} ({e}); using info",
-                s.log_level
-            );
-            EnvFilter::new("info")
-        });
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        // Colour only on a terminal, and never with NO_COLOR set
-        // (no-color.org): a log file keeps plain text.
-        .with_ansi(
-            std::io::IsTerminal::is_terminal(&std::io::stderr())
-                && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty()),
-        )
-        .with_writer(std::io::stderr);
-    match s.log_format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().flatten_event(true).init(),
-    }
-}
 
 /// Pingora reports a busy port only deep in its start-up; check first so the
 /// operator gets one clear line.
@@ -99,7 +71,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    init_logging(&settings);
+    flowgate_logging::init("balancer", &settings.log_level, settings.log_format);
     let epp_addr = settings.epp_addr.map(|a| ("--epp-addr", a));
     for (what, addr) in [("--inference-addr", settings.inference_addr)]
         .into_iter()
@@ -162,17 +134,18 @@ fn main() -> ExitCode {
 
     let proxy = pingora_proxy::http_proxy(
         &server.configuration,
-        proxy::Inference {
+        inference::Inference {
             shared: Arc::clone(&shared),
-            max_request_bytes: settings.max_request_bytes,
-            priorities: settings.priorities.clone(),
+            body_limits: inference::BodyLimits {
+                max_bytes: settings.max_request_bytes,
+                timeout: settings.client_limits.body_timeout,
+            },
+            admission: settings.admission(),
             connect_timeout: settings.upstream_connect_timeout,
             retry_after: Duration::from_secs(1),
             retries: settings.retries,
-            prefix: settings.dispatcher.scheduling.prefix,
             api_keys: settings.api_keys.clone(),
-            request_ids: proxy::RequestIds::new(),
-            limits: settings.client_limits,
+            request_ids: inference::RequestIds::new(),
             async_queue: async_queue.clone(),
         },
     );
@@ -233,10 +206,10 @@ fn main() -> ExitCode {
     if let Some(addr) = settings.epp_addr {
         let epp = Arc::new(epp::Epp {
             shared: Arc::clone(&shared),
-            priorities: settings.priorities.clone(),
-            prefix: settings.dispatcher.scheduling.prefix,
+            admission: settings.admission(),
+            api_keys: settings.api_keys.clone(),
             max_request_bytes: settings.max_request_bytes,
-            retry_after_secs: 1,
+            retry_after: Duration::from_secs(1),
         });
         let mut service = background_service("epp", EppService { epp, addr });
         service.threads = Some(settings.threads);

@@ -4,7 +4,7 @@
 use flowgate::{BreakerConfig, PrefixConfig, SchedulingConfig, ScorerWeights};
 use serde::Deserialize;
 
-use crate::policy::ConfigDuration;
+use super::flow::ConfigDuration;
 
 /// Retries of a request whose endpoint failed before answering.
 pub const DEFAULT_RETRIES: u32 = 1;

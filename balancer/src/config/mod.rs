@@ -1,0 +1,378 @@
+//! The balancer's configuration: command-line flags ([`cli`]), the optional
+//! YAML config file ([`file`]), and their merge into checked [`Settings`].
+//!
+//! The one layering rule: a flag given on the command line beats the config
+//! file, which beats the built-in default ([`layer`]). Every setting has
+//! the same name in both places, kebab-case as a flag and camelCase in YAML
+//! (`--max-buffered-requests` ⇔ `maxBufferedRequests`). Errors name the
+//! setting that is wrong.
+//!
+//! - [`flow`]: `flowControl`, `saturationDetector`, `objectives`,
+//!   `modelPriorities`.
+//! - [`scheduling`]: `scheduling` (scorers, prefix affinity, breaker).
+//! - [`async_queue`]: the `--async-*` flags and the `async:` section.
+
+mod async_queue;
+mod cli;
+mod file;
+pub mod flow;
+pub mod scheduling;
+#[cfg(test)]
+mod tests;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use flowgate::DispatcherConfig;
+
+use crate::asyncq::AsyncConfig;
+use crate::auth::{ApiKeys, Secret};
+use crate::limits::{self, ClientLimits, MAX_MAX_HEADER_BYTES};
+use crate::tls::TlsFiles;
+use flowgate::admission::PriorityRules;
+
+pub use cli::Cli;
+pub use file::FileConfig;
+pub use flowgate_logging::LogFormat;
+
+use async_queue::async_settings;
+
+/// The one layering rule: the flag, else the file, else the default.
+fn layer<T>(flag: Option<T>, file: Option<T>, default: T) -> T {
+    flag.or(file).unwrap_or(default)
+}
+
+pub const DEFAULT_INFERENCE_ADDR: &str = "127.0.0.1:8061";
+pub const DEFAULT_MANAGEMENT_ADDR: &str = "127.0.0.1:8060";
+pub const DEFAULT_MAX_BUFFERED_REQUESTS: usize = 30;
+pub const DEFAULT_BUFFERED_REQUEST_TIMEOUT_MS: u64 = 10_000;
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = 16 * 1024 * 1024;
+pub const DEFAULT_SHUTDOWN_GRACE_PERIOD_S: u64 = 30;
+pub const DEFAULT_UPSTREAM_CONNECT_TIMEOUT_MS: u64 = 5_000;
+pub const DEFAULT_SCALE_UP_WEBHOOK_INTERVAL: Duration = Duration::from_secs(30);
+
+/// Effective settings after merging flags, file and defaults.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub inference_addr: SocketAddr,
+    pub management_addr: SocketAddr,
+    /// EPP mode's gRPC address, when enabled.
+    pub epp_addr: Option<SocketAddr>,
+    /// Flow control and saturation detection.
+    pub dispatcher: DispatcherConfig,
+    /// How requests get their priority.
+    pub priorities: PriorityRules,
+    /// Retries on another endpoint after a failure before the first byte.
+    pub retries: u32,
+    pub max_request_bytes: usize,
+    pub shutdown_grace_period: Duration,
+    pub upstream_connect_timeout: Duration,
+    pub threads: usize,
+    pub log_level: String,
+    pub log_format: LogFormat,
+    /// API keys required on the inference port, when configured.
+    pub api_keys: Option<Arc<ApiKeys>>,
+    /// Token required for writes on the management port, when set.
+    pub management_token: Option<Secret>,
+    /// Scale-up webhook URL and least interval between calls per model.
+    pub scale_up_webhook: Option<(String, Duration)>,
+    /// What a client connection may hold.
+    pub client_limits: ClientLimits,
+    /// TLS on the inference port, when configured.
+    pub tls: Option<TlsFiles>,
+    /// The async path, when on.
+    pub async_queue: Option<AsyncConfig>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SettingsError {
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("invalid config file {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: Box<serde_saphyr::Error>,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+impl Settings {
+    /// The rules every front door admits requests by.
+    pub fn admission(&self) -> flowgate::admission::AdmissionRules {
+        flowgate::admission::AdmissionRules {
+            priorities: self.priorities.clone(),
+            prefix: self.dispatcher.scheduling.prefix,
+        }
+    }
+
+    /// Loads the config file named by `cli` (if any) and merges.
+    pub fn from_cli(cli: Cli) -> Result<Self, SettingsError> {
+        let file = match &cli.config {
+            Some(p) => FileConfig::load(p)?,
+            None => FileConfig::default(),
+        };
+        Self::merge(cli, file)
+    }
+
+    pub fn merge(cli: Cli, mut file: FileConfig) -> Result<Self, SettingsError> {
+        let async_queue = async_settings(
+            &cli,
+            file.async_queue.take().unwrap_or_default(),
+            layer(
+                cli.max_request_bytes,
+                file.max_request_bytes,
+                DEFAULT_MAX_REQUEST_BYTES,
+            ),
+        )?;
+        let default_addr = |s: &str| s.parse::<SocketAddr>().expect("valid default address");
+        let fc = file.flow_control.unwrap_or_default();
+        let either = |top: &str, nested: &str, a: bool, b: bool| {
+            if a && b {
+                Err(SettingsError::Invalid(format!(
+                    "{top} and flowControl.{nested} are the same setting: give only one"
+                )))
+            } else {
+                Ok(())
+            }
+        };
+        either(
+            "maxBufferedRequests",
+            "maxRequests",
+            file.max_buffered_requests.is_some(),
+            fc.max_requests.is_some(),
+        )?;
+        either(
+            "bufferedRequestTimeout",
+            "defaultRequestTTL",
+            file.buffered_request_timeout.is_some(),
+            fc.default_request_ttl.is_some(),
+        )?;
+        either(
+            "maxBufferedBytes",
+            "maxBytes",
+            file.max_buffered_bytes.is_some(),
+            fc.max_bytes.is_some(),
+        )?;
+        let max_requests = cli
+            .max_buffered_requests
+            .or(file.max_buffered_requests)
+            .or(fc.max_requests)
+            .unwrap_or(DEFAULT_MAX_BUFFERED_REQUESTS);
+        let max_bytes = cli
+            .max_buffered_bytes
+            .or(file.max_buffered_bytes)
+            .or(fc.max_bytes)
+            .unwrap_or(flow::DEFAULT_MAX_BUFFERED_BYTES);
+        let default_ttl = cli
+            .buffered_request_timeout
+            .or(file.buffered_request_timeout)
+            .map(Duration::from_millis)
+            .or(fc.default_request_ttl.map(|d| d.0))
+            .unwrap_or(Duration::from_millis(DEFAULT_BUFFERED_REQUEST_TIMEOUT_MS));
+        if default_ttl.is_zero() {
+            return Err(SettingsError::Invalid(
+                "buffered_request_timeout (flowControl.defaultRequestTTL) must be at least 1 ms"
+                    .into(),
+            ));
+        }
+        let (mut dispatcher, priorities) = flow::build(
+            &fc,
+            &file.saturation_detector.unwrap_or_default(),
+            &file.objectives,
+            &file.model_priorities,
+            max_requests,
+            max_bytes,
+            default_ttl,
+        )
+        .map_err(SettingsError::Invalid)?;
+        // Tie-breaking only needs to differ between runs, not be secret.
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        let (sched, retries) = scheduling::build(&file.scheduling.unwrap_or_default(), seed)
+            .map_err(SettingsError::Invalid)?;
+        dispatcher.scheduling = sched;
+        let api_keys = match cli.api_keys_file.or(file.api_keys_file) {
+            Some(path) => Some(Arc::new(
+                ApiKeys::load(&path).map_err(SettingsError::Invalid)?,
+            )),
+            None => None,
+        };
+        let management_token = match cli.management_token.or(file.management_token) {
+            Some(t) if t.trim().is_empty() => {
+                return Err(SettingsError::Invalid(
+                    "management token is empty: set a token or leave it out".into(),
+                ))
+            }
+            t => t.map(|t| Secret::new(t.trim())),
+        };
+        let allow_open_management =
+            cli.allow_open_management || file.allow_open_management.unwrap_or(false);
+        let interval = layer(
+            cli.scale_up_webhook_interval,
+            file.scale_up_webhook_interval.map(|d| d.0),
+            DEFAULT_SCALE_UP_WEBHOOK_INTERVAL,
+        );
+        let scale_up_webhook = match cli.scale_up_webhook.or(file.scale_up_webhook) {
+            Some(url) => {
+                let url = url.trim().to_string();
+                let host = url.strip_prefix("http://").unwrap_or("");
+                if host.is_empty() || host.starts_with('/') {
+                    return Err(SettingsError::Invalid(format!(
+                        "scale-up webhook {url:?} must be an http:// URL (https is not supported)"
+                    )));
+                }
+                if interval.is_zero() {
+                    return Err(SettingsError::Invalid(
+                        "scale-up webhook interval must be at least 1 ms".into(),
+                    ));
+                }
+                Some((url, interval))
+            }
+            None => None,
+        };
+        let s = Settings {
+            scale_up_webhook,
+            async_queue,
+            tls: match (cli.tls_cert.or(file.tls_cert), cli.tls_key.or(file.tls_key)) {
+                (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
+                (None, None) => None,
+                _ => {
+                    return Err(SettingsError::Invalid(
+                        "tls_cert and tls_key go together: give both or neither".into(),
+                    ))
+                }
+            },
+            client_limits: ClientLimits {
+                max_connections: layer(
+                    cli.max_connections,
+                    file.max_connections,
+                    limits::DEFAULT_MAX_CONNECTIONS,
+                ),
+                header_timeout: layer(
+                    cli.client_header_timeout,
+                    file.client_header_timeout.map(|d| d.0),
+                    limits::DEFAULT_HEADER_TIMEOUT,
+                ),
+                body_timeout: layer(
+                    cli.client_body_timeout,
+                    file.client_body_timeout.map(|d| d.0),
+                    limits::DEFAULT_BODY_TIMEOUT,
+                ),
+                max_header_bytes: layer(
+                    cli.max_header_bytes,
+                    file.max_header_bytes,
+                    limits::DEFAULT_MAX_HEADER_BYTES,
+                ),
+            },
+            api_keys,
+            management_token,
+            inference_addr: layer(
+                cli.inference_addr,
+                file.inference_addr,
+                default_addr(DEFAULT_INFERENCE_ADDR),
+            ),
+            management_addr: layer(
+                cli.management_addr,
+                file.management_addr,
+                default_addr(DEFAULT_MANAGEMENT_ADDR),
+            ),
+            epp_addr: cli.epp_addr.or(file.epp_addr),
+            dispatcher,
+            priorities,
+            retries,
+            max_request_bytes: layer(
+                cli.max_request_bytes,
+                file.max_request_bytes,
+                DEFAULT_MAX_REQUEST_BYTES,
+            ),
+            shutdown_grace_period: Duration::from_secs(layer(
+                cli.shutdown_grace_period,
+                file.shutdown_grace_period,
+                DEFAULT_SHUTDOWN_GRACE_PERIOD_S,
+            )),
+            upstream_connect_timeout: Duration::from_millis(layer(
+                cli.upstream_connect_timeout,
+                file.upstream_connect_timeout,
+                DEFAULT_UPSTREAM_CONNECT_TIMEOUT_MS,
+            )),
+            threads: cli.threads.or(file.threads).unwrap_or_else(|| {
+                std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+            }),
+            log_level: layer(cli.log_level, file.log_level, "info".to_string()),
+            log_format: layer(cli.log_format, file.log_format, LogFormat::Text),
+        };
+        s.validate()?;
+        if s.management_token.is_none()
+            && !s.management_addr.ip().is_loopback()
+            && !allow_open_management
+        {
+            return Err(SettingsError::Invalid(format!(
+                "the management port would listen on {} without a token, so anyone who reaches \
+                 it could register a model server and receive traffic: set --management-token \
+                 (or FLOWGATE_MANAGEMENT_TOKEN), or pass --allow-open-management to accept that",
+                s.management_addr
+            )));
+        }
+        Ok(s)
+    }
+
+    fn validate(&self) -> Result<(), SettingsError> {
+        let invalid = |m: &str| Err(SettingsError::Invalid(m.to_string()));
+        if self.inference_addr == self.management_addr {
+            return invalid("inference_addr and management_addr must differ");
+        }
+        if self
+            .epp_addr
+            .is_some_and(|a| a == self.inference_addr || a == self.management_addr)
+        {
+            return invalid("epp_addr must differ from inference_addr and management_addr");
+        }
+        if self.max_request_bytes == 0 {
+            return invalid("max_request_bytes must be at least 1");
+        }
+        if self.upstream_connect_timeout.is_zero() {
+            return invalid("upstream_connect_timeout must be at least 1 ms");
+        }
+        if self.threads == 0 {
+            return invalid("threads must be at least 1");
+        }
+        if let Some(a) = &self.async_queue {
+            if !(0.0..1.0).contains(&a.baseline) {
+                return invalid("async_baseline must be at least 0 and below 1");
+            }
+            if a.queue.max_length == 0 || a.queue.max_delivery == 0 {
+                return invalid("async_max_length and async_max_delivery must be at least 1");
+            }
+            if a.queue.max_idle.is_zero() || a.gate_interval.is_zero() {
+                return invalid("async_max_idle and async_gate_interval must be above 0");
+            }
+            if self.tls.is_some() {
+                return invalid(
+                    "the async path delivers through the plain inference port: it cannot be \
+                     used with tls_cert yet",
+                );
+            }
+        }
+        let limits = &self.client_limits;
+        if limits.max_connections == 0 {
+            return invalid("max_connections must be at least 1");
+        }
+        if limits.header_timeout.is_zero() || limits.body_timeout.is_zero() {
+            return invalid("client_header_timeout and client_body_timeout must be above 0");
+        }
+        if !(1024..=MAX_MAX_HEADER_BYTES).contains(&limits.max_header_bytes) {
+            return invalid(&format!(
+                "max_header_bytes must be 1024 to {MAX_MAX_HEADER_BYTES} \
+                 (Pingora's own ceiling)"
+            ));
+        }
+        Ok(())
+    }
+}

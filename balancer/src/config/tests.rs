@@ -1,0 +1,321 @@
+use super::*;
+use crate::asyncq::store::DeadLetter;
+use crate::asyncq::Gate;
+use clap::Parser;
+use std::path::Path;
+
+fn cli(args: &[&str]) -> Cli {
+    Cli::try_parse_from(std::iter::once("balancer").chain(args.iter().copied())).unwrap()
+}
+
+#[test]
+fn an_open_management_port_needs_a_token_or_an_explicit_flag() {
+    let open = ["--management-addr", "0.0.0.0:8060"];
+    let err = Settings::merge(cli(&open), FileConfig::default()).unwrap_err();
+    assert!(err.to_string().contains("--management-token"), "{err}");
+    let with_token = cli(&[&open[..], &["--management-token", "t0k"]].concat());
+    let s = Settings::merge(with_token, FileConfig::default()).unwrap();
+    assert!(s.management_token.unwrap().matches(b"t0k"));
+    let allowed = cli(&[&open[..], &["--allow-open-management"]].concat());
+    let s = Settings::merge(allowed, FileConfig::default()).unwrap();
+    assert!(s.management_token.is_none());
+    let empty = cli(&["--management-token", " "]);
+    let err = Settings::merge(empty, FileConfig::default()).unwrap_err();
+    assert!(err.to_string().contains("empty"), "{err}");
+}
+
+#[test]
+fn the_scale_up_webhook_needs_an_http_url() {
+    let hook = |args: &[&str]| Settings::merge(cli(args), FileConfig::default());
+    let s = hook(&["--scale-up-webhook", "http://10.0.0.1:9000/hook"]).unwrap();
+    assert_eq!(
+        s.scale_up_webhook,
+        Some(("http://10.0.0.1:9000/hook".into(), Duration::from_secs(30)))
+    );
+    let s = hook(&[
+        "--scale-up-webhook",
+        "http://h:1",
+        "--scale-up-webhook-interval",
+        "2m",
+    ])
+    .unwrap();
+    assert_eq!(s.scale_up_webhook.unwrap().1, Duration::from_secs(120));
+    for bad in ["https://h/hook", "h:1", "http://", "http:///x"] {
+        let err = hook(&["--scale-up-webhook", bad]).unwrap_err();
+        assert!(err.to_string().contains("http://"), "{bad}: {err}");
+    }
+    let zero = [
+        "--scale-up-webhook",
+        "http://h:1",
+        "--scale-up-webhook-interval",
+        "0s",
+    ];
+    assert!(hook(&zero).is_err());
+    // The same settings, and the security ones, from the config file.
+    let file = FileConfig::parse(
+        "scaleUpWebhook: http://h:1/x\nscaleUpWebhookInterval: 5s\n\
+         managementToken: t0k\nallowOpenManagement: true\nmanagementAddr: 0.0.0.0:8060\n",
+    )
+    .unwrap();
+    let s = Settings::merge(cli(&[]), file).unwrap();
+    assert_eq!(
+        s.scale_up_webhook,
+        Some(("http://h:1/x".into(), Duration::from_secs(5)))
+    );
+    assert!(s.management_token.unwrap().matches(b"t0k"));
+}
+
+#[test]
+fn defaults_match_the_documentation() {
+    let s = Settings::merge(cli(&[]), FileConfig::default()).unwrap();
+    assert_eq!(s.inference_addr.to_string(), "127.0.0.1:8061");
+    assert_eq!(s.management_addr.to_string(), "127.0.0.1:8060");
+    assert_eq!(s.dispatcher.flow.max_requests, 30);
+    assert_eq!(s.dispatcher.flow.max_bytes, 256 << 20);
+    assert_eq!(s.dispatcher.default_ttl, Duration::from_secs(10));
+    assert_eq!(s.dispatcher.max_ttl, Duration::from_secs(60));
+    assert_eq!(
+        s.dispatcher.saturation,
+        flowgate::SaturationConfig::default()
+    );
+    assert_eq!(
+        s.dispatcher.flow.default_band.fairness,
+        flowgate::FairnessPolicy::RoundRobin
+    );
+    assert!(!s.priorities.allow_client_priority);
+    assert_eq!(s.max_request_bytes, 16 << 20);
+    assert_eq!(s.shutdown_grace_period, Duration::from_secs(30));
+    assert_eq!(s.epp_addr, None, "EPP mode is off unless asked for");
+    assert_eq!(
+        s.client_limits,
+        ClientLimits {
+            max_connections: 4096,
+            header_timeout: Duration::from_secs(10),
+            body_timeout: Duration::from_secs(60),
+            max_header_bytes: 32 * 1024,
+        }
+    );
+}
+
+#[test]
+fn the_async_section_is_read_and_flags_win() {
+    let file = FileConfig::parse(
+        "async:\n  dir: /var/lib/flowgate\n  gate: always-open\n  maxDelivery: 3\n  \
+         maxIdle: 2m\n  deadLetter: rear\n  priority: -50\n",
+    )
+    .unwrap();
+    let s = Settings::merge(cli(&["--async-max-delivery", "7"]), file).unwrap();
+    let a = s.async_queue.expect("on");
+    assert_eq!(a.dir, PathBuf::from("/var/lib/flowgate"));
+    assert_eq!(a.gate, Gate::AlwaysOpen);
+    assert_eq!(a.queue.max_delivery, 7, "the flag wins");
+    assert_eq!(a.queue.max_idle, Duration::from_secs(120));
+    assert_eq!(a.queue.dead_letter, DeadLetter::Rear);
+    assert_eq!(a.priority, -50);
+    assert!(Settings::merge(cli(&[]), FileConfig::default())
+        .unwrap()
+        .async_queue
+        .is_none());
+
+    let err = FileConfig::parse("async:\n  gates: balancer\n").unwrap_err();
+    assert!(err.to_string().contains("gates"), "{err}");
+    let prom = FileConfig::parse("async:\n  dir: /tmp/q\n  gate: prometheus\n").unwrap();
+    let err = Settings::merge(cli(&[]), prom).unwrap_err();
+    assert!(err.to_string().contains("PromQL"), "{err}");
+    let err =
+        Settings::merge(cli(&["--queue-url", "http://x"]), FileConfig::default()).unwrap_err();
+    assert!(err.to_string().contains("redis://"), "{err}");
+}
+
+#[test]
+fn client_limits_are_read_and_checked() {
+    let file = FileConfig::parse("maxConnections: 7\nclientHeaderTimeout: 2s\n").unwrap();
+    let s = Settings::merge(cli(&["--client-body-timeout", "500ms"]), file).unwrap();
+    assert_eq!(s.client_limits.max_connections, 7);
+    assert_eq!(s.client_limits.header_timeout, Duration::from_secs(2));
+    assert_eq!(s.client_limits.body_timeout, Duration::from_millis(500));
+    for (args, want) in [
+        (&["--max-connections", "0"][..], "max_connections"),
+        (&["--max-header-bytes", "100"][..], "max_header_bytes"),
+        (&["--max-header-bytes", "2000000"][..], "max_header_bytes"),
+        (
+            &["--client-header-timeout", "0"][..],
+            "client_header_timeout",
+        ),
+    ] {
+        let err = Settings::merge(cli(args), FileConfig::default()).unwrap_err();
+        assert!(err.to_string().contains(want), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn flags_override_the_file_which_overrides_defaults() {
+    let file = FileConfig::parse("maxBufferedRequests: 5\nbufferedRequestTimeout: 250\n").unwrap();
+    let s = Settings::merge(cli(&["--max-buffered-requests", "7"]), file).unwrap();
+    assert_eq!(s.dispatcher.flow.max_requests, 7);
+    assert_eq!(s.dispatcher.default_ttl, Duration::from_millis(250));
+    let file = FileConfig::parse("eppAddr: 127.0.0.1:9002\n").unwrap();
+    let s = Settings::merge(cli(&[]), file).unwrap();
+    assert_eq!(s.epp_addr, Some("127.0.0.1:9002".parse().unwrap()));
+}
+
+#[test]
+fn unknown_keys_and_bad_values_are_clear_errors() {
+    let err = FileConfig::parse("maxBuferedRequests: 5").unwrap_err();
+    assert!(err.to_string().contains("unknown field"), "{err}");
+    let err = FileConfig::parse("maxBufferedRequests: many").unwrap_err();
+    assert!(err.to_string().contains("line 1"), "{err}");
+    assert!(FileConfig::parse("").is_ok());
+    let err = Settings::merge(
+        cli(&[
+            "--inference-addr",
+            "127.0.0.1:9",
+            "--management-addr",
+            "127.0.0.1:9",
+        ]),
+        FileConfig::default(),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("must differ"));
+    let err = Settings::merge(
+        cli(&["--epp-addr", "127.0.0.1:8061"]),
+        FileConfig::default(),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("epp_addr must differ"), "{err}");
+    assert!(Settings::merge(cli(&["--max-request-bytes", "0"]), FileConfig::default()).is_err());
+}
+
+#[test]
+fn flow_control_section_is_read_and_checked() {
+    let file = FileConfig::parse(
+        "flowControl:\n  maxRequests: 100\n  maxBytes: 1000000\n  defaultRequestTTL: 5s\n  \
+         maxRequestTTL: 2m\n  defaultPriority: 1\n  priorityBands:\n  - priority: 10\n    \
+         fairnessPolicyRef: global-strict-fairness-policy\n    orderingPolicyRef: edf\n  \
+         - priority: -1\n    maxRequests: 20\n    maxBytes: 50000\n\
+         saturationDetector:\n  queueDepthThreshold: 3\n  kvCacheUtilThreshold: 0.9\n  \
+         metricsStalenessThreshold: 150ms\nobjectives:\n  chat: 10\n  batch: -1\n",
+    )
+    .unwrap();
+    let s = Settings::merge(cli(&[]), file).unwrap();
+    let d = &s.dispatcher;
+    assert_eq!((d.flow.max_requests, d.flow.max_bytes), (100, 1_000_000));
+    assert_eq!(d.default_ttl, Duration::from_secs(5));
+    assert_eq!(d.max_ttl, Duration::from_secs(120));
+    let high = d.flow.band(10);
+    assert_eq!(high.fairness, flowgate::FairnessPolicy::GlobalStrict);
+    assert_eq!(high.ordering, flowgate::OrderingPolicy::Edf);
+    let low = d.flow.band(-1);
+    assert_eq!((low.max_requests, low.max_bytes), (Some(20), Some(50_000)));
+    assert_eq!(low.fairness, flowgate::FairnessPolicy::RoundRobin);
+    assert_eq!(d.saturation.queue_depth_threshold, 3);
+    assert_eq!(
+        d.saturation.metrics_staleness_threshold,
+        Duration::from_millis(150)
+    );
+    assert_eq!(s.priorities.objectives["batch"], -1);
+    assert_eq!(s.priorities.default_priority, 1);
+}
+
+#[test]
+fn bad_flow_control_config_names_the_field() {
+    let bad = |yaml: &str, want: &str| {
+        let msg = match FileConfig::parse(yaml) {
+            Err(e) => e.to_string(),
+            Ok(file) => Settings::merge(cli(&[]), file).unwrap_err().to_string(),
+        };
+        assert!(msg.contains(want), "{yaml:?}: {msg}");
+    };
+    bad(
+        "flowControl:\n  priorityBands:\n  - priority: 1\n    fairnessPolicyRef: lottery\n",
+        "lottery",
+    );
+    bad(
+        "flowControl:\n  priorityBands:\n  - priority: 1\n  - priority: 1\n",
+        "flowControl.priorityBands[1].priority",
+    );
+    bad(
+        "flowControl:\n  priorityBands:\n  - priority: 1\n    maxRequests: 0\n",
+        "flowControl.priorityBands[0].maxRequests",
+    );
+    bad(
+        "saturationDetector:\n  kvCacheUtilThreshold: 1.5\n",
+        "saturationDetector.kvCacheUtilThreshold",
+    );
+    bad(
+        "flowControl:\n  defaultRequestTTL: 90s\n  maxRequestTTL: 1s\n",
+        "flowControl.maxRequestTTL",
+    );
+    bad(
+        "maxBufferedRequests: 3\nflowControl:\n  maxRequests: 4\n",
+        "give only one",
+    );
+    bad("flowControl:\n  maxQueue: 4\n", "unknown field");
+    bad(
+        "saturationDetector:\n  metricsStalenessThreshold: soon\n",
+        "duration",
+    );
+    bad(
+        "scheduling:\n  scorers:\n    kvCache: -1\n",
+        "scheduling.scorers.kvCache",
+    );
+    bad("scheduling:\n  scorers:\n    latency: 1\n", "unknown field");
+    bad(
+        "scheduling:\n  prefixCache:\n    blockBytes: 0\n",
+        "scheduling.prefixCache.blockBytes",
+    );
+    bad(
+        "scheduling:\n  circuitBreaker:\n    backoff: 10s\n    maxBackoff: 1s\n",
+        "scheduling.circuitBreaker.maxBackoff",
+    );
+    bad("scheduling:\n  retries: 9\n", "scheduling.retries");
+}
+
+#[test]
+fn scheduling_section_is_read() {
+    let file = FileConfig::parse(
+        "scheduling:\n  scorers:\n    prefixCache: 5\n    queue: 0\n  prefixCache:\n    \
+         blockBytes: 128\n    capacityBlocks: 100\n  retries: 0\n  circuitBreaker:\n    \
+         failures: 2\n    backoff: 1s\n  affinityHold: 50ms\n",
+    )
+    .unwrap();
+    let s = Settings::merge(cli(&[]), file).unwrap();
+    let sc = &s.dispatcher.scheduling;
+    assert_eq!(sc.scorers.prefix_cache, 5.0);
+    assert_eq!(sc.scorers.queue, 0.0);
+    assert_eq!(sc.scorers.free_slots, 2.0, "left out: default");
+    assert_eq!(
+        (sc.prefix.block_bytes, sc.prefix.capacity_blocks),
+        (128, 100)
+    );
+    assert_eq!(s.retries, 0);
+    assert_eq!(sc.breaker.failures, 2);
+    assert_eq!(sc.breaker.backoff, Duration::from_secs(1));
+    assert_eq!(sc.affinity_hold, Duration::from_millis(50));
+    let d = Settings::merge(cli(&[]), FileConfig::default()).unwrap();
+    assert_eq!(d.retries, 1);
+    assert_eq!(
+        d.dispatcher.scheduling.affinity_hold,
+        Duration::from_millis(200)
+    );
+}
+
+#[test]
+fn example_configs_load() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config");
+    let mut n = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .starts_with("balancer")
+        {
+            let file = FileConfig::load(&path).unwrap();
+            Settings::merge(cli(&[]), file).unwrap();
+            n += 1;
+        }
+    }
+    assert!(n > 0, "config/ holds at least one balancer example");
+}

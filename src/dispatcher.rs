@@ -492,6 +492,35 @@ impl<T> Dispatcher<T> {
     pub fn endpoints(&self, now: Instant) -> Vec<EndpointSnapshot> {
         self.registry.snapshot(now)
     }
+
+    /// Everything at once, for the management API, metrics and the
+    /// dashboard.
+    pub fn snapshot(&self, now: Instant) -> Snapshot {
+        Snapshot {
+            buffered: self.buffered(),
+            buffered_bytes: self.buffered_bytes(),
+            flows: self.flows(),
+            in_flight: self.in_flight(),
+            endpoints: self.endpoints(now),
+            max_buffered_requests: self.config.flow.max_requests,
+            max_buffered_bytes: self.config.flow.max_bytes,
+            unserved: self.unserved_demand(now),
+        }
+    }
+}
+
+/// A read-only view of the queues and the endpoints ([`Dispatcher::snapshot`]).
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    pub buffered: usize,
+    pub buffered_bytes: u64,
+    pub flows: Vec<FlowSnapshot>,
+    pub in_flight: u64,
+    pub endpoints: Vec<EndpointSnapshot>,
+    pub max_buffered_requests: usize,
+    pub max_buffered_bytes: u64,
+    /// Queued requests per model that no live endpoint serves.
+    pub unserved: Vec<(Option<Arc<str>>, usize)>,
 }
 
 fn done<T>(r: Removed<Waiting<T>>, result: Result<Lease, Reject>, now: Instant) -> Done<T> {

@@ -5,6 +5,8 @@
 //! with a controlled clock. The `balancer` binary wraps this in Pingora.
 //!
 //! - [`protocol`]: the agent → balancer report format.
+//! - [`admission`]: a request's facts (model, flow, TTL, route) from its
+//!   headers, body and caller, the same for every front door.
 //! - [`endpoint`]: per-endpoint capacity accounting, circuit breaker and
 //!   selection among the endpoints that serve a request's model.
 //! - [`scorer`]: the weighted scorers that pick an endpoint.
@@ -19,6 +21,7 @@
 //!   headers.
 //! - [`openai`]: OpenAI-style error bodies shared by the binaries.
 
+pub mod admission;
 pub mod blame;
 pub mod budget;
 pub mod dispatcher;
@@ -30,7 +33,9 @@ pub mod prefix;
 pub mod protocol;
 pub mod scorer;
 
-pub use dispatcher::{Admission, Dispatcher, DispatcherConfig, Done, Reject, RequestMeta, Ticket};
+pub use dispatcher::{
+    Admission, Dispatcher, DispatcherConfig, Done, Reject, RequestMeta, Snapshot, Ticket,
+};
 pub use endpoint::{
     BreakerConfig, EndpointId, EndpointSnapshot, Lease, ReportOutcome, Route, Saturation,
     SaturationConfig, SchedulingConfig,

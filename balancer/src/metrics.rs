@@ -13,7 +13,7 @@ use prometheus::{
 };
 
 use crate::history::{Tallies, OUTCOMES};
-use crate::state::Snapshot;
+use flowgate::Snapshot;
 
 /// Distinct priority values that get their own metric label; later ones
 /// read `other` (with `allowClientPriority` a client picks any integer).

@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use flowgate::{
-    Admission, AgentReport, Dispatcher, DispatcherConfig, EndpointId, FlowSnapshot, Lease, Reject,
-    ReportOutcome, RequestMeta, Route,
+    Admission, AgentReport, Dispatcher, DispatcherConfig, EndpointId, Lease, Reject, ReportOutcome,
+    RequestMeta, Route, Snapshot,
 };
 use tokio::sync::{oneshot, Notify};
 use tracing::warn;
@@ -308,17 +308,7 @@ impl Shared {
 
     /// Buffered and in-flight counts, and a view of every endpoint.
     pub fn snapshot(&self) -> Snapshot {
-        let d = self.lock();
-        Snapshot {
-            buffered: d.buffered(),
-            buffered_bytes: d.buffered_bytes(),
-            flows: d.flows(),
-            in_flight: d.in_flight(),
-            endpoints: d.endpoints(Instant::now()),
-            max_buffered_requests: d.config().flow.max_requests,
-            max_buffered_bytes: d.config().flow.max_bytes,
-            unserved: d.unserved_demand(Instant::now()),
-        }
+        self.lock().snapshot(Instant::now())
     }
 
     /// Queued requests per model that no live endpoint serves (see
@@ -373,18 +363,6 @@ impl Drop for QueuedTicket<'_> {
     fn drop(&mut self) {
         self.shared.lock().cancel(self.ticket);
     }
-}
-
-pub struct Snapshot {
-    pub buffered: usize,
-    pub buffered_bytes: u64,
-    pub flows: Vec<FlowSnapshot>,
-    pub in_flight: u64,
-    pub endpoints: Vec<flowgate::EndpointSnapshot>,
-    pub max_buffered_requests: usize,
-    pub max_buffered_bytes: u64,
-    /// Queued requests per model that no live endpoint serves.
-    pub unserved: Vec<(Option<Arc<str>>, usize)>,
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use flowgate::budget::{Budget, BudgetConfig};
+use flowgate::budget::{DispatchGate, GateConfig, SpareSource};
 use pingora_core::server::ShutdownWatch;
 use pingora_core::services::background::BackgroundService;
 use serde_json::Value;
@@ -47,7 +47,13 @@ impl Dispatcher {
         (1.0 - (interactive as f64 / slots as f64).min(1.0), slots)
     }
 
-    async fn deliver(queue: Arc<AsyncQueue>, client: reqwest::Client, url: String, job: Job) {
+    async fn deliver(
+        queue: Arc<AsyncQueue>,
+        client: reqwest::Client,
+        url: String,
+        job: Job,
+        _under_way: DeliveryUnderWay,
+    ) {
         if job.attempts > 1 {
             queue
                 .metrics
@@ -65,8 +71,11 @@ impl Dispatcher {
             .post(format!("{url}{}", job.path))
             .header("content-type", "application/json")
             .header(TOKEN_HEADER, queue.token_text.as_str())
-            .header(crate::policy::FAIRNESS_ID_HEADER, job.fairness_id.as_str())
-            .header(crate::policy::TTL_HEADER, "60s")
+            .header(
+                flowgate::admission::FAIRNESS_ID_HEADER,
+                job.fairness_id.as_str(),
+            )
+            .header(flowgate::admission::TTL_HEADER, "60s")
             .body(job.body.clone())
             .send()
             .await;
@@ -127,11 +136,37 @@ impl Dispatcher {
             Ok(Err(e)) => warn!(request = job.id, "async queue store: {e}"),
             Err(e) => warn!(request = job.id, "async delivery task: {e}"),
         }
-        queue.in_flight.fetch_sub(1, Ordering::Relaxed);
-        queue
+    }
+}
+
+/// A delivery counted in the queue's in-flight totals (which the budget
+/// and the result store's bound read) from its lease until this is
+/// dropped, however the delivery ends: answered, failed, panicked or its
+/// task dropped. Then the dispatcher looks at the queue again.
+struct DeliveryUnderWay {
+    queue: Arc<AsyncQueue>,
+    cost: u64,
+}
+
+impl DeliveryUnderWay {
+    fn new(queue: &Arc<AsyncQueue>, job: &Job) -> Self {
+        let cost = queue.config.unit.cost(job);
+        queue.in_flight.fetch_add(1, Ordering::Relaxed);
+        queue.in_flight_cost.fetch_add(cost, Ordering::Relaxed);
+        DeliveryUnderWay {
+            queue: Arc::clone(queue),
+            cost,
+        }
+    }
+}
+
+impl Drop for DeliveryUnderWay {
+    fn drop(&mut self) {
+        self.queue.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.queue
             .in_flight_cost
-            .fetch_sub(queue.config.unit.cost(&job), Ordering::Relaxed);
-        queue.submitted.notify_one();
+            .fetch_sub(self.cost, Ordering::Relaxed);
+        self.queue.submitted.notify_one();
     }
 }
 
@@ -155,22 +190,19 @@ impl BackgroundService for Dispatcher {
             self.inference
         };
         let url = format!("http://{host}");
-        let mut budget = Budget::new(BudgetConfig {
-            max_sys: 0,
+        let mut gate = DispatchGate::new(GateConfig {
+            source: match queue.config.gate {
+                Gate::AlwaysOpen => SpareSource::AlwaysOpen,
+                Gate::Balancer => SpareSource::Local,
+                Gate::Prometheus => SpareSource::Prometheus,
+            },
+            interval: queue.config.gate_interval,
+            max_sys: queue.config.max_sys,
             baseline: queue.config.baseline,
         });
         let mut last_reclaim = Instant::now() - Duration::from_secs(1);
         let mut last_file_purge = Instant::now() - FILE_PURGE_INTERVAL;
-        let interval = queue.config.gate_interval;
-        let mut last_reading = Instant::now() - interval;
-        let mut throttled_until: Option<Instant> = None;
         let mut results_full = false;
-        let mut window: std::collections::VecDeque<(Instant, f64)> = Default::default();
-        let local_window = match queue.config.gate {
-            Gate::Balancer => interval,
-            _ => Duration::from_secs(1),
-        };
-        let mut prometheus_d: Option<f64> = None;
         info!(dir = %queue.config.dir.display(), "async dispatcher started");
         loop {
             if last_file_purge.elapsed() >= FILE_PURGE_INTERVAL {
@@ -233,50 +265,24 @@ impl BackgroundService for Dispatcher {
             let in_flight = queue.in_flight.load(Ordering::Relaxed);
             let now = Instant::now();
             // This balancer's own view, every round: exported for a PromQL
-            // gate to read (see the README), and the lowest of the last
-            // window kept: a moment when interactive clients happen to be
-            // between requests is not spare capacity.
+            // gate to read (see the README) and fed to the gate.
             let (local, slots) = self.interactive_spare(in_flight);
             queue.metrics.interactive_spare.set(local);
-            window.push_back((now, local));
-            while window
-                .front()
-                .is_some_and(|(t, _)| now.duration_since(*t) > local_window)
-            {
-                window.pop_front();
+            if let (true, Some(q)) = (gate.prometheus_due(now), &queue.config.prometheus) {
+                let read = match query_prometheus(&client, q).await {
+                    Ok(d) => Some(d),
+                    Err(e) => {
+                        warn!("async gate: {e}; D = 0 until it can be read");
+                        None
+                    }
+                };
+                gate.prometheus_reading(read, now);
             }
-            let local_min = window.iter().map(|(_, d)| *d).fold(local, f64::min);
-            if let (Gate::Prometheus, Some(q)) = (queue.config.gate, &queue.config.prometheus) {
-                if now.duration_since(last_reading) >= interval {
-                    last_reading = now;
-                    prometheus_d = match query_prometheus(&client, q).await {
-                        Ok(d) => Some(d),
-                        Err(e) => {
-                            warn!("async gate: {e}; D = 0 until it can be read");
-                            None
-                        }
-                    };
-                }
-            }
-            if throttled_until.is_none_or(|t| now >= t) {
-                throttled_until = None;
-                budget.set_config(BudgetConfig {
-                    max_sys: queue.config.max_sys.unwrap_or(slots),
-                    baseline: queue.config.baseline,
-                });
-                // The Prometheus answer is capped by what this balancer sees
-                // now: its own interactive load shows here at once, and in
-                // Prometheus only a scrape later.
-                budget.reading(match queue.config.gate {
-                    Gate::AlwaysOpen => Some(1.0),
-                    Gate::Balancer => Some(local_min),
-                    Gate::Prometheus => prometheus_d.map(|d| d.min(local_min)),
-                });
-            }
+            gate.round(local, slots, now);
             if queue.throttled.swap(false, Ordering::Relaxed) {
-                budget.throttled();
-                throttled_until = Some(now + interval);
+                gate.throttled(now);
             }
+            let budget = gate.budget();
             queue.metrics.spare.set(budget.spare());
             queue.metrics.allowed.set(budget.allowed() as f64);
             let cost = queue.in_flight_cost.load(Ordering::Relaxed);
@@ -312,15 +318,13 @@ impl BackgroundService for Dispatcher {
                         }
                         let leased_any = !jobs.is_empty();
                         for job in jobs {
-                            queue.in_flight.fetch_add(1, Ordering::Relaxed);
-                            queue
-                                .in_flight_cost
-                                .fetch_add(queue.config.unit.cost(&job), Ordering::Relaxed);
+                            let under_way = DeliveryUnderWay::new(queue, &job);
                             tokio::spawn(Self::deliver(
                                 Arc::clone(queue),
                                 client.clone(),
                                 url.clone(),
                                 job,
+                                under_way,
                             ));
                         }
                         if leased_any && n < available as usize {
@@ -384,6 +388,8 @@ fn prometheus_value(body: &Value) -> Result<f64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::asyncq::store::NewJob;
+    use crate::asyncq::AsyncConfig;
     use serde_json::json;
 
     #[test]
@@ -405,5 +411,56 @@ mod tests {
             .contains("parse error"));
         let matrix = json!({"status": "success", "data": {"resultType": "matrix", "result": []}});
         assert!(prometheus_value(&matrix).is_err());
+    }
+
+    #[tokio::test]
+    async fn a_delivery_gives_its_budget_back_however_it_ends() {
+        let dir = std::env::temp_dir().join(format!("flowgate-delivery-{}", std::process::id()));
+        let config = AsyncConfig {
+            dir: dir.clone(),
+            redis_url: None,
+            queue: Default::default(),
+            gate: Gate::AlwaysOpen,
+            max_sys: None,
+            unit: CapacityUnit::Bytes,
+            baseline: 0.0,
+            priority: -10,
+            gate_interval: Duration::from_secs(1),
+            prometheus: None,
+        };
+        let shared = crate::state::Shared::new(Default::default());
+        let queue = AsyncQueue::open(config, shared).unwrap();
+        let job = Job::new(
+            NewJob {
+                body: "0123456789".into(),
+                ..NewJob::default()
+            },
+            "a".into(),
+            0,
+        );
+        let totals = |q: &AsyncQueue| {
+            (
+                q.in_flight.load(Ordering::Relaxed),
+                q.in_flight_cost.load(Ordering::Relaxed),
+            )
+        };
+        let ended = DeliveryUnderWay::new(&queue, &job);
+        let panicked = DeliveryUnderWay::new(&queue, &job);
+        let dropped = DeliveryUnderWay::new(&queue, &job);
+        assert_eq!(totals(&queue), (3, 30));
+        drop(ended);
+        let task = tokio::spawn(async move {
+            let _under_way = panicked;
+            panic!("a delivery that panics");
+        });
+        assert!(task.await.is_err());
+        let never = tokio::spawn(async move {
+            let _under_way = dropped;
+            std::future::pending::<()>().await;
+        });
+        never.abort();
+        let _ = never.await;
+        assert_eq!(totals(&queue), (0, 0), "nothing leaked");
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -1,0 +1,578 @@
+//! Endpoints (model servers) as the balancer sees them: what their agent
+//! reported plus the balancer's own in-flight count.
+//!
+//! Accounting rules, each one covered by a test below:
+//! - An endpoint is keyed by its traffic address, so two agents that watch
+//!   the same server cannot double its capacity: the latest reporter owns it.
+//! - The in-flight count only moves through [`Lease`]s: acquiring one adds
+//!   one, releasing it (by value, so only once) subtracts one. A report never
+//!   touches it, so the count cannot underflow or be forgotten.
+//! - Slots used by clients that bypass the balancer ("foreign" load) are
+//!   estimated conservatively from reports: `reported_busy` minus the most the
+//!   balancer had in flight since the previous report. A report that lags
+//!   behind a release therefore never hides a slot the balancer just freed.
+//! - An endpoint whose agent went away stays known while requests are in
+//!   flight to it (ineligible for new work) and is forgotten when they finish.
+//! - A slot is free only when the engine's slot is free. llama-server goes
+//!   on generating a non-streamed answer after its client left (measured:
+//!   1,500 tokens ran on for 28.8 s), so a lease whose client left before
+//!   the answer ended is *orphaned* ([`Registry::orphan`]), not released: it
+//!   stays in `in_flight` until a later report shows the engine with no more
+//!   busy slots than the balancer's live requests explain
+//!   (`slots_busy ≤ in_flight − orphans`, oldest orphans first), or
+//!   [`ORPHAN_MAX_AGE`] passed, or the agent went away. Streamed llama.cpp
+//!   requests stop within 0.05 s of the disconnect, and vLLM and SGLang
+//!   abort on disconnect: those leases are released at once.
+//!
+//! The rooms: [`selection`] chooses a candidate (pure: it takes no slot),
+//! [`saturation`] says who takes no new work, [`breaker`] takes failing
+//! endpoints out for a while; this file keeps the ledger.
+
+mod breaker;
+mod saturation;
+mod selection;
+
+pub use breaker::BreakerConfig;
+pub use saturation::{Saturation, SaturationConfig};
+use selection::Choice;
+pub(crate) use selection::Pick;
+pub use selection::{Route, SchedulingConfig};
+
+use breaker::Breaker;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::prefix::PrefixLru;
+use crate::protocol::{AgentReport, BackendHealth, ReportError};
+use crate::scorer::TieBreaker;
+
+/// Reports older than this many monitoring intervals make an agent stale.
+pub const STALE_AFTER_INTERVALS: u32 = 3;
+
+/// Agents one balancer takes: a report from a new agent beyond is refused.
+pub const MAX_AGENTS: usize = 2048;
+/// Distinct model names the balancer remembers: a report naming a new one
+/// beyond is refused (they become `/v1/models` entries and metric labels).
+pub const MAX_MODEL_NAMES: usize = 4096;
+
+/// The longest an orphaned slot ([`Registry::orphan`]) stays counted busy
+/// when no report frees it: a lost or confused agent cannot hold a slot
+/// forever.
+pub const ORPHAN_MAX_AGE: Duration = Duration::from_secs(300);
+
+/// How long a model stays known (requests for it are queued, not refused
+/// with 404) after the last endpoint serving it went away, so a rolling
+/// restart does not turn into errors.
+pub const MODEL_MEMORY: Duration = Duration::from_secs(300);
+
+/// Identifies an endpoint for the life of the process (never reused).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct EndpointId(pub u64);
+
+/// The right to send one request to one endpoint. Not `Clone`: the slot is
+/// given back by passing the lease to [`crate::Dispatcher::release`].
+#[derive(Debug, PartialEq, Eq)]
+#[must_use = "a lease holds an endpoint slot until it is released"]
+pub struct Lease {
+    pub endpoint: EndpointId,
+    pub addr: SocketAddr,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct AgentState {
+    pub(crate) report: AgentReport,
+    pub(crate) received_at: Instant,
+}
+
+#[derive(Debug)]
+pub(crate) struct Endpoint {
+    pub(crate) id: EndpointId,
+    pub(crate) addr: SocketAddr,
+    /// `None` once the agent deregistered or was dropped as stale.
+    pub(crate) agent: Option<AgentState>,
+    pub(crate) in_flight: u32,
+    /// Highest `in_flight` since the last report (see module docs).
+    in_flight_peak: u32,
+    /// Busy slots the balancer did not cause, from the last report.
+    foreign_busy: u32,
+    /// The agent the last take-over displaced (to tell two agents taking
+    /// turns from a new owner).
+    displaced: Option<String>,
+    /// When each orphaned slot (counted in `in_flight`) was orphaned,
+    /// oldest first.
+    orphans: std::collections::VecDeque<Instant>,
+    breaker: Breaker,
+    /// Prompt blocks recently sent here.
+    prefix: PrefixLru,
+}
+
+impl Endpoint {
+    fn stale_deadline(agent: &AgentState) -> Instant {
+        agent.received_at + agent.report.monitoring_interval() * STALE_AFTER_INTERVALS
+    }
+
+    /// Whether the endpoint may receive new work at `now` (once it is not
+    /// saturated).
+    pub(crate) fn eligible(&self, now: Instant) -> bool {
+        match &self.agent {
+            Some(a) => {
+                a.report.health == BackendHealth::Ready
+                    && !a.report.draining
+                    && now < Self::stale_deadline(a)
+                    && !self.breaker.is_open(now)
+            }
+            None => false,
+        }
+    }
+
+    /// Whether the endpoint answers for `model` (an agent that lists no
+    /// models is taken to serve any).
+    fn serves(&self, model: Option<&str>) -> bool {
+        match (&self.agent, model) {
+            (None, _) => false,
+            (Some(_), None) => true,
+            (Some(a), Some(m)) => {
+                a.report.models.is_empty() || a.report.models.iter().any(|x| x == m)
+            }
+        }
+    }
+
+    pub(crate) fn slots_total(&self) -> u32 {
+        self.agent.as_ref().map_or(0, |a| a.report.slots_total)
+    }
+
+    /// Gives back the `n` oldest orphaned slots.
+    fn free_orphans(&mut self, n: usize) {
+        let n = n.min(self.orphans.len());
+        self.orphans.drain(..n);
+        self.in_flight -= n as u32;
+    }
+
+    /// Slots the balancer may still fill.
+    pub(crate) fn free_slots(&self) -> u32 {
+        self.slots_total()
+            .saturating_sub(self.in_flight)
+            .saturating_sub(self.foreign_busy)
+    }
+}
+
+/// Read-only view of one endpoint, for the management API and metrics.
+#[derive(Debug, Clone, Serialize)]
+pub struct EndpointSnapshot {
+    pub id: EndpointId,
+    pub addr: SocketAddr,
+    /// `None` when the agent is gone and in-flight requests are finishing.
+    pub agent: Option<AgentReport>,
+    /// Milliseconds since the last report.
+    pub report_age_ms: Option<u64>,
+    pub stale: bool,
+    pub eligible: bool,
+    /// Why an eligible endpoint takes no new work now (`null`: it does).
+    pub saturation: Option<Saturation>,
+    pub in_flight: u32,
+    /// Of `in_flight`: slots whose client left while the engine still works
+    /// on them.
+    pub orphaned: u32,
+    pub foreign_busy: u32,
+    pub free_slots: u32,
+    /// Milliseconds until the circuit breaker lets work through again
+    /// (`null`: closed).
+    pub circuit_open_ms: Option<u64>,
+    pub consecutive_failures: u32,
+    /// Prompt blocks the prefix index remembers for this endpoint.
+    pub prefix_blocks: usize,
+}
+
+/// What happened to a report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReportOutcome {
+    /// First report of this agent for this endpoint.
+    Registered(EndpointId),
+    Updated(EndpointId),
+    /// This agent took the endpoint over from another agent id.
+    TookOver(EndpointId),
+    /// Two agents watch one server and report in turn: this one took it
+    /// back from the agent that last took it from this one (counted as an
+    /// update; the first take-over of the pair was already reported).
+    TookBack(EndpointId),
+}
+
+/// All endpoints the balancer knows.
+#[derive(Debug)]
+pub(crate) struct Registry {
+    saturation: SaturationConfig,
+    scheduling: SchedulingConfig,
+    endpoints: HashMap<EndpointId, Endpoint>,
+    by_addr: HashMap<SocketAddr, EndpointId>,
+    by_agent: HashMap<String, EndpointId>,
+    /// Every model an agent reported, with when it last did.
+    models: HashMap<Arc<str>, Instant>,
+    next_id: u64,
+    ties: TieBreaker,
+    /// Scratch space of `acquire`: candidates, and the best of them.
+    candidates: Vec<EndpointId>,
+    best: Vec<EndpointId>,
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Registry::new(SaturationConfig::default(), SchedulingConfig::default())
+    }
+}
+
+impl Registry {
+    pub(crate) fn new(saturation: SaturationConfig, scheduling: SchedulingConfig) -> Self {
+        Registry {
+            saturation,
+            scheduling,
+            endpoints: HashMap::new(),
+            by_addr: HashMap::new(),
+            by_agent: HashMap::new(),
+            models: HashMap::new(),
+            next_id: 0,
+            ties: TieBreaker::new(scheduling.seed),
+            candidates: Vec::new(),
+            best: Vec::new(),
+        }
+    }
+
+    /// Refuses a report that would grow the registry past its bounds: a new
+    /// agent beyond [`MAX_AGENTS`], a new model name beyond
+    /// [`MAX_MODEL_NAMES`].
+    pub(crate) fn check_bounds(&self, report: &AgentReport) -> Result<(), ReportError> {
+        if !self.by_agent.contains_key(&report.agent_id) && self.by_agent.len() >= MAX_AGENTS {
+            return Err(ReportError::TooManyAgents(MAX_AGENTS));
+        }
+        let new_names = report
+            .models
+            .iter()
+            .filter(|m| !self.models.contains_key(m.as_str()))
+            .count();
+        if self.models.len() + new_names > MAX_MODEL_NAMES {
+            return Err(ReportError::TooManyModelNames(MAX_MODEL_NAMES));
+        }
+        Ok(())
+    }
+
+    /// Applies a validated report (`addr` is its parsed `external_addr`).
+    pub(crate) fn apply_report(
+        &mut self,
+        report: AgentReport,
+        addr: SocketAddr,
+        now: Instant,
+    ) -> ReportOutcome {
+        // The agent moved to another address: detach it from the old one.
+        if let Some(&old) = self.by_agent.get(&report.agent_id) {
+            if self.endpoints.get(&old).map(|e| e.addr) != Some(addr) {
+                self.detach_agent_from(old);
+            }
+        }
+        let id = match self.by_addr.get(&addr) {
+            Some(&id) => id,
+            None => {
+                self.next_id += 1;
+                let id = EndpointId(self.next_id);
+                self.endpoints.insert(
+                    id,
+                    Endpoint {
+                        id,
+                        addr,
+                        agent: None,
+                        in_flight: 0,
+                        in_flight_peak: 0,
+                        foreign_busy: 0,
+                        displaced: None,
+                        orphans: Default::default(),
+                        breaker: Breaker::default(),
+                        prefix: PrefixLru::new(self.scheduling.prefix.capacity_blocks),
+                    },
+                );
+                self.by_addr.insert(addr, id);
+                id
+            }
+        };
+        let ep = self
+            .endpoints
+            .get_mut(&id)
+            .expect("indexed endpoint exists");
+        let outcome = match &ep.agent {
+            None => ReportOutcome::Registered(id),
+            Some(a) if a.report.agent_id == report.agent_id => ReportOutcome::Updated(id),
+            Some(a) => {
+                let previous = a.report.agent_id.clone();
+                self.by_agent.remove(&previous);
+                let back = ep.displaced.as_deref() == Some(report.agent_id.as_str());
+                ep.displaced = Some(previous);
+                if back {
+                    ReportOutcome::TookBack(id)
+                } else {
+                    ReportOutcome::TookOver(id)
+                }
+            }
+        };
+        ep.foreign_busy = report.slots_busy.saturating_sub(ep.in_flight_peak);
+        // Orphans the engine no longer works on: busy slots beyond what the
+        // balancer's live requests explain are still orphans; the rest are
+        // free (oldest first).
+        let live = ep.in_flight.saturating_sub(ep.orphans.len() as u32);
+        let running_orphans = report.slots_busy.saturating_sub(live);
+        let done = (ep.orphans.len() as u32).saturating_sub(running_orphans);
+        ep.free_orphans(done as usize);
+        ep.in_flight_peak = ep.in_flight;
+        for m in &report.models {
+            match self.models.get_mut(m.as_str()) {
+                Some(seen) => *seen = now,
+                None => {
+                    self.models.insert(Arc::from(m.as_str()), now);
+                }
+            }
+        }
+        self.by_agent.insert(report.agent_id.clone(), id);
+        ep.agent = Some(AgentState {
+            report,
+            received_at: now,
+        });
+        outcome
+    }
+
+    fn detach_agent_from(&mut self, id: EndpointId) {
+        if let Some(ep) = self.endpoints.get_mut(&id) {
+            if let Some(a) = ep.agent.take() {
+                self.by_agent.remove(&a.report.agent_id);
+            }
+            ep.foreign_busy = 0;
+            // No report can free them any more, and the endpoint takes no
+            // new work: nothing is left to protect.
+            ep.free_orphans(ep.orphans.len());
+            if ep.in_flight == 0 {
+                self.forget(id);
+            }
+        }
+    }
+
+    fn forget(&mut self, id: EndpointId) {
+        if let Some(ep) = self.endpoints.remove(&id) {
+            self.by_addr.remove(&ep.addr);
+        }
+    }
+
+    /// Removes an agent; its endpoint lingers while requests are in flight.
+    pub(crate) fn deregister(&mut self, agent_id: &str) -> bool {
+        match self.by_agent.get(agent_id).copied() {
+            Some(id) => {
+                self.detach_agent_from(id);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Drops agents whose last report is older than three intervals, and
+    /// models not reported for [`MODEL_MEMORY`]. Returns the ids of the
+    /// agents dropped.
+    pub(crate) fn drop_stale(&mut self, now: Instant) -> Vec<String> {
+        self.models
+            .retain(|_, seen| now.saturating_duration_since(*seen) < MODEL_MEMORY);
+        for ep in self.endpoints.values_mut() {
+            let old = ep
+                .orphans
+                .iter()
+                .take_while(|t| now.saturating_duration_since(**t) >= ORPHAN_MAX_AGE)
+                .count();
+            ep.free_orphans(old);
+        }
+        let stale: Vec<(EndpointId, String)> = self
+            .endpoints
+            .values()
+            .filter_map(|e| {
+                let a = e.agent.as_ref()?;
+                (now >= Endpoint::stale_deadline(a)).then(|| (e.id, a.report.agent_id.clone()))
+            })
+            .collect();
+        stale
+            .into_iter()
+            .map(|(id, agent)| {
+                self.detach_agent_from(id);
+                agent
+            })
+            .collect()
+    }
+
+    /// Takes a slot on the endpoint [`Registry::choose`] picks for
+    /// `route`, if any (see there for `may_hold`).
+    pub(crate) fn pick(&mut self, route: &Route, now: Instant, may_hold: bool) -> Pick {
+        let chosen = match self.choose(route, now, may_hold) {
+            Choice::Endpoint(id) => id,
+            Choice::Hold => return Pick::Hold,
+            Choice::Busy => return Pick::Busy,
+        };
+        let ep = self.endpoints.get_mut(&chosen).expect("candidate exists");
+        ep.in_flight += 1;
+        ep.in_flight_peak = ep.in_flight_peak.max(ep.in_flight);
+        ep.prefix.insert(&route.prefix);
+        Pick::Lease(Lease {
+            endpoint: ep.id,
+            addr: ep.addr,
+        })
+    }
+
+    /// Whether some endpoint could take work now, for any model.
+    pub(crate) fn any_available(&self, now: Instant) -> bool {
+        let config = self.saturation;
+        self.endpoints.values().any(|e| e.available(now, &config))
+    }
+
+    /// Whether an eligible endpoint fits `route` and is not `except` (it
+    /// may be busy): waiting can help, or a retry has somewhere to go.
+    pub(crate) fn has_eligible(
+        &self,
+        route: &Route,
+        except: Option<SocketAddr>,
+        now: Instant,
+    ) -> bool {
+        self.endpoints
+            .values()
+            .any(|e| Some(e.addr) != except && e.fits(route) && e.eligible(now))
+    }
+
+    /// Whether requests for `model` are accepted: it is served or was
+    /// lately, any endpoint will do (`None`, or an agent listing no models),
+    /// or no agent is registered at all (the fleet may be scaling up from
+    /// zero, so requests wait for it).
+    pub(crate) fn model_known(&self, model: Option<&str>, now: Instant) -> bool {
+        let Some(m) = model else { return true };
+        let mut agents = self
+            .endpoints
+            .values()
+            .filter(|e| e.agent.is_some())
+            .peekable();
+        if agents.peek().is_none() {
+            return true;
+        }
+        agents.any(|e| e.serves(Some(m)))
+            || self
+                .models
+                .get(m)
+                .is_some_and(|seen| now.saturating_duration_since(*seen) < MODEL_MEMORY)
+    }
+
+    /// Whether some agent reported serving `model` within [`MODEL_MEMORY`].
+    pub(crate) fn model_reported(&self, model: &str) -> bool {
+        self.models.contains_key(model)
+    }
+
+    /// Gives a slot back. Consuming the lease makes a double release a
+    /// compile error rather than an accounting bug.
+    pub(crate) fn release(&mut self, lease: Lease) {
+        let Some(ep) = self.endpoints.get_mut(&lease.endpoint) else {
+            debug_assert!(false, "lease for an unknown endpoint {:?}", lease.endpoint);
+            return;
+        };
+        debug_assert!(ep.in_flight > 0, "release without an in-flight request");
+        ep.in_flight = ep.in_flight.saturating_sub(1);
+        if ep.in_flight == 0 && ep.agent.is_none() {
+            self.forget(lease.endpoint);
+        }
+    }
+
+    /// Gives back the slot of a request whose client left before its
+    /// answer ended: at once when the engine stops on a disconnect (a
+    /// streamed request, or vLLM and SGLang), else it stays counted busy as
+    /// an orphan until a report shows it free (see the module docs).
+    pub(crate) fn orphan(&mut self, lease: Lease, streamed: bool, now: Instant) {
+        let keeps_working = self.endpoints.get(&lease.endpoint).is_some_and(|ep| {
+            !streamed
+                && ep
+                    .agent
+                    .as_ref()
+                    .is_some_and(|a| a.report.backend == crate::protocol::BackendKind::Llamacpp)
+        });
+        if !keeps_working {
+            self.release(lease);
+            return;
+        }
+        let ep = self
+            .endpoints
+            .get_mut(&lease.endpoint)
+            .expect("checked above");
+        ep.orphans.push_back(now);
+    }
+
+    /// Requests the balancer has in flight to an endpoint.
+    pub(crate) fn in_flight_of(&self, id: EndpointId) -> u32 {
+        self.endpoints.get(&id).map_or(0, |e| e.in_flight)
+    }
+
+    /// Whether any endpoint could take work now or after its load drains.
+    pub(crate) fn any_eligible(&self, now: Instant) -> bool {
+        self.endpoints.values().any(|e| e.eligible(now))
+    }
+
+    /// The earliest instant at which some agent turns stale, if any.
+    pub(crate) fn next_stale_deadline(&self) -> Option<Instant> {
+        self.endpoints
+            .values()
+            .filter_map(|e| e.agent.as_ref().map(Endpoint::stale_deadline))
+            .min()
+    }
+
+    /// Of [`Registry::total_in_flight`]: orphaned slots, whose clients left.
+    pub(crate) fn total_orphaned(&self) -> u64 {
+        self.endpoints
+            .values()
+            .map(|e| e.orphans.len() as u64)
+            .sum()
+    }
+
+    pub(crate) fn total_in_flight(&self) -> u64 {
+        self.endpoints
+            .values()
+            .map(|e| u64::from(e.in_flight))
+            .sum()
+    }
+
+    pub(crate) fn snapshot(&self, now: Instant) -> Vec<EndpointSnapshot> {
+        let mut out: Vec<EndpointSnapshot> = self
+            .endpoints
+            .values()
+            .map(|e| EndpointSnapshot {
+                id: e.id,
+                addr: e.addr,
+                agent: e.agent.as_ref().map(|a| a.report.clone()),
+                report_age_ms: e.agent.as_ref().map(|a| {
+                    u64::try_from(now.saturating_duration_since(a.received_at).as_millis())
+                        .unwrap_or(u64::MAX)
+                }),
+                stale: e
+                    .agent
+                    .as_ref()
+                    .is_some_and(|a| now >= Endpoint::stale_deadline(a)),
+                eligible: e.eligible(now),
+                saturation: if e.eligible(now) {
+                    e.saturation(now, &self.saturation)
+                } else {
+                    None
+                },
+                in_flight: e.in_flight,
+                orphaned: e.orphans.len() as u32,
+                foreign_busy: e.foreign_busy,
+                free_slots: e.free_slots(),
+                circuit_open_ms: e.breaker.open_until.and_then(|t| {
+                    (now < t).then(|| u64::try_from((t - now).as_millis()).unwrap_or(u64::MAX))
+                }),
+                consecutive_failures: e.breaker.consecutive_failures,
+                prefix_blocks: e.prefix.len(),
+            })
+            .collect();
+        out.sort_by_key(|s| s.id);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,473 @@
+use super::*;
+use crate::protocol::tests::report;
+use std::time::Duration;
+
+impl Registry {
+    /// [`Registry::pick`] without holding.
+    fn acquire(&mut self, route: &Route, now: Instant) -> Option<Lease> {
+        match self.pick(route, now, false) {
+            Pick::Lease(lease) => Some(lease),
+            Pick::Hold | Pick::Busy => None,
+        }
+    }
+}
+
+fn addr(s: &str) -> SocketAddr {
+    s.parse().unwrap()
+}
+
+fn registry_with(slots: u32, now: Instant) -> Registry {
+    let mut r = Registry::default();
+    r.apply_report(report("a", "127.0.0.1:1", slots), addr("127.0.0.1:1"), now);
+    r
+}
+
+#[test]
+fn leases_never_exceed_reported_slots() {
+    let now = Instant::now();
+    let mut r = registry_with(2, now);
+    let l1 = r.acquire(&Route::default(), now).unwrap();
+    let l2 = r.acquire(&Route::default(), now).unwrap();
+    assert!(r.acquire(&Route::default(), now).is_none());
+    r.release(l1);
+    let l3 = r.acquire(&Route::default(), now).unwrap();
+    r.release(l2);
+    r.release(l3);
+    assert_eq!(r.total_in_flight(), 0);
+}
+
+#[test]
+fn a_report_never_resets_the_in_flight_count() {
+    let now = Instant::now();
+    let mut r = registry_with(4, now);
+    let leases: Vec<_> = (0..3)
+        .map(|_| r.acquire(&Route::default(), now).unwrap())
+        .collect();
+    // The agent scraped before our requests arrived: it says 0 busy.
+    r.apply_report(report("a", "127.0.0.1:1", 4), addr("127.0.0.1:1"), now);
+    assert_eq!(r.total_in_flight(), 3);
+    assert!(r.acquire(&Route::default(), now).is_some(), "one slot left");
+    assert!(r.acquire(&Route::default(), now).is_none(), "and only one");
+    for l in leases {
+        r.release(l);
+    }
+}
+
+#[test]
+fn a_lagging_report_does_not_hide_a_slot_just_freed() {
+    let now = Instant::now();
+    let mut r = registry_with(2, now);
+    let l1 = r.acquire(&Route::default(), now).unwrap();
+    let l2 = r.acquire(&Route::default(), now).unwrap();
+    r.release(l1);
+    // Scraped while both of ours were busy.
+    let mut busy = report("a", "127.0.0.1:1", 2);
+    busy.slots_busy = 2;
+    r.apply_report(busy, addr("127.0.0.1:1"), now);
+    assert!(
+        r.acquire(&Route::default(), now).is_some(),
+        "the freed slot is usable at once"
+    );
+    let _ = l2;
+}
+
+#[test]
+fn a_slot_whose_client_left_stays_busy_until_the_engine_is_done() {
+    let t0 = Instant::now();
+    let mut r = registry_with(1, t0);
+    let lease = r.acquire(&Route::default(), t0).unwrap();
+    // llama-server goes on with a non-streamed answer after its client
+    // left: the slot is not free.
+    r.orphan(lease, false, t0);
+    assert!(r.acquire(&Route::default(), t0).is_none(), "still busy");
+    assert_eq!(r.snapshot(t0)[0].orphaned, 1);
+    let mut busy = report("a", "127.0.0.1:1", 1);
+    busy.slots_busy = 1;
+    let t1 = t0 + Duration::from_millis(100);
+    r.apply_report(busy.clone(), addr("127.0.0.1:1"), t1);
+    assert!(
+        r.acquire(&Route::default(), t1).is_none(),
+        "the engine says busy"
+    );
+    // The engine finished: the next report shows the slot idle.
+    busy.slots_busy = 0;
+    let t2 = t1 + Duration::from_millis(100);
+    r.apply_report(busy, addr("127.0.0.1:1"), t2);
+    assert_eq!(r.snapshot(t2)[0].orphaned, 0);
+    let next = r.acquire(&Route::default(), t2).expect("free now");
+    r.release(next);
+    assert_eq!(r.total_in_flight(), 0);
+}
+
+#[test]
+fn orphans_beside_live_requests_are_freed_only_by_what_the_engine_shows() {
+    let t0 = Instant::now();
+    let mut r = registry_with(3, t0);
+    let live = r.acquire(&Route::default(), t0).unwrap();
+    let gone = r.acquire(&Route::default(), t0).unwrap();
+    r.orphan(gone, false, t0);
+    let mut rep = report("a", "127.0.0.1:1", 3);
+    // Our live request and the orphan both run.
+    rep.slots_busy = 2;
+    r.apply_report(rep.clone(), addr("127.0.0.1:1"), t0);
+    assert_eq!(r.total_in_flight(), 2);
+    // One busy slot: the live request explains it; the orphan is done.
+    rep.slots_busy = 1;
+    r.apply_report(rep, addr("127.0.0.1:1"), t0);
+    assert_eq!(r.total_in_flight(), 1);
+    r.release(live);
+    assert_eq!(r.total_in_flight(), 0);
+}
+
+#[test]
+fn an_orphan_is_freed_at_once_when_the_engine_stops_with_its_client() {
+    let t0 = Instant::now();
+    let mut r = registry_with(1, t0);
+    let streamed = r.acquire(&Route::default(), t0).unwrap();
+    r.orphan(streamed, true, t0);
+    assert_eq!(r.total_in_flight(), 0, "a streamed llama.cpp answer stops");
+    let mut vllm = report("v", "127.0.0.1:2", 1);
+    vllm.backend = crate::protocol::BackendKind::Vllm;
+    r.apply_report(vllm, addr("127.0.0.1:2"), t0);
+    let on_vllm = r
+        .acquire(
+            &Route {
+                subset: Some(vec![addr("127.0.0.1:2")].into()),
+                ..Route::default()
+            },
+            t0,
+        )
+        .unwrap();
+    r.orphan(on_vllm, false, t0);
+    assert_eq!(r.total_in_flight(), 0, "vLLM aborts on disconnect");
+}
+
+#[test]
+fn a_lost_agent_cannot_hold_an_orphan_forever() {
+    let t0 = Instant::now();
+    let mut r = registry_with(1, t0);
+    let lease = r.acquire(&Route::default(), t0).unwrap();
+    r.orphan(lease, false, t0);
+    let mut busy = report("a", "127.0.0.1:1", 1);
+    busy.slots_busy = 1;
+    // The agent keeps saying busy (or is confused): the bound frees it.
+    let late = t0 + ORPHAN_MAX_AGE - Duration::from_millis(1);
+    r.apply_report(busy, addr("127.0.0.1:1"), late);
+    r.drop_stale(late);
+    assert_eq!(r.total_in_flight(), 1);
+    r.drop_stale(t0 + ORPHAN_MAX_AGE);
+    assert_eq!(r.total_in_flight(), 0);
+    // An agent that goes away frees them too (nothing can report them).
+    let l = r.acquire(&Route::default(), late).unwrap();
+    r.orphan(l, false, late);
+    r.deregister("a");
+    assert_eq!(r.total_in_flight(), 0);
+}
+
+#[test]
+fn load_from_other_clients_reduces_free_slots() {
+    let now = Instant::now();
+    let mut r = registry_with(4, now);
+    let mut busy = report("a", "127.0.0.1:1", 4);
+    busy.slots_busy = 3; // none of them ours
+    r.apply_report(busy, addr("127.0.0.1:1"), now);
+    assert!(r.acquire(&Route::default(), now).is_some());
+    assert!(r.acquire(&Route::default(), now).is_none());
+}
+
+#[test]
+fn two_agents_on_one_server_do_not_double_its_capacity() {
+    let now = Instant::now();
+    let mut r = registry_with(2, now);
+    let out = r.apply_report(report("b", "127.0.0.1:1", 2), addr("127.0.0.1:1"), now);
+    assert!(matches!(out, ReportOutcome::TookOver(_)));
+    assert!(r.acquire(&Route::default(), now).is_some());
+    assert!(r.acquire(&Route::default(), now).is_some());
+    assert!(r.acquire(&Route::default(), now).is_none());
+    assert_eq!(r.snapshot(now).len(), 1);
+    // Taking turns is one change of owner, reported once.
+    for _ in 0..3 {
+        let a = r.apply_report(report("a", "127.0.0.1:1", 2), addr("127.0.0.1:1"), now);
+        assert!(matches!(a, ReportOutcome::TookBack(_)), "{a:?}");
+        let b = r.apply_report(report("b", "127.0.0.1:1", 2), addr("127.0.0.1:1"), now);
+        assert!(matches!(b, ReportOutcome::TookBack(_)), "{b:?}");
+    }
+    let c = r.apply_report(report("c", "127.0.0.1:1", 2), addr("127.0.0.1:1"), now);
+    assert!(matches!(c, ReportOutcome::TookOver(_)), "a new owner is");
+}
+
+#[test]
+fn stale_agents_get_no_work_and_are_dropped_after_in_flight_finishes() {
+    let t0 = Instant::now();
+    let mut r = registry_with(2, t0);
+    let lease = r.acquire(&Route::default(), t0).unwrap();
+    let stale = t0 + Duration::from_secs(3);
+    assert!(r
+        .acquire(&Route::default(), t0 + Duration::from_millis(1999))
+        .is_some());
+    assert!(
+        r.acquire(&Route::default(), t0 + Duration::from_millis(2001))
+            .is_none(),
+        "metrics older than 2 intervals saturate"
+    );
+    assert!(r.snapshot(stale - Duration::from_millis(1))[0].eligible);
+    assert!(!r.snapshot(stale)[0].eligible, "stale after 3 intervals");
+    assert_eq!(r.drop_stale(stale), vec!["a".to_string()]);
+    assert_eq!(
+        r.snapshot(stale).len(),
+        1,
+        "kept while requests are in flight"
+    );
+    r.release(lease);
+    assert_eq!(r.snapshot(stale).len(), 1, "one more lease is out");
+}
+
+#[test]
+fn deregistered_endpoint_is_forgotten_when_idle_and_rejoins_with_its_count() {
+    let now = Instant::now();
+    let mut r = registry_with(1, now);
+    let lease = r.acquire(&Route::default(), now).unwrap();
+    assert!(r.deregister("a"));
+    assert!(!r.any_eligible(now));
+    // It comes back before the request finished: the slot is still taken.
+    r.apply_report(report("a2", "127.0.0.1:1", 1), addr("127.0.0.1:1"), now);
+    assert!(r.acquire(&Route::default(), now).is_none());
+    r.release(lease);
+    assert!(r.acquire(&Route::default(), now).is_some());
+    let mut r = registry_with(1, now);
+    assert!(r.deregister("a"));
+    assert!(r.snapshot(now).is_empty());
+    assert!(!r.deregister("a"));
+}
+
+#[test]
+fn loading_unreachable_and_draining_endpoints_get_no_work() {
+    let now = Instant::now();
+    for f in [
+        |r: &mut AgentReport| r.health = BackendHealth::Loading,
+        |r: &mut AgentReport| r.health = BackendHealth::Unreachable,
+        |r: &mut AgentReport| r.draining = true,
+    ] {
+        let mut rep = report("a", "127.0.0.1:1", 4);
+        f(&mut rep);
+        let mut r = Registry::default();
+        r.apply_report(rep, addr("127.0.0.1:1"), now);
+        assert!(r.acquire(&Route::default(), now).is_none());
+    }
+}
+
+#[test]
+fn equal_endpoints_share_the_load() {
+    let now = Instant::now();
+    let mut r = Registry::default();
+    r.apply_report(report("a", "127.0.0.1:1", 4), addr("127.0.0.1:1"), now);
+    r.apply_report(report("b", "127.0.0.1:2", 4), addr("127.0.0.1:2"), now);
+    let leases: Vec<_> = (0..4)
+        .map(|_| r.acquire(&Route::default(), now).unwrap())
+        .collect();
+    let on_a = leases.iter().filter(|l| l.addr.port() == 1).count();
+    assert_eq!(on_a, 2);
+}
+
+#[test]
+fn moving_agent_frees_its_old_address() {
+    let now = Instant::now();
+    let mut r = registry_with(1, now);
+    r.apply_report(report("a", "127.0.0.1:2", 1), addr("127.0.0.1:2"), now);
+    let snap = r.snapshot(now);
+    assert_eq!(snap.len(), 1);
+    assert_eq!(snap[0].addr.port(), 2);
+}
+
+fn report_for(id: &str, port: u16, slots: u32, models: &[&str]) -> (AgentReport, SocketAddr) {
+    let a = format!("127.0.0.1:{port}");
+    let mut rep = report(id, &a, slots);
+    rep.models = models.iter().map(|m| m.to_string()).collect();
+    (rep, addr(&a))
+}
+
+fn route(model: Option<&str>, prefix: &[u64]) -> Route {
+    Route {
+        model: model.map(Arc::from),
+        prefix: prefix.to_vec(),
+        avoid: None,
+        subset: None,
+    }
+}
+
+#[test]
+fn only_endpoints_serving_the_model_are_chosen() {
+    let now = Instant::now();
+    let mut r = Registry::default();
+    for (id, port, models) in [
+        ("a", 1, &["x"][..]),
+        ("b", 2, &["y"][..]),
+        ("c", 3, &[][..]),
+    ] {
+        let (rep, a) = report_for(id, port, 8, models);
+        r.apply_report(rep, a, now);
+    }
+    for _ in 0..6 {
+        let l = r.acquire(&route(Some("x"), &[]), now).unwrap();
+        assert!(l.addr.port() == 1 || l.addr.port() == 3, "{l:?}");
+        r.release(l);
+    }
+    assert!(r.model_known(Some("y"), now));
+    assert!(r.model_known(Some("anything"), now), "c lists no models");
+    r.deregister("c");
+    assert!(!r.model_known(Some("anything"), now));
+    assert!(r.model_known(None, now));
+    // A model whose servers went away stays known for a while.
+    r.deregister("b");
+    assert!(r.model_known(Some("y"), now));
+    assert!(r.acquire(&route(Some("y"), &[]), now).is_none());
+    let later = now + MODEL_MEMORY;
+    r.drop_stale(later);
+    let (rep, a) = report_for("a", 1, 8, &["x"]);
+    r.apply_report(rep, a, later);
+    assert!(!r.model_known(Some("y"), later));
+    // With no agent at all, every model waits for the fleet.
+    r.deregister("a");
+    assert!(r.model_known(Some("y"), later));
+}
+
+#[test]
+fn a_request_is_held_only_for_a_busy_endpoint_caching_most_of_its_prompt() {
+    let now = Instant::now();
+    let mut r = Registry::default();
+    for (id, port) in [("a", 1), ("b", 2)] {
+        let (rep, a) = report_for(id, port, 1, &[]);
+        r.apply_report(rep, a, now);
+    }
+    let home = r.acquire(&route(None, &[1, 2, 3, 4]), now).unwrap();
+    // The other endpoint is free: without a hold the request goes there.
+    let turn = route(None, &[1, 2, 3, 4, 5, 6]);
+    assert!(matches!(r.pick(&turn, now, true), Pick::Hold));
+    // Less than half of the prompt cached there: not worth the wait.
+    let long = route(None, &[1, 2, 3, 4, 5, 6, 7, 8, 9]);
+    let Pick::Lease(elsewhere) = r.pick(&long, now, true) else {
+        panic!("a request with a weak affinity must not be held");
+    };
+    assert_ne!(elsewhere.addr, home.addr);
+    r.release(elsewhere);
+    // The free endpoint now caches it too: nothing to wait for.
+    let Pick::Lease(l) = r.pick(&turn, now, true) else {
+        panic!("equally cached elsewhere: no hold");
+    };
+    assert_ne!(l.addr, home.addr);
+    r.release(l);
+    r.release(home);
+}
+
+#[test]
+fn prefix_affinity_wins_until_the_endpoint_saturates() {
+    let now = Instant::now();
+    let mut r = Registry::default();
+    for (id, port) in [("a", 1), ("b", 2)] {
+        let (rep, a) = report_for(id, port, 2, &[]);
+        r.apply_report(rep, a, now);
+    }
+    let conversation = route(None, &[11, 12, 13, 14]);
+    let first = r.acquire(&conversation, now).unwrap();
+    let home = first.addr;
+    // Same prefix: same endpoint, although the other has more free slots.
+    let second = r.acquire(&conversation, now).unwrap();
+    assert_eq!(second.addr, home);
+    // Full: the next one spills to the other endpoint, never waits.
+    let third = r.acquire(&conversation, now).unwrap();
+    assert_ne!(third.addr, home);
+    for l in [first, second, third] {
+        r.release(l);
+    }
+}
+
+#[test]
+fn without_shared_prefixes_load_stays_balanced() {
+    let now = Instant::now();
+    let mut r = Registry::default();
+    for (id, port) in [("a", 1), ("b", 2), ("c", 3), ("d", 4)] {
+        let (rep, a) = report_for(id, port, 8, &[]);
+        r.apply_report(rep, a, now);
+    }
+    let mut per_port = [0u32; 5];
+    let mut leases = Vec::new();
+    for i in 0..32u64 {
+        let l = r
+            .acquire(&route(None, &[i * 1000, i * 1000 + 1]), now)
+            .unwrap();
+        per_port[l.addr.port() as usize] += 1;
+        leases.push(l);
+    }
+    assert_eq!(&per_port[1..], &[8, 8, 8, 8]);
+    // Ties are broken at random: single requests on idle equal
+    // endpoints do not always land on the same one.
+    for l in leases {
+        r.release(l);
+    }
+    let mut seen = std::collections::HashSet::new();
+    for i in 0..40u64 {
+        let l = r.acquire(&route(None, &[i + 1_000_000]), now).unwrap();
+        seen.insert(l.addr.port());
+        r.release(l);
+    }
+    assert_eq!(seen.len(), 4, "{seen:?}");
+}
+
+#[test]
+fn a_retry_avoids_the_endpoint_that_failed() {
+    let now = Instant::now();
+    let mut r = Registry::default();
+    for (id, port) in [("a", 1), ("b", 2)] {
+        let (rep, a) = report_for(id, port, 4, &["m"]);
+        r.apply_report(rep, a, now);
+    }
+    let mut retry = route(Some("m"), &[]);
+    retry.avoid = Some(addr("127.0.0.1:1"));
+    assert!(r.has_eligible(&retry, None, now));
+    for _ in 0..4 {
+        let l = r.acquire(&retry, now).unwrap();
+        assert_eq!(l.addr.port(), 2);
+        r.release(l);
+    }
+    r.deregister("b");
+    assert!(!r.has_eligible(&retry, None, now));
+    assert!(r.acquire(&retry, now).is_none());
+}
+
+#[test]
+fn the_circuit_opens_after_repeated_failures_and_closes_on_its_own() {
+    let t0 = Instant::now();
+    let mut r = Registry::default();
+    let (mut rep, a) = report_for("a", 1, 4, &[]);
+    rep.monitoring_interval_ms = 60_000;
+    r.apply_report(rep, a, t0);
+    let id = r.snapshot(t0)[0].id;
+    assert!(!r.record_outcome(id, false, t0));
+    assert!(
+        !r.record_outcome(id, true, t0),
+        "a success resets the count"
+    );
+    assert!(!r.record_outcome(id, false, t0));
+    assert!(!r.record_outcome(id, false, t0));
+    assert!(r.record_outcome(id, false, t0), "third failure in a row");
+    assert!(r.acquire(&Route::default(), t0).is_none());
+    assert_eq!(r.snapshot(t0)[0].circuit_open_ms, Some(5000));
+    let back = t0 + Duration::from_secs(5);
+    let l = r.acquire(&Route::default(), back).unwrap();
+    r.release(l);
+    // It fails again at once: open twice as long.
+    assert!(r.record_outcome(id, false, back));
+    assert!(r
+        .acquire(&Route::default(), back + Duration::from_millis(9999))
+        .is_none());
+    let l = r
+        .acquire(&Route::default(), back + Duration::from_secs(10))
+        .unwrap();
+    r.release(l);
+    // A success closes it for good.
+    assert!(!r.record_outcome(id, true, back + Duration::from_secs(10)));
+    assert!(!r.record_outcome(id, false, back + Duration::from_secs(10)));
+    assert!(r
+        .acquire(&Route::default(), back + Duration::from_secs(10))
+        .is_some());
+}

@@ -55,8 +55,8 @@ use tonic::{Request, Response, Status, Streaming};
 use tracing::{debug, info};
 
 use crate::auth::ApiKeys;
+use crate::gate::{AdmitError, FleetGate, LeaseGuard};
 use crate::reply::{Answer, Refusal};
-use crate::state::{AdmitError, LeaseGuard, Shared};
 use flowgate::blame::{self, Verdict};
 
 /// Request header (and `envoy.lb` metadata key) naming the chosen endpoint.
@@ -78,7 +78,7 @@ const HEALTH_NAMES: [&str; 3] = [
 
 /// The EPP gRPC service, sharing the proxy's state.
 pub struct Epp {
-    pub shared: Arc<Shared>,
+    pub shared: Arc<FleetGate>,
     /// How a request's facts are read (the same rules at every door).
     pub admission: AdmissionRules,
     /// When set, every request needs one of these keys (in

@@ -11,14 +11,14 @@ use pingora_core::server::{ExecutionPhase, Server, ShutdownWatch};
 use pingora_core::services::background::BackgroundService;
 use tracing::{info, warn};
 
+use crate::gate::FleetGate;
 use crate::scaleup::ScaleUpWebhook;
-use crate::state::Shared;
 
 /// Longest pause between two rounds.
 const MAX_SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 
 pub struct Housekeeping {
-    pub shared: Arc<Shared>,
+    pub shared: Arc<FleetGate>,
     pub scale_up: Option<ScaleUpWebhook>,
 }
 
@@ -62,7 +62,7 @@ impl BackgroundService for Housekeeping {
 /// under way (from its head on: one still sending its body counts), buffered
 /// or in flight, so a drained balancer stops at once and a busy one gets up
 /// to the grace period.
-pub fn exit_when_drained(server: &Server, shared: Arc<Shared>, grace: Duration) {
+pub fn exit_when_drained(server: &Server, shared: Arc<FleetGate>, grace: Duration) {
     let mut phases = server.watch_execution_phase();
     std::thread::Builder::new()
         .name("shutdown-watch".into())

@@ -36,7 +36,7 @@ use tokio::sync::Semaphore;
 use tokio::time::Sleep;
 use tracing::debug;
 
-use crate::state::Shared;
+use crate::gate::FleetGate;
 
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
@@ -91,11 +91,11 @@ pub struct Limited<A> {
     inner: Arc<A>,
     limits: ClientLimits,
     permits: Arc<Semaphore>,
-    shared: Arc<Shared>,
+    shared: Arc<FleetGate>,
 }
 
 impl<A> Limited<A> {
-    pub fn new(inner: A, limits: ClientLimits, shared: Arc<Shared>) -> Self {
+    pub fn new(inner: A, limits: ClientLimits, shared: Arc<FleetGate>) -> Self {
         Limited {
             inner: Arc::new(inner),
             permits: Arc::new(Semaphore::new(limits.max_connections)),
@@ -194,7 +194,7 @@ pub struct Guarded {
     /// Answered and closed: every further read fails.
     refused: bool,
     limits: ClientLimits,
-    shared: Arc<Shared>,
+    shared: Arc<FleetGate>,
 }
 
 impl fmt::Debug for Guarded {
@@ -207,7 +207,7 @@ impl fmt::Debug for Guarded {
 }
 
 impl Guarded {
-    fn new(inner: Stream, limits: ClientLimits, shared: Arc<Shared>) -> Self {
+    fn new(inner: Stream, limits: ClientLimits, shared: Arc<FleetGate>) -> Self {
         let deadline = Box::pin(tokio::time::sleep(limits.header_timeout));
         Guarded {
             inner,

@@ -6,6 +6,7 @@ mod config;
 mod epp;
 #[cfg(test)]
 mod fuzz_tests;
+mod gate;
 mod history;
 mod housekeeping;
 mod inference;
@@ -16,7 +17,6 @@ mod metrics;
 mod reply;
 mod scaleup;
 mod serve_until_exit;
-mod state;
 mod tls;
 
 use std::net::{SocketAddr, TcpListener};
@@ -33,7 +33,7 @@ use pingora_core::services::listening::Service;
 use tracing::{error, info};
 
 use crate::config::{Cli, Settings};
-use crate::state::Shared;
+use crate::gate::FleetGate;
 
 /// Pingora reports a busy port only deep in its start-up; check first so the
 /// operator gets one clear line.
@@ -120,7 +120,7 @@ fn main() -> ExitCode {
     let mut server = Server::new_with_opt_and_conf(Opt::default(), conf);
     server.bootstrap();
 
-    let shared = Shared::new(settings.dispatcher.clone());
+    let shared = FleetGate::new(settings.dispatcher.clone());
     let async_queue = match &settings.async_queue {
         Some(config) => match asyncq::AsyncQueue::open(config.clone(), Arc::clone(&shared)) {
             Ok(q) => Some(q),
@@ -197,7 +197,7 @@ fn main() -> ExitCode {
     if let Some(queue) = async_queue {
         server.add_service(background_service(
             "async dispatcher",
-            asyncq::Dispatcher {
+            asyncq::AsyncDispatcher {
                 queue,
                 inference: settings.inference_addr,
             },

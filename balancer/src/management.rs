@@ -27,14 +27,14 @@ use serde_json::json;
 use tracing::{info, warn};
 
 use crate::auth::{bearer_token, Secret};
+use crate::gate::FleetGate;
 use crate::history;
-use crate::state::Shared;
 
 /// Largest accepted report body.
 const MAX_REPORT_BYTES: usize = 64 * 1024;
 
 pub struct Management {
-    pub shared: Arc<Shared>,
+    pub shared: Arc<FleetGate>,
     /// Required for registering, reporting and deregistering, when set.
     pub token: Option<Secret>,
 }

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tracing::{info, warn};
 
-use crate::state::Shared;
+use crate::gate::FleetGate;
 
 /// How long one call may take.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -70,7 +70,7 @@ impl ScaleUpWebhook {
     }
 
     /// Calls the webhook for every model that is due, in the background.
-    pub fn notify(&self, demand: &[(Model, usize)], shared: &Arc<Shared>) {
+    pub fn notify(&self, demand: &[(Model, usize)], shared: &Arc<FleetGate>) {
         for (model, queued) in self.due(demand, Instant::now()) {
             let body = json!({
                 "event": "scale_up",

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
-use super::store::{Job, NewJob, StoreError};
+use super::job::{Job, NewJob, StoreError};
 use super::{now_ms, AsyncQueue, Caller};
 
 /// Blob kinds: file metadata (JSON), file content, batch records (JSON).

@@ -14,20 +14,20 @@ use pingora_core::services::background::BackgroundService;
 use serde_json::Value;
 use tracing::{info, warn};
 
-use super::store::{Answer, Job, Status};
+use super::job::{Answer, Job, Status};
 use super::{now_ms, AsyncQueue, CapacityUnit, Gate, PromQuery, TOKEN_HEADER};
 
 /// How often expired Batch API files and batches are looked for.
 const FILE_PURGE_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Sends queued requests to the fleet while the budget allows.
-pub struct Dispatcher {
+pub struct AsyncDispatcher {
     pub queue: Arc<AsyncQueue>,
     /// The balancer's own inference port.
     pub inference: SocketAddr,
 }
 
-impl Dispatcher {
+impl AsyncDispatcher {
     /// The share of the eligible servers' slots not taken by interactive
     /// work (busy, or waiting in the buffer; the dispatcher's own requests
     /// excluded), and those slots. No slots: no share.
@@ -170,8 +170,123 @@ impl Drop for DeliveryUnderWay {
     }
 }
 
+impl AsyncDispatcher {
+    /// Deletes the Batch API files and batches whose retention ended.
+    async fn purge_files(&self) {
+        let q = Arc::clone(&self.queue);
+        match tokio::task::spawn_blocking(move || q.purge_expired_files(now_ms() / 1000)).await {
+            Ok(Ok((0, 0))) => {}
+            Ok(Ok((files, batches))) => {
+                info!(
+                    files,
+                    batches, "Batch API: expired files and batches deleted"
+                )
+            }
+            Ok(Err(e)) => warn!("Batch API retention: {}", e.2),
+            Err(e) => warn!("Batch API retention task: {e}"),
+        }
+    }
+
+    /// Lost leases delivered again, deadlines expired, then the queue's
+    /// gauges; warns once when the result store fills (`results_full`).
+    async fn reclaim(&self, results_full: &mut bool) {
+        let queue = &self.queue;
+        let q = Arc::clone(queue);
+        if let Ok(Ok(r)) = tokio::task::spawn_blocking(move || q.store.reclaim(now_ms())).await {
+            for _ in &r.dead_lettered {
+                queue.metrics.ended(Status::DeadLettered);
+            }
+            for _ in &r.expired {
+                queue.metrics.ended(Status::Expired);
+            }
+            if !r.dead_lettered.is_empty() || !r.expired.is_empty() {
+                queue.changed.notify_waiters();
+            }
+        }
+        let q = Arc::clone(queue);
+        if let Ok(Ok(c)) = tokio::task::spawn_blocking(move || q.store.counts()).await {
+            let m = &queue.metrics;
+            m.requests
+                .with_label_values(&["default", "queued"])
+                .set(c.queued as i64);
+            m.requests
+                .with_label_values(&["default", "dispatched"])
+                .set(c.dispatched as i64);
+            m.oldest_age.set(
+                c.oldest_queued_ms
+                    .map_or(0.0, |t| now_ms().saturating_sub(t) as f64 / 1000.0),
+            );
+            m.results.set(c.finished as i64);
+            let full = c.finished >= queue.config.queue.max_results;
+            if full && !*results_full {
+                warn!(
+                    kept = c.finished,
+                    "async result store full: no new dispatches until results age out"
+                );
+            }
+            *results_full = full;
+        }
+    }
+
+    /// Gives the gate this round's readings (this balancer's own view every
+    /// round, exported for a PromQL gate to read; Prometheus when due; a
+    /// 429 since the last round) and exports what it allows.
+    async fn read_gate(&self, gate: &mut DispatchGate, client: &reqwest::Client) {
+        let queue = &self.queue;
+        let now = Instant::now();
+        let (local, slots) = self.interactive_spare(queue.in_flight.load(Ordering::Relaxed));
+        queue.metrics.interactive_spare.set(local);
+        if let (true, Some(q)) = (gate.prometheus_due(now), &queue.config.prometheus) {
+            let read = match query_prometheus(client, q).await {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    warn!("async gate: {e}; D = 0 until it can be read");
+                    None
+                }
+            };
+            gate.prometheus_reading(read, now);
+        }
+        gate.round(local, slots, now);
+        if queue.throttled.swap(false, Ordering::Relaxed) {
+            gate.throttled(now);
+        }
+        queue.metrics.spare.set(gate.budget().spare());
+        queue.metrics.allowed.set(gate.budget().allowed() as f64);
+    }
+
+    /// Leases up to `n` queued requests. The result store's bound holds at
+    /// every instant: what is kept now plus every delivery under way (each
+    /// may add an answer) never passes it.
+    async fn lease(&self, n: usize) -> Vec<Job> {
+        let max_results = self.queue.config.queue.max_results;
+        let q = Arc::clone(&self.queue);
+        let leased = tokio::task::spawn_blocking(move || {
+            let kept = q.store.counts()?.finished;
+            let under_way = q.in_flight.load(Ordering::Relaxed);
+            let room = max_results.saturating_sub(kept.saturating_add(under_way));
+            let n = n.min(usize::try_from(room).unwrap_or(usize::MAX));
+            if n == 0 {
+                return Ok(Vec::new());
+            }
+            q.store.lease(n, now_ms())
+        })
+        .await;
+        match leased {
+            Ok(Ok(jobs)) => jobs,
+            Ok(Err(e)) => {
+                warn!("async queue store: {e}");
+                Vec::new()
+            }
+            Err(e) => {
+                warn!("async lease task: {e}");
+                Vec::new()
+            }
+        }
+    }
+}
+
 #[async_trait]
-impl BackgroundService for Dispatcher {
+impl BackgroundService for AsyncDispatcher {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         let queue = &self.queue;
         let client = match reqwest::Client::builder()
@@ -207,86 +322,15 @@ impl BackgroundService for Dispatcher {
         loop {
             if last_file_purge.elapsed() >= FILE_PURGE_INTERVAL {
                 last_file_purge = Instant::now();
-                let q = Arc::clone(queue);
-                match tokio::task::spawn_blocking(move || q.purge_expired_files(now_ms() / 1000))
-                    .await
-                {
-                    Ok(Ok((0, 0))) => {}
-                    Ok(Ok((files, batches))) => {
-                        info!(
-                            files,
-                            batches, "Batch API: expired files and batches deleted"
-                        )
-                    }
-                    Ok(Err(e)) => warn!("Batch API retention: {}", e.2),
-                    Err(e) => warn!("Batch API retention task: {e}"),
-                }
+                self.purge_files().await;
             }
             if last_reclaim.elapsed() >= Duration::from_millis(500) {
                 last_reclaim = Instant::now();
-                let q = Arc::clone(queue);
-                if let Ok(Ok(r)) =
-                    tokio::task::spawn_blocking(move || q.store.reclaim(now_ms())).await
-                {
-                    for _ in &r.dead_lettered {
-                        queue.metrics.ended(Status::DeadLettered);
-                    }
-                    for _ in &r.expired {
-                        queue.metrics.ended(Status::Expired);
-                    }
-                    if !r.dead_lettered.is_empty() || !r.expired.is_empty() {
-                        queue.changed.notify_waiters();
-                    }
-                }
-                let q = Arc::clone(queue);
-                if let Ok(Ok(c)) = tokio::task::spawn_blocking(move || q.store.counts()).await {
-                    let m = &queue.metrics;
-                    m.requests
-                        .with_label_values(&["default", "queued"])
-                        .set(c.queued as i64);
-                    m.requests
-                        .with_label_values(&["default", "dispatched"])
-                        .set(c.dispatched as i64);
-                    m.oldest_age.set(
-                        c.oldest_queued_ms
-                            .map_or(0.0, |t| now_ms().saturating_sub(t) as f64 / 1000.0),
-                    );
-                    m.results.set(c.finished as i64);
-                    let full = c.finished >= queue.config.queue.max_results;
-                    if full && !results_full {
-                        warn!(
-                            kept = c.finished,
-                            "async result store full: no new dispatches until results age out"
-                        );
-                    }
-                    results_full = full;
-                }
+                self.reclaim(&mut results_full).await;
             }
-            let in_flight = queue.in_flight.load(Ordering::Relaxed);
-            let now = Instant::now();
-            // This balancer's own view, every round: exported for a PromQL
-            // gate to read (see the README) and fed to the gate.
-            let (local, slots) = self.interactive_spare(in_flight);
-            queue.metrics.interactive_spare.set(local);
-            if let (true, Some(q)) = (gate.prometheus_due(now), &queue.config.prometheus) {
-                let read = match query_prometheus(&client, q).await {
-                    Ok(d) => Some(d),
-                    Err(e) => {
-                        warn!("async gate: {e}; D = 0 until it can be read");
-                        None
-                    }
-                };
-                gate.prometheus_reading(read, now);
-            }
-            gate.round(local, slots, now);
-            if queue.throttled.swap(false, Ordering::Relaxed) {
-                gate.throttled(now);
-            }
-            let budget = gate.budget();
-            queue.metrics.spare.set(budget.spare());
-            queue.metrics.allowed.set(budget.allowed() as f64);
+            self.read_gate(&mut gate, &client).await;
             let cost = queue.in_flight_cost.load(Ordering::Relaxed);
-            let available = budget.available(cost);
+            let available = gate.budget().available(cost);
             // In requests, take all that fit at once; in tokens or bytes,
             // one at a time (its cost is known once it is read; the last
             // one may overshoot N).
@@ -294,46 +338,25 @@ impl BackgroundService for Dispatcher {
                 CapacityUnit::Requests => available as usize,
                 _ => usize::from(available > 0),
             };
-            if n > 0 && !self.queue.shared.is_shutting_down() {
-                // The result store's bound holds at every instant: what is
-                // kept now plus every delivery under way (each may add an
-                // answer) never passes it.
-                let max_results = queue.config.queue.max_results;
-                let q = Arc::clone(queue);
-                let leased = tokio::task::spawn_blocking(move || {
-                    let kept = q.store.counts()?.finished;
-                    let under_way = q.in_flight.load(Ordering::Relaxed);
-                    let room = max_results.saturating_sub(kept.saturating_add(under_way));
-                    let n = n.min(usize::try_from(room).unwrap_or(usize::MAX));
-                    if n == 0 {
-                        return Ok(Vec::new());
-                    }
-                    q.store.lease(n, now_ms())
-                })
-                .await;
-                match leased {
-                    Ok(Ok(jobs)) => {
-                        if !jobs.is_empty() {
-                            queue.changed.notify_waiters();
-                        }
-                        let leased_any = !jobs.is_empty();
-                        for job in jobs {
-                            let under_way = DeliveryUnderWay::new(queue, &job);
-                            tokio::spawn(Self::deliver(
-                                Arc::clone(queue),
-                                client.clone(),
-                                url.clone(),
-                                job,
-                                under_way,
-                            ));
-                        }
-                        if leased_any && n < available as usize {
-                            // More may fit: look again at once.
-                            continue;
-                        }
-                    }
-                    Ok(Err(e)) => warn!("async queue store: {e}"),
-                    Err(e) => warn!("async lease task: {e}"),
+            if n > 0 && !queue.shared.is_shutting_down() {
+                let jobs = self.lease(n).await;
+                if !jobs.is_empty() {
+                    queue.changed.notify_waiters();
+                }
+                let leased_any = !jobs.is_empty();
+                for job in jobs {
+                    let under_way = DeliveryUnderWay::new(queue, &job);
+                    tokio::spawn(Self::deliver(
+                        Arc::clone(queue),
+                        client.clone(),
+                        url.clone(),
+                        job,
+                        under_way,
+                    ));
+                }
+                if leased_any && n < available as usize {
+                    // More may fit: look again at once.
+                    continue;
                 }
             }
             tokio::select! {
@@ -388,7 +411,7 @@ fn prometheus_value(body: &Value) -> Result<f64, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::asyncq::store::NewJob;
+    use crate::asyncq::job::NewJob;
     use crate::asyncq::AsyncConfig;
     use serde_json::json;
 
@@ -428,7 +451,7 @@ mod tests {
             gate_interval: Duration::from_secs(1),
             prometheus: None,
         };
-        let shared = crate::state::Shared::new(Default::default());
+        let shared = crate::gate::FleetGate::new(Default::default());
         let queue = AsyncQueue::open(config, shared).unwrap();
         let job = Job::new(
             NewJob {

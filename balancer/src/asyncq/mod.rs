@@ -1,20 +1,19 @@
 //! The async path: a durable queue of inference requests that a dispatcher
 //! feeds to the fleet only while the dispatch budget ([`flowgate::budget`])
 //! allows; results are fetched later by id, long-poll, event stream or the
-//! results feed. The queue lives in the embedded [`store`] or in Redis
-//! (`redis_store`, shared by several balancers), behind one `Backend`; the
-//! OpenAI Batch API ([`batch`]) is built on it, and `http` answers both
-//! APIs on the inference port.
+//! results feed. Its requests ([`job`]) live in a [`store::JobStore`]: the
+//! embedded store or Redis (shared by several balancers); the OpenAI Batch
+//! API's model ([`batch`]) is built on it. The inference port's
+//! `async_api` and `batch_api` answer both APIs.
 //!
-//! The [`Dispatcher`] sends each request to this balancer's own inference port
+//! The [`AsyncDispatcher`] sends each request to this balancer's own inference port
 //! with a per-process token, so async work goes through the same flow
 //! control and scheduling as interactive work, in its own low-priority band:
 //! interactive requests always go first, async ones fill what is left.
 
-mod backend;
 pub mod batch;
 mod dispatcher;
-mod redis_store;
+pub mod job;
 pub mod store;
 
 use std::path::PathBuf;
@@ -27,10 +26,10 @@ use serde_json::{json, Value};
 use tokio::sync::Notify;
 
 use crate::auth::Secret;
-use crate::state::Shared;
-use backend::Backend;
-pub use dispatcher::Dispatcher;
-use store::{Job, NewJob, QueueConfig, Status, Store, StoreError};
+use crate::gate::FleetGate;
+pub use dispatcher::AsyncDispatcher;
+use job::{Job, NewJob, QueueConfig, Status, StoreError};
+use store::{EmbeddedStore, JobStore, RedisStore};
 
 /// The token header that marks the dispatcher's own requests.
 pub const TOKEN_HEADER: &str = "x-flowgate-async-token";
@@ -133,7 +132,7 @@ struct AsyncMetrics {
 }
 
 impl AsyncMetrics {
-    fn new(shared: &Shared) -> Self {
+    fn new(shared: &FleetGate) -> Self {
         let m = AsyncMetrics {
             requests: IntGaugeVec::new(
                 Opts::new(
@@ -212,7 +211,7 @@ impl AsyncMetrics {
 
 /// The queue, shared by the API and the dispatcher.
 pub struct AsyncQueue {
-    store: Backend,
+    store: Box<dyn JobStore>,
     config: AsyncConfig,
     /// Woken on a new request.
     submitted: Notify,
@@ -221,7 +220,7 @@ pub struct AsyncQueue {
     token: Secret,
     token_text: String,
     metrics: AsyncMetrics,
-    shared: Arc<Shared>,
+    shared: Arc<FleetGate>,
     /// Deliveries under way.
     in_flight: AtomicU64,
     /// What they count against the budget, in the configured unit.
@@ -238,29 +237,25 @@ pub enum SubmitError {
 }
 
 impl AsyncQueue {
-    pub fn open(config: AsyncConfig, shared: Arc<Shared>) -> Result<Arc<Self>, String> {
+    pub fn open(config: AsyncConfig, shared: Arc<FleetGate>) -> Result<Arc<Self>, String> {
         let mut seed = [0u8; 16];
         getrandom::fill(&mut seed)
             .map_err(|e| format!("the OS gave no random bytes for the async token: {e}"))?;
-        let store = match &config.redis_url {
-            None => {
-                Backend::Embedded(Store::open(&config.dir, config.queue.clone()).map_err(|e| {
+        let store: Box<dyn JobStore> = match &config.redis_url {
+            None => Box::new(
+                EmbeddedStore::open(&config.dir, config.queue.clone()).map_err(|e| {
                     format!(
                         "cannot open the async queue in {}: {e}",
                         config.dir.display()
                     )
-                })?)
-            }
+                })?,
+            ),
             Some(url) => {
                 let consumer: String = seed[8..].iter().map(|b| format!("{b:02x}")).collect();
-                Backend::Redis(Box::new(
-                    redis_store::RedisStore::open(
-                        url,
-                        config.queue.clone(),
-                        format!("balancer-{consumer}"),
-                    )
-                    .map_err(|e| format!("cannot open the async queue at {url}: {e}"))?,
-                ))
+                Box::new(
+                    RedisStore::open(url, config.queue.clone(), format!("balancer-{consumer}"))
+                        .map_err(|e| format!("cannot open the async queue at {url}: {e}"))?,
+                )
             }
         };
         let token_text: String = seed.iter().map(|b| format!("{b:02x}")).collect();
@@ -357,7 +352,7 @@ impl AsyncQueue {
         self.wait_until(
             wait,
             |page: &FeedPage| !page.found.is_empty(),
-            move |q: &Backend| {
+            move |q: &dyn JobStore| {
                 let mut page = FeedPage {
                     found: Vec::new(),
                     next: after.clone(),
@@ -390,7 +385,7 @@ impl AsyncQueue {
         self: &Arc<Self>,
         wait: Duration,
         done: impl Fn(&T) -> bool,
-        read: impl Fn(&Backend) -> Result<T, StoreError> + Send + Sync + Clone + 'static,
+        read: impl Fn(&dyn JobStore) -> Result<T, StoreError> + Send + Sync + Clone + 'static,
     ) -> Result<T, StoreError> {
         let deadline = Instant::now() + wait;
         loop {
@@ -399,7 +394,7 @@ impl AsyncQueue {
             changed.as_mut().enable();
             let q = Arc::clone(self);
             let read = read.clone();
-            let found = tokio::task::spawn_blocking(move || read(&q.store))
+            let found = tokio::task::spawn_blocking(move || read(q.store.as_ref()))
                 .await
                 .map_err(|e| StoreError::Storage(e.to_string()))??;
             if done(&found) || Instant::now() >= deadline {
@@ -455,9 +450,9 @@ pub struct FeedPage {
 fn read_visible(
     id: &str,
     caller: Option<&str>,
-) -> impl Fn(&Backend) -> Result<Option<Job>, StoreError> + Send + Sync + Clone + 'static {
+) -> impl Fn(&dyn JobStore) -> Result<Option<Job>, StoreError> + Send + Sync + Clone + 'static {
     let (id, caller) = (id.to_string(), caller.map(str::to_string));
-    move |q: &Backend| {
+    move |q: &dyn JobStore| {
         Ok(q.get(&id)?
             .filter(|j| visible_to(&j.fairness_id, caller.as_deref())))
     }

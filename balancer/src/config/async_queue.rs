@@ -7,7 +7,7 @@ use super::cli::Cli;
 use super::file::AsyncSection;
 use super::flow::ConfigDuration;
 use super::{layer, SettingsError};
-use crate::asyncq::store::QueueConfig;
+use crate::asyncq::job::QueueConfig;
 use crate::asyncq::{AsyncConfig, CapacityUnit, Gate, PromQuery};
 
 /// The async path's settings: flags over the file's `async:` section over

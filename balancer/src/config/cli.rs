@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::Parser;
 
-use crate::asyncq::store::DeadLetter;
+use crate::asyncq::job::DeadLetter;
 use crate::asyncq::{CapacityUnit, Gate};
 use flowgate_logging::LogFormat;
 

@@ -10,7 +10,7 @@ use serde::Deserialize;
 use super::flow::{ConfigDuration, FlowControlSection, SaturationSection};
 use super::scheduling::SchedulingSection;
 use super::SettingsError;
-use crate::asyncq::store::DeadLetter;
+use crate::asyncq::job::DeadLetter;
 use crate::asyncq::{CapacityUnit, Gate};
 use flowgate_logging::LogFormat;
 

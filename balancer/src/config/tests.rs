@@ -1,5 +1,5 @@
 use super::*;
-use crate::asyncq::store::DeadLetter;
+use crate::asyncq::job::DeadLetter;
 use crate::asyncq::Gate;
 use clap::Parser;
 use std::path::Path;

@@ -267,7 +267,7 @@ pub(super) async fn route(
                 });
                 Ok(json(StatusCode::OK, &page))
             }
-            Err(asyncq::store::StoreError::BadCursor) => Err(api_error(
+            Err(asyncq::job::StoreError::BadCursor) => Err(api_error(
                 StatusCode::BAD_REQUEST,
                 "bad_cursor",
                 "after must be a cursor from next_cursor".into(),
@@ -365,7 +365,7 @@ async fn submit(
             .map(|k| asyncq::scoped_idempotency_key(&k, caller.scope())),
         Err(r) => return Ok(Err(r)),
     };
-    let job = asyncq::store::NewJob {
+    let job = asyncq::job::NewJob {
         path: target,
         body: String::from_utf8_lossy(&body).into_owned(),
         fairness_id: caller.tenant,

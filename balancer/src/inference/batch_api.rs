@@ -54,77 +54,18 @@ pub(super) async fn route(
         Ok(limit) => limit,
         Err(r) => return Ok(Err(r)),
     };
-    let method = method.clone();
+    let call = BatchCall {
+        method: method.clone(),
+        segs,
+        body,
+        content_type,
+        query,
+        limit,
+        caller,
+        priority,
+    };
     // The store syncs to disk: off the proxy's threads.
-    let answer = tokio::task::spawn_blocking(
-        move || -> std::result::Result<(Value, Option<Vec<u8>>), ApiError> {
-            let segs: Vec<&str> = segs.iter().map(String::as_str).collect();
-            let bad = |m: String| ApiError(400, "invalid_request", m);
-            match (&method, segs.as_slice()) {
-                (&Method::POST, ["files"]) => {
-                    let parts =
-                        asyncq::batch::parse_multipart(&content_type, &body).map_err(bad)?;
-                    let field = |name: &str| parts.iter().find(|p| p.name == name);
-                    let text = |name: &str| {
-                        field(name).map(|p| String::from_utf8_lossy(p.data).trim().to_string())
-                    };
-                    let file =
-                        field("file").ok_or_else(|| bad("the form has no file field".into()))?;
-                    let purpose = text("purpose")
-                        .ok_or_else(|| bad("the form has no purpose field".into()))?;
-                    let expires_after = parse_file_expiry(
-                        text("expires_after[anchor]").as_deref(),
-                        text("expires_after[seconds]").as_deref(),
-                    )?;
-                    let name = file
-                        .filename
-                        .clone()
-                        .unwrap_or_else(|| "upload.jsonl".into());
-                    let meta =
-                        queue.create_file(&name, &purpose, file.data, expires_after, &caller)?;
-                    Ok((meta.view(), None))
-                }
-                (&Method::GET, ["files"]) => Ok((queue.list_files(limit, &caller)?, None)),
-                (&Method::GET, ["files", id]) => Ok((queue.file_meta(id, &caller)?.view(), None)),
-                (&Method::DELETE, ["files", id]) => Ok((queue.delete_file(id, &caller)?, None)),
-                (&Method::GET, ["files", id, "content"]) => {
-                    Ok((Value::Null, Some(queue.file_content(id, &caller)?)))
-                }
-                (&Method::POST, ["batches"]) => {
-                    let v: Value = serde_json::from_slice(&body)
-                        .map_err(|e| bad(format!("the body is not JSON: {e}")))?;
-                    let field = |k: &str| {
-                        v[k].as_str()
-                            .map(str::to_string)
-                            .ok_or_else(|| bad(format!("{k} is required")))
-                    };
-                    let batch = queue.create_batch(
-                        &field("input_file_id")?,
-                        &field("endpoint")?,
-                        &field("completion_window")?,
-                        v.get("metadata").cloned().filter(|m| !m.is_null()),
-                        &caller,
-                        priority,
-                    )?;
-                    Ok((batch, None))
-                }
-                (&Method::GET, ["batches"]) => {
-                    let after = query_param(&query, "after");
-                    Ok((queue.list_batches(limit, after.as_deref(), &caller)?, None))
-                }
-                (&Method::GET, ["batches", id]) => Ok((queue.batch(id, &caller)?, None)),
-                (&Method::POST, ["batches", id, "cancel"]) => {
-                    Ok((queue.cancel_batch(id, &caller)?, None))
-                }
-                _ => Err(ApiError(
-                    404,
-                    "not_found",
-                    format!("no route for {method} /v1/{}", segs.join("/")),
-                )),
-            }
-        },
-    )
-    .await;
+    let answer = tokio::task::spawn_blocking(move || call.answer(&queue)).await;
     Ok(match answer {
         Ok(Ok((v, None))) => Ok(Step::Answer(Answer::json(
             StatusCode::OK,
@@ -146,6 +87,99 @@ pub(super) async fn route(
             e.to_string(),
         )),
     })
+}
+
+/// One Batch API request, read off the connection.
+struct BatchCall {
+    method: Method,
+    /// The path after `/v1/`, split at `/`.
+    segs: Vec<String>,
+    body: Bytes,
+    content_type: String,
+    query: String,
+    limit: usize,
+    caller: asyncq::Caller,
+    priority: i32,
+}
+
+impl BatchCall {
+    /// The answer: JSON, or a file's bytes.
+    fn answer(
+        self,
+        queue: &std::sync::Arc<asyncq::AsyncQueue>,
+    ) -> std::result::Result<(Value, Option<Vec<u8>>), ApiError> {
+        let BatchCall {
+            method,
+            segs,
+            body,
+            content_type,
+            query,
+            limit,
+            caller,
+            priority,
+        } = self;
+        let segs: Vec<&str> = segs.iter().map(String::as_str).collect();
+        let bad = |m: String| ApiError(400, "invalid_request", m);
+        match (&method, segs.as_slice()) {
+            (&Method::POST, ["files"]) => {
+                let parts = asyncq::batch::parse_multipart(&content_type, &body).map_err(bad)?;
+                let field = |name: &str| parts.iter().find(|p| p.name == name);
+                let text = |name: &str| {
+                    field(name).map(|p| String::from_utf8_lossy(p.data).trim().to_string())
+                };
+                let file = field("file").ok_or_else(|| bad("the form has no file field".into()))?;
+                let purpose =
+                    text("purpose").ok_or_else(|| bad("the form has no purpose field".into()))?;
+                let expires_after = parse_file_expiry(
+                    text("expires_after[anchor]").as_deref(),
+                    text("expires_after[seconds]").as_deref(),
+                )?;
+                let name = file
+                    .filename
+                    .clone()
+                    .unwrap_or_else(|| "upload.jsonl".into());
+                let meta = queue.create_file(&name, &purpose, file.data, expires_after, &caller)?;
+                Ok((meta.view(), None))
+            }
+            (&Method::GET, ["files"]) => Ok((queue.list_files(limit, &caller)?, None)),
+            (&Method::GET, ["files", id]) => Ok((queue.file_meta(id, &caller)?.view(), None)),
+            (&Method::DELETE, ["files", id]) => Ok((queue.delete_file(id, &caller)?, None)),
+            (&Method::GET, ["files", id, "content"]) => {
+                Ok((Value::Null, Some(queue.file_content(id, &caller)?)))
+            }
+            (&Method::POST, ["batches"]) => {
+                let v: Value = serde_json::from_slice(&body)
+                    .map_err(|e| bad(format!("the body is not JSON: {e}")))?;
+                let field = |k: &str| {
+                    v[k].as_str()
+                        .map(str::to_string)
+                        .ok_or_else(|| bad(format!("{k} is required")))
+                };
+                let batch = queue.create_batch(
+                    &field("input_file_id")?,
+                    &field("endpoint")?,
+                    &field("completion_window")?,
+                    v.get("metadata").cloned().filter(|m| !m.is_null()),
+                    &caller,
+                    priority,
+                )?;
+                Ok((batch, None))
+            }
+            (&Method::GET, ["batches"]) => {
+                let after = query_param(&query, "after");
+                Ok((queue.list_batches(limit, after.as_deref(), &caller)?, None))
+            }
+            (&Method::GET, ["batches", id]) => Ok((queue.batch(id, &caller)?, None)),
+            (&Method::POST, ["batches", id, "cancel"]) => {
+                Ok((queue.cancel_batch(id, &caller)?, None))
+            }
+            _ => Err(ApiError(
+                404,
+                "not_found",
+                format!("no route for {method} /v1/{}", segs.join("/")),
+            )),
+        }
+    }
 }
 
 /// A file's `expires_after` form fields (`anchor` must be `created_at`).

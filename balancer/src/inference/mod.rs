@@ -51,10 +51,10 @@ pub use request_id::RequestIds;
 
 use crate::asyncq::{self, AsyncQueue};
 use crate::auth::ApiKeys;
+use crate::gate::{ActiveRequest, AdmitError, FleetGate, LeaseGuard};
 use crate::limits;
 use crate::meter::ResponseMeter;
 use crate::reply::{Answer, Refusal, REQUEST_ID_HEADER};
-use crate::state::{ActiveRequest, AdmitError, LeaseGuard, Shared};
 
 /// Response header: milliseconds the request waited for an endpoint.
 const WAIT_HEADER: &str = "x-flowgate-wait-ms";
@@ -71,7 +71,7 @@ pub(crate) const INFERENCE_PATHS: [&str; 4] = [
 ];
 
 pub struct Inference {
-    pub shared: Arc<Shared>,
+    pub shared: Arc<FleetGate>,
     /// The largest body and how long it may take to arrive.
     pub body_limits: BodyLimits,
     /// The async path, when on.

@@ -1,5 +1,7 @@
-//! State shared by the proxy, the management API and housekeeping: the core
-//! [`Dispatcher`] behind one mutex, plus metrics.
+//! The gate in front of the fleet ([`FleetGate`]), shared by every door, the
+//! management API and housekeeping: the core [`Dispatcher`] (queues and
+//! endpoint ledger) behind one mutex, plus metrics. Requests are admitted
+//! here and hold their slot as a [`LeaseGuard`].
 //!
 //! Invariant that makes waiting race-free: the end of every wait (a grant,
 //! an eviction, an expiry) is delivered to its waiter *while the lock is
@@ -28,7 +30,7 @@ use crate::metrics::Metrics;
 
 type Waker = oneshot::Sender<Result<LeaseGuard, Reject>>;
 
-pub struct Shared {
+pub struct FleetGate {
     dispatcher: Mutex<Dispatcher<Waker>>,
     pub metrics: Metrics,
     /// The last minutes of traffic, for the dashboard.
@@ -50,12 +52,12 @@ pub enum AdmitError {
 /// A slot on one endpoint, given back exactly once: by [`LeaseGuard::release`]
 /// or, if the request task is dropped, by `Drop`.
 pub struct LeaseGuard {
-    shared: Arc<Shared>,
+    shared: Arc<FleetGate>,
     lease: Option<Lease>,
 }
 
 impl LeaseGuard {
-    fn new(shared: &Arc<Shared>, lease: Lease) -> Self {
+    fn new(shared: &Arc<FleetGate>, lease: Lease) -> Self {
         LeaseGuard {
             shared: Arc::clone(shared),
             lease: Some(lease),
@@ -101,9 +103,9 @@ impl Drop for LeaseGuard {
     }
 }
 
-impl Shared {
+impl FleetGate {
     pub fn new(config: DispatcherConfig) -> Arc<Self> {
-        Arc::new(Shared {
+        Arc::new(FleetGate {
             dispatcher: Mutex::new(Dispatcher::new(config)),
             metrics: Metrics::new(),
             history: History::default(),
@@ -233,7 +235,7 @@ impl Shared {
         self.record_endpoint_outcome(lease.endpoint(), lease.addr(), ok);
     }
 
-    /// [`Shared::record_outcome`] for an endpoint whose slot was already
+    /// [`FleetGate::record_outcome`] for an endpoint whose slot was already
     /// given back (a failure counted only once a retry elsewhere ended).
     pub fn record_endpoint_outcome(&self, endpoint: EndpointId, addr: SocketAddr, ok: bool) {
         let opened = self.lock().record_outcome(endpoint, ok, Instant::now());
@@ -343,8 +345,8 @@ impl Shared {
     }
 }
 
-/// A client request under way ([`Shared::request_started`]).
-pub struct ActiveRequest(Arc<Shared>);
+/// A client request under way ([`FleetGate::request_started`]).
+pub struct ActiveRequest(Arc<FleetGate>);
 
 impl Drop for ActiveRequest {
     fn drop(&mut self) {
@@ -355,7 +357,7 @@ impl Drop for ActiveRequest {
 /// Removes a queued request from the buffer when its waiter ends, however
 /// it ends (a no-op once it was granted or expired).
 struct QueuedTicket<'a> {
-    shared: &'a Shared,
+    shared: &'a FleetGate,
     ticket: flowgate::Ticket,
 }
 
@@ -370,10 +372,10 @@ mod tests {
     use super::*;
     use flowgate::{BackendHealth, BackendKind, PROTOCOL_VERSION};
 
-    fn shared_with_one_slot() -> Arc<Shared> {
+    fn shared_with_one_slot() -> Arc<FleetGate> {
         let mut config = DispatcherConfig::default();
         config.flow.max_requests = 4;
-        let shared = Shared::new(config);
+        let shared = FleetGate::new(config);
         shared
             .report(AgentReport {
                 protocol_version: PROTOCOL_VERSION,

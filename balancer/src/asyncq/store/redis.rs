@@ -1,7 +1,7 @@
 //! The async queue in Redis (`--queue-url redis://…`), so that several
 //! balancers share one queue: a stream with a consumer group holds the
 //! queued and dispatched requests, the consumer group's pending list is the
-//! set of leases. Same semantics as the embedded [`super::store::Store`],
+//! set of leases. Same semantics as the embedded store ([`super::EmbeddedStore`]),
 //! with these differences: a request delivered again goes to the back of the
 //! queue, `auto_evict` drops the oldest request of the lowest priority, and two
 //! balancers that change one request at the same moment (a cancel racing an
@@ -10,15 +10,22 @@
 //! Keys, under `flowgate:{queue}:`: `queue:{priority}` (a stream per
 //! priority, field `id`, group `dispatchers`; `priorities` is the sorted
 //! set of them, highest first), `job:{id}` (JSON), `key:{idempotency key}` (id),
-//! `finished` (stream of finished ids: the results feed), `blob:{kind}:{id}`
-//! and `blobs:{kind}` (a sorted set of ids) for the Batch API.
+//! `finished` (stream of finished ids: the results feed), `deadlines` (a
+//! sorted set of queued ids by deadline), `blob:{kind}:{id}` and
+//! `blobs:{kind}` (a sorted set of ids) for the Batch API.
+//!
+//! Time: leases run out and finished requests age out by the Redis
+//! server's clock (a consumer group's idle time, key expiry), so several
+//! balancers agree on them whatever their own clocks say; deadlines are
+//! checked against the caller's `now_ms`.
 
 use std::sync::Mutex;
 use std::time::Duration;
 
 use redis::{Connection, Value};
 
-use super::store::{
+use super::JobStore;
+use crate::asyncq::job::{
     Answer, Counts, Job, NewJob, QueueConfig, Reclaimed, Redelivery, Result, Status, StoreError,
     LEASE_LOST,
 };
@@ -176,7 +183,55 @@ impl RedisStore {
             .query(c)?;
         job.stream_entry = Some(entry);
         job.status = Status::Queued;
+        if let Some(deadline) = job.deadline_ms {
+            // Found by `reclaim` once it passes, as the embedded store does.
+            redis::cmd("ZADD")
+                .arg(self.key("deadlines"))
+                .arg(deadline)
+                .arg(&job.id)
+                .query::<()>(c)?;
+        }
         self.save(c, job)
+    }
+
+    /// Queued requests whose deadline passed by `now_ms` end `expired`
+    /// (one under way is left to its delivery, whose failure expires it).
+    fn expire_deadlines(
+        &self,
+        c: &mut Connection,
+        now_ms: u64,
+        done: &mut Reclaimed,
+    ) -> redis::RedisResult<()> {
+        let due: Vec<String> = redis::cmd("ZRANGE")
+            .arg(self.key("deadlines"))
+            .arg("-inf")
+            .arg(now_ms)
+            .arg("BYSCORE")
+            .arg("LIMIT")
+            .arg(0)
+            .arg(1000)
+            .query(c)?;
+        for id in due {
+            redis::cmd("ZREM")
+                .arg(self.key("deadlines"))
+                .arg(&id)
+                .query::<()>(c)?;
+            let Some(mut job) = self.load(c, &id)? else {
+                continue;
+            };
+            if job.status != Status::Queued || job.deadline_ms.is_none_or(|d| d > now_ms) {
+                continue;
+            }
+            // Whoever takes the entry off the queue first expires it.
+            if !self.dequeue(c, &mut job)? {
+                continue;
+            }
+            job.status = Status::Expired;
+            job.updated_ms = now_ms;
+            self.finished(c, &job)?;
+            done.expired.push(job.id);
+        }
+        Ok(())
     }
 
     /// Takes the request's entry off the queue (acknowledged and deleted).
@@ -199,7 +254,7 @@ impl RedisStore {
     fn finished(&self, c: &mut Connection, job: &Job) -> redis::RedisResult<()> {
         self.save(c, job)?;
         let retention_start =
-            super::now_ms().saturating_sub(self.config.retention.as_millis() as u64);
+            crate::asyncq::now_ms().saturating_sub(self.config.retention.as_millis() as u64);
         redis::cmd("XADD")
             .arg(self.key("finished"))
             .arg("MINID")
@@ -230,43 +285,6 @@ impl RedisStore {
             dispatched += pending;
         }
         Ok((queued, dispatched))
-    }
-
-    pub fn submit_many(&self, new: Vec<(NewJob, String)>, now_ms: u64) -> Result<Vec<(Job, bool)>> {
-        self.config.check_payloads(&new)?;
-        self.run(|c| {
-            let (queued, _) = self.queued(c)?;
-            let over = (queued as usize + new.len()).saturating_sub(self.config.max_length);
-            if over > 0 {
-                if !self.config.auto_evict || new.len() > self.config.max_length {
-                    return Ok(Err(StoreError::Full(self.config.max_length)));
-                }
-                for _ in 0..over {
-                    self.evict_one(c, now_ms)?;
-                }
-            }
-            let mut out = Vec::with_capacity(new.len());
-            for (n, id) in new {
-                if let Some(k) = &n.idempotency_key {
-                    let claimed: Option<String> = redis::cmd("SET")
-                        .arg(self.key(&format!("key:{k}")))
-                        .arg(&id)
-                        .arg("NX")
-                        .arg("GET")
-                        .query(c)?;
-                    if let Some(existing) = claimed {
-                        if let Some(job) = self.load(c, &existing)? {
-                            out.push((job, false));
-                            continue;
-                        }
-                    }
-                }
-                let mut job = Job::new(n, id, now_ms);
-                self.enqueue(c, &mut job)?;
-                out.push((job, true));
-            }
-            Ok(Ok(out))
-        })?
     }
 
     /// Drops the oldest queued request of the lowest priority (marked
@@ -318,15 +336,92 @@ impl RedisStore {
         Ok(())
     }
 
-    pub fn get(&self, id: &str) -> Result<Option<Job>> {
+    /// Ends a lease held by `attempt`, then `update` (which returns
+    /// whether the request is final).
+    fn end_lease(
+        &self,
+        id: &str,
+        attempt: u32,
+        now_ms: u64,
+        update: impl FnOnce(&Self, &mut Connection, &mut Job) -> redis::RedisResult<()>,
+    ) -> Result<Option<Job>> {
+        self.run(|c| {
+            let Some(mut job) = self.load(c, id)? else {
+                return Ok(None);
+            };
+            if job.status != Status::Dispatched || job.attempts != attempt {
+                return Ok(None);
+            }
+            self.dequeue(c, &mut job)?;
+            job.lease_until_ms = None;
+            job.updated_ms = now_ms;
+            update(self, c, &mut job)?;
+            Ok(Some(job))
+        })
+    }
+
+    /// Carries out [`QueueConfig::redelivery`]'s decision (in Redis both
+    /// kinds of requeue go to the back of the queue).
+    fn redeliver(
+        &self,
+        c: &mut Connection,
+        job: &mut Job,
+        next: Redelivery,
+    ) -> redis::RedisResult<()> {
+        match next {
+            Redelivery::Finished => self.finished(c, job),
+            Redelivery::Again | Redelivery::Rear => self.enqueue(c, job),
+        }
+    }
+}
+
+impl JobStore for RedisStore {
+    fn submit_many(&self, new: Vec<(NewJob, String)>, now_ms: u64) -> Result<Vec<(Job, bool)>> {
+        self.config.check_payloads(&new)?;
+        self.run(|c| {
+            let (queued, _) = self.queued(c)?;
+            let over = (queued as usize + new.len()).saturating_sub(self.config.max_length);
+            if over > 0 {
+                if !self.config.auto_evict || new.len() > self.config.max_length {
+                    return Ok(Err(StoreError::Full(self.config.max_length)));
+                }
+                for _ in 0..over {
+                    self.evict_one(c, now_ms)?;
+                }
+            }
+            let mut out = Vec::with_capacity(new.len());
+            for (n, id) in new {
+                if let Some(k) = &n.idempotency_key {
+                    let claimed: Option<String> = redis::cmd("SET")
+                        .arg(self.key(&format!("key:{k}")))
+                        .arg(&id)
+                        .arg("NX")
+                        .arg("GET")
+                        .query(c)?;
+                    if let Some(existing) = claimed {
+                        if let Some(job) = self.load(c, &existing)? {
+                            out.push((job, false));
+                            continue;
+                        }
+                    }
+                }
+                let mut job = Job::new(n, id, now_ms);
+                self.enqueue(c, &mut job)?;
+                out.push((job, true));
+            }
+            Ok(Ok(out))
+        })?
+    }
+
+    fn get(&self, id: &str) -> Result<Option<Job>> {
         self.run(|c| self.load(c, id))
     }
 
-    pub fn get_many(&self, ids: &[String]) -> Result<Vec<Option<Job>>> {
+    fn get_many(&self, ids: &[String]) -> Result<Vec<Option<Job>>> {
         self.run(|c| ids.iter().map(|id| self.load(c, id)).collect())
     }
 
-    pub fn lease(&self, n: usize, now_ms: u64) -> Result<Vec<Job>> {
+    fn lease(&self, n: usize, now_ms: u64) -> Result<Vec<Job>> {
         if n == 0 {
             return Ok(Vec::new());
         }
@@ -395,37 +490,7 @@ impl RedisStore {
         })
     }
 
-    /// Ends a lease held by `attempt`, then `update` (which returns
-    /// whether the request is final).
-    fn end_lease(
-        &self,
-        id: &str,
-        attempt: u32,
-        now_ms: u64,
-        update: impl FnOnce(&Self, &mut Connection, &mut Job) -> redis::RedisResult<()>,
-    ) -> Result<Option<Job>> {
-        self.run(|c| {
-            let Some(mut job) = self.load(c, id)? else {
-                return Ok(None);
-            };
-            if job.status != Status::Dispatched || job.attempts != attempt {
-                return Ok(None);
-            }
-            self.dequeue(c, &mut job)?;
-            job.lease_until_ms = None;
-            job.updated_ms = now_ms;
-            update(self, c, &mut job)?;
-            Ok(Some(job))
-        })
-    }
-
-    pub fn finish(
-        &self,
-        id: &str,
-        attempt: u32,
-        answer: Answer,
-        now_ms: u64,
-    ) -> Result<Option<Job>> {
+    fn finish(&self, id: &str, attempt: u32, answer: Answer, now_ms: u64) -> Result<Option<Job>> {
         self.end_lease(id, attempt, now_ms, |s, c, job| {
             job.status = answer.outcome();
             job.answer = Some(answer);
@@ -433,7 +498,7 @@ impl RedisStore {
         })
     }
 
-    pub fn retry(
+    fn retry(
         &self,
         id: &str,
         attempt: u32,
@@ -447,21 +512,7 @@ impl RedisStore {
         })
     }
 
-    /// Carries out [`QueueConfig::redelivery`]'s decision (in Redis both
-    /// kinds of requeue go to the back of the queue).
-    fn redeliver(
-        &self,
-        c: &mut Connection,
-        job: &mut Job,
-        next: Redelivery,
-    ) -> redis::RedisResult<()> {
-        match next {
-            Redelivery::Finished => self.finished(c, job),
-            Redelivery::Again | Redelivery::Rear => self.enqueue(c, job),
-        }
-    }
-
-    pub fn cancel(&self, id: &str, now_ms: u64) -> Result<Option<Job>> {
+    fn cancel(&self, id: &str, now_ms: u64) -> Result<Option<Job>> {
         self.run(|c| {
             let Some(mut job) = self.load(c, id)? else {
                 return Ok(None);
@@ -479,7 +530,7 @@ impl RedisStore {
     }
 
     /// Delivers again what any balancer leased and did not finish in time.
-    pub fn reclaim(&self, now_ms: u64) -> Result<Reclaimed> {
+    fn reclaim(&self, now_ms: u64) -> Result<Reclaimed> {
         let idle = self.config.max_idle.as_millis() as u64;
         self.run(|c| {
             let mut done = Reclaimed::default();
@@ -536,11 +587,12 @@ impl RedisStore {
                     done.record(&job);
                 }
             }
+            self.expire_deadlines(c, now_ms, &mut done)?;
             Ok(done)
         })
     }
 
-    pub fn counts(&self) -> Result<Counts> {
+    fn counts(&self) -> Result<Counts> {
         self.run(|c| {
             let (queued, dispatched) = self.queued(c)?;
             let finished: u64 = redis::cmd("XLEN").arg(self.key("finished")).query(c)?;
@@ -553,7 +605,7 @@ impl RedisStore {
         })
     }
 
-    pub fn finished_since(&self, after: Option<&str>, limit: usize) -> Result<Vec<(String, Job)>> {
+    fn finished_since(&self, after: Option<&str>, limit: usize) -> Result<Vec<(String, Job)>> {
         let start = match after {
             None => "-".to_string(),
             Some(a)
@@ -582,7 +634,7 @@ impl RedisStore {
         })
     }
 
-    pub fn put_blob(&self, kind: &str, id: &str, bytes: &[u8]) -> Result<()> {
+    fn put_blob(&self, kind: &str, id: &str, bytes: &[u8]) -> Result<()> {
         self.run(|c| {
             redis::cmd("SET")
                 .arg(self.key(&format!("blob:{kind}:{id}")))
@@ -597,7 +649,7 @@ impl RedisStore {
         })
     }
 
-    pub fn delete_blob(&self, kind: &str, id: &str) -> Result<()> {
+    fn delete_blob(&self, kind: &str, id: &str) -> Result<()> {
         self.run(|c| {
             redis::cmd("ZREM")
                 .arg(self.key(&format!("blobs:{kind}")))
@@ -610,7 +662,7 @@ impl RedisStore {
         })
     }
 
-    pub fn get_blob(&self, kind: &str, id: &str) -> Result<Option<Vec<u8>>> {
+    fn get_blob(&self, kind: &str, id: &str) -> Result<Option<Vec<u8>>> {
         self.run(|c| {
             redis::cmd("GET")
                 .arg(self.key(&format!("blob:{kind}:{id}")))
@@ -619,7 +671,7 @@ impl RedisStore {
     }
 
     /// The ids of `kind`, in id order (all scores are 0: lexicographic).
-    pub fn blob_ids(&self, kind: &str) -> Result<Vec<String>> {
+    fn blob_ids(&self, kind: &str) -> Result<Vec<String>> {
         self.run(|c| {
             redis::cmd("ZRANGE")
                 .arg(self.key(&format!("blobs:{kind}")))

@@ -25,8 +25,8 @@ use flowgate::{
 use tokio::sync::{oneshot, Notify};
 use tracing::warn;
 
-use crate::history::History;
-use crate::metrics::Metrics;
+use crate::observe::history::History;
+use crate::observe::metrics::Metrics;
 
 type Waker = oneshot::Sender<Result<LeaseGuard, Reject>>;
 

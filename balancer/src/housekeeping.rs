@@ -36,7 +36,7 @@ impl BackgroundService for Housekeeping {
                 );
             }
             if let Some(hook) = &self.scale_up {
-                hook.notify(&self.shared.unserved_demand(), &self.shared);
+                hook.notify(&self.shared.unserved_demand());
             }
             let now = Instant::now();
             if self.shared.history.due(now) {

@@ -7,13 +7,11 @@ mod epp;
 #[cfg(test)]
 mod fuzz_tests;
 mod gate;
-mod history;
 mod housekeeping;
 mod inference;
 mod limits;
 mod management;
-mod meter;
-mod metrics;
+mod observe;
 mod reply;
 mod scaleup;
 mod serve_until_exit;
@@ -100,17 +98,6 @@ fn main() -> ExitCode {
         }
     }
 
-    let scale_up = match &settings.scale_up_webhook {
-        Some((url, interval)) => match scaleup::ScaleUpWebhook::new(url.clone(), *interval) {
-            Ok(hook) => Some(hook),
-            Err(e) => {
-                error!("{e}");
-                return ExitCode::from(1);
-            }
-        },
-        None => None,
-    };
-
     let conf = ServerConf {
         threads: settings.threads,
         grace_period_seconds: Some(settings.shutdown_grace_period.as_secs()),
@@ -121,6 +108,19 @@ fn main() -> ExitCode {
     server.bootstrap();
 
     let shared = FleetGate::new(settings.dispatcher.clone());
+    let scale_up = match &settings.scale_up_webhook {
+        Some((url, interval)) => {
+            match scaleup::ScaleUpWebhook::new(url.clone(), *interval, &shared.metrics) {
+                Ok(hook) => Some(hook),
+                Err(e) => {
+                    error!("{e}");
+                    return ExitCode::from(1);
+                }
+            }
+        }
+        None => None,
+    };
+
     let async_queue = match &settings.async_queue {
         Some(config) => match asyncq::AsyncQueue::open(config.clone(), Arc::clone(&shared)) {
             Ok(q) => Some(q),
@@ -210,6 +210,7 @@ fn main() -> ExitCode {
             api_keys: settings.api_keys.clone(),
             max_request_bytes: settings.max_request_bytes,
             retry_after: Duration::from_secs(1),
+            decisions: epp::decisions_metric(&shared.metrics),
         });
         let mut service = background_service("epp", EppService { epp, addr });
         service.threads = Some(settings.threads);

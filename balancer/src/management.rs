@@ -28,7 +28,7 @@ use tracing::{info, warn};
 
 use crate::auth::{bearer_token, Secret};
 use crate::gate::FleetGate;
-use crate::history;
+use crate::observe::history;
 
 /// Largest accepted report body.
 const MAX_REPORT_BYTES: usize = 64 * 1024;

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 use tracing::{info, warn};
 
-use crate::gate::FleetGate;
+use crate::observe::metrics::Metrics;
 
 /// How long one call may take.
 const CALL_TIMEOUT: Duration = Duration::from_secs(5);
@@ -31,10 +31,23 @@ pub struct ScaleUpWebhook {
     client: reqwest::Client,
     /// When each model's last call was made.
     last: Mutex<HashMap<Model, Instant>>,
+    /// `flowgate_scale_up_webhooks_total`, by result.
+    calls: prometheus::IntCounterVec,
 }
 
 impl ScaleUpWebhook {
-    pub fn new(url: String, interval: Duration) -> Result<Self, String> {
+    /// A webhook at `url` called at most every `interval` per model; its
+    /// calls are counted in `metrics`.
+    pub fn new(url: String, interval: Duration, metrics: &Metrics) -> Result<Self, String> {
+        let calls = prometheus::IntCounterVec::new(
+            prometheus::Opts::new(
+                "flowgate_scale_up_webhooks_total",
+                "Scale-up webhook calls by result (ok, failed)",
+            ),
+            &["result"],
+        )
+        .expect("valid metric");
+        metrics.register(Box::new(calls.clone()));
         let client = reqwest::Client::builder()
             .timeout(CALL_TIMEOUT)
             .build()
@@ -44,6 +57,7 @@ impl ScaleUpWebhook {
             interval,
             client,
             last: Mutex::new(HashMap::new()),
+            calls,
         })
     }
 
@@ -70,7 +84,7 @@ impl ScaleUpWebhook {
     }
 
     /// Calls the webhook for every model that is due, in the background.
-    pub fn notify(&self, demand: &[(Model, usize)], shared: &Arc<FleetGate>) {
+    pub fn notify(&self, demand: &[(Model, usize)]) {
         for (model, queued) in self.due(demand, Instant::now()) {
             let body = json!({
                 "event": "scale_up",
@@ -78,7 +92,7 @@ impl ScaleUpWebhook {
                 "queued_requests": queued,
             });
             let request = self.client.post(&self.url).json(&body);
-            let shared = Arc::clone(shared);
+            let calls = self.calls.clone();
             let url = self.url.clone();
             tokio::spawn(async move {
                 let model = model.as_deref().unwrap_or("");
@@ -88,11 +102,7 @@ impl ScaleUpWebhook {
                     Err(e) => Some(e.to_string()),
                 };
                 let result = if failure.is_none() { "ok" } else { "failed" };
-                shared
-                    .metrics
-                    .scale_up_webhooks
-                    .with_label_values(&[result])
-                    .inc();
+                calls.with_label_values(&[result]).inc();
                 match failure {
                     None => info!(model, queued, "scale-up webhook called"),
                     Some(why) => warn!(model, url, "scale-up webhook failed: {why}"),
@@ -108,8 +118,12 @@ mod tests {
 
     #[test]
     fn calls_are_debounced_per_model() {
-        let hook =
-            ScaleUpWebhook::new("http://127.0.0.1:9/".into(), Duration::from_secs(30)).unwrap();
+        let hook = ScaleUpWebhook::new(
+            "http://127.0.0.1:9/".into(),
+            Duration::from_secs(30),
+            &Metrics::new(),
+        )
+        .unwrap();
         let m1: Model = Some("m1".into());
         let m2: Model = Some("m2".into());
         let t0 = Instant::now();

@@ -16,7 +16,7 @@ use serde_json::Value;
 use super::body::{self, BodyLimits};
 use super::{Step, INFERENCE_PATHS};
 use crate::asyncq::{self, AsyncQueue};
-use crate::metrics::Metrics;
+use crate::observe::metrics::Metrics;
 use crate::reply::{Answer, Refusal, REQUEST_ID_HEADER};
 
 /// Longest `?wait=` of an async status request or results read.

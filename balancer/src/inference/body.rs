@@ -16,7 +16,7 @@ use http::StatusCode;
 use pingora_core::{Error, ErrorType, Result};
 use pingora_proxy::Session;
 
-use crate::metrics::Metrics;
+use crate::observe::metrics::Metrics;
 use crate::reply::Refusal;
 
 /// Pingora's retry buffer size (`BODY_BUF_LIMIT` in pingora-core).

@@ -53,7 +53,7 @@ use crate::asyncq::{self, AsyncQueue};
 use crate::auth::ApiKeys;
 use crate::gate::{ActiveRequest, AdmitError, FleetGate, LeaseGuard};
 use crate::limits;
-use crate::meter::ResponseMeter;
+use crate::observe::meter::ResponseMeter;
 use crate::reply::{Answer, Refusal, REQUEST_ID_HEADER};
 
 /// Response header: milliseconds the request waited for an endpoint.

@@ -1,117 +1,34 @@
-//! EPP mode: the scheduler behind Envoy's external-processing protocol
-//! (`envoy.service.ext_proc.v3.ExternalProcessor`), as the Gateway API
-//! Inference Extension's Endpoint Picker Protocol uses it.
-//!
-//! Envoy opens one `Process` stream per HTTP request. Flowgate reads the
-//! request headers (fairness id, objective, priority, TTL) and the buffered
-//! body (model, prompt for prefix affinity), holds the request in the same
-//! flow control as the proxy, then answers with the chosen endpoint, both as
-//! the request header `x-gateway-destination-endpoint` and in the dynamic
-//! metadata namespace `envoy.lb` under the same key; Envoy's
-//! `ORIGINAL_DST` cluster sends the request there. The endpoint's slot is
-//! held until Envoy reports the end of the response (or of the stream).
-//!
-//! Request body modes (from the stream's `protocol_config`; `BUFFERED` when
-//! Envoy sends none):
-//! - `BUFFERED` / `BUFFERED_PARTIAL`: the headers are answered CONTINUE, the
-//!   answer to the (last) body message carries the destination.
-//! - `FULL_DUPLEX_STREAMED`: nothing is answered until the body ended; then
-//!   the headers answer carries the destination and the body is streamed
-//!   back in 62,000-byte chunks, as the GIE's reference EPP does.
-//! - `NONE`, or headers with `end_of_stream`: the request is placed from
-//!   its headers alone (no model, no prompt).
-//!
-//! `STREAMED` request bodies cannot be routed (the headers go upstream
-//! before the body is seen) and are treated like `BUFFERED` chunk by chunk:
-//! configure Envoy with `BUFFERED` or `FULL_DUPLEX_STREAMED`.
-//!
-//! Refusals are `ImmediateResponse`s with the proxy's status codes and
-//! bodies: 404 unknown model, 429 shed, 503 no endpoint (or an empty subset
-//! hint), 504 waited past the TTL, 400 / 413 bad requests.
+//! One HTTP request's `Process` stream: its headers and body in, the
+//! request placed through the same admission and flow control as at the
+//! proxy, the destination (or a refusal) out, the slot held until the
+//! response ends.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
-use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
-use envoy_types::pb::envoy::config::core::v3::{
-    HeaderMap, HeaderValue, HeaderValueOption, Metadata,
-};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
-    ExternalProcessor, ExternalProcessorServer,
-};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    body_mutation, processing_request, processing_response, BodyMutation, BodyResponse,
-    CommonResponse, HeaderMutation, HeadersResponse, HttpBody, HttpHeaders, ImmediateResponse,
-    ProcessingRequest, ProcessingResponse, StreamedBodyResponse, TrailersResponse,
+    processing_request, processing_response, BodyResponse, CommonResponse, HeaderMutation,
+    HeadersResponse, HttpBody, HttpHeaders, ImmediateResponse, ProcessingRequest,
+    ProcessingResponse, TrailersResponse,
 };
-use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value};
-use flowgate::admission::{AdmissionRules, Caller, FlowHeaders};
+use flowgate::admission::{Caller, FlowHeaders};
 use flowgate::RequestMeta;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::Streaming;
 use tracing::{debug, info};
 
-use crate::auth::ApiKeys;
-use crate::gate::{AdmitError, FleetGate, LeaseGuard};
+use crate::gate::{AdmitError, LeaseGuard};
 use crate::reply::{Answer, Refusal};
 use flowgate::blame::{self, Verdict};
 
 /// Request header (and `envoy.lb` metadata key) naming the chosen endpoint.
-pub const DESTINATION: &str = "x-gateway-destination-endpoint";
-/// Dynamic metadata namespace Envoy's load balancer reads.
-pub const LB_NAMESPACE: &str = "envoy.lb";
-/// Filter metadata namespace of the subset hint.
-pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
-/// Key of the subset hint: a list of `ip:port` (or bare `ip`) strings.
-pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
-/// Size of the body chunks streamed back in `FULL_DUPLEX_STREAMED` mode.
-const BODY_CHUNK: usize = 62_000;
-/// Names the gRPC health service reports as serving.
-const HEALTH_NAMES: [&str; 3] = [
-    "liveness",
-    "readiness",
-    "envoy.service.ext_proc.v3.ExternalProcessor",
-];
+use super::wire::{
+    continue_body, destination_metadata, header, header_pairs, reply, streamed_body, subset_hint,
+};
+use super::{Epp, Reply, BODY_CHUNK, DESTINATION};
 
-/// The EPP gRPC service, sharing the proxy's state.
-pub struct Epp {
-    pub shared: Arc<FleetGate>,
-    /// How a request's facts are read (the same rules at every door).
-    pub admission: AdmissionRules,
-    /// When set, every request needs one of these keys (in
-    /// `authorization`, as Envoy passes it on).
-    pub api_keys: Option<Arc<ApiKeys>>,
-    pub max_request_bytes: usize,
-    pub retry_after: std::time::Duration,
-}
-
-type Reply = Result<ProcessingResponse, Status>;
-
-/// The gRPC face of [`Epp`].
-pub struct Processor(pub Arc<Epp>);
-
-#[tonic::async_trait]
-impl ExternalProcessor for Processor {
-    type ProcessStream = ReceiverStream<Reply>;
-
-    async fn process(
-        &self,
-        request: Request<Streaming<ProcessingRequest>>,
-    ) -> Result<Response<Self::ProcessStream>, Status> {
-        // Envoy waits for each answer before it sends more, except in
-        // full-duplex mode where the body is echoed back chunk by chunk.
-        let (tx, rx) = mpsc::channel(8);
-        let exchange = Exchange::new(Arc::clone(&self.0), tx);
-        tokio::spawn(exchange.run(request.into_inner()));
-        Ok(Response::new(ReceiverStream::new(rx)))
-    }
-}
-
-/// The request headers admission reads (flow control's and
-/// `authorization`), lower-cased names with their values.
 #[derive(Default)]
 struct KeptHeaders(Vec<(&'static str, Vec<u8>)>);
 
@@ -161,7 +78,7 @@ impl BodyMode {
 }
 
 /// One `Process` stream: one HTTP request through Envoy.
-struct Exchange {
+pub(super) struct Exchange {
     epp: Arc<Epp>,
     tx: mpsc::Sender<Reply>,
     request_mode: BodyMode,
@@ -182,7 +99,7 @@ struct Exchange {
 }
 
 impl Exchange {
-    fn new(epp: Arc<Epp>, tx: mpsc::Sender<Reply>) -> Self {
+    pub(super) fn new(epp: Arc<Epp>, tx: mpsc::Sender<Reply>) -> Self {
         Exchange {
             epp,
             tx,
@@ -202,7 +119,7 @@ impl Exchange {
     /// Answers Envoy's messages until the stream ends. A lease still held
     /// then is a request whose answer did not end (its client or Envoy
     /// left): its slot is orphaned, free once the engine is done with it.
-    async fn run(mut self, mut inbound: Streaming<ProcessingRequest>) {
+    pub(super) async fn run(mut self, mut inbound: Streaming<ProcessingRequest>) {
         loop {
             let message = match inbound.message().await {
                 Ok(Some(m)) => m,
@@ -394,13 +311,13 @@ impl Exchange {
                 return self.refuse(Refusal::from_reject(r, &model)).await
             }
             Err(AdmitError::ClientGone) => {
-                self.epp.shared.metrics.epp_request("client-gone");
+                self.epp.decisions.with_label_values(&["client-gone"]).inc();
                 return Err(Gone);
             }
         };
         let destination = lease.addr().to_string();
         self.lease = Some(lease);
-        self.epp.shared.metrics.epp_request("picked");
+        self.epp.decisions.with_label_values(&["picked"]).inc();
         debug!(
             endpoint = %destination,
             model,
@@ -511,7 +428,7 @@ impl Exchange {
     async fn refuse(&mut self, r: Refusal) -> Result<(), Gone> {
         self.decided = true;
         let m = &self.epp.shared.metrics;
-        m.epp_request(r.reason);
+        self.epp.decisions.with_label_values(&[r.reason]).inc();
         m.record_outcome(r.status.as_u16(), r.reason);
         info!(
             status = r.status.as_u16(),
@@ -554,206 +471,4 @@ enum Phase {
     Headers,
     /// The end of its body.
     Body { ended_by_trailers: bool },
-}
-
-fn reply(response: processing_response::Response) -> ProcessingResponse {
-    ProcessingResponse {
-        response: Some(response),
-        ..ProcessingResponse::default()
-    }
-}
-
-fn continue_body() -> ProcessingResponse {
-    reply(processing_response::Response::RequestBody(
-        BodyResponse::default(),
-    ))
-}
-
-/// A body chunk streamed back (full-duplex mode).
-fn streamed_body(
-    wrap: fn(BodyResponse) -> processing_response::Response,
-    body: Vec<u8>,
-    end_of_stream: bool,
-) -> ProcessingResponse {
-    reply(wrap(BodyResponse {
-        response: Some(CommonResponse {
-            body_mutation: Some(BodyMutation {
-                mutation: Some(body_mutation::Mutation::StreamedResponse(
-                    StreamedBodyResponse {
-                        body,
-                        end_of_stream,
-                        ..StreamedBodyResponse::default()
-                    },
-                )),
-            }),
-            ..CommonResponse::default()
-        }),
-    }))
-}
-
-/// A header to set, replacing any value it had.
-fn header(key: &str, value: &str) -> HeaderValueOption {
-    HeaderValueOption {
-        header: Some(HeaderValue {
-            key: key.to_string(),
-            value: String::new(),
-            raw_value: value.as_bytes().to_vec(),
-        }),
-        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
-        ..HeaderValueOption::default()
-    }
-}
-
-/// `envoy.lb: { x-gateway-destination-endpoint: <destination> }`.
-fn destination_metadata(destination: &str) -> Struct {
-    let inner = Struct {
-        fields: [(
-            DESTINATION.to_string(),
-            Value {
-                kind: Some(Kind::StringValue(destination.to_string())),
-            },
-        )]
-        .into(),
-    };
-    Struct {
-        fields: [(
-            LB_NAMESPACE.to_string(),
-            Value {
-                kind: Some(Kind::StructValue(inner)),
-            },
-        )]
-        .into(),
-    }
-}
-
-/// Header names and values; Envoy sends values in `raw_value`, some
-/// clients in `value`.
-fn header_pairs(map: Option<&HeaderMap>) -> impl Iterator<Item = (&str, &[u8])> {
-    map.into_iter().flat_map(|m| m.headers.iter()).map(|h| {
-        let value = if h.raw_value.is_empty() {
-            h.value.as_bytes()
-        } else {
-            &h.raw_value
-        };
-        (h.key.as_str(), value)
-    })
-}
-
-/// The subset hint's entries, if the metadata carries one (a list of
-/// strings, or one comma-separated string).
-fn subset_hint(metadata: &Metadata) -> Option<Vec<String>> {
-    let value = metadata
-        .filter_metadata
-        .get(SUBSET_NAMESPACE)?
-        .fields
-        .get(SUBSET_KEY)?;
-    match value.kind.as_ref()? {
-        Kind::ListValue(list) => Some(
-            list.values
-                .iter()
-                .filter_map(|v| match v.kind.as_ref()? {
-                    Kind::StringValue(s) => Some(s.clone()),
-                    _ => None,
-                })
-                .collect(),
-        ),
-        Kind::StringValue(s) => Some(
-            s.split(',')
-                .map(str::trim)
-                .filter(|s| !s.is_empty())
-                .map(String::from)
-                .collect(),
-        ),
-        _ => Some(Vec::new()),
-    }
-}
-
-/// Serves EPP mode and gRPC health on `addr` until `shutdown` resolves.
-pub async fn serve(
-    epp: Arc<Epp>,
-    addr: SocketAddr,
-    shutdown: impl std::future::Future<Output = ()>,
-) -> Result<(), tonic::transport::Error> {
-    let (health, health_service) = tonic_health::server::health_reporter();
-    for name in HEALTH_NAMES {
-        health
-            .set_service_status(name, tonic_health::ServingStatus::Serving)
-            .await;
-    }
-    // Envoy buffers the whole body into one message.
-    let max_message = epp.max_request_bytes.saturating_add(64 * 1024);
-    let processor =
-        ExternalProcessorServer::new(Processor(epp)).max_decoding_message_size(max_message);
-    tonic::transport::Server::builder()
-        .add_service(health_service)
-        .add_service(processor)
-        .serve_with_shutdown(addr, shutdown)
-        .await
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use envoy_types::pb::google::protobuf::ListValue;
-
-    fn string(s: &str) -> Value {
-        Value {
-            kind: Some(Kind::StringValue(s.into())),
-        }
-    }
-
-    fn metadata(hint: Value) -> Metadata {
-        Metadata {
-            filter_metadata: [(
-                SUBSET_NAMESPACE.to_string(),
-                Struct {
-                    fields: [(SUBSET_KEY.to_string(), hint)].into(),
-                },
-            )]
-            .into(),
-            ..Metadata::default()
-        }
-    }
-
-    #[test]
-    fn the_subset_hint_is_read_as_a_list_or_a_comma_separated_string() {
-        let list = Value {
-            kind: Some(Kind::ListValue(ListValue {
-                values: vec![string("10.0.0.1:8000"), string("10.0.0.2:8000")],
-            })),
-        };
-        assert_eq!(
-            subset_hint(&metadata(list)).unwrap(),
-            ["10.0.0.1:8000", "10.0.0.2:8000"]
-        );
-        assert_eq!(
-            subset_hint(&metadata(string("10.0.0.1:8000, 10.0.0.3:8000"))).unwrap(),
-            ["10.0.0.1:8000", "10.0.0.3:8000"]
-        );
-        // A hint of the wrong shape is an empty hint (503), not no hint.
-        let odd = Value {
-            kind: Some(Kind::NumberValue(1.0)),
-        };
-        assert_eq!(subset_hint(&metadata(odd)).unwrap(), Vec::<String>::new());
-        assert!(subset_hint(&Metadata::default()).is_none());
-    }
-
-    #[test]
-    fn the_destination_is_the_same_in_the_header_and_the_metadata() {
-        let h = header(DESTINATION, "127.0.0.1:9");
-        let value = h.header.unwrap().raw_value;
-        let m = destination_metadata("127.0.0.1:9");
-        let Some(Kind::StructValue(lb)) = &m.fields[LB_NAMESPACE].kind else {
-            panic!("envoy.lb is a struct");
-        };
-        let Some(Kind::StringValue(v)) = &lb.fields[DESTINATION].kind else {
-            panic!("the destination is a string");
-        };
-        assert_eq!(v.as_bytes(), value.as_slice());
-        assert_eq!(
-            h.append_action,
-            HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
-            "a client's own destination header is replaced, not appended to"
-        );
-    }
 }

@@ -12,7 +12,7 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-use crate::history::{Tallies, OUTCOMES};
+use crate::observe::history::{Tallies, OUTCOMES};
 use flowgate::Snapshot;
 
 /// Distinct priority values that get their own metric label; later ones
@@ -87,15 +87,11 @@ pub struct Metrics {
     endpoint_circuit_open: IntGaugeVec,
     /// Requests that waited for a busy endpoint caching their prompt.
     pub affinity_holds: IntCounter,
-    /// EPP mode's decisions: `picked` or why the request was refused.
-    epp_requests: IntCounterVec,
     unserved_demand: IntGaugeVec,
     ttft: HistogramVec,
     tpot: HistogramVec,
     tokens: IntCounterVec,
     upstream_errors: IntCounterVec,
-    /// Scale-up webhook calls, by result.
-    pub scale_up_webhooks: IntCounterVec,
     client_connections: IntGauge,
     /// Client requests from their head to the end of their answer.
     pub client_requests: IntGauge,
@@ -227,13 +223,6 @@ impl Metrics {
                 ),
                 &["kind"]
             )),
-            scale_up_webhooks: register!(IntCounterVec::new(
-                Opts::new(
-                    "flowgate_scale_up_webhooks_total",
-                    "Scale-up webhook calls by result (ok, failed)"
-                ),
-                &["result"]
-            )),
             endpoint_in_flight: register!(IntGaugeVec::new(
                 Opts::new(
                     "flowgate_endpoint_in_flight_requests",
@@ -355,14 +344,6 @@ impl Metrics {
                 ),
                 &["endpoint", "agent"]
             )),
-            epp_requests: register!(IntCounterVec::new(
-                Opts::new(
-                    "flowgate_epp_requests_total",
-                    "EPP mode requests by outcome: picked (an endpoint was chosen) or the \
-                     reason Flowgate answered itself"
-                ),
-                &["outcome"]
-            )),
             client_connections: register!(IntGauge::new(
                 "flowgate_client_connections",
                 "Client connections open on the inference port"
@@ -422,10 +403,6 @@ impl Metrics {
         }
     }
 
-    pub fn epp_request(&self, outcome: &str) {
-        self.epp_requests.with_label_values(&[outcome]).inc();
-    }
-
     pub fn upstream_error(&self, kind: &str) {
         self.upstream_errors.with_label_values(&[kind]).inc();
     }
@@ -437,7 +414,7 @@ impl Metrics {
         model: &str,
         ttft: Option<Duration>,
         tpot: Option<Duration>,
-        usage: Option<crate::meter::Usage>,
+        usage: Option<crate::observe::meter::Usage>,
     ) {
         if let Some(t) = ttft {
             self.ttft

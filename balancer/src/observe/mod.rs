@@ -1,0 +1,9 @@
+//! What the balancer measures and shows: Prometheus metrics ([`metrics`];
+//! a component with metrics of its own registers them beside itself, as
+//! the async queue, EPP mode and the scale-up webhook do), the timing and
+//! usage of an answer as it passes ([`meter`]), and the dashboard's last
+//! minutes of traffic ([`history`]).
+
+pub mod history;
+pub mod meter;
+pub mod metrics;

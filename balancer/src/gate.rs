@@ -139,7 +139,7 @@ impl FleetGate {
             if done.is_empty() {
                 let holds = d.take_new_holds();
                 if holds > 0 {
-                    self.metrics.affinity_holds.inc_by(holds);
+                    self.metrics.fleet.affinity_holds.inc_by(holds);
                     self.timers.notify_one();
                 }
                 return;
@@ -240,7 +240,7 @@ impl FleetGate {
     pub fn record_endpoint_outcome(&self, endpoint: EndpointId, addr: SocketAddr, ok: bool) {
         let opened = self.lock().record_outcome(endpoint, ok, Instant::now());
         if opened {
-            self.metrics.circuit_opened.inc();
+            self.metrics.fleet.circuit_opened.inc();
             warn!(
                 endpoint = %addr,
                 "circuit breaker opened: the endpoint failed repeatedly and gets no work for a while"
@@ -329,7 +329,7 @@ impl FleetGate {
 
     /// Counts a client request from its head to its end (the guard's drop).
     pub fn request_started(self: &Arc<Self>) -> ActiveRequest {
-        self.metrics.client_requests.inc();
+        self.metrics.clients.requests.inc();
         ActiveRequest(Arc::clone(self))
     }
 
@@ -337,7 +337,7 @@ impl FleetGate {
     /// request under way, none buffered, no live lease (an orphaned slot
     /// has no client left to answer).
     pub fn is_drained(&self) -> bool {
-        if self.metrics.client_requests.get() > 0 {
+        if self.metrics.clients.requests.get() > 0 {
             return false;
         }
         let d = self.lock();
@@ -350,7 +350,7 @@ pub struct ActiveRequest(Arc<FleetGate>);
 
 impl Drop for ActiveRequest {
     fn drop(&mut self) {
-        self.0.metrics.client_requests.dec();
+        self.0.metrics.clients.requests.dec();
     }
 }
 

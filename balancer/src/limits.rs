@@ -37,6 +37,8 @@ use tokio::time::Sleep;
 use tracing::debug;
 
 use crate::gate::FleetGate;
+use crate::observe::metrics::register;
+use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
 
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
@@ -114,7 +116,7 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Limited<A> {
     ) -> Option<Stream> {
         let metrics = &self.shared.metrics;
         let Ok(_permit) = Arc::clone(&self.permits).try_acquire_owned() else {
-            metrics.client_refusal("too_many_connections");
+            metrics.clients.refusal("too_many_connections");
             let answer = raw_response(
                 "503 Service Unavailable",
                 "too_many_connections",
@@ -137,7 +139,7 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Limited<A> {
             .await;
             return None;
         };
-        let _open = metrics.client_connection_opened();
+        let _open = metrics.clients.opened();
         let guarded: Stream = Box::new(Guarded::new(stream, self.limits, Arc::clone(&self.shared)));
         // Keep-alive reuse stays here, so that the permit covers the whole
         // connection: Pingora's service loop would otherwise call us again
@@ -231,7 +233,7 @@ impl Guarded {
         kind: io::ErrorKind,
     ) -> Poll<io::Result<()>> {
         self.refused = true;
-        self.shared.metrics.client_refusal(reason);
+        self.shared.metrics.clients.refusal(reason);
         debug!(reason, "refused a client's request head");
         // A fresh socket's send buffer takes a few hundred bytes at once;
         // if it does not, the client was not reading anyway.
@@ -412,5 +414,67 @@ impl GetSocketDigest for Guarded {
 impl Peek for Guarded {
     async fn try_peek(&mut self, buf: &mut [u8]) -> io::Result<bool> {
         self.inner.try_peek(buf).await
+    }
+}
+
+/// Client connections and requests on the inference port, and what the
+/// client limits refused.
+pub struct ClientMetrics {
+    connections: IntGauge,
+    /// Client requests from their head to the end of their answer.
+    pub requests: IntGauge,
+    refusals: IntCounterVec,
+}
+
+impl ClientMetrics {
+    pub fn new(registry: &Registry) -> Self {
+        ClientMetrics {
+            connections: register(
+                registry,
+                IntGauge::new(
+                    "flowgate_client_connections",
+                    "Client connections open on the inference port",
+                ),
+            ),
+            requests: register(
+                registry,
+                IntGauge::new(
+                    "flowgate_client_requests",
+                    "Client requests under way on the inference port, from their head to the end \
+                 of their answer (a graceful shutdown waits for them)",
+                ),
+            ),
+            refusals: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "flowgate_client_refusals_total",
+                        "Client connections or requests refused by a client limit, by reason \
+                     (too_many_connections, header_timeout, header_too_large, body_timeout)",
+                    ),
+                    &["reason"],
+                ),
+            ),
+        }
+    }
+
+    /// Counts an open client connection until the guard is dropped.
+    pub fn opened(&self) -> OpenConnection<'_> {
+        self.connections.inc();
+        OpenConnection(&self.connections)
+    }
+
+    /// Counts a connection or request a client limit refused.
+    pub fn refusal(&self, reason: &str) {
+        self.refusals.with_label_values(&[reason]).inc();
+    }
+}
+
+/// Counts an open client connection until dropped.
+pub struct OpenConnection<'a>(&'a IntGauge);
+
+impl Drop for OpenConnection<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }

@@ -155,7 +155,7 @@ impl Management {
                     e => invalid(e.to_string()),
                 })
             });
-        let metrics = &self.shared.metrics.reports;
+        let metrics = &self.shared.metrics.fleet.reports;
         match result {
             Ok(outcome) => {
                 metrics.with_label_values(&["accepted"]).inc();

@@ -54,7 +54,7 @@ pub fn client_went_away(e: &Error) -> bool {
 /// `Connection` header that nominates a protected header): the client's
 /// mistake, counted as a client refusal, never an upstream error.
 pub fn bad_framing(metrics: &Metrics, e: &Error) -> Refusal {
-    metrics.client_refusal("bad_framing");
+    metrics.clients.refusal("bad_framing");
     let mut r = Refusal::new(
         StatusCode::BAD_REQUEST,
         "invalid_request_error",
@@ -76,7 +76,7 @@ pub async fn read_body(
     match tokio::time::timeout(limits.timeout, read_all(session, limits.max_bytes, metrics)).await {
         Ok(read) => read,
         Err(_) => {
-            metrics.client_refusal("body_timeout");
+            metrics.clients.refusal("body_timeout");
             Ok(Err(Refusal::new(
                 StatusCode::REQUEST_TIMEOUT,
                 "invalid_request_error",

@@ -8,10 +8,12 @@ use std::time::Duration;
 
 use prometheus::core::Collector;
 use prometheus::{
-    Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+    TextEncoder,
 };
 
+use super::fleet::FleetMetrics;
+use crate::limits::ClientMetrics;
 use crate::observe::history::{Tallies, OUTCOMES};
 use flowgate::Snapshot;
 
@@ -51,6 +53,18 @@ impl BoundedLabels {
     }
 }
 
+/// Registers `metric` (its definition checked) and returns it.
+pub fn register<M: Collector + Clone + 'static>(
+    registry: &Registry,
+    metric: prometheus::Result<M>,
+) -> M {
+    let m = metric.expect("valid metric definition");
+    registry
+        .register(Box::new(m.clone()))
+        .expect("metric registered once");
+    m
+}
+
 pub struct Metrics {
     registry: Registry,
     priority_labels: BoundedLabels,
@@ -60,51 +74,19 @@ pub struct Metrics {
     pub buffered_total: IntCounter,
     /// Seconds spent waiting in the buffer, for requests that waited.
     pub buffer_wait: Histogram,
-    /// Agent reports accepted / refused.
-    pub reports: IntCounterVec,
-    buffered: IntGauge,
-    buffer_capacity: IntGauge,
-    in_flight: IntGauge,
-    agents: IntGauge,
-    endpoint_in_flight: IntGaugeVec,
-    endpoint_slots: IntGaugeVec,
-    endpoint_waiting: IntGaugeVec,
-    endpoint_report_age: prometheus::GaugeVec,
-    endpoint_kv_cache: prometheus::GaugeVec,
-    endpoint_eligible: IntGaugeVec,
-    endpoint_saturated: IntGaugeVec,
-    buffered_bytes: IntGauge,
-    flow_queue_size: IntGaugeVec,
-    flow_queue_bytes: IntGaugeVec,
-    flow_queue_duration: HistogramVec,
-    flow_dispatches: IntCounterVec,
-    flow_rejections: IntCounterVec,
-    pool_saturation: Gauge,
-    /// Requests sent again to another endpoint, by what failed.
-    upstream_retries: IntCounterVec,
-    /// Times an endpoint's circuit breaker opened.
-    pub circuit_opened: IntCounter,
-    endpoint_circuit_open: IntGaugeVec,
-    /// Requests that waited for a busy endpoint caching their prompt.
-    pub affinity_holds: IntCounter,
-    unserved_demand: IntGaugeVec,
     ttft: HistogramVec,
     tpot: HistogramVec,
     tokens: IntCounterVec,
     upstream_errors: IntCounterVec,
-    client_connections: IntGauge,
-    /// Client requests from their head to the end of their answer.
-    pub client_requests: IntGauge,
-    client_refusals: IntCounterVec,
-}
-
-/// Counts an open client connection until dropped.
-pub struct OpenConnection<'a>(&'a IntGauge);
-
-impl Drop for OpenConnection<'_> {
-    fn drop(&mut self) {
-        self.0.dec();
-    }
+    flow_queue_duration: HistogramVec,
+    flow_dispatches: IntCounterVec,
+    flow_rejections: IntCounterVec,
+    /// Requests sent again to another endpoint, by what failed.
+    upstream_retries: IntCounterVec,
+    /// The buffer, flows and endpoints.
+    pub fleet: FleetMetrics,
+    /// Client connections and requests on the inference port.
+    pub clients: ClientMetrics,
 }
 
 const WAIT_BUCKETS: [f64; 14] = [
@@ -132,235 +114,126 @@ fn cumulative_buckets(families: &[prometheus::proto::MetricFamily]) -> Vec<u64> 
 impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new();
-        macro_rules! register {
-            ($metric:expr) => {{
-                let m = $metric.expect("valid metric definition");
-                registry
-                    .register(Box::new(m.clone()))
-                    .expect("metric registered once");
-                m
-            }};
-        }
-        let ep = &["endpoint", "agent"];
         Metrics {
             priority_labels: BoundedLabels::new(MAX_PRIORITY_LABELS),
-            requests: register!(IntCounterVec::new(
-                Opts::new(
-                    "flowgate_requests_total",
-                    "Inference requests by final HTTP status and drop reason"
+            requests: register(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "flowgate_requests_total",
+                        "Inference requests by final HTTP status and drop reason",
+                    ),
+                    &["code", "reason"],
                 ),
-                &["code", "reason"]
-            )),
-            buffered_total: register!(IntCounter::new(
-                "flowgate_buffered_requests_total",
-                "Requests that waited in the buffer for a free slot"
-            )),
-            buffer_wait: register!(Histogram::with_opts(
-                HistogramOpts::new(
-                    "flowgate_buffer_wait_seconds",
-                    "Time requests spent waiting in the buffer"
-                )
-                .buckets(WAIT_BUCKETS.to_vec())
-            )),
-            reports: register!(IntCounterVec::new(
-                Opts::new("flowgate_agent_reports_total", "Agent reports by result"),
-                &["result"]
-            )),
-            buffered: register!(IntGauge::new(
-                "flowgate_buffered_requests",
-                "Requests waiting in the buffer now"
-            )),
-            buffer_capacity: register!(IntGauge::new(
-                "flowgate_buffer_capacity",
-                "Most requests that may wait (--max-buffered-requests)"
-            )),
-            in_flight: register!(IntGauge::new(
-                "flowgate_in_flight_requests",
-                "Requests sent to model servers and not finished"
-            )),
-            agents: register!(IntGauge::new(
-                "flowgate_agents",
-                "Agents currently registered"
-            )),
-            unserved_demand: register!(IntGaugeVec::new(
-                Opts::new(
-                    "flowgate_unserved_demand_requests",
-                    "Requests waiting for a model that no live endpoint serves \
-                     (scale-up signal; model \"\" = requests naming no model)"
+            ),
+            buffered_total: register(
+                &registry,
+                IntCounter::new(
+                    "flowgate_buffered_requests_total",
+                    "Requests that waited in the buffer for a free slot",
                 ),
-                &["model"]
-            )),
-            ttft: register!(HistogramVec::new(
-                HistogramOpts::new(
-                    "flowgate_time_to_first_token_seconds",
-                    "Streamed answers: arrival at the balancer (queueing included) to the \
-                     first byte of the stream, by model"
-                )
-                .buckets(WAIT_BUCKETS.to_vec()),
-                &["model"]
-            )),
-            tpot: register!(HistogramVec::new(
-                HistogramOpts::new(
-                    "flowgate_time_per_output_token_seconds",
-                    "Streamed answers: time per output token after the first, by model"
-                )
-                .buckets(TPOT_BUCKETS.to_vec()),
-                &["model"]
-            )),
-            tokens: register!(IntCounterVec::new(
-                Opts::new(
-                    "flowgate_tokens_total",
-                    "Tokens from the answers' usage objects, by model and kind \
-                     (prompt, completion)"
+            ),
+            buffer_wait: register(
+                &registry,
+                Histogram::with_opts(
+                    HistogramOpts::new(
+                        "flowgate_buffer_wait_seconds",
+                        "Time requests spent waiting in the buffer",
+                    )
+                    .buckets(WAIT_BUCKETS.to_vec()),
                 ),
-                &["model", "kind"]
-            )),
-            upstream_errors: register!(IntCounterVec::new(
-                Opts::new(
-                    "flowgate_upstream_errors_total",
-                    "Model server failures by kind: connect, status-5xx, \
-                     before-response, mid-response"
+            ),
+            ttft: register(
+                &registry,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "flowgate_time_to_first_token_seconds",
+                        "Streamed answers: arrival at the balancer (queueing included) to the \
+                     first byte of the stream, by model",
+                    )
+                    .buckets(WAIT_BUCKETS.to_vec()),
+                    &["model"],
                 ),
-                &["kind"]
-            )),
-            endpoint_in_flight: register!(IntGaugeVec::new(
-                Opts::new(
-                    "flowgate_endpoint_in_flight_requests",
-                    "Requests in flight per endpoint (the balancer's own count)"
+            ),
+            tpot: register(
+                &registry,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "flowgate_time_per_output_token_seconds",
+                        "Streamed answers: time per output token after the first, by model",
+                    )
+                    .buckets(TPOT_BUCKETS.to_vec()),
+                    &["model"],
                 ),
-                ep
-            )),
-            endpoint_slots: register!(IntGaugeVec::new(
-                Opts::new(
-                    "flowgate_endpoint_slots",
-                    "Slots per endpoint: idle (free for the balancer) or busy"
+            ),
+            tokens: register(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "flowgate_tokens_total",
+                        "Tokens from the answers' usage objects, by model and kind \
+                     (prompt, completion)",
+                    ),
+                    &["model", "kind"],
                 ),
-                &["endpoint", "agent", "state"]
-            )),
-            endpoint_waiting: register!(IntGaugeVec::new(
-                Opts::new(
-                    "flowgate_endpoint_waiting_requests",
-                    "Requests waiting inside the model server, as its agent reported"
+            ),
+            upstream_errors: register(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "flowgate_upstream_errors_total",
+                        "Model server failures by kind: connect, status-5xx, \
+                     before-response, mid-response",
+                    ),
+                    &["kind"],
                 ),
-                ep
-            )),
-            endpoint_report_age: register!(prometheus::GaugeVec::new(
-                Opts::new(
-                    "flowgate_endpoint_report_age_seconds",
-                    "Age of the last agent report per endpoint"
+            ),
+            flow_queue_duration: register(
+                &registry,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "inference_extension_flow_control_request_queue_duration_seconds",
+                        "Time from arrival to the end of the wait in flow control, by priority \
+                     and outcome (dispatched, or the drop reason)",
+                    )
+                    .buckets(WAIT_BUCKETS.to_vec()),
+                    &["priority", "outcome"],
                 ),
-                ep
-            )),
-            endpoint_kv_cache: register!(prometheus::GaugeVec::new(
-                Opts::new(
-                    "flowgate_endpoint_kv_cache_usage_ratio",
-                    "KV-cache use per endpoint (0 to 1), as its agent reported; absent when \
-                     the engine does not say"
+            ),
+            flow_dispatches: register(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "flowgate_flow_control_dispatches_total",
+                        "Requests bound to an endpoint, by priority",
+                    ),
+                    &["priority"],
                 ),
-                ep
-            )),
-            endpoint_eligible: register!(IntGaugeVec::new(
-                Opts::new(
-                    "flowgate_endpoint_eligible",
-                    "1 when the endpoint may receive new requests"
+            ),
+            flow_rejections: register(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "flowgate_flow_control_rejections_total",
+                        "Requests that left flow control without an endpoint, by priority and \
+                     reason (buffer-full, shed, no-endpoints, ttl-expired, client-gone)",
+                    ),
+                    &["priority", "reason"],
                 ),
-                ep
-            )),
-            endpoint_saturated: register!(IntGaugeVec::new(
-                Opts::new(
-                    "flowgate_endpoint_saturated",
-                    "1 when an eligible endpoint takes no new work, by reason \
-                     (slots-full, queue-depth, kv-cache, stale-metrics)"
+            ),
+            upstream_retries: register(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "flowgate_upstream_retries_total",
+                        "Requests sent again to another endpoint before any byte reached the \
+                     client, by what failed (connect, upstream-error, status-5xx)",
+                    ),
+                    &["reason"],
                 ),
-                &["endpoint", "agent", "reason"]
-            )),
-            buffered_bytes: register!(IntGauge::new(
-                "flowgate_buffered_bytes",
-                "Request-body bytes waiting in the buffer now"
-            )),
-            flow_queue_size: register!(IntGaugeVec::new(
-                Opts::new(
-                    "inference_extension_flow_control_queue_size",
-                    "Requests waiting in flow control, per flow"
-                ),
-                &["fairness_id", "priority"]
-            )),
-            flow_queue_bytes: register!(IntGaugeVec::new(
-                Opts::new(
-                    "inference_extension_flow_control_queue_bytes",
-                    "Request-body bytes waiting in flow control, per flow"
-                ),
-                &["fairness_id", "priority"]
-            )),
-            flow_queue_duration: register!(HistogramVec::new(
-                HistogramOpts::new(
-                    "inference_extension_flow_control_request_queue_duration_seconds",
-                    "Time from arrival to the end of the wait in flow control, by priority \
-                     and outcome (dispatched, or the drop reason)"
-                )
-                .buckets(WAIT_BUCKETS.to_vec()),
-                &["priority", "outcome"]
-            )),
-            flow_dispatches: register!(IntCounterVec::new(
-                Opts::new(
-                    "flowgate_flow_control_dispatches_total",
-                    "Requests bound to an endpoint, by priority"
-                ),
-                &["priority"]
-            )),
-            flow_rejections: register!(IntCounterVec::new(
-                Opts::new(
-                    "flowgate_flow_control_rejections_total",
-                    "Requests that left flow control without an endpoint, by priority and \
-                     reason (buffer-full, shed, no-endpoints, ttl-expired, client-gone)"
-                ),
-                &["priority", "reason"]
-            )),
-            pool_saturation: register!(Gauge::new(
-                "inference_extension_flow_control_pool_saturation",
-                "Share of eligible endpoints that are saturated (1 when none is eligible)"
-            )),
-            upstream_retries: register!(IntCounterVec::new(
-                Opts::new(
-                    "flowgate_upstream_retries_total",
-                    "Requests sent again to another endpoint before any byte reached the \
-                     client, by what failed (connect, upstream-error, status-5xx)"
-                ),
-                &["reason"]
-            )),
-            circuit_opened: register!(IntCounter::new(
-                "flowgate_circuit_breaker_opened_total",
-                "Times an endpoint's circuit breaker opened after repeated failures"
-            )),
-            affinity_holds: register!(IntCounter::new(
-                "flowgate_affinity_holds_total",
-                "Queued requests that waited for a busy endpoint caching their prompt \
-                 instead of taking a free one (scheduling.affinityHold)"
-            )),
-            endpoint_circuit_open: register!(IntGaugeVec::new(
-                Opts::new(
-                    "flowgate_endpoint_circuit_open",
-                    "1 while the endpoint's circuit breaker keeps it out of rotation"
-                ),
-                &["endpoint", "agent"]
-            )),
-            client_connections: register!(IntGauge::new(
-                "flowgate_client_connections",
-                "Client connections open on the inference port"
-            )),
-            client_requests: register!(IntGauge::new(
-                "flowgate_client_requests",
-                "Client requests under way on the inference port, from their head to the end \
-                 of their answer (a graceful shutdown waits for them)"
-            )),
-            client_refusals: register!(IntCounterVec::new(
-                Opts::new(
-                    "flowgate_client_refusals_total",
-                    "Client connections or requests refused by a client limit, by reason \
-                     (too_many_connections, header_timeout, header_too_large, body_timeout)"
-                ),
-                &["reason"]
-            )),
+            ),
+            fleet: FleetMetrics::new(&registry),
+            clients: ClientMetrics::new(&registry),
             registry,
         }
     }
@@ -370,15 +243,6 @@ impl Metrics {
         self.registry
             .register(collector)
             .expect("metric registered once");
-    }
-
-    pub fn client_connection_opened(&self) -> OpenConnection<'_> {
-        self.client_connections.inc();
-        OpenConnection(&self.client_connections)
-    }
-
-    pub fn client_refusal(&self, reason: &str) {
-        self.client_refusals.with_label_values(&[reason]).inc();
     }
 
     /// The cumulative counts the dashboard's history is made of.
@@ -469,92 +333,7 @@ impl Metrics {
 
     /// Renders the text exposition, refreshing state gauges from `snap`.
     pub fn render(&self, snap: &Snapshot) -> Vec<u8> {
-        self.buffered.set(snap.buffered as i64);
-        self.buffered_bytes.set(snap.buffered_bytes as i64);
-        self.buffer_capacity.set(snap.max_buffered_requests as i64);
-        self.flow_queue_size.reset();
-        self.flow_queue_bytes.reset();
-        for f in &snap.flows {
-            let labels = [f.fairness_id.as_str(), &f.priority.to_string()];
-            self.flow_queue_size
-                .with_label_values(&labels)
-                .set(f.requests as i64);
-            self.flow_queue_bytes
-                .with_label_values(&labels)
-                .set(f.bytes as i64);
-        }
-        let eligible = snap.endpoints.iter().filter(|e| e.eligible).count();
-        let saturated = snap
-            .endpoints
-            .iter()
-            .filter(|e| e.eligible && e.saturation.is_some())
-            .count();
-        self.pool_saturation.set(if eligible == 0 {
-            1.0
-        } else {
-            saturated as f64 / eligible as f64
-        });
-        self.in_flight.set(snap.in_flight as i64);
-        self.unserved_demand.reset();
-        for (model, n) in &snap.unserved {
-            self.unserved_demand
-                .with_label_values(&[model.as_deref().unwrap_or("")])
-                .set(*n as i64);
-        }
-        self.agents
-            .set(snap.endpoints.iter().filter(|e| e.agent.is_some()).count() as i64);
-        for v in [
-            &self.endpoint_in_flight,
-            &self.endpoint_slots,
-            &self.endpoint_waiting,
-            &self.endpoint_eligible,
-            &self.endpoint_saturated,
-            &self.endpoint_circuit_open,
-        ] {
-            v.reset();
-        }
-        self.endpoint_report_age.reset();
-        self.endpoint_kv_cache.reset();
-        for e in &snap.endpoints {
-            let endpoint = e.addr.to_string();
-            let agent = e.agent.as_ref().map_or("", |a| a.agent_id.as_str());
-            let labels = [endpoint.as_str(), agent];
-            self.endpoint_in_flight
-                .with_label_values(&labels)
-                .set(i64::from(e.in_flight));
-            let total = e.agent.as_ref().map_or(0, |a| a.slots_total);
-            let idle = e.free_slots;
-            self.endpoint_slots
-                .with_label_values(&[&endpoint, agent, "idle"])
-                .set(i64::from(idle));
-            self.endpoint_slots
-                .with_label_values(&[&endpoint, agent, "busy"])
-                .set(i64::from(total.saturating_sub(idle)));
-            if let Some(a) = &e.agent {
-                self.endpoint_waiting
-                    .with_label_values(&labels)
-                    .set(i64::from(a.requests_waiting));
-                if let Some(kv) = a.kv_cache_usage {
-                    self.endpoint_kv_cache.with_label_values(&labels).set(kv);
-                }
-            }
-            if let Some(age) = e.report_age_ms {
-                self.endpoint_report_age
-                    .with_label_values(&labels)
-                    .set(age as f64 / 1000.0);
-            }
-            self.endpoint_eligible
-                .with_label_values(&labels)
-                .set(i64::from(e.eligible));
-            self.endpoint_circuit_open
-                .with_label_values(&labels)
-                .set(i64::from(e.circuit_open_ms.is_some()));
-            if let Some(reason) = e.saturation {
-                self.endpoint_saturated
-                    .with_label_values(&[&endpoint, agent, reason.as_str()])
-                    .set(1);
-            }
-        }
+        self.fleet.refresh(snap);
         let mut out = Vec::new();
         TextEncoder::new()
             .encode(&self.registry.gather(), &mut out)

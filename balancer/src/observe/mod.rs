@@ -4,6 +4,7 @@
 //! usage of an answer as it passes ([`meter`]), and the dashboard's last
 //! minutes of traffic ([`history`]).
 
+pub mod fleet;
 pub mod history;
 pub mod meter;
 pub mod metrics;

@@ -347,15 +347,19 @@ async fn real_llama_server_client_mistakes_and_departures() {
     // Leave only once llama-server is generating both: a request it had not
     // started yet is dropped with its connection, and its slot is rightly
     // free at once.
-    wait_for("both servers generating", Duration::from_secs(10), || async {
-        let agents = b.agents().await;
-        let busy = agents["endpoints"]
-            .as_array()?
-            .iter()
-            .filter(|e| e["agent"]["slots_busy"] == 1)
-            .count();
-        (busy == 2).then_some(())
-    })
+    wait_for(
+        "both servers generating",
+        Duration::from_secs(10),
+        || async {
+            let agents = b.agents().await;
+            let busy = agents["endpoints"]
+                .as_array()?
+                .iter()
+                .filter(|e| e["agent"]["slots_busy"] == 1)
+                .count();
+            (busy == 2).then_some(())
+        },
+    )
     .await;
     let left = Instant::now();
     for l in &leavers {

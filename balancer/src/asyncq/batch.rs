@@ -395,64 +395,12 @@ impl AsyncQueue {
             completed: 0,
             failed: 0,
         };
-        let mut jobs = Vec::new();
-        let mut seen = std::collections::HashSet::new();
-        let text = String::from_utf8_lossy(&input);
-        for (i, line) in text
-            .lines()
-            .enumerate()
-            .filter(|(_, l)| !l.trim().is_empty())
-        {
-            let n = i + 1;
-            let mut fail = |code: &str, message: String| {
-                record
-                    .errors
-                    .push(json!({"code": code, "message": message, "line": n}));
-            };
-            let Ok(v) = serde_json::from_str::<Value>(line) else {
-                fail("invalid_json_line", format!("line {n} is not JSON"));
-                continue;
-            };
-            let custom_id = v["custom_id"].as_str().unwrap_or_default().to_string();
-            if custom_id.is_empty() {
-                fail("missing_custom_id", format!("line {n} has no custom_id"));
-                continue;
-            }
-            if !seen.insert(custom_id.clone()) {
-                fail(
-                    "duplicate_custom_id",
-                    format!("custom_id {custom_id:?} appears twice"),
-                );
-                continue;
-            }
-            if v["method"] != "POST" || v["url"] != endpoint {
-                fail(
-                    "invalid_request",
-                    format!("line {n}: method must be POST and url {endpoint}"),
-                );
-                continue;
-            }
-            if !v["body"].is_object() {
-                fail(
-                    "invalid_request",
-                    format!("line {n}: body must be an object"),
-                );
-                continue;
-            }
-            let job_id = format!("areq_{}_{}", record.id, record.requests.len());
-            jobs.push((
-                NewJob {
-                    path: endpoint.to_string(),
-                    body: v["body"].to_string(),
-                    fairness_id: caller.tenant.clone(),
-                    priority,
-                    idempotency_key: Some(format!("batch:{}:{custom_id}", record.id)),
-                    deadline_ms: None,
-                },
-                job_id.clone(),
-            ));
-            record.requests.push((custom_id, job_id));
-        }
+        let jobs = read_input(
+            &mut record,
+            &String::from_utf8_lossy(&input),
+            caller,
+            priority,
+        );
         if record.requests.is_empty() && record.errors.is_empty() {
             record
                 .errors
@@ -671,6 +619,76 @@ fn no_file(id: &str) -> ApiError {
 
 fn no_batch(id: &str) -> ApiError {
     ApiError(404, "batch_not_found", format!("no batch {id}"))
+}
+
+/// The input file's requests as jobs for `record`, one per line; every
+/// line that is not a request for the batch's endpoint (not JSON, no or a
+/// repeated `custom_id`, another method or url, no body object) is
+/// recorded in `record.errors` with its line number instead.
+fn read_input(
+    record: &mut BatchRecord,
+    text: &str,
+    caller: &Caller,
+    priority: i32,
+) -> Vec<(NewJob, String)> {
+    let mut jobs = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let n = i + 1;
+        let mut fail = |code: &str, message: String| {
+            record
+                .errors
+                .push(json!({"code": code, "message": message, "line": n}));
+        };
+        let Ok(v) = serde_json::from_str::<Value>(line) else {
+            fail("invalid_json_line", format!("line {n} is not JSON"));
+            continue;
+        };
+        let custom_id = v["custom_id"].as_str().unwrap_or_default().to_string();
+        if custom_id.is_empty() {
+            fail("missing_custom_id", format!("line {n} has no custom_id"));
+            continue;
+        }
+        if !seen.insert(custom_id.clone()) {
+            fail(
+                "duplicate_custom_id",
+                format!("custom_id {custom_id:?} appears twice"),
+            );
+            continue;
+        }
+        if v["method"] != "POST" || v["url"] != record.endpoint.as_str() {
+            fail(
+                "invalid_request",
+                format!("line {n}: method must be POST and url {}", record.endpoint),
+            );
+            continue;
+        }
+        if !v["body"].is_object() {
+            fail(
+                "invalid_request",
+                format!("line {n}: body must be an object"),
+            );
+            continue;
+        }
+        let job_id = format!("areq_{}_{}", record.id, record.requests.len());
+        jobs.push((
+            NewJob {
+                path: record.endpoint.clone(),
+                body: v["body"].to_string(),
+                fairness_id: caller.tenant.clone(),
+                priority,
+                idempotency_key: Some(format!("batch:{}:{custom_id}", record.id)),
+                deadline_ms: None,
+            },
+            job_id.clone(),
+        ));
+        record.requests.push((custom_id, job_id));
+    }
+    jobs
 }
 
 #[cfg(test)]

@@ -122,6 +122,40 @@ pub fn build(
             default_ttl.as_millis()
         ));
     }
+    let (default_band, bands) = bands(fc)?;
+    let saturation = saturation(sat)?;
+    for (what, map) in [
+        ("objectives", objectives),
+        ("modelPriorities", model_priorities),
+    ] {
+        if let Some(name) = map.keys().find(|k| k.trim().is_empty()) {
+            return Err(format!("{what}: the name {name:?} is empty"));
+        }
+    }
+    let dispatcher = DispatcherConfig {
+        flow: FlowControlConfig {
+            max_requests,
+            max_bytes,
+            bands,
+            default_band,
+        },
+        saturation,
+        // Filled in from `scheduling:` by the caller.
+        scheduling: Default::default(),
+        default_ttl,
+        max_ttl,
+    };
+    let rules = PriorityRules {
+        default_priority: fc.default_priority.unwrap_or(0),
+        objectives: objectives.clone().into_iter().collect(),
+        models: model_priorities.clone().into_iter().collect(),
+        allow_client_priority: fc.allow_client_priority.unwrap_or(false),
+    };
+    Ok((dispatcher, rules))
+}
+
+/// The default band's policies and the listed bands, checked.
+fn bands(fc: &FlowControlSection) -> Result<(BandConfig, BTreeMap<i32, BandConfig>), String> {
     let defaults = BandConfig::default();
     let default_band = BandConfig {
         fairness: fc
@@ -162,6 +196,11 @@ pub fn build(
             ));
         }
     }
+    Ok((default_band, bands))
+}
+
+/// `saturationDetector:`, checked.
+fn saturation(sat: &SaturationSection) -> Result<SaturationConfig, String> {
     let sd = SaturationConfig::default();
     let saturation = SaturationConfig {
         queue_depth_threshold: sat
@@ -186,34 +225,7 @@ pub fn build(
     if saturation.metrics_staleness_threshold.is_zero() {
         return Err("saturationDetector.metricsStalenessThreshold must be at least 1ms".into());
     }
-    for (what, map) in [
-        ("objectives", objectives),
-        ("modelPriorities", model_priorities),
-    ] {
-        if let Some(name) = map.keys().find(|k| k.trim().is_empty()) {
-            return Err(format!("{what}: the name {name:?} is empty"));
-        }
-    }
-    let dispatcher = DispatcherConfig {
-        flow: FlowControlConfig {
-            max_requests,
-            max_bytes,
-            bands,
-            default_band,
-        },
-        saturation,
-        // Filled in from `scheduling:` by the caller.
-        scheduling: Default::default(),
-        default_ttl,
-        max_ttl,
-    };
-    let rules = PriorityRules {
-        default_priority: fc.default_priority.unwrap_or(0),
-        objectives: objectives.clone().into_iter().collect(),
-        models: model_priorities.clone().into_iter().collect(),
-        allow_client_priority: fc.allow_client_priority.unwrap_or(false),
-    };
-    Ok((dispatcher, rules))
+    Ok(saturation)
 }
 
 #[cfg(test)]

@@ -202,6 +202,49 @@ async fn shutdown_signal() {
     }
 }
 
+/// What one poll of the engine tells the balancer (slots capped at
+/// `--max-concurrency`, busy never above total).
+fn report_of(
+    cli: &Cli,
+    agent_id: &str,
+    name: &str,
+    external_addr: std::net::SocketAddr,
+    mut status: backend::BackendStatus,
+    draining: bool,
+) -> AgentReport {
+    if let Some(cap) = cli.max_concurrency {
+        status.slots_total = status.slots_total.min(cap);
+    }
+    AgentReport {
+        protocol_version: PROTOCOL_VERSION,
+        agent_id: agent_id.to_string(),
+        name: name.to_string(),
+        backend: cli.backend.kind(),
+        external_addr: external_addr.to_string(),
+        models: status.models,
+        health: status.health,
+        slots_total: status.slots_total,
+        slots_busy: status.slots_busy.min(status.slots_total),
+        requests_waiting: status.requests_waiting,
+        kv_cache_usage: status.kv_cache_usage,
+        monitoring_interval_ms: cli.monitoring_interval.as_millis() as u64,
+        draining,
+        last_error: status.last_error,
+    }
+}
+
+/// Logs a problem once when it appears, and once when it clears.
+fn log_problem_change(problem: Option<&str>, report: &AgentReport) {
+    match problem {
+        Some(p) => warn!("{p}"),
+        None => info!(
+            slots = report.slots_total,
+            busy = report.slots_busy,
+            "reporting to the balancer"
+        ),
+    }
+}
+
 async fn run(cli: Cli) -> Result<(), String> {
     let backend_base = base_url(&cli.backend_addr)?;
     let management_base = base_url(&cli.management_addr)?;
@@ -278,45 +321,29 @@ async fn run(cli: Cli) -> Result<(), String> {
             }
             _ = ticker.tick() => {}
         }
-        let mut status = backend.poll().await;
-        if let Some(cap) = cli.max_concurrency {
-            status.slots_total = status.slots_total.min(cap);
-        }
-        let report = AgentReport {
-            protocol_version: PROTOCOL_VERSION,
-            agent_id: agent_id.clone(),
-            name: name.clone(),
-            backend: cli.backend.kind(),
-            external_addr: external_addr.to_string(),
-            models: status.models,
-            health: status.health,
-            slots_total: status.slots_total,
-            slots_busy: status.slots_busy.min(status.slots_total),
-            requests_waiting: status.requests_waiting,
-            kv_cache_usage: status.kv_cache_usage,
-            monitoring_interval_ms: cli.monitoring_interval.as_millis() as u64,
-            draining: drain_until.is_some(),
-            last_error: status.last_error.clone(),
-        };
-        // Log a problem once when it appears and once when it clears.
+        let status = backend.poll().await;
+        let report = report_of(
+            &cli,
+            &agent_id,
+            &name,
+            external_addr,
+            status,
+            drain_until.is_some(),
+        );
         let sent = reporter.send(&report).await;
         if drain_until.is_some() && sent == Ok(0) {
             info!("drained: no request in flight");
             break;
         }
         let problem = match sent {
-            Ok(_) => status.last_error.map(|e| format!("backend not ready: {e}")),
+            Ok(_) => report
+                .last_error
+                .as_ref()
+                .map(|e| format!("backend not ready: {e}")),
             Err(e) => Some(e),
         };
         if problem != last_problem {
-            match &problem {
-                Some(p) => warn!("{p}"),
-                None => info!(
-                    slots = report.slots_total,
-                    busy = report.slots_busy,
-                    "reporting to the balancer"
-                ),
-            }
+            log_problem_change(problem.as_deref(), &report);
             last_problem = problem;
         }
     }

@@ -12,8 +12,8 @@ use prometheus::{
     TextEncoder,
 };
 
+use super::clients::ClientMetrics;
 use super::fleet::FleetMetrics;
-use crate::limits::ClientMetrics;
 use crate::observe::history::{Tallies, OUTCOMES};
 use flowgate::Snapshot;
 

@@ -1,9 +1,12 @@
-//! What the balancer measures and shows: Prometheus metrics ([`metrics`];
-//! a component with metrics of its own registers them beside itself, as
-//! the async queue, EPP mode and the scale-up webhook do), the timing and
+//! What the balancer measures and shows: Prometheus metrics ([`metrics`]:
+//! the request path; [`fleet`]: the buffer and endpoints; [`clients`]:
+//! client connections and limits; a component with metrics of its own
+//! registers them beside itself, as the async queue, EPP mode and the
+//! scale-up webhook do), the timing and
 //! usage of an answer as it passes ([`meter`]), and the dashboard's last
 //! minutes of traffic ([`history`]).
 
+pub mod clients;
 pub mod fleet;
 pub mod history;
 pub mod meter;

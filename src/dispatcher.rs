@@ -1,5 +1,5 @@
 //! The dispatcher: flow-controlled queues ([`crate::flow`]) in front of the
-//! endpoint registry ([`crate::endpoint`]), under one lock.
+//! endpoint ledger ([`crate::endpoint`]), under one lock.
 //!
 //! A synchronous state machine with no clock of its own: every call takes
 //! `now`, so tests drive time by hand. The balancer keeps one `Dispatcher`
@@ -42,8 +42,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::endpoint::{
-    EndpointId, EndpointSnapshot, Lease, Pick, Registry, ReportOutcome, Route, SaturationConfig,
-    SchedulingConfig,
+    EndpointId, EndpointLedger, EndpointSnapshot, Lease, Pick, ReportOutcome, Route,
+    SaturationConfig, SchedulingConfig,
 };
 use crate::flow::{FlowControlConfig, FlowKey, FlowQueues, FlowSnapshot, QueueFull, Removed};
 use crate::protocol::{AgentReport, ReportError};
@@ -167,11 +167,11 @@ struct Waiting<T> {
     priority: i32,
 }
 
-/// The queues plus the endpoint registry.
+/// The queues plus the endpoint ledger.
 #[derive(Debug)]
 pub struct Dispatcher<T> {
     config: DispatcherConfig,
-    registry: Registry,
+    ledger: EndpointLedger,
     queues: FlowQueues<Waiting<T>>,
     /// Requests evicted by `submit`, answered by the next `dispatch`.
     evicted: Vec<Done<T>>,
@@ -185,7 +185,7 @@ pub struct Dispatcher<T> {
 impl<T> Dispatcher<T> {
     pub fn new(config: DispatcherConfig) -> Self {
         Dispatcher {
-            registry: Registry::new(config.saturation, config.scheduling),
+            ledger: EndpointLedger::new(config.saturation, config.scheduling),
             queues: FlowQueues::new(config.flow.clone()),
             config,
             evicted: Vec::new(),
@@ -208,25 +208,21 @@ impl<T> Dispatcher<T> {
     /// `handle` is kept with the waiter and given back in its [`Done`].
     /// Follow with [`Dispatcher::dispatch`]: a newcomer may evict waiters.
     pub fn submit(&mut self, request: RequestMeta, handle: T, now: Instant) -> Admission {
-        if !self
-            .registry
-            .model_known(request.route.model.as_deref(), now)
-        {
+        if !self.ledger.model_known(request.route.model.as_deref(), now) {
             return Admission::Rejected(Reject::UnknownModel);
         }
         let hold = self.config.scheduling.affinity_hold;
         if self.queues.is_empty() {
-            if let Pick::Lease(lease) = self.registry.pick(&request.route, now, !hold.is_zero()) {
+            if let Pick::Lease(lease) = self.ledger.pick(&request.route, now, !hold.is_zero()) {
                 return Admission::Ready(lease);
             }
         }
-        if self.config.flow.max_requests == 0 && !self.registry.any_eligible(now) {
+        if self.config.flow.max_requests == 0 && !self.ledger.any_eligible(now) {
             return Admission::Rejected(Reject::NoEndpoints);
         }
         // A subset hint names the only endpoints the request may use: with
         // none of them up, waiting cannot help.
-        if request.route.subset.is_some() && !self.registry.has_eligible(&request.route, None, now)
-        {
+        if request.route.subset.is_some() && !self.ledger.has_eligible(&request.route, None, now) {
             return Admission::Rejected(Reject::NoEndpoints);
         }
         let deadline = now + self.ttl(request.ttl);
@@ -294,7 +290,7 @@ impl<T> Dispatcher<T> {
             let may_hold = !hold.is_zero()
                 && waiting.hold_until.is_none_or(|end| now < end)
                 && held.len() < MAX_HOLDS_PER_PASS;
-            match self.registry.pick(&waiting.route, now, may_hold) {
+            match self.ledger.pick(&waiting.route, now, may_hold) {
                 Pick::Lease(lease) => {
                     let removed = self.queues.pop(ticket).expect("peeked request is queued");
                     out.push(done(removed, Ok(lease), now));
@@ -314,7 +310,7 @@ impl<T> Dispatcher<T> {
                 }
                 Pick::Busy => {
                     // Nothing free at all: no other request can go either.
-                    if !self.registry.any_available(now) {
+                    if !self.ledger.any_available(now) {
                         break;
                     }
                     // Its targets; the prompt is not needed to compare.
@@ -350,10 +346,10 @@ impl<T> Dispatcher<T> {
             if waiting.priority < top {
                 continue;
             }
-            if !self.registry.any_available(now) {
+            if !self.ledger.any_available(now) {
                 return;
             }
-            if let Pick::Lease(lease) = self.registry.pick(&waiting.route, now, true) {
+            if let Pick::Lease(lease) = self.ledger.pick(&waiting.route, now, true) {
                 let removed = self.queues.pop(ticket).expect("held request is queued");
                 out.push(done(removed, Ok(lease), now));
             }
@@ -386,27 +382,27 @@ impl<T> Dispatcher<T> {
 
     /// Returns a slot; follow with [`Dispatcher::dispatch`].
     pub fn release(&mut self, lease: Lease) {
-        self.registry.release(lease);
+        self.ledger.release(lease);
     }
 
     /// Gives back the slot of a request whose client left before its answer
     /// ended: kept busy while the engine may still work on it
     /// ([`crate::endpoint`]'s accounting rules); follow with `dispatch`.
     pub fn orphan(&mut self, lease: Lease, streamed: bool, now: Instant) {
-        self.registry.orphan(lease, streamed, now);
+        self.ledger.orphan(lease, streamed, now);
     }
 
     /// Records how a request to `endpoint` ended for its circuit breaker:
     /// `ok` is `false` for a connection failure or a 5xx answer only.
     /// Returns `true` when this failure opened the circuit.
     pub fn record_outcome(&mut self, endpoint: EndpointId, ok: bool, now: Instant) -> bool {
-        self.registry.record_outcome(endpoint, ok, now)
+        self.ledger.record_outcome(endpoint, ok, now)
     }
 
     /// Whether a retry has somewhere to go: an eligible endpoint other than
     /// `failed` that fits `route` (it may be busy).
     pub fn has_alternative(&self, route: &Route, failed: Option<SocketAddr>, now: Instant) -> bool {
-        self.registry.has_eligible(route, failed, now)
+        self.ledger.has_eligible(route, failed, now)
     }
 
     /// Validates and applies an agent report; follow with `dispatch`.
@@ -416,23 +412,23 @@ impl<T> Dispatcher<T> {
         now: Instant,
     ) -> Result<ReportOutcome, ReportError> {
         let addr: SocketAddr = report.validate()?;
-        self.registry.check_bounds(&report)?;
-        Ok(self.registry.apply_report(report, addr, now))
+        self.ledger.check_bounds(&report)?;
+        Ok(self.ledger.apply_report(report, addr, now))
     }
 
     /// Removes an agent; `false` if it was not registered.
     pub fn deregister(&mut self, agent_id: &str) -> bool {
-        self.registry.deregister(agent_id)
+        self.ledger.deregister(agent_id)
     }
 
     /// Drops agents that missed three reports; returns their ids.
     pub fn drop_stale(&mut self, now: Instant) -> Vec<String> {
-        self.registry.drop_stale(now)
+        self.ledger.drop_stale(now)
     }
 
     /// When the next agent turns stale, for the balancer's housekeeping timer.
     pub fn next_stale_deadline(&self) -> Option<Instant> {
-        self.registry.next_stale_deadline()
+        self.ledger.next_stale_deadline()
     }
 
     /// Queued requests.
@@ -458,7 +454,7 @@ impl<T> Dispatcher<T> {
                     model: model.clone(),
                     ..Route::default()
                 };
-                !self.registry.has_eligible(&route, None, now)
+                !self.ledger.has_eligible(&route, None, now)
             })
             .collect()
     }
@@ -471,26 +467,26 @@ impl<T> Dispatcher<T> {
     /// Whether an agent reports serving `model` (now or within the model
     /// memory): only such names become metric labels.
     pub fn model_reported(&self, model: &str) -> bool {
-        self.registry.model_reported(model)
+        self.ledger.model_reported(model)
     }
 
     /// Requests in flight to one endpoint (0 once it is forgotten).
     pub fn in_flight_of(&self, endpoint: EndpointId) -> u32 {
-        self.registry.in_flight_of(endpoint)
+        self.ledger.in_flight_of(endpoint)
     }
 
     pub fn in_flight(&self) -> u64 {
-        self.registry.total_in_flight()
+        self.ledger.total_in_flight()
     }
 
     /// Of [`Dispatcher::in_flight`]: slots whose client left while the
     /// engine may still work on them.
     pub fn orphaned(&self) -> u64 {
-        self.registry.total_orphaned()
+        self.ledger.total_orphaned()
     }
 
     pub fn endpoints(&self, now: Instant) -> Vec<EndpointSnapshot> {
-        self.registry.snapshot(now)
+        self.ledger.snapshot(now)
     }
 
     /// Everything at once, for the management API, metrics and the

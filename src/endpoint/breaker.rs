@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::{EndpointId, Registry};
+use super::{EndpointId, EndpointLedger};
 
 /// The circuit breaker's settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,7 +66,7 @@ impl Breaker {
     }
 }
 
-impl Registry {
+impl EndpointLedger {
     /// Records how a request to `endpoint` ended: `false` for a connection
     /// failure or a 5xx answer. `true` when this failure opened the circuit.
     pub(crate) fn record_outcome(&mut self, endpoint: EndpointId, ok: bool, now: Instant) -> bool {

@@ -16,7 +16,7 @@
 //! - A slot is free only when the engine's slot is free. llama-server goes
 //!   on generating a non-streamed answer after its client left (measured:
 //!   1,500 tokens ran on for 28.8 s), so a lease whose client left before
-//!   the answer ended is *orphaned* ([`Registry::orphan`]), not released: it
+//!   the answer ended is *orphaned* ([`EndpointLedger::orphan`]), not released: it
 //!   stays in `in_flight` until a later report shows the engine with no more
 //!   busy slots than the balancer's live requests explain
 //!   (`slots_busy ≤ in_flight − orphans`, oldest orphans first), or
@@ -60,7 +60,7 @@ pub const MAX_AGENTS: usize = 2048;
 /// beyond is refused (they become `/v1/models` entries and metric labels).
 pub const MAX_MODEL_NAMES: usize = 4096;
 
-/// The longest an orphaned slot ([`Registry::orphan`]) stays counted busy
+/// The longest an orphaned slot ([`EndpointLedger::orphan`]) stays counted busy
 /// when no report frees it: a lost or confused agent cannot hold a slot
 /// forever.
 pub const ORPHAN_MAX_AGE: Duration = Duration::from_secs(300);
@@ -204,7 +204,7 @@ pub enum ReportOutcome {
 
 /// All endpoints the balancer knows.
 #[derive(Debug)]
-pub(crate) struct Registry {
+pub(crate) struct EndpointLedger {
     saturation: SaturationConfig,
     scheduling: SchedulingConfig,
     endpoints: HashMap<EndpointId, Endpoint>,
@@ -219,15 +219,15 @@ pub(crate) struct Registry {
     best: Vec<EndpointId>,
 }
 
-impl Default for Registry {
+impl Default for EndpointLedger {
     fn default() -> Self {
-        Registry::new(SaturationConfig::default(), SchedulingConfig::default())
+        EndpointLedger::new(SaturationConfig::default(), SchedulingConfig::default())
     }
 }
 
-impl Registry {
+impl EndpointLedger {
     pub(crate) fn new(saturation: SaturationConfig, scheduling: SchedulingConfig) -> Self {
-        Registry {
+        EndpointLedger {
             saturation,
             scheduling,
             endpoints: HashMap::new(),
@@ -403,7 +403,7 @@ impl Registry {
             .collect()
     }
 
-    /// Takes a slot on the endpoint [`Registry::choose`] picks for
+    /// Takes a slot on the endpoint [`EndpointLedger::choose`] picks for
     /// `route`, if any (see there for `may_hold`).
     pub(crate) fn pick(&mut self, route: &Route, now: Instant, may_hold: bool) -> Pick {
         let chosen = match self.choose(route, now, may_hold) {
@@ -521,7 +521,7 @@ impl Registry {
             .min()
     }
 
-    /// Of [`Registry::total_in_flight`]: orphaned slots, whose clients left.
+    /// Of [`EndpointLedger::total_in_flight`]: orphaned slots, whose clients left.
     pub(crate) fn total_orphaned(&self) -> u64 {
         self.endpoints
             .values()

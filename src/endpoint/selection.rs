@@ -10,7 +10,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{BreakerConfig, Endpoint, EndpointId, Lease, Registry};
+use super::{BreakerConfig, Endpoint, EndpointId, EndpointLedger, Lease};
 use crate::prefix::PrefixConfig;
 use crate::scorer::{Candidate, ScorerWeights};
 
@@ -42,7 +42,7 @@ pub struct SchedulingConfig {
     pub breaker: BreakerConfig,
     /// How long a queued request may wait for a saturated endpoint that
     /// holds most of its prompt, rather than go to a free one that does not
-    /// (see [`Registry::pick`]); zero: never.
+    /// (see [`EndpointLedger::pick`]); zero: never.
     pub affinity_hold: Duration,
     /// Seed of the tie-breaking random source.
     pub seed: u64,
@@ -60,7 +60,7 @@ impl Default for SchedulingConfig {
     }
 }
 
-/// What [`Registry::choose`] found for a request.
+/// What [`EndpointLedger::choose`] found for a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Choice {
     Endpoint(EndpointId),
@@ -70,7 +70,7 @@ pub(super) enum Choice {
     Busy,
 }
 
-/// What [`Registry::pick`] found for a request.
+/// What [`EndpointLedger::pick`] found for a request.
 #[derive(Debug)]
 pub(crate) enum Pick {
     /// A slot on the chosen endpoint.
@@ -94,10 +94,10 @@ impl Endpoint {
     }
 }
 
-impl Registry {
+impl EndpointLedger {
     /// The best endpoint for `route` among those that serve its model and
     /// are eligible and not saturated (see the module docs); takes no slot
-    /// (that is the ledger's: [`Registry::pick`]). With `may_hold`, a
+    /// (that is the ledger's: [`EndpointLedger::pick`]). With `may_hold`, a
     /// request whose prompt is better cached on a saturated endpoint is
     /// told to wait for it ([`Choice::Hold`]): when that endpoint holds at
     /// least half of the request's prompt blocks and more than any

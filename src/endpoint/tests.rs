@@ -2,8 +2,8 @@ use super::*;
 use crate::protocol::tests::report;
 use std::time::Duration;
 
-impl Registry {
-    /// [`Registry::pick`] without holding.
+impl EndpointLedger {
+    /// [`EndpointLedger::pick`] without holding.
     fn acquire(&mut self, route: &Route, now: Instant) -> Option<Lease> {
         match self.pick(route, now, false) {
             Pick::Lease(lease) => Some(lease),
@@ -16,8 +16,8 @@ fn addr(s: &str) -> SocketAddr {
     s.parse().unwrap()
 }
 
-fn registry_with(slots: u32, now: Instant) -> Registry {
-    let mut r = Registry::default();
+fn registry_with(slots: u32, now: Instant) -> EndpointLedger {
+    let mut r = EndpointLedger::default();
     r.apply_report(report("a", "127.0.0.1:1", slots), addr("127.0.0.1:1"), now);
     r
 }
@@ -250,7 +250,7 @@ fn loading_unreachable_and_draining_endpoints_get_no_work() {
     ] {
         let mut rep = report("a", "127.0.0.1:1", 4);
         f(&mut rep);
-        let mut r = Registry::default();
+        let mut r = EndpointLedger::default();
         r.apply_report(rep, addr("127.0.0.1:1"), now);
         assert!(r.acquire(&Route::default(), now).is_none());
     }
@@ -259,7 +259,7 @@ fn loading_unreachable_and_draining_endpoints_get_no_work() {
 #[test]
 fn equal_endpoints_share_the_load() {
     let now = Instant::now();
-    let mut r = Registry::default();
+    let mut r = EndpointLedger::default();
     r.apply_report(report("a", "127.0.0.1:1", 4), addr("127.0.0.1:1"), now);
     r.apply_report(report("b", "127.0.0.1:2", 4), addr("127.0.0.1:2"), now);
     let leases: Vec<_> = (0..4)
@@ -298,7 +298,7 @@ fn route(model: Option<&str>, prefix: &[u64]) -> Route {
 #[test]
 fn only_endpoints_serving_the_model_are_chosen() {
     let now = Instant::now();
-    let mut r = Registry::default();
+    let mut r = EndpointLedger::default();
     for (id, port, models) in [
         ("a", 1, &["x"][..]),
         ("b", 2, &["y"][..]),
@@ -334,7 +334,7 @@ fn only_endpoints_serving_the_model_are_chosen() {
 #[test]
 fn a_request_is_held_only_for_a_busy_endpoint_caching_most_of_its_prompt() {
     let now = Instant::now();
-    let mut r = Registry::default();
+    let mut r = EndpointLedger::default();
     for (id, port) in [("a", 1), ("b", 2)] {
         let (rep, a) = report_for(id, port, 1, &[]);
         r.apply_report(rep, a, now);
@@ -362,7 +362,7 @@ fn a_request_is_held_only_for_a_busy_endpoint_caching_most_of_its_prompt() {
 #[test]
 fn prefix_affinity_wins_until_the_endpoint_saturates() {
     let now = Instant::now();
-    let mut r = Registry::default();
+    let mut r = EndpointLedger::default();
     for (id, port) in [("a", 1), ("b", 2)] {
         let (rep, a) = report_for(id, port, 2, &[]);
         r.apply_report(rep, a, now);
@@ -384,7 +384,7 @@ fn prefix_affinity_wins_until_the_endpoint_saturates() {
 #[test]
 fn without_shared_prefixes_load_stays_balanced() {
     let now = Instant::now();
-    let mut r = Registry::default();
+    let mut r = EndpointLedger::default();
     for (id, port) in [("a", 1), ("b", 2), ("c", 3), ("d", 4)] {
         let (rep, a) = report_for(id, port, 8, &[]);
         r.apply_report(rep, a, now);
@@ -416,7 +416,7 @@ fn without_shared_prefixes_load_stays_balanced() {
 #[test]
 fn a_retry_avoids_the_endpoint_that_failed() {
     let now = Instant::now();
-    let mut r = Registry::default();
+    let mut r = EndpointLedger::default();
     for (id, port) in [("a", 1), ("b", 2)] {
         let (rep, a) = report_for(id, port, 4, &["m"]);
         r.apply_report(rep, a, now);
@@ -437,7 +437,7 @@ fn a_retry_avoids_the_endpoint_that_failed() {
 #[test]
 fn the_circuit_opens_after_repeated_failures_and_closes_on_its_own() {
     let t0 = Instant::now();
-    let mut r = Registry::default();
+    let mut r = EndpointLedger::default();
     let (mut rep, a) = report_for("a", 1, 4, &[]);
     rep.monitoring_interval_ms = 60_000;
     r.apply_report(rep, a, t0);

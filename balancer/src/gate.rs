@@ -176,12 +176,13 @@ impl FleetGate {
         let admission = self.with_dispatch(|d| d.submit(request, tx, start));
         let (ticket, deadline) = match admission {
             Admission::Ready(lease) => {
-                self.metrics.flow_outcome(priority, Ok(()), Duration::ZERO);
+                self.metrics.flow.outcome(priority, Ok(()), Duration::ZERO);
                 return Ok((LeaseGuard::new(self, lease), Duration::ZERO));
             }
             Admission::Rejected(r) => {
                 self.metrics
-                    .flow_outcome(priority, Err(r.reason()), Duration::ZERO);
+                    .flow
+                    .outcome(priority, Err(r.reason()), Duration::ZERO);
                 return Err(AdmitError::Rejected(r));
             }
             Admission::Queued { ticket, deadline } => (ticket, deadline),
@@ -219,7 +220,7 @@ impl FleetGate {
             Err(AdmitError::Rejected(r)) => Err(r.reason()),
             Err(AdmitError::ClientGone) => Err("client-gone"),
         };
-        self.metrics.flow_outcome(priority, label, waited);
+        self.metrics.flow.outcome(priority, label, waited);
         outcome.map(|lease| (lease, waited))
     }
 

@@ -8,7 +8,7 @@ use prometheus::{
 };
 
 use super::metrics::register;
-use flowgate::Snapshot;
+use flowgate::{EndpointSnapshot, Snapshot};
 
 pub struct FleetMetrics {
     /// Agent reports accepted / refused.
@@ -17,28 +17,20 @@ pub struct FleetMetrics {
     buffer_capacity: IntGauge,
     buffered_bytes: IntGauge,
     in_flight: IntGauge,
-    agents: IntGauge,
     unserved_demand: IntGaugeVec,
     flow_queue_size: IntGaugeVec,
     flow_queue_bytes: IntGaugeVec,
     pool_saturation: Gauge,
-    endpoint_in_flight: IntGaugeVec,
-    endpoint_slots: IntGaugeVec,
-    endpoint_waiting: IntGaugeVec,
-    endpoint_report_age: GaugeVec,
-    endpoint_kv_cache: GaugeVec,
-    endpoint_eligible: IntGaugeVec,
-    endpoint_saturated: IntGaugeVec,
-    endpoint_circuit_open: IntGaugeVec,
     /// Times an endpoint's circuit breaker opened.
     pub circuit_opened: IntCounter,
     /// Requests that waited for a busy endpoint caching their prompt.
     pub affinity_holds: IntCounter,
+    /// Every endpoint's slots and state.
+    endpoints: EndpointGauges,
 }
 
 impl FleetMetrics {
     pub fn new(registry: &Registry) -> Self {
-        let ep = &["endpoint", "agent"];
         FleetMetrics {
             reports: register(
                 registry,
@@ -74,10 +66,6 @@ impl FleetMetrics {
                     "flowgate_in_flight_requests",
                     "Requests sent to model servers and not finished",
                 ),
-            ),
-            agents: register(
-                registry,
-                IntGauge::new("flowgate_agents", "Agents currently registered"),
             ),
             unserved_demand: register(
                 registry,
@@ -116,6 +104,84 @@ impl FleetMetrics {
                     "inference_extension_flow_control_pool_saturation",
                     "Share of eligible endpoints that are saturated (1 when none is eligible)",
                 ),
+            ),
+            circuit_opened: register(
+                registry,
+                IntCounter::new(
+                    "flowgate_circuit_breaker_opened_total",
+                    "Times an endpoint's circuit breaker opened after repeated failures",
+                ),
+            ),
+            affinity_holds: register(
+                registry,
+                IntCounter::new(
+                    "flowgate_affinity_holds_total",
+                    "Queued requests that waited for a busy endpoint caching their prompt \
+                 instead of taking a free one (scheduling.affinityHold)",
+                ),
+            ),
+            endpoints: EndpointGauges::new(registry),
+        }
+    }
+
+    /// Sets the state gauges from `snap`.
+    pub fn refresh(&self, snap: &Snapshot) {
+        self.buffered.set(snap.buffered as i64);
+        self.buffered_bytes.set(snap.buffered_bytes as i64);
+        self.buffer_capacity.set(snap.max_buffered_requests as i64);
+        self.flow_queue_size.reset();
+        self.flow_queue_bytes.reset();
+        for f in &snap.flows {
+            let labels = [f.fairness_id.as_str(), &f.priority.to_string()];
+            self.flow_queue_size
+                .with_label_values(&labels)
+                .set(f.requests as i64);
+            self.flow_queue_bytes
+                .with_label_values(&labels)
+                .set(f.bytes as i64);
+        }
+        let eligible = snap.endpoints.iter().filter(|e| e.eligible).count();
+        let saturated = snap
+            .endpoints
+            .iter()
+            .filter(|e| e.eligible && e.saturation.is_some())
+            .count();
+        self.pool_saturation.set(if eligible == 0 {
+            1.0
+        } else {
+            saturated as f64 / eligible as f64
+        });
+        self.in_flight.set(snap.in_flight as i64);
+        self.unserved_demand.reset();
+        for (model, n) in &snap.unserved {
+            self.unserved_demand
+                .with_label_values(&[model.as_deref().unwrap_or("")])
+                .set(*n as i64);
+        }
+        self.endpoints.refresh(&snap.endpoints);
+    }
+}
+
+/// Per-endpoint gauges, one series per endpoint (and agent) now known.
+struct EndpointGauges {
+    agents: IntGauge,
+    endpoint_in_flight: IntGaugeVec,
+    endpoint_slots: IntGaugeVec,
+    endpoint_waiting: IntGaugeVec,
+    endpoint_report_age: GaugeVec,
+    endpoint_kv_cache: GaugeVec,
+    endpoint_eligible: IntGaugeVec,
+    endpoint_saturated: IntGaugeVec,
+    endpoint_circuit_open: IntGaugeVec,
+}
+
+impl EndpointGauges {
+    fn new(registry: &Registry) -> Self {
+        let ep = &["endpoint", "agent"];
+        EndpointGauges {
+            agents: register(
+                registry,
+                IntGauge::new("flowgate_agents", "Agents currently registered"),
             ),
             endpoint_in_flight: register(
                 registry,
@@ -199,60 +265,13 @@ impl FleetMetrics {
                     &["endpoint", "agent"],
                 ),
             ),
-            circuit_opened: register(
-                registry,
-                IntCounter::new(
-                    "flowgate_circuit_breaker_opened_total",
-                    "Times an endpoint's circuit breaker opened after repeated failures",
-                ),
-            ),
-            affinity_holds: register(
-                registry,
-                IntCounter::new(
-                    "flowgate_affinity_holds_total",
-                    "Queued requests that waited for a busy endpoint caching their prompt \
-                 instead of taking a free one (scheduling.affinityHold)",
-                ),
-            ),
         }
     }
 
-    /// Sets the state gauges from `snap`.
-    pub fn refresh(&self, snap: &Snapshot) {
-        self.buffered.set(snap.buffered as i64);
-        self.buffered_bytes.set(snap.buffered_bytes as i64);
-        self.buffer_capacity.set(snap.max_buffered_requests as i64);
-        self.flow_queue_size.reset();
-        self.flow_queue_bytes.reset();
-        for f in &snap.flows {
-            let labels = [f.fairness_id.as_str(), &f.priority.to_string()];
-            self.flow_queue_size
-                .with_label_values(&labels)
-                .set(f.requests as i64);
-            self.flow_queue_bytes
-                .with_label_values(&labels)
-                .set(f.bytes as i64);
-        }
-        let eligible = snap.endpoints.iter().filter(|e| e.eligible).count();
-        let saturated = snap
-            .endpoints
-            .iter()
-            .filter(|e| e.eligible && e.saturation.is_some())
-            .count();
-        self.pool_saturation.set(if eligible == 0 {
-            1.0
-        } else {
-            saturated as f64 / eligible as f64
-        });
-        self.in_flight.set(snap.in_flight as i64);
-        self.unserved_demand.reset();
-        for (model, n) in &snap.unserved {
-            self.unserved_demand
-                .with_label_values(&[model.as_deref().unwrap_or("")])
-                .set(*n as i64);
-        }
+    /// Resets every series and sets those of the endpoints known now.
+    fn refresh(&self, endpoints: &[EndpointSnapshot]) {
         self.agents
-            .set(snap.endpoints.iter().filter(|e| e.agent.is_some()).count() as i64);
+            .set(endpoints.iter().filter(|e| e.agent.is_some()).count() as i64);
         for v in [
             &self.endpoint_in_flight,
             &self.endpoint_slots,
@@ -265,7 +284,7 @@ impl FleetMetrics {
         }
         self.endpoint_report_age.reset();
         self.endpoint_kv_cache.reset();
-        for e in &snap.endpoints {
+        for e in endpoints {
             let endpoint = e.addr.to_string();
             let agent = e.agent.as_ref().map_or("", |a| a.agent_id.as_str());
             let labels = [endpoint.as_str(), agent];

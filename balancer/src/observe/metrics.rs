@@ -14,44 +14,9 @@ use prometheus::{
 
 use super::clients::ClientMetrics;
 use super::fleet::FleetMetrics;
+use super::flow::FlowMetrics;
 use crate::observe::history::{Tallies, OUTCOMES};
 use flowgate::Snapshot;
-
-/// Distinct priority values that get their own metric label; later ones
-/// read `other` (with `allowClientPriority` a client picks any integer).
-pub const MAX_PRIORITY_LABELS: usize = 32;
-
-/// The label for a value a request chose, among at most `cap` distinct
-/// values; every later one is `other`, so no client can grow the number of
-/// series without bound.
-struct BoundedLabels {
-    cap: usize,
-    seen: std::sync::Mutex<std::collections::HashSet<String>>,
-}
-
-impl BoundedLabels {
-    fn new(cap: usize) -> Self {
-        BoundedLabels {
-            cap,
-            seen: Default::default(),
-        }
-    }
-
-    fn label(&self, value: String) -> String {
-        let mut seen = self
-            .seen
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if seen.contains(&value) {
-            return value;
-        }
-        if seen.len() < self.cap {
-            seen.insert(value.clone());
-            return value;
-        }
-        "other".to_string()
-    }
-}
 
 /// Registers `metric` (its definition checked) and returns it.
 pub fn register<M: Collector + Clone + 'static>(
@@ -67,7 +32,6 @@ pub fn register<M: Collector + Clone + 'static>(
 
 pub struct Metrics {
     registry: Registry,
-    priority_labels: BoundedLabels,
     /// Requests by final HTTP status and drop reason (empty when served).
     pub requests: IntCounterVec,
     /// Requests that had to wait in the buffer.
@@ -78,18 +42,17 @@ pub struct Metrics {
     tpot: HistogramVec,
     tokens: IntCounterVec,
     upstream_errors: IntCounterVec,
-    flow_queue_duration: HistogramVec,
-    flow_dispatches: IntCounterVec,
-    flow_rejections: IntCounterVec,
     /// Requests sent again to another endpoint, by what failed.
     upstream_retries: IntCounterVec,
+    /// How waits in flow control ended.
+    pub flow: FlowMetrics,
     /// The buffer, flows and endpoints.
     pub fleet: FleetMetrics,
     /// Client connections and requests on the inference port.
     pub clients: ClientMetrics,
 }
 
-const WAIT_BUCKETS: [f64; 14] = [
+pub(super) const WAIT_BUCKETS: [f64; 14] = [
     0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 ];
 
@@ -115,7 +78,6 @@ impl Metrics {
     pub fn new() -> Self {
         let registry = Registry::new();
         Metrics {
-            priority_labels: BoundedLabels::new(MAX_PRIORITY_LABELS),
             requests: register(
                 &registry,
                 IntCounterVec::new(
@@ -188,39 +150,6 @@ impl Metrics {
                     &["kind"],
                 ),
             ),
-            flow_queue_duration: register(
-                &registry,
-                HistogramVec::new(
-                    HistogramOpts::new(
-                        "inference_extension_flow_control_request_queue_duration_seconds",
-                        "Time from arrival to the end of the wait in flow control, by priority \
-                     and outcome (dispatched, or the drop reason)",
-                    )
-                    .buckets(WAIT_BUCKETS.to_vec()),
-                    &["priority", "outcome"],
-                ),
-            ),
-            flow_dispatches: register(
-                &registry,
-                IntCounterVec::new(
-                    Opts::new(
-                        "flowgate_flow_control_dispatches_total",
-                        "Requests bound to an endpoint, by priority",
-                    ),
-                    &["priority"],
-                ),
-            ),
-            flow_rejections: register(
-                &registry,
-                IntCounterVec::new(
-                    Opts::new(
-                        "flowgate_flow_control_rejections_total",
-                        "Requests that left flow control without an endpoint, by priority and \
-                     reason (buffer-full, shed, no-endpoints, ttl-expired, client-gone)",
-                    ),
-                    &["priority", "reason"],
-                ),
-            ),
             upstream_retries: register(
                 &registry,
                 IntCounterVec::new(
@@ -232,6 +161,7 @@ impl Metrics {
                     &["reason"],
                 ),
             ),
+            flow: FlowMetrics::new(&registry),
             fleet: FleetMetrics::new(&registry),
             clients: ClientMetrics::new(&registry),
             registry,
@@ -302,26 +232,6 @@ impl Metrics {
 
     pub fn upstream_retry(&self, reason: &str) {
         self.upstream_retries.with_label_values(&[reason]).inc();
-    }
-
-    /// Records how a request's wait in flow control ended.
-    pub fn flow_outcome(&self, priority: i32, outcome: Result<(), &str>, waited: Duration) {
-        let priority = self.priority_labels.label(priority.to_string());
-        let label = match outcome {
-            Ok(()) => {
-                self.flow_dispatches.with_label_values(&[&priority]).inc();
-                "dispatched"
-            }
-            Err(reason) => {
-                self.flow_rejections
-                    .with_label_values(&[&priority, reason])
-                    .inc();
-                reason
-            }
-        };
-        self.flow_queue_duration
-            .with_label_values(&[&priority, label])
-            .observe(waited.as_secs_f64());
     }
 
     /// Counts a finished inference request.

@@ -8,6 +8,7 @@
 
 pub mod clients;
 pub mod fleet;
+pub mod flow;
 pub mod history;
 pub mod meter;
 pub mod metrics;

@@ -28,13 +28,22 @@ pub fn bin(name: &str) -> PathBuf {
     path
 }
 
-/// A free TCP port on 127.0.0.1 (bound and released; the OS does not hand
-/// it out again immediately).
+/// A free TCP port on 127.0.0.1 (bound and released), never one this test
+/// process handed out before: the OS may give a just-released port again,
+/// and a balancer asked to listen twice on one port refuses to start.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("free port")
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("free port");
+        let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// A child process killed (SIGKILL) and reaped on drop.

@@ -489,6 +489,17 @@ impl<T> Dispatcher<T> {
         self.ledger.snapshot(now)
     }
 
+    /// Where a request that takes no slot on the engine (tokenize, count
+    /// tokens) goes now: a live endpoint of its model, without waiting in
+    /// the queues or taking a slot. Refused like [`Dispatcher::submit`]
+    /// when the model is unknown, and `NoEndpoints` when none is live.
+    pub fn slotless(&self, route: &Route, now: Instant) -> Result<SocketAddr, Reject> {
+        if !self.ledger.model_known(route.model.as_deref(), now) {
+            return Err(Reject::UnknownModel);
+        }
+        self.ledger.live(route, now).ok_or(Reject::NoEndpoints)
+    }
+
     /// Everything at once, for the management API, metrics and the
     /// dashboard.
     pub fn snapshot(&self, now: Instant) -> Snapshot {

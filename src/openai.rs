@@ -4,13 +4,32 @@
 use serde::Serialize;
 use serde_json::Value;
 
+/// The fields of a request body that carry its prompt, whatever the route:
+/// chat (`messages`), completions and infill (`prompt`), Responses
+/// (`instructions`, `input`), Anthropic Messages (`system`, `messages`),
+/// rerank (`query`, `documents`), embeddings and tokenize (`input`,
+/// `content`), score (`text_1`).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PromptFields<'a> {
+    pub system: Option<&'a Value>,
+    pub instructions: Option<&'a Value>,
+    pub messages: Option<&'a Value>,
+    pub input: Option<&'a Value>,
+    pub prompt: Option<&'a Value>,
+    pub query: Option<&'a Value>,
+    pub documents: Option<&'a Value>,
+    pub content: Option<&'a Value>,
+    pub text_1: Option<&'a Value>,
+}
+
 /// The prompt as the model server will see it, near enough for prefix
-/// hashing: each chat message's role and text in order (`messages`), or the
-/// completion prompt (`prompt`, a string or a list of strings), cut at
-/// `limit` bytes (only the beginning is hashed, so a huge prompt is not
-/// copied whole). Shapes this does not know add nothing: the model server
-/// judges the request.
-pub fn prompt_text(messages: Option<&Value>, prompt: Option<&Value>, limit: usize) -> Vec<u8> {
+/// hashing: the fields of [`PromptFields`] in that order; a list of
+/// messages (`messages`, or a Responses `input` list) as each message's
+/// role and text, anything else as its text (a string, a list of strings
+/// or of `{"text": …}` parts); cut at `limit` bytes (only the beginning is
+/// hashed, so a huge prompt is not copied whole). Shapes this does not
+/// know add nothing: the model server judges the request.
+pub fn prompt_text(fields: &PromptFields<'_>, limit: usize) -> Vec<u8> {
     fn put(out: &mut Vec<u8>, bytes: &[u8], limit: usize) {
         let room = limit.saturating_sub(out.len());
         out.extend_from_slice(&bytes[..bytes.len().min(room)]);
@@ -30,23 +49,44 @@ pub fn prompt_text(messages: Option<&Value>, prompt: Option<&Value>, limit: usiz
             _ => {}
         }
     }
-    let mut out = Vec::new();
-    if let Some(Value::Array(messages)) = messages {
+    /// Messages: `[{"role": …, "content": …}, …]`.
+    fn push_messages(out: &mut Vec<u8>, messages: &[Value], limit: usize) {
         for m in messages {
             if out.len() >= limit {
                 break;
             }
             if let Some(Value::String(role)) = m.get("role") {
-                put(&mut out, role.as_bytes(), limit);
+                put(out, role.as_bytes(), limit);
             }
-            put(&mut out, &[0x1f], limit);
+            put(out, &[0x1f], limit);
             if let Some(content) = m.get("content") {
-                push_text(&mut out, content, limit);
+                push_text(out, content, limit);
             }
-            put(&mut out, &[0x1e], limit);
+            put(out, &[0x1e], limit);
         }
-    } else if let Some(prompt) = prompt {
-        push_text(&mut out, prompt, limit);
+    }
+    let is_messages = |v: &Value| matches!(v, Value::Array(items) if items.first().is_some_and(|m| m.get("role").is_some()));
+    let mut out = Vec::new();
+    let ordered = [
+        fields.system,
+        fields.instructions,
+        // A conversation is a list; anything else there is not one.
+        fields.messages.filter(|m| m.is_array()),
+        fields.input,
+        fields.prompt,
+        fields.query,
+        fields.documents,
+        fields.content,
+        fields.text_1,
+    ];
+    for v in ordered.into_iter().flatten() {
+        if out.len() >= limit {
+            break;
+        }
+        match v {
+            Value::Array(items) if is_messages(v) => push_messages(&mut out, items, limit),
+            _ => push_text(&mut out, v, limit),
+        }
     }
     out
 }
@@ -79,20 +119,70 @@ pub fn error_body(message: &str, kind: &str, code: &str) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
+    use super::{prompt_text, PromptFields};
+    use serde_json::json;
+
     #[test]
     fn prompt_text_stops_at_the_limit() {
-        let messages = serde_json::json!([
+        let messages = json!([
             {"role": "system", "content": "abcdef"},
             {"role": "user", "content": [{"type": "text", "text": "ghij"}]}
         ]);
-        let full = super::prompt_text(Some(&messages), None, usize::MAX);
+        let fields = PromptFields {
+            messages: Some(&messages),
+            ..PromptFields::default()
+        };
+        let full = prompt_text(&fields, usize::MAX);
         assert_eq!(full, b"system\x1fabcdef\x1euser\x1fghij\x1e");
         for limit in [0, 3, 9, 15, 20, full.len()] {
-            assert_eq!(
-                super::prompt_text(Some(&messages), None, limit),
-                full[..limit.min(full.len())]
-            );
+            assert_eq!(prompt_text(&fields, limit), full[..limit.min(full.len())]);
         }
+    }
+
+    #[test]
+    fn every_route_s_prompt_is_read() {
+        // Responses: instructions, then input as text or as messages.
+        let instructions = json!("Be brief.");
+        let input = json!([{"type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": "Hi"}]}]);
+        let responses = PromptFields {
+            instructions: Some(&instructions),
+            input: Some(&input),
+            ..PromptFields::default()
+        };
+        assert_eq!(prompt_text(&responses, 100), b"Be brief.user\x1fHi\x1e");
+        let plain = json!("Hi");
+        let responses = PromptFields {
+            input: Some(&plain),
+            ..PromptFields::default()
+        };
+        assert_eq!(prompt_text(&responses, 100), b"Hi");
+        // Anthropic Messages: system (a string or text blocks), messages.
+        let system = json!([{"type": "text", "text": "S"}]);
+        let messages = json!([{"role": "user", "content": "Q"}]);
+        let anthropic = PromptFields {
+            system: Some(&system),
+            messages: Some(&messages),
+            ..PromptFields::default()
+        };
+        assert_eq!(prompt_text(&anthropic, 100), b"Suser\x1fQ\x1e");
+        // Rerank: the query, then the documents.
+        let query = json!("q");
+        let documents = json!(["d1", {"text": "d2"}]);
+        let rerank = PromptFields {
+            query: Some(&query),
+            documents: Some(&documents),
+            ..PromptFields::default()
+        };
+        assert_eq!(prompt_text(&rerank, 100), b"qd1d2");
+        // Shapes nobody knows add nothing.
+        let odd = json!({"a": 1});
+        let nothing = PromptFields {
+            input: Some(&odd),
+            prompt: Some(&json!(7)),
+            ..PromptFields::default()
+        };
+        assert!(prompt_text(&nothing, 100).is_empty());
     }
 
     #[test]

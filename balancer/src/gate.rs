@@ -224,6 +224,12 @@ impl FleetGate {
         outcome.map(|lease| (lease, waited))
     }
 
+    /// Where a request that takes no slot goes now (see
+    /// [`flowgate::Dispatcher::slotless`]).
+    pub fn slotless(&self, route: &Route) -> Result<SocketAddr, Reject> {
+        self.lock().slotless(route, Instant::now())
+    }
+
     /// The TTL a request gets (its own, cut to the maximum, or the default).
     pub fn ttl(&self, asked: Option<Duration>) -> Duration {
         self.lock().ttl(asked)

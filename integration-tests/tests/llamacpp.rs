@@ -409,3 +409,123 @@ async fn real_llama_server_client_mistakes_and_departures() {
     }
     b.wait_in_flight(0, Duration::from_secs(5)).await;
 }
+
+/// The top-level keys of a JSON answer (its shape, not its words).
+fn shape(body: &[u8]) -> Vec<String> {
+    let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let mut keys: Vec<String> = v
+        .as_object()
+        .map(|o| o.keys().cloned().collect())
+        .unwrap_or_default();
+    if let Some(e) = v.get("error") {
+        keys.extend(
+            e.as_object()
+                .into_iter()
+                .flatten()
+                .map(|(k, _)| format!("error.{k}")),
+        );
+    }
+    keys.sort();
+    keys
+}
+
+/// The SSE event names of a stream, in order, repeats folded.
+fn events(body: &[u8]) -> Vec<String> {
+    let mut names: Vec<String> = String::from_utf8_lossy(body)
+        .lines()
+        .filter_map(|l| l.strip_prefix("event: ").map(str::to_string))
+        .collect();
+    names.dedup();
+    names
+}
+
+/// Every route llama-server serves answers the same through Flowgate as
+/// directly (status, JSON shape, SSE event names), and the routes that take
+/// no slot are answered while every slot is busy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_llama_server_routes_answer_through_flowgate_as_directly() {
+    let b = Balancer::start(&[]).await;
+    let l = Llama::start(1).await;
+    let _a = agent_at(&l.addr, &b, &[]);
+    b.wait_eligible(1).await;
+    let c = client();
+    let user = json!([{"role": "user", "content": "Say hi."}]);
+    let cases = [
+        (
+            "/v1/responses",
+            json!({"input": "Say hi.", "max_output_tokens": 4, "temperature": 0}),
+        ),
+        (
+            "/v1/responses",
+            json!({"input": "Say hi.", "max_output_tokens": 4, "stream": true}),
+        ),
+        (
+            "/v1/messages",
+            json!({"messages": user, "max_tokens": 4, "temperature": 0}),
+        ),
+        (
+            "/v1/messages",
+            json!({"messages": user, "max_tokens": 4, "stream": true}),
+        ),
+        ("/v1/messages/count_tokens", json!({"messages": user})),
+        ("/completion", json!({"prompt": "Hi", "n_predict": 4})),
+        ("/tokenize", json!({"content": "hello world"})),
+        ("/detokenize", json!({"tokens": [28120, 905]})),
+        ("/apply-template", json!({"messages": user})),
+        // Served by the route, refused by this model or these flags (501):
+        // the engine's own refusal, passed on as it is.
+        (
+            "/infill",
+            json!({"input_prefix": "def f(", "input_suffix": "):", "n_predict": 4}),
+        ),
+        ("/v1/embeddings", json!({"input": "hi"})),
+        ("/v1/rerank", json!({"query": "q", "documents": ["a"]})),
+    ];
+    for (path, body) in &cases {
+        let mut answers = Vec::new();
+        for url in [format!("http://{}{path}", l.addr), b.url(path)] {
+            let r = c.post(url).json(body).send().await.unwrap();
+            let status = r.status().as_u16();
+            let bytes = r.bytes().await.unwrap();
+            answers.push((status, bytes));
+        }
+        let (direct, via) = (&answers[0], &answers[1]);
+        assert_eq!(direct.0, via.0, "{path} {body}: status");
+        if body["stream"] == true {
+            assert_eq!(events(&direct.1), events(&via.1), "{path}: SSE events");
+            assert!(!events(&via.1).is_empty(), "{path}: a stream");
+        } else {
+            assert_eq!(shape(&direct.1), shape(&via.1), "{path} {body}: JSON shape");
+        }
+    }
+    // A long answer holds the only slot; tokenizing does not wait for it.
+    let long = {
+        let c = c.clone();
+        let url = b.url("/v1/chat/completions");
+        tokio::spawn(async move {
+            let body = json!({"messages": [{"role": "user", "content": "Tell a story."}],
+                "max_tokens": 300, "ignore_eos": true});
+            c.post(url)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        })
+    };
+    b.wait_in_flight(1, Duration::from_secs(5)).await;
+    let r = c
+        .post(b.url("/tokenize"))
+        .json(&json!({"content": "hello world"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.json::<Value>().await.unwrap()["tokens"],
+        json!([28120, 905])
+    );
+    assert_eq!(b.in_flight().await, 1, "tokenizing took no slot");
+    assert_eq!(long.await.unwrap(), 200);
+}

@@ -13,7 +13,8 @@ use crate::prefix::{block_hashes, PrefixConfig};
 struct InferenceFields {
     #[serde(default)]
     model: Option<serde_json::Value>,
-    /// Chat: the conversation, whose text is hashed for prefix affinity.
+    /// Chat and Anthropic Messages: the conversation, whose text is hashed
+    /// for prefix affinity.
     #[serde(default)]
     messages: Option<serde_json::Value>,
     /// Completions: the prompt (a string or a list of strings).
@@ -22,6 +23,21 @@ struct InferenceFields {
     /// Whether the answer is streamed (any other value than `true`: not).
     #[serde(default)]
     stream: Option<serde_json::Value>,
+    /// The other routes' prompt fields ([`crate::openai::PromptFields`]).
+    #[serde(default)]
+    system: Option<serde_json::Value>,
+    #[serde(default)]
+    instructions: Option<serde_json::Value>,
+    #[serde(default)]
+    input: Option<serde_json::Value>,
+    #[serde(default)]
+    query: Option<serde_json::Value>,
+    #[serde(default)]
+    documents: Option<serde_json::Value>,
+    #[serde(default)]
+    content: Option<serde_json::Value>,
+    #[serde(default)]
+    text_1: Option<serde_json::Value>,
 }
 
 impl InferenceFields {
@@ -36,7 +52,18 @@ impl InferenceFields {
     /// The beginning of the prompt text, as much as prefix hashing uses.
     fn prompt_text(&self, prefix: &PrefixConfig) -> Vec<u8> {
         let limit = prefix.block_bytes.saturating_mul(prefix.max_blocks);
-        crate::openai::prompt_text(self.messages.as_ref(), self.prompt.as_ref(), limit)
+        let fields = crate::openai::PromptFields {
+            system: self.system.as_ref(),
+            instructions: self.instructions.as_ref(),
+            messages: self.messages.as_ref(),
+            input: self.input.as_ref(),
+            prompt: self.prompt.as_ref(),
+            query: self.query.as_ref(),
+            documents: self.documents.as_ref(),
+            content: self.content.as_ref(),
+            text_1: self.text_1.as_ref(),
+        };
+        crate::openai::prompt_text(&fields, limit)
     }
 }
 

@@ -993,3 +993,34 @@ proptest! {
         prop_assert!(d.flows().is_empty());
     }
 }
+
+#[test]
+fn slotless_requests_go_to_the_least_loaded_live_endpoint_without_a_slot() {
+    let mut d = dispatcher(4);
+    let t0 = Instant::now();
+    let route = |model: &str| Route {
+        model: Some(Arc::from(model)),
+        ..Route::default()
+    };
+    // No agent yet: any model may come, but nobody serves it.
+    assert_eq!(d.slotless(&route("m"), t0), Err(Reject::NoEndpoints));
+    d.report(report("a", "127.0.0.1:1", 1), t0).unwrap();
+    d.report(report("b", "127.0.0.1:2", 1), t0).unwrap();
+    let busy = ready(d.submit(req("t", 0), "w", t0));
+    let other: SocketAddr = if busy.addr.port() == 1 {
+        "127.0.0.1:2"
+    } else {
+        "127.0.0.1:1"
+    }
+    .parse()
+    .unwrap();
+    assert_eq!(d.slotless(&route("m"), t0), Ok(other), "the idle one");
+    let full = ready(d.submit(req("t", 0), "x", t0));
+    // Both saturated: still answered, and nothing was taken.
+    let picked = d.slotless(&route("m"), t0).unwrap();
+    assert!(picked == busy.addr || picked == full.addr);
+    assert_eq!(d.in_flight(), 2);
+    assert_eq!(d.slotless(&route("nope"), t0), Err(Reject::UnknownModel));
+    d.release(busy);
+    d.release(full);
+}

@@ -201,4 +201,16 @@ impl EndpointLedger {
             }
         }
     }
+
+    /// A live endpoint for a request that takes no slot on the engine
+    /// (tokenize, count tokens): one that serves the route's model and is
+    /// eligible, saturated or not, the least loaded by the balancer's own
+    /// count (then the oldest registered). Takes nothing.
+    pub(crate) fn live(&self, route: &Route, now: Instant) -> Option<SocketAddr> {
+        self.endpoints
+            .values()
+            .filter(|e| e.fits(route) && e.eligible(now))
+            .min_by_key(|e| (e.in_flight, e.id))
+            .map(|e| e.addr)
+    }
 }

@@ -14,7 +14,8 @@ use pingora_proxy::Session;
 use serde_json::Value;
 
 use super::body::{self, BodyLimits};
-use super::{Step, INFERENCE_PATHS};
+use super::routes::{self, RouteKind};
+use super::Step;
 use crate::asyncq::{self, AsyncQueue};
 use crate::observe::metrics::Metrics;
 use crate::reply::{Answer, Refusal, REQUEST_ID_HEADER};
@@ -309,7 +310,8 @@ pub(super) async fn route(
     }
     // `/v1/async/chat/completions` is for `/v1/chat/completions`.
     let target = format!("/v1{rest}");
-    if !(INFERENCE_PATHS.contains(&target.as_str()) && *method == Method::POST) {
+    // Only what takes a slot is worth queueing.
+    if !(routes::kind(&target) == Some(RouteKind::Slot) && *method == Method::POST) {
         return Ok(Err(api_error(
             StatusCode::NOT_FOUND,
             "not_found",

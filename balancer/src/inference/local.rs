@@ -6,7 +6,7 @@ use pingora_core::Result;
 use pingora_proxy::Session;
 
 use super::async_api::{self, AsyncDoor};
-use super::{batch_api, Inference, RequestCtx, Step, INFERENCE_PATHS};
+use super::{batch_api, routes, Inference, RequestCtx, Step};
 use crate::reply::{Answer, Refusal};
 use flowgate::openai::error_body;
 
@@ -18,7 +18,7 @@ pub(super) async fn route(
 ) -> Result<Option<std::result::Result<Step, Refusal>>> {
     let req = session.req_header();
     // The hot path first, without copying the method and path.
-    if req.method == Method::POST && INFERENCE_PATHS.contains(&req.uri.path()) {
+    if req.method == Method::POST && routes::kind(req.uri.path()).is_some() {
         return Ok(None);
     }
     let method = req.method.clone();
@@ -82,7 +82,7 @@ pub(super) async fn route(
         "/health" => not_allowed("GET"),
         "/v1/models" if method == Method::GET => Answer::json(StatusCode::OK, models_body(door)),
         "/v1/models" => not_allowed("GET"),
-        p if INFERENCE_PATHS.contains(&p) => not_allowed("POST"),
+        p if routes::kind(p).is_some() => not_allowed("POST"),
         _ => Answer::json(
             StatusCode::NOT_FOUND,
             error_body(

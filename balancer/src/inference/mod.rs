@@ -8,6 +8,7 @@
 //! - [`async_api`] and [`batch_api`]: the async path's and the Batch API's
 //!   routes.
 //! - [`request_id`]: the `x-request-id` of each request.
+//! - [`routes`]: which paths are inference routes, and which take a slot.
 //!
 //! A request's facts come from [`flowgate::admission`], as at every door;
 //! every answer the balancer gives itself goes through
@@ -28,6 +29,7 @@ mod batch_api;
 mod body;
 mod local;
 mod request_id;
+mod routes;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -48,6 +50,7 @@ use tracing::{debug, info};
 
 pub use body::BodyLimits;
 pub use request_id::RequestIds;
+pub(crate) use routes::RouteKind;
 
 use crate::asyncq::{self, AsyncQueue};
 use crate::auth::ApiKeys;
@@ -61,14 +64,6 @@ const WAIT_HEADER: &str = "x-flowgate-wait-ms";
 
 /// Bytes of an engine's error answer kept to check its shape.
 const MAX_ERROR_BODY: usize = 16 * 1024;
-
-/// Paths proxied to model servers (POST only).
-pub(crate) const INFERENCE_PATHS: [&str; 4] = [
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/embeddings",
-    "/completion",
-];
 
 pub struct Inference {
     pub shared: Arc<FleetGate>,
@@ -249,6 +244,17 @@ impl Inference {
         ctx.stream = facts.stream;
         ctx.fairness_id = facts.meta.flow.fairness_id.to_string();
         ctx.priority = facts.meta.flow.priority;
+        if routes::kind(session.req_header().uri.path()) == Some(RouteKind::Slotless) {
+            // No slot, no queue, no retry: a live server of the model
+            // answers it at once.
+            return Ok(match self.shared.slotless(&facts.meta.route) {
+                Ok(addr) => {
+                    ctx.upstream = Some(addr);
+                    Ok(Step::Proxy)
+                }
+                Err(r) => Err(Refusal::from_reject(r, &ctx.model)),
+            });
+        }
         // Keep a second copy only when the retry buffer cannot replay it all.
         ctx.body = (!body.in_retry_buffer).then_some(body.bytes);
         ctx.meta = Some(facts.meta.clone());

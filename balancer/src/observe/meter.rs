@@ -18,9 +18,11 @@ const TAIL: usize = 8 * 1024;
 /// Token counts of one answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 pub struct Usage {
-    #[serde(default)]
+    /// `input_tokens` in the Responses and Anthropic Messages APIs.
+    #[serde(default, alias = "input_tokens")]
     pub prompt_tokens: u64,
-    #[serde(default)]
+    /// `output_tokens` there.
+    #[serde(default, alias = "output_tokens")]
     pub completion_tokens: u64,
 }
 
@@ -183,6 +185,24 @@ mod tests {
         );
         assert_eq!(m.time_to_first_token(t0), None, "not a stream");
         assert_eq!(m.time_per_output_token(m.usage()), None);
+    }
+
+    #[test]
+    fn responses_and_messages_usage_is_read_too() {
+        for body in [
+            &br#"{"object":"response","usage":{"input_tokens":9,"output_tokens":4,"total_tokens":13}}"#[..],
+            &br#"{"type":"message","usage":{"input_tokens":9,"output_tokens":4}}"#[..],
+        ] {
+            let mut m = ResponseMeter::default();
+            m.on_chunk(&Bytes::copy_from_slice(body), Instant::now());
+            assert_eq!(
+                m.usage(),
+                Some(Usage {
+                    prompt_tokens: 9,
+                    completion_tokens: 4
+                })
+            );
+        }
     }
 
     #[test]

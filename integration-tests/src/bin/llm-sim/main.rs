@@ -431,8 +431,12 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
         .and_then(|v| v.as_bool())
         .unwrap_or(false);
 
-    let prompt =
-        flowgate::openai::prompt_text(parsed.get("messages"), parsed.get("prompt"), usize::MAX);
+    let fields = flowgate::openai::PromptFields {
+        messages: parsed.get("messages"),
+        prompt: parsed.get("prompt"),
+        ..Default::default()
+    };
+    let prompt = flowgate::openai::prompt_text(&fields, usize::MAX);
     let kv_tokens = prompt.len() as u64 / engine::BYTES_PER_TOKEN + u64::from(tokens);
     // Wait for a slot (and KV room) like llama-server does (FIFO), counted
     // as deferred.

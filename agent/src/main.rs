@@ -74,6 +74,13 @@ struct Cli {
     #[arg(long)]
     name: Option<String>,
 
+    /// Another model name this server answers to (repeatable): reported
+    /// beside the models the server lists, so requests naming it are sent
+    /// here. llama-server answers any name; its own `--alias` is already
+    /// what it lists. Up to 64 names of at most 256 bytes
+    #[arg(long = "model-alias", value_name = "NAME", value_parser = parse_alias)]
+    model_aliases: Vec<String>,
+
     /// How often to poll and report: `100ms`, `1s`, or milliseconds. The
     /// balancer treats an endpoint as saturated once its metrics are older
     /// than its staleness threshold (200 ms, or two intervals if longer) and
@@ -113,6 +120,19 @@ struct Cli {
     #[arg(long, value_name = "DURATION", default_value = "30s",
         value_parser = flowgate::duration::parse_duration)]
     drain_timeout: Duration,
+}
+
+/// Longest model alias (the balancer's limit on a reported model name).
+const MAX_ALIAS_BYTES: usize = 256;
+/// Most aliases (the balancer takes at most 128 models per report).
+const MAX_ALIASES: usize = 64;
+
+fn parse_alias(s: &str) -> Result<String, String> {
+    let name = s.trim();
+    if name.is_empty() || name.len() > MAX_ALIAS_BYTES {
+        return Err(format!("a model alias is 1 to {MAX_ALIAS_BYTES} bytes"));
+    }
+    Ok(name.to_string())
 }
 
 fn parse_interval(s: &str) -> Result<Duration, String> {
@@ -214,6 +234,11 @@ fn report_of(
 ) -> AgentReport {
     if let Some(cap) = cli.max_concurrency {
         status.slots_total = status.slots_total.min(cap);
+    }
+    for alias in &cli.model_aliases {
+        if !status.models.contains(alias) {
+            status.models.push(alias.clone());
+        }
     }
     AgentReport {
         protocol_version: PROTOCOL_VERSION,
@@ -362,6 +387,15 @@ fn main() -> ExitCode {
         );
         Cli::command()
             .error(clap::error::ErrorKind::MissingRequiredArgument, msg)
+            .exit();
+    }
+    if cli.model_aliases.len() > MAX_ALIASES {
+        use clap::CommandFactory;
+        Cli::command()
+            .error(
+                clap::error::ErrorKind::TooManyValues,
+                format!("at most {MAX_ALIASES} --model-alias names"),
+            )
             .exit();
     }
     flowgate_logging::init("agent", &cli.log_level, cli.log_format);

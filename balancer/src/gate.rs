@@ -224,6 +224,22 @@ impl FleetGate {
         outcome.map(|lease| (lease, waited))
     }
 
+    /// Every model name (served models and aliases) a live endpoint's
+    /// agent reports, sorted.
+    pub fn served_models(&self) -> Vec<String> {
+        let snap = self.snapshot();
+        let mut models: Vec<String> = snap
+            .endpoints
+            .into_iter()
+            .filter(|e| !e.stale)
+            .filter_map(|e| e.agent)
+            .flat_map(|a| a.models)
+            .collect();
+        models.sort_unstable();
+        models.dedup();
+        models
+    }
+
     /// Where a request that takes no slot goes now (see
     /// [`flowgate::Dispatcher::slotless`]).
     pub fn slotless(&self, route: &Route) -> Result<SocketAddr, Reject> {

@@ -27,6 +27,9 @@ pub const DROP_REASON_HEADER: &str = "x-flowgate-drop-reason";
 /// refusal instead of a reset.
 const LINGER: Duration = Duration::from_secs(2);
 
+/// Served models a `model_not_found` answer names; `/v1/models` has them all.
+const MAX_NAMED_MODELS: usize = 20;
+
 /// A reply the balancer gives itself instead of proxying.
 pub struct Refusal {
     pub status: StatusCode,
@@ -76,14 +79,28 @@ impl Refusal {
         )
     }
 
-    /// The answer to a refusal by flow control of a request for `model`.
-    pub fn from_reject(r: Reject, model: &str) -> Self {
+    /// The answer to a refusal by flow control of a request for `model`;
+    /// `served` names the models (and aliases) the fleet does serve, for a
+    /// request naming another.
+    pub fn from_reject(r: Reject, model: &str, served: impl FnOnce() -> Vec<String>) -> Self {
         if r == Reject::UnknownModel {
+            let served = served();
+            let known = match served.len() {
+                0 => String::new(),
+                n if n <= MAX_NAMED_MODELS => format!("; served: {}", served.join(", ")),
+                n => format!(
+                    "; served: {} and {} more (GET /v1/models)",
+                    served[..MAX_NAMED_MODELS].join(", "),
+                    n - MAX_NAMED_MODELS
+                ),
+            };
             return Refusal::new(
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",
                 "model_not_found",
-                format!("the model `{model}` does not exist or is not served by any model server"),
+                format!(
+                    "the model `{model}` does not exist or is not served by any model server{known}"
+                ),
             );
         }
         let (kind, code) = match r {

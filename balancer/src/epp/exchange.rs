@@ -308,7 +308,8 @@ impl Exchange {
         let (lease, waited) = match self.epp.shared.admit(request, gone).await {
             Ok(granted) => granted,
             Err(AdmitError::Rejected(r)) => {
-                return self.refuse(Refusal::from_reject(r, &model)).await
+                let served = || self.epp.shared.served_models();
+                return self.refuse(Refusal::from_reject(r, &model, served)).await;
             }
             Err(AdmitError::ClientGone) => {
                 self.epp.decisions.with_label_values(&["client-gone"]).inc();

@@ -95,19 +95,11 @@ pub(super) async fn route(
     Ok(Some(Ok(Step::Answer(answer))))
 }
 
-/// `/v1/models`: every model a live endpoint serves.
+/// `/v1/models`: every model (and alias) a live endpoint serves.
 fn models_body(door: &Inference) -> Vec<u8> {
-    let snap = door.shared.snapshot();
-    let mut models: Vec<&str> = snap
-        .endpoints
-        .iter()
-        .filter(|e| !e.stale)
-        .filter_map(|e| e.agent.as_ref())
-        .flat_map(|a| a.models.iter().map(String::as_str))
-        .collect();
-    models.sort_unstable();
-    models.dedup();
-    let data: Vec<serde_json::Value> = models
+    let data: Vec<serde_json::Value> = door
+        .shared
+        .served_models()
         .into_iter()
         .map(|id| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "flowgate"}))
         .collect();

@@ -164,7 +164,9 @@ impl Inference {
                 ctx.upstream_status = None;
                 Ok(Ok(()))
             }
-            Err(AdmitError::Rejected(r)) => Ok(Err(Refusal::from_reject(r, &ctx.model))),
+            Err(AdmitError::Rejected(r)) => Ok(Err(Refusal::from_reject(r, &ctx.model, || {
+                shared.served_models()
+            }))),
             Err(AdmitError::ClientGone) => {
                 ctx.reason = "client-gone";
                 Err(Error::explain(
@@ -252,7 +254,9 @@ impl Inference {
                     ctx.upstream = Some(addr);
                     Ok(Step::Proxy)
                 }
-                Err(r) => Err(Refusal::from_reject(r, &ctx.model)),
+                Err(r) => Err(Refusal::from_reject(r, &ctx.model, || {
+                    self.shared.served_models()
+                })),
             });
         }
         // Keep a second copy only when the retry buffer cannot replay it all.

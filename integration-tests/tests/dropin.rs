@@ -52,3 +52,40 @@ fn the_agent_refuses_an_empty_or_huge_alias() {
         assert!(String::from_utf8_lossy(&out.stderr).contains("model alias"));
     }
 }
+
+/// A batch may target the Responses API, as OpenAI's Batch API allows.
+#[tokio::test]
+async fn a_batch_may_target_the_responses_api() {
+    let dir = TempDir::new("dropin-batch");
+    let (b, _sim, _agent) = fleet(&["--async-dir", dir.arg()], &[]).await;
+    let line = r#"{"custom_id":"r1","method":"POST","url":"/v1/responses","body":{"input":"hi"}}"#;
+    let body = format!(
+        "--XyZ\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n\
+         --XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\n\r\n\
+         {line}\r\n--XyZ--\r\n"
+    );
+    let file: Value = client()
+        .post(b.url("/v1/files"))
+        .header("content-type", "multipart/form-data; boundary=XyZ")
+        .body(body)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let batch = post_json(
+        &b.url("/v1/batches"),
+        &serde_json::json!({"input_file_id": file["id"], "endpoint": "/v1/responses",
+            "completion_window": "24h"}),
+    )
+    .await;
+    assert_eq!(batch["status"], "in_progress", "{batch}");
+    let id = batch["id"].as_str().unwrap().to_string();
+    let done = wait_for("the batch to complete", Duration::from_secs(10), || async {
+        let v = get_json(&b.url(&format!("/v1/batches/{id}"))).await;
+        (v["status"] == "completed").then_some(v)
+    })
+    .await;
+    assert_eq!(done["request_counts"]["completed"], 1, "{done}");
+}

@@ -23,8 +23,13 @@ const FILES: &str = "files";
 const FILE_DATA: &str = "file_data";
 const BATCHES: &str = "batches";
 
-/// Endpoints a batch may target.
-const BATCH_ENDPOINTS: [&str; 3] = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"];
+/// The endpoints a batch may target (OpenAI's list, less moderations).
+const BATCH_ENDPOINTS: [&str; 4] = [
+    "/v1/responses",
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+];
 
 /// An error the API answers with: status, code, message.
 #[derive(Debug, PartialEq)]

@@ -375,7 +375,11 @@ async fn route(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>, 
         }
         (
             &Method::POST,
-            "/v1/chat/completions" | "/v1/completions" | "/completion" | "/v1/embeddings",
+            "/v1/chat/completions"
+            | "/v1/completions"
+            | "/completion"
+            | "/v1/embeddings"
+            | "/v1/responses",
         ) => inference(sim, req, path).await,
         _ => json_resp(
             StatusCode::NOT_FOUND,

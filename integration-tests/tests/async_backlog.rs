@@ -87,21 +87,7 @@ async fn backlog_ratio_and_drain(b: &Balancer, gate: &str) {
             )
         })
         .collect();
-    let form = format!(
-        "--b0undary\r\ncontent-disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n\
-         --b0undary\r\ncontent-disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\n\r\n\
-         {lines}\r\n--b0undary--\r\n"
-    );
-    let file: Value = client()
-        .post(b.url("/v1/files"))
-        .header("content-type", "multipart/form-data; boundary=b0undary")
-        .body(form)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let file = upload_batch_file(b, None, &lines).await;
     let batch: Value = client()
         .post(b.url("/v1/batches"))
         .json(

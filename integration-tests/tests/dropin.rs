@@ -59,21 +59,7 @@ async fn a_batch_may_target_the_responses_api() {
     let dir = TempDir::new("dropin-batch");
     let (b, _sim, _agent) = fleet(&["--async-dir", dir.arg()], &[]).await;
     let line = r#"{"custom_id":"r1","method":"POST","url":"/v1/responses","body":{"input":"hi"}}"#;
-    let body = format!(
-        "--XyZ\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n\
-         --XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\n\r\n\
-         {line}\r\n--XyZ--\r\n"
-    );
-    let file: Value = client()
-        .post(b.url("/v1/files"))
-        .header("content-type", "multipart/form-data; boundary=XyZ")
-        .body(body)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let file = upload_batch_file(&b, None, line).await;
     let batch = post_json(
         &b.url("/v1/batches"),
         &serde_json::json!({"input_file_id": file["id"], "endpoint": "/v1/responses",

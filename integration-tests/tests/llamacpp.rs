@@ -297,12 +297,7 @@ async fn real_llama_server_client_mistakes_and_departures() {
     ];
     for _ in 0..5 {
         for (body, says) in &mistakes {
-            let r = c
-                .post(b.url("/v1/chat/completions"))
-                .json(body)
-                .send()
-                .await
-                .unwrap();
+            let r = chat_with(&c, &b, &[], body.clone()).await;
             assert_eq!(r.status(), 500);
             let v: Value = r.json().await.unwrap();
             let message = v["error"]["message"].as_str().unwrap_or_default();
@@ -318,12 +313,7 @@ async fn real_llama_server_client_mistakes_and_departures() {
         metric(&b, "flowgate_circuit_breaker_opened_total", &[]).await,
         0.0
     );
-    let r = c
-        .post(b.url("/v1/chat/completions"))
-        .json(&chat_req("Name a colour.", 8, false))
-        .send()
-        .await
-        .unwrap();
+    let r = chat_with(&c, &b, &[], chat_req("Name a colour.", 8, false)).await;
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["x-flowgate-wait-ms"], "0", "sent at once");
 

@@ -45,22 +45,8 @@ async fn send(
 }
 
 async fn upload(b: &Balancer, key: &str, lines: &str) -> String {
-    let body = format!(
-        "--XyZ\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n\
-         --XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\n\r\n\
-         {lines}\r\n--XyZ--\r\n"
-    );
-    let resp = client()
-        .post(b.url("/v1/files"))
-        .header(AUTH, format!("Bearer {key}"))
-        .header("content-type", "multipart/form-data; boundary=XyZ")
-        .body(body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    let v: Value = resp.json().await.unwrap();
-    v["id"].as_str().unwrap().to_string()
+    let file = upload_batch_file(b, Some(key), lines).await;
+    file["id"].as_str().unwrap().to_string()
 }
 
 /// Every async request, result, idempotency key, file and batch belongs to

@@ -6,19 +6,22 @@ use pingora_core::Result;
 use pingora_proxy::Session;
 
 use super::async_api::{self, AsyncDoor};
-use super::{batch_api, routes, Inference, RequestCtx, Step};
+use super::routes::RouteKind;
+use super::{batch_api, Inference, RequestCtx, Step};
 use crate::reply::{Answer, Refusal};
 use flowgate::openai::error_body;
 
 /// The answer to a request the balancer does not proxy; `None`: proxy it.
+/// `kind` is the path's inference route kind (`routes::kind`).
 pub(super) async fn route(
     door: &Inference,
     session: &mut Session,
     ctx: &mut RequestCtx,
+    kind: Option<RouteKind>,
 ) -> Result<Option<std::result::Result<Step, Refusal>>> {
     let req = session.req_header();
     // The hot path first, without copying the method and path.
-    if req.method == Method::POST && routes::kind(req.uri.path()).is_some() {
+    if req.method == Method::POST && kind.is_some() {
         return Ok(None);
     }
     let method = req.method.clone();
@@ -82,7 +85,7 @@ pub(super) async fn route(
         "/health" => not_allowed("GET"),
         "/v1/models" if method == Method::GET => Answer::json(StatusCode::OK, models_body(door)),
         "/v1/models" => not_allowed("GET"),
-        p if routes::kind(p).is_some() => not_allowed("POST"),
+        _ if kind.is_some() => not_allowed("POST"),
         _ => Answer::json(
             StatusCode::NOT_FOUND,
             error_body(

@@ -216,7 +216,8 @@ impl Inference {
                 }
             }
         }
-        if let Some(answer) = local::route(self, session, ctx).await? {
+        let kind = routes::kind(session.req_header().uri.path());
+        if let Some(answer) = local::route(self, session, ctx, kind).await? {
             return Ok(answer);
         }
         ctx.inference = true;
@@ -246,7 +247,7 @@ impl Inference {
         ctx.stream = facts.stream;
         ctx.fairness_id = facts.meta.flow.fairness_id.to_string();
         ctx.priority = facts.meta.flow.priority;
-        if routes::kind(session.req_header().uri.path()) == Some(RouteKind::Slotless) {
+        if kind == Some(RouteKind::Slotless) {
             // No slot, no queue, no retry: a live server of the model
             // answers it at once.
             return Ok(match self.shared.slotless(&facts.meta.route) {

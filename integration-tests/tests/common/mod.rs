@@ -335,6 +335,26 @@ pub async fn fleet(balancer_args: &[&str], sim_args: &[&str]) -> (Balancer, Sim,
     (b, sim, a)
 }
 
+/// Uploads `lines` (JSONL) as a Batch API input file, with `key` as the
+/// bearer key when given; asserts a 200 and returns the file object.
+pub async fn upload_batch_file(b: &Balancer, key: Option<&str>, lines: &str) -> Value {
+    let body = format!(
+        "--XyZ\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n\
+         --XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"in.jsonl\"\r\n\r\n\
+         {lines}\r\n--XyZ--\r\n"
+    );
+    let mut req = client()
+        .post(b.url("/v1/files"))
+        .header("content-type", "multipart/form-data; boundary=XyZ")
+        .body(body);
+    if let Some(key) = key {
+        req = req.header("authorization", format!("Bearer {key}"));
+    }
+    let resp = req.send().await.expect("the balancer answers");
+    assert_eq!(resp.status(), 200, "upload");
+    resp.json().await.expect("a file object")
+}
+
 /// Sends a chat completion in the background; resolves to its status.
 pub fn spawn_chat(b: &Balancer, headers: &[(&str, &str)]) -> tokio::task::JoinHandle<u16> {
     let c = client();

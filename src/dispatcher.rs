@@ -500,6 +500,12 @@ impl<T> Dispatcher<T> {
         self.ledger.live(route, now).ok_or(Reject::NoEndpoints)
     }
 
+    /// Every model name (served models and aliases) a live agent reports,
+    /// sorted: `/v1/models`, and what a `model_not_found` answer names.
+    pub fn served_models(&self, now: Instant) -> Vec<String> {
+        self.ledger.served_models(now)
+    }
+
     /// Everything at once, for the management API, metrics and the
     /// dashboard.
     pub fn snapshot(&self, now: Instant) -> Snapshot {

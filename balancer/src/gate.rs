@@ -227,17 +227,7 @@ impl FleetGate {
     /// Every model name (served models and aliases) a live endpoint's
     /// agent reports, sorted.
     pub fn served_models(&self) -> Vec<String> {
-        let snap = self.snapshot();
-        let mut models: Vec<String> = snap
-            .endpoints
-            .into_iter()
-            .filter(|e| !e.stale)
-            .filter_map(|e| e.agent)
-            .flat_map(|a| a.models)
-            .collect();
-        models.sort_unstable();
-        models.dedup();
-        models
+        self.lock().served_models(Instant::now())
     }
 
     /// Where a request that takes no slot goes now (see

@@ -1024,3 +1024,22 @@ fn slotless_requests_go_to_the_least_loaded_live_endpoint_without_a_slot() {
     d.release(busy);
     d.release(full);
 }
+
+#[test]
+fn served_models_are_the_live_agents_names_sorted_once() {
+    let mut d = dispatcher(4);
+    let t0 = Instant::now();
+    let mut a = report("a", "127.0.0.1:1", 1);
+    a.models = vec!["m".into(), "alias".into()];
+    let mut b = report("b", "127.0.0.1:2", 1);
+    b.models = vec!["m".into(), "other".into()];
+    b.monitoring_interval_ms = 100;
+    d.report(a, t0).unwrap();
+    d.report(b, t0).unwrap();
+    assert_eq!(d.served_models(t0), ["alias", "m", "other"]);
+    // b stops reporting: its names go once it is stale (3 intervals).
+    assert_eq!(
+        d.served_models(t0 + Duration::from_millis(400)),
+        ["alias", "m"]
+    );
+}

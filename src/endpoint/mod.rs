@@ -536,6 +536,21 @@ impl EndpointLedger {
             .sum()
     }
 
+    /// Every model name (served models and aliases) the agents that are
+    /// not stale report, sorted, each once.
+    pub(crate) fn served_models(&self, now: Instant) -> Vec<String> {
+        let mut models: Vec<String> = self
+            .endpoints
+            .values()
+            .filter_map(|e| e.agent.as_ref())
+            .filter(|a| now < Endpoint::stale_deadline(a))
+            .flat_map(|a| a.report.models.iter().cloned())
+            .collect();
+        models.sort_unstable();
+        models.dedup();
+        models
+    }
+
     pub(crate) fn snapshot(&self, now: Instant) -> Vec<EndpointSnapshot> {
         let mut out: Vec<EndpointSnapshot> = self
             .endpoints

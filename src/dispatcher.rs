@@ -470,6 +470,12 @@ impl<T> Dispatcher<T> {
         self.ledger.model_reported(model)
     }
 
+    /// The first model an endpoint's agent reports (the engine's own id):
+    /// which model answered a request that named none.
+    pub fn first_model_of(&self, endpoint: EndpointId) -> Option<&str> {
+        self.ledger.first_model_of(endpoint)
+    }
+
     /// Requests in flight to one endpoint (0 once it is forgotten).
     pub fn in_flight_of(&self, endpoint: EndpointId) -> u32 {
         self.ledger.in_flight_of(endpoint)

@@ -19,6 +19,8 @@
 //!   dispatch, expiry.
 //! - [`duration`]: `250ms` / `10s` / `2m` / `1h` / `7d` parsing for flags, config and
 //!   headers.
+//! - [`models`]: which served model a requested name goes to (aliases,
+//!   weighted rewrites, a default model, fallback chains).
 //! - [`openai`]: OpenAI-style error bodies shared by the binaries.
 
 pub mod admission;
@@ -28,6 +30,7 @@ pub mod dispatcher;
 pub mod duration;
 pub mod endpoint;
 pub mod flow;
+pub mod models;
 pub mod openai;
 pub mod prefix;
 pub mod protocol;

@@ -110,14 +110,37 @@ fn bytes() -> impl Strategy<Value = Vec<u8>> {
 proptest! {
     #[test]
     fn request_bodies_are_routed_or_refused_400(raw in bytes(), body in json()) {
+        struct NoFleet;
+        impl flowgate::admission::ServedNames for NoFleet {
+            fn is_served(&self, _: &str) -> bool { false }
+            fn draw(&self) -> u64 { 0 }
+        }
         let rules = flowgate::admission::AdmissionRules {
             prefix: PrefixConfig::default(),
+            models: flowgate::models::ModelRules::builder()
+                .default_model("served")
+                .unwrap()
+                .build()
+                .unwrap(),
             ..Default::default()
         };
         for input in [raw, serde_json::to_vec(&body).unwrap()] {
-            let facts = rules.inference(FlowHeaders::default(), Some(&input), Caller::Anonymous);
-            if let Err(refused) = facts {
-                prop_assert_eq!(Refusal::from(refused).status.as_u16(), 400);
+            let facts = rules.inference(FlowHeaders::default(), Some(&input), Caller::Anonymous, &NoFleet);
+            match facts {
+                Err(refused) => prop_assert_eq!(Refusal::from(refused).status.as_u16(), 400),
+                // Whatever body was accepted, the engine gets it with the
+                // served model's name and nothing else changed.
+                Ok(f) => {
+                    let name = f.resolved.rewritten_name(&f.model).unwrap();
+                    let out = flowgate::admission::with_model(&input, name).unwrap();
+                    let mut sent: serde_json::Map<String, serde_json::Value> =
+                        serde_json::from_slice(&out).unwrap();
+                    prop_assert_eq!(sent.remove("model"), Some(serde_json::Value::from("served")));
+                    let mut asked: serde_json::Map<String, serde_json::Value> =
+                        serde_json::from_slice(&input).unwrap();
+                    asked.remove("model");
+                    prop_assert_eq!(sent, asked);
+                }
             }
         }
     }

@@ -14,7 +14,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -39,6 +39,18 @@ pub struct FleetGate {
     /// Woken when an affinity hold began, which may end before
     /// housekeeping's next planned wake-up.
     timers: Notify,
+    /// Draws for weighted model rewrites ([`flowgate::models`]).
+    draws: AtomicU64,
+}
+
+impl flowgate::admission::ServedNames for FleetGate {
+    fn is_served(&self, model: &str) -> bool {
+        self.lock().model_reported(model)
+    }
+
+    fn draw(&self) -> u64 {
+        self.draws.fetch_add(1, Ordering::Relaxed)
+    }
 }
 
 /// Why a request did not get a slot.
@@ -111,6 +123,7 @@ impl FleetGate {
             history: History::default(),
             shutting_down: AtomicBool::new(false),
             timers: Notify::new(),
+            draws: AtomicU64::new(0),
         })
     }
 
@@ -224,10 +237,21 @@ impl FleetGate {
         outcome.map(|lease| (lease, waited))
     }
 
-    /// Every model name (served models and aliases) a live endpoint's
-    /// agent reports, sorted.
-    pub fn served_models(&self) -> Vec<String> {
-        self.lock().served_models(Instant::now())
+    /// Every model name a client may ask for, sorted: what live
+    /// endpoints' agents report (served models and their aliases) and the
+    /// names the operator's model rules answer to.
+    pub fn model_names(&self, rules: &flowgate::models::ModelRules) -> Vec<String> {
+        let mut names = self.lock().served_models(Instant::now());
+        names.extend(rules.names().map(str::to_string));
+        names.sort_unstable();
+        names.dedup();
+        names
+    }
+
+    /// The model that answered a request sent to any endpoint: the first
+    /// model the endpoint's agent reports (the engine's own id).
+    pub fn served_model(&self, endpoint: EndpointId) -> Option<String> {
+        self.lock().first_model_of(endpoint).map(str::to_string)
     }
 
     /// Where a request that takes no slot goes now (see

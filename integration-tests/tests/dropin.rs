@@ -75,3 +75,139 @@ async fn a_batch_may_target_the_responses_api() {
     .await;
     assert_eq!(done["request_counts"]["completed"], 1, "{done}");
 }
+
+/// The `model` field the engine got, from a strict simulator's answer
+/// (it refuses any other name, as vLLM does), and the served-model header.
+async fn served(b: &Balancer, model: Option<&str>) -> (u16, String) {
+    let r = chat_with(&client(), b, &[], chat_for(model, "hi")).await;
+    let status = r.status().as_u16();
+    let header = r
+        .headers()
+        .get("x-flowgate-served-model")
+        .map(|v| v.to_str().unwrap().to_string())
+        .unwrap_or_default();
+    (status, header)
+}
+
+/// Two strict engines (`model-a`, `model-b`) behind the balancer's model
+/// rules: an alias, a default model, a 90/10 rewrite, each reaching the
+/// engine under the name it serves.
+#[tokio::test]
+async fn the_balancers_model_rules_reach_engines_that_check_the_name() {
+    let dir = TempDir::new("dropin-models");
+    let config = dir.path("models.yaml");
+    std::fs::write(
+        &config,
+        "models:\n  default: model-a\n  aliases:\n    model-a: [gpt-4o-mini, gpt-4o]\n  \
+         rewrites:\n    chat:\n      - {model: model-a, weight: 90}\n      - {model: model-b, weight: 10}\n",
+    )
+    .unwrap();
+    let b = Balancer::start(&["--config", &config, "--max-buffered-requests", "2000"]).await;
+    let fast = [
+        "--ttft-ms",
+        "0",
+        "--tpot-ms",
+        "0",
+        "--output-tokens",
+        "1",
+        "--slots",
+        "64",
+    ];
+    let sims: Vec<Sim> = ["model-a", "model-b"]
+        .iter()
+        .map(|m| Sim::start(&[&["--model", m, "--strict-model"][..], &fast[..]].concat()))
+        .collect();
+    let _agents: Vec<Proc> = sims.iter().map(|s| agent(s, &b)).collect();
+    b.wait_eligible(2).await;
+
+    assert_eq!(served(&b, Some("model-b")).await, (200, "model-b".into()));
+    assert_eq!(
+        served(&b, Some("gpt-4o-mini")).await,
+        (200, "model-a".into())
+    );
+    // No name, and a name nothing serves: the default model.
+    assert_eq!(served(&b, None).await, (200, "model-a".into()));
+    assert_eq!(served(&b, Some("gpt-5")).await, (200, "model-a".into()));
+    // The answer's own `model` is the engine's, passed through.
+    let r = chat_with(&client(), &b, &[], chat_for(Some("gpt-4o"), "hi")).await;
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["model"], "model-a");
+
+    // 1,000 requests for the canary name split 90/10 within ±3 %.
+    let c = client();
+    let mut to_b = 0;
+    for round in 0..25 {
+        let answers = futures_util::future::join_all(
+            (0..40).map(|_| chat_with(&c, &b, &[], chat_for(Some("chat"), "canary"))),
+        )
+        .await;
+        for r in answers {
+            assert_eq!(r.status(), 200, "round {round}");
+            to_b += usize::from(r.headers()["x-flowgate-served-model"] == "model-b");
+        }
+    }
+    assert!((70..=130).contains(&to_b), "{to_b} of 1000 went to model-b");
+
+    let models = get_json(&b.url("/v1/models")).await;
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["id"].as_str())
+        .collect();
+    assert_eq!(ids, ["chat", "gpt-4o", "gpt-4o-mini", "model-a", "model-b"]);
+    b.wait_in_flight(0, Duration::from_secs(5)).await;
+}
+
+/// Under `--any-model-name` a fleet answers any name, as one llama-server
+/// does; without it the same name is a 404.
+#[tokio::test]
+async fn any_model_name_lets_hard_coded_names_through() {
+    let (b, _sim, _agent) = fleet(&["--any-model-name"], &[]).await;
+    assert_eq!(
+        served(&b, Some("gpt-4o-mini")).await,
+        (200, "sim-model".into())
+    );
+    assert_eq!(served(&b, None).await, (200, "sim-model".into()));
+    let (strict, _sim2, _agent2) = fleet(&[], &[]).await;
+    assert_eq!(served(&strict, Some("gpt-4o-mini")).await.0, 404);
+}
+
+/// A `models:` rule that cannot work is refused at start, naming it.
+#[test]
+fn bad_model_rules_are_refused_at_start() {
+    let dir = TempDir::new("dropin-bad-models");
+    for (yaml, says) in [
+        (
+            "models:\n  aliases:\n    a: [x]\n    b: [x]\n",
+            "alias of both",
+        ),
+        ("models:\n  rewrites:\n    chat: []\n", "1 to 16 targets"),
+        (
+            "models:\n  rewrites:\n    chat: [{model: a, weight: -1}]\n",
+            "weight",
+        ),
+        (
+            "models:\n  aliases:\n    a: [b]\n    b: [c]\n",
+            "itself an alias",
+        ),
+        ("models:\n  fallbacks:\n    a: {models: [a]}\n", "twice"),
+    ] {
+        let config = dir.path("bad.yaml");
+        std::fs::write(&config, yaml).unwrap();
+        let out = std::process::Command::new(bin("balancer"))
+            .args(["--config", &config])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains(says),
+            "{yaml}: {stderr}"
+        );
+    }
+    let out = std::process::Command::new(bin("balancer"))
+        .args(["--model-alias", "no-equals-sign"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}

@@ -102,9 +102,181 @@ pub fn body_facts(body: &[u8], prefix: &PrefixConfig) -> Result<BodyFacts, Strin
     })
 }
 
+/// `body` (one JSON object, as [`body_facts`] accepted it) with its
+/// top-level `model` set to `model`: the value replaced in place, or the
+/// field added first when the body names none. Every other byte stays as
+/// the client sent it. `None` if `body` is not a JSON object after all.
+pub fn with_model(body: &[u8], model: &str) -> Option<Vec<u8>> {
+    let name = serde_json::to_vec(model).expect("a string serialises");
+    let open = skip_space(body, 0);
+    if body.get(open) != Some(&b'{') {
+        return None;
+    }
+    let mut out = Vec::with_capacity(body.len() + name.len() + 10);
+    match model_value(body, open + 1)? {
+        Some(value) => {
+            out.extend_from_slice(&body[..value.start]);
+            out.extend_from_slice(&name);
+            out.extend_from_slice(&body[value.end..]);
+        }
+        None => {
+            let first = skip_space(body, open + 1);
+            out.extend_from_slice(&body[..=open]);
+            out.extend_from_slice(b"\"model\":");
+            out.extend_from_slice(&name);
+            if body.get(first) != Some(&b'}') {
+                out.push(b',');
+            }
+            out.extend_from_slice(&body[open + 1..]);
+        }
+    }
+    Some(out)
+}
+
+fn skip_space(b: &[u8], mut i: usize) -> usize {
+    while b.get(i).is_some_and(u8::is_ascii_whitespace) {
+        i += 1;
+    }
+    i
+}
+
+/// The end of the string that starts at `i` (just past its closing quote).
+fn skip_string(b: &[u8], mut i: usize) -> Option<usize> {
+    i += 1;
+    loop {
+        match b.get(i)? {
+            b'\\' => i += 2,
+            b'"' => return Some(i + 1),
+            _ => i += 1,
+        }
+    }
+}
+
+/// The end of the JSON value that starts at `i`.
+fn skip_value(b: &[u8], i: usize) -> Option<usize> {
+    match b.get(i)? {
+        b'"' => skip_string(b, i),
+        b'{' | b'[' => {
+            let mut depth = 0usize;
+            let mut j = i;
+            loop {
+                match b.get(j)? {
+                    b'"' => {
+                        j = skip_string(b, j)?;
+                        continue;
+                    }
+                    b'{' | b'[' => depth += 1,
+                    b'}' | b']' => {
+                        depth -= 1;
+                        if depth == 0 {
+                            return Some(j + 1);
+                        }
+                    }
+                    _ => {}
+                }
+                j += 1;
+            }
+        }
+        _ => {
+            let mut j = i;
+            while b
+                .get(j)
+                .is_some_and(|c| !matches!(c, b',' | b'}' | b']') && !c.is_ascii_whitespace())
+            {
+                j += 1;
+            }
+            Some(j)
+        }
+    }
+}
+
+/// Where the top-level `model` value of the object whose members start at
+/// `i` lies: `Some(None)` when it has none.
+fn model_value(b: &[u8], mut i: usize) -> Option<Option<std::ops::Range<usize>>> {
+    loop {
+        i = skip_space(b, i);
+        match b.get(i)? {
+            b'}' => return Some(None),
+            b'"' => {}
+            _ => return None,
+        }
+        let key_end = skip_string(b, i)?;
+        let key = &b[i..key_end];
+        i = skip_space(b, key_end);
+        if b.get(i) != Some(&b':') {
+            return None;
+        }
+        let start = skip_space(b, i + 1);
+        let end = skip_value(b, start)?;
+        let is_model = key == b"\"model\""
+            || (key.contains(&b'\\')
+                && serde_json::from_slice::<String>(key).is_ok_and(|k| k == "model"));
+        if is_model {
+            return Some(Some(start..end));
+        }
+        i = skip_space(b, end);
+        match b.get(i)? {
+            b',' => i += 1,
+            b'}' => return Some(None),
+            _ => return None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn with_model_replaces_or_adds_the_model_and_keeps_the_rest() {
+        let swap = |b: &str| String::from_utf8(with_model(b.as_bytes(), "new").unwrap()).unwrap();
+        assert_eq!(
+            swap(r#"{"messages":[{"model":"x"}], "model" : "old" ,"n":1}"#),
+            r#"{"messages":[{"model":"x"}], "model" : "new" ,"n":1}"#
+        );
+        assert_eq!(
+            swap(r#" {"a":"}\"{","model":"o"}"#),
+            r#" {"a":"}\"{","model":"new"}"#
+        );
+        assert_eq!(swap(r#"{"mod\u0065l":"o"}"#), r#"{"mod\u0065l":"new"}"#);
+        assert_eq!(
+            swap(r#"{"stream":true}"#),
+            r#"{"model":"new","stream":true}"#
+        );
+        assert_eq!(swap("{ }"), r#"{"model":"new" }"#);
+        let quoted = with_model(br#"{"model":"a"}"#, "q\"uote").unwrap();
+        assert_eq!(quoted, br#"{"model":"q\"uote"}"#);
+        assert!(with_model(b"[1]", "new").is_none());
+        assert!(with_model(br#"{"model":"#, "new").is_none());
+    }
+
+    proptest! {
+        /// Any JSON object: the result is the same object with `model`
+        /// set, nothing else changed.
+        #[test]
+        fn with_model_changes_only_the_model(
+            fields in proptest::collection::btree_map(
+                "[a-z\"\\\\]{0,6}",
+                prop_oneof![
+                    any::<i64>().prop_map(serde_json::Value::from),
+                    ".{0,8}".prop_map(serde_json::Value::from),
+                    proptest::collection::vec(".{0,4}", 0..3).prop_map(serde_json::Value::from),
+                ],
+                0..6,
+            ),
+            name in ".{0,20}",
+        ) {
+            let body = serde_json::to_vec_pretty(&fields).unwrap();
+            let out = with_model(&body, &name).unwrap();
+            let mut expected: serde_json::Map<String, serde_json::Value> =
+                fields.into_iter().collect();
+            expected.insert("model".into(), serde_json::Value::from(name));
+            let got: serde_json::Map<String, serde_json::Value> =
+                serde_json::from_slice(&out).unwrap();
+            prop_assert_eq!(got, expected);
+        }
+    }
 
     #[test]
     fn only_json_objects_are_inference_requests() {

@@ -10,6 +10,7 @@
 //! - [`priority`]: headers + model → tenant, priority, TTL.
 //! - [`caller`]: API key grants and the async dispatcher's standing.
 //! - [`body`]: model, stream flag and prompt prefix of a JSON body.
+//! - [`crate::models`]: the served model a requested name goes to.
 
 pub mod body;
 pub mod caller;
@@ -18,14 +19,23 @@ pub mod priority;
 
 use std::time::Duration;
 
-pub use body::{body_facts, BodyFacts};
+pub use body::{body_facts, with_model, BodyFacts};
 pub use caller::{Caller, Grant};
 pub use headers::{FlowHeaders, FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER, TTL_HEADER};
 pub use priority::{BadHeader, PriorityRules};
 
 use crate::dispatcher::RequestMeta;
 use crate::flow::FlowKey;
+use crate::models::{ModelRules, Resolved};
 use crate::prefix::PrefixConfig;
+
+/// What admission needs to know of the fleet to place a model name.
+pub trait ServedNames {
+    /// Whether an agent reports serving `model` (lately).
+    fn is_served(&self, model: &str) -> bool;
+    /// A new draw for a weighted rewrite (a counter will do).
+    fn draw(&self) -> u64;
+}
 
 /// Why a request is refused before it reaches flow control (each a 400).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -43,6 +53,8 @@ pub enum Refused {
 pub struct RequestFacts {
     /// The requested model (empty when the body names none).
     pub model: String,
+    /// The model it goes to (`meta.route.model`) and how it was chosen.
+    pub resolved: Resolved,
     /// `"stream": true`.
     pub stream: bool,
     /// What flow control and the scheduler need.
@@ -54,25 +66,32 @@ pub struct RequestFacts {
 pub struct AdmissionRules {
     pub priorities: PriorityRules,
     pub prefix: PrefixConfig,
+    pub models: ModelRules,
 }
 
 impl AdmissionRules {
     /// The facts of an inference request. `body` is `None` for a request
-    /// that has none (EPP mode's headers-only requests): no model, any
-    /// endpoint.
+    /// that has none (EPP mode's headers-only requests): no model named.
+    /// The model it goes to follows the [`ModelRules`].
     pub fn inference(
         &self,
         headers: FlowHeaders<'_>,
         body: Option<&[u8]>,
         caller: Caller<'_>,
+        fleet: &dyn ServedNames,
     ) -> Result<RequestFacts, Refused> {
-        let facts = match body {
+        let mut facts = match body {
             Some(body) => body_facts(body, &self.prefix).map_err(Refused::BadBody)?,
             None => BodyFacts::default(),
         };
         let (flow, ttl) = self.flow(headers, &facts.model, caller)?;
+        let resolved = self
+            .models
+            .resolve(&facts.model, fleet.draw(), |m| fleet.is_served(m));
+        facts.route.model.clone_from(&resolved.model);
         Ok(RequestFacts {
             model: facts.model,
+            resolved,
             stream: facts.stream,
             meta: RequestMeta {
                 flow,
@@ -112,6 +131,18 @@ mod tests {
     use std::collections::HashMap;
     use std::sync::Arc;
 
+    /// A fleet that serves `m`.
+    struct Fleet;
+
+    impl ServedNames for Fleet {
+        fn is_served(&self, model: &str) -> bool {
+            model == "m"
+        }
+        fn draw(&self) -> u64 {
+            0
+        }
+    }
+
     fn rules() -> AdmissionRules {
         AdmissionRules {
             priorities: PriorityRules {
@@ -121,7 +152,31 @@ mod tests {
                 allow_client_priority: true,
             },
             prefix: PrefixConfig::default(),
+            models: ModelRules::builder()
+                .alias("gpt-4o-mini", "m")
+                .unwrap()
+                .build()
+                .unwrap(),
         }
+    }
+
+    #[test]
+    fn the_model_rules_place_the_request() {
+        let r = rules();
+        let f = r
+            .inference(
+                FlowHeaders::default(),
+                Some(br#"{"model":"gpt-4o-mini"}"#),
+                Caller::Anonymous,
+                &Fleet,
+            )
+            .unwrap();
+        assert_eq!(
+            f.model, "gpt-4o-mini",
+            "the access log keeps what was asked"
+        );
+        assert_eq!(f.meta.route.model.as_deref(), Some("m"));
+        assert_eq!(f.resolved.rewritten_name(&f.model), Some("m"));
     }
 
     fn headers<'a>(fairness: &'a [u8], objective: &'a [u8]) -> FlowHeaders<'a> {
@@ -137,7 +192,9 @@ mod tests {
         let r = rules();
         let body = br#"{"model":"m","messages":[]}"#;
         let h = headers(b"someone-else", b"chat");
-        let anonymous = r.inference(h, Some(body), Caller::Anonymous).unwrap();
+        let anonymous = r
+            .inference(h, Some(body), Caller::Anonymous, &Fleet)
+            .unwrap();
         assert_eq!(&*anonymous.meta.flow.fairness_id, "someone-else");
         assert_eq!(anonymous.meta.flow.priority, 10);
         assert_eq!(anonymous.meta.bytes, body.len() as u64);
@@ -147,12 +204,14 @@ mod tests {
             tenant: Arc::from("alpha"),
             max_priority: Some(3),
         };
-        let keyed = r.inference(h, Some(body), Caller::Key(&grant)).unwrap();
+        let keyed = r
+            .inference(h, Some(body), Caller::Key(&grant), &Fleet)
+            .unwrap();
         assert_eq!(&*keyed.meta.flow.fairness_id, "alpha");
         assert_eq!(keyed.meta.flow.priority, 3, "capped at the key's ceiling");
 
         let delivered = r
-            .inference(h, Some(body), Caller::AsyncDispatcher { band: -5 })
+            .inference(h, Some(body), Caller::AsyncDispatcher { band: -5 }, &Fleet)
             .unwrap();
         assert_eq!(&*delivered.meta.flow.fairness_id, "someone-else");
         assert_eq!(delivered.meta.flow.priority, -5);
@@ -162,7 +221,12 @@ mod tests {
     fn refusals_name_what_was_wrong() {
         let r = rules();
         assert!(matches!(
-            r.inference(FlowHeaders::default(), Some(b"[]"), Caller::Anonymous),
+            r.inference(
+                FlowHeaders::default(),
+                Some(b"[]"),
+                Caller::Anonymous,
+                &Fleet
+            ),
             Err(Refused::BadBody(_))
         ));
         let bad = headers(b"has space", b"chat");
@@ -172,11 +236,11 @@ mod tests {
         };
         // A malformed header is refused even when a key fixes the tenant.
         assert!(matches!(
-            r.inference(bad, Some(b"{}"), Caller::Key(&grant)),
+            r.inference(bad, Some(b"{}"), Caller::Key(&grant), &Fleet),
             Err(Refused::BadHeader(_))
         ));
         let none = r
-            .inference(FlowHeaders::default(), None, Caller::Anonymous)
+            .inference(FlowHeaders::default(), None, Caller::Anonymous, &Fleet)
             .unwrap();
         assert_eq!((none.model.as_str(), none.meta.bytes), ("", 0));
     }
@@ -200,8 +264,8 @@ mod tests {
                 ttl: Some(&ttl),
             };
             let grant = Grant { tenant: Arc::from("alpha"), max_priority: Some(ceiling) };
-            let _ = r.inference(h, Some(&body), Caller::Anonymous);
-            if let Ok(f) = r.inference(h, Some(br#"{"model":"m"}"#), Caller::Key(&grant)) {
+            let _ = r.inference(h, Some(&body), Caller::Anonymous, &Fleet);
+            if let Ok(f) = r.inference(h, Some(br#"{"model":"m"}"#), Caller::Key(&grant), &Fleet) {
                 prop_assert_eq!(&*f.meta.flow.fairness_id, "alpha");
                 prop_assert!(f.meta.flow.priority <= ceiling);
             }

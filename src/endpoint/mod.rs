@@ -508,6 +508,12 @@ impl EndpointLedger {
         self.endpoints.get(&id).map_or(0, |e| e.in_flight)
     }
 
+    /// The first model an endpoint's agent reports (the engine's own id).
+    pub(crate) fn first_model_of(&self, id: EndpointId) -> Option<&str> {
+        let agent = self.endpoints.get(&id)?.agent.as_ref()?;
+        agent.report.models.first().map(String::as_str)
+    }
+
     /// Whether any endpoint could take work now or after its load drains.
     pub(crate) fn any_eligible(&self, now: Instant) -> bool {
         self.endpoints.values().any(|e| e.eligible(now))

@@ -122,6 +122,30 @@ pub struct Cli {
     #[arg(long, value_name = "DURATION", value_parser = flowgate::duration::parse_duration)]
     pub scale_up_webhook_interval: Option<Duration>,
 
+    /// A model name the balancer answers to, for a model the fleet serves:
+    /// `NAME=MODEL`, e.g. `gpt-4o-mini=smollm` (repeatable; beats the same
+    /// name in the config file's `models.aliases`). The engine gets MODEL
+    /// in the body's `model` field
+    #[arg(long = "model-alias", value_name = "NAME=MODEL", value_parser = parse_pair)]
+    pub model_aliases: Vec<(String, String)>,
+
+    /// Requests that name no model, or one no server serves, go to this
+    /// model instead of being answered 404 [default: none]
+    #[arg(long, value_name = "MODEL")]
+    pub default_model: Option<String>,
+
+    /// Answer any model name the way a lone llama-server does: a name no
+    /// server serves goes to any live endpoint, body unchanged (with
+    /// `--default-model`, to that model) [default: off: such names get 404]
+    #[arg(long)]
+    pub any_model_name: bool,
+
+    /// Where requests for MODEL go when no endpoint of it is live, in
+    /// order: `MODEL=FALLBACK[,FALLBACK...]` (repeatable). Waiting longer
+    /// than a time first needs the config file's `models.fallbacks`
+    #[arg(long = "model-fallback", value_name = "MODEL=FALLBACKS", value_parser = parse_pair)]
+    pub model_fallbacks: Vec<(String, String)>,
+
     /// Client connections the inference port holds open at once; a
     /// connection over the limit is answered 503 (`too_many_connections`,
     /// `retry-after: 1`) and closed. Keep it under the process's open-file
@@ -258,4 +282,14 @@ pub struct Cli {
     /// reads as D = 0
     #[arg(long, value_name = "QUERY")]
     pub async_promql: Option<String>,
+}
+
+/// `NAME=VALUE`, both sides non-empty.
+fn parse_pair(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((name, value)) if !name.trim().is_empty() && !value.trim().is_empty() => {
+            Ok((name.trim().to_string(), value.trim().to_string()))
+        }
+        _ => Err(format!("{s:?} is not NAME=VALUE")),
+    }
 }

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use super::flow::{ConfigDuration, FlowControlSection, SaturationSection};
+use super::models::ModelsSection;
 use super::scheduling::SchedulingSection;
 use super::SettingsError;
 use crate::asyncq::job::DeadLetter;
@@ -56,6 +57,8 @@ pub struct FileConfig {
     pub model_priorities: BTreeMap<String, i32>,
     /// Scorer weights, prefix index, retries, circuit breaker.
     pub scheduling: Option<SchedulingSection>,
+    /// Aliases, default model, rewrites, fallbacks.
+    pub models: Option<ModelsSection>,
 }
 
 /// The config file's `async:` section: the `--async-*` flags (and

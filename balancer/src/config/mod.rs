@@ -11,11 +11,14 @@
 //!   `modelPriorities`.
 //! - [`scheduling`]: `scheduling` (scorers, prefix affinity, breaker).
 //! - [`async_queue`]: the `--async-*` flags and the `async:` section.
+//! - [`models`]: `models:` and the model flags (aliases, default model,
+//!   rewrites, fallbacks).
 
 mod async_queue;
 mod cli;
 mod file;
 pub mod flow;
+mod models;
 pub mod scheduling;
 #[cfg(test)]
 mod tests;
@@ -64,6 +67,8 @@ pub struct Settings {
     pub dispatcher: DispatcherConfig,
     /// How requests get their priority.
     pub priorities: PriorityRules,
+    /// Which served model a requested name goes to.
+    pub models: flowgate::models::ModelRules,
     /// Retries on another endpoint after a failure before the first byte.
     pub retries: u32,
     pub max_request_bytes: usize,
@@ -108,6 +113,7 @@ impl Settings {
         flowgate::admission::AdmissionRules {
             priorities: self.priorities.clone(),
             prefix: self.dispatcher.scheduling.prefix,
+            models: self.models.clone(),
         }
     }
 
@@ -198,6 +204,8 @@ impl Settings {
         let (sched, retries) = scheduling::build(&file.scheduling.unwrap_or_default(), seed)
             .map_err(SettingsError::Invalid)?;
         dispatcher.scheduling = sched;
+        let models = models::build(&cli, &file.models.take().unwrap_or_default())
+            .map_err(SettingsError::Invalid)?;
         let api_keys = match cli.api_keys_file.or(file.api_keys_file) {
             Some(path) => Some(Arc::new(
                 ApiKeys::load(&path).map_err(SettingsError::Invalid)?,
@@ -286,6 +294,7 @@ impl Settings {
             epp_addr: cli.epp_addr.or(file.epp_addr),
             dispatcher,
             priorities,
+            models,
             retries,
             max_request_bytes: layer(
                 cli.max_request_bytes,

@@ -9,9 +9,9 @@ use std::sync::Arc;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    processing_request, processing_response, BodyResponse, CommonResponse, HeaderMutation,
-    HeadersResponse, HttpBody, HttpHeaders, ImmediateResponse, ProcessingRequest,
-    ProcessingResponse, TrailersResponse,
+    body_mutation, processing_request, processing_response, BodyMutation, BodyResponse,
+    CommonResponse, HeaderMutation, HeadersResponse, HttpBody, HttpHeaders, ImmediateResponse,
+    ProcessingRequest, ProcessingResponse, TrailersResponse,
 };
 use flowgate::admission::{Caller, FlowHeaders};
 use flowgate::RequestMeta;
@@ -20,6 +20,7 @@ use tonic::Streaming;
 use tracing::{debug, info};
 
 use crate::gate::{AdmitError, LeaseGuard};
+use crate::inference::SERVED_MODEL_HEADER;
 use crate::reply::{Answer, Refusal};
 use flowgate::blame::{self, Verdict};
 
@@ -61,8 +62,10 @@ struct Gone;
 enum BodyMode {
     /// No body is sent.
     None,
-    /// Envoy waits for an answer to each body message.
+    /// Envoy waits for an answer to the whole body (one message).
     Buffered,
+    /// Envoy waits for an answer to each body message (a chunk each).
+    Streamed,
     /// The body is streamed and must be streamed back.
     FullDuplex,
 }
@@ -72,6 +75,7 @@ impl BodyMode {
         match BodySendMode::try_from(mode) {
             Ok(BodySendMode::None) => BodyMode::None,
             Ok(BodySendMode::FullDuplexStreamed) => BodyMode::FullDuplex,
+            Ok(BodySendMode::Streamed) => BodyMode::Streamed,
             _ => BodyMode::Buffered,
         }
     }
@@ -87,6 +91,12 @@ pub(super) struct Exchange {
     /// The subset hint's entries, if the request carried one.
     subset: Option<Vec<String>>,
     body: Vec<u8>,
+    /// The body's `model` was rewritten by the model rules: Envoy must
+    /// send the new body (full duplex and buffered modes; in streamed mode
+    /// the body already went on).
+    body_rewritten: bool,
+    /// The model the request was sent for (`x-flowgate-served-model`).
+    served_model: Option<Arc<str>>,
     /// The slot on the chosen endpoint, held until the response ends.
     lease: Option<LeaseGuard>,
     /// Whether the request was placed (or refused).
@@ -109,6 +119,8 @@ impl Exchange {
             headers: KeptHeaders::default(),
             subset: None,
             body: Vec::new(),
+            body_rewritten: false,
+            served_model: None,
             lease: None,
             decided: false,
             streamed: false,
@@ -264,8 +276,18 @@ impl Exchange {
         if h.end_of_stream {
             self.finish();
         }
+        // Which model answered, as the proxy says it.
+        let served = self.served_model.as_deref().map(|m| HeaderMutation {
+            set_headers: vec![header(SERVED_MODEL_HEADER, m)],
+            remove_headers: Vec::new(),
+        });
         self.send(reply(processing_response::Response::ResponseHeaders(
-            HeadersResponse::default(),
+            HeadersResponse {
+                response: served.map(|m| CommonResponse {
+                    header_mutation: Some(m),
+                    ..CommonResponse::default()
+                }),
+            },
         )))
         .await
     }
@@ -308,7 +330,7 @@ impl Exchange {
         let (lease, waited) = match self.epp.shared.admit(request, gone).await {
             Ok(granted) => granted,
             Err(AdmitError::Rejected(r)) => {
-                let served = || self.epp.shared.served_models();
+                let served = || self.epp.shared.model_names(&self.epp.admission.models);
                 return self.refuse(Refusal::from_reject(r, &model, served)).await;
             }
             Err(AdmitError::ClientGone) => {
@@ -325,18 +347,31 @@ impl Exchange {
             wait_ms = waited.as_millis() as u64,
             "EPP picked an endpoint"
         );
+        let full_duplex = self.request_mode == BodyMode::FullDuplex;
+        let mut set_headers = vec![header(DESTINATION, &destination)];
+        let mut body_mutation = None;
+        if self.body_rewritten {
+            if full_duplex {
+                // The headers go before the body: they announce its size.
+                set_headers.push(header("content-length", &self.body.len().to_string()));
+            } else {
+                body_mutation = Some(BodyMutation {
+                    mutation: Some(body_mutation::Mutation::Body(self.body.clone())),
+                });
+            }
+        }
         let common = CommonResponse {
             header_mutation: Some(HeaderMutation {
-                set_headers: vec![header(DESTINATION, &destination)],
+                set_headers,
                 remove_headers: Vec::new(),
             }),
+            body_mutation,
             clear_route_cache: true,
             ..CommonResponse::default()
         };
         use processing_response::Response as Out;
         // Full duplex, and requests without a body, learn the destination
         // with the headers answer; buffered bodies with the body answer.
-        let full_duplex = self.request_mode == BodyMode::FullDuplex;
         let mut answer = reply(match phase {
             Phase::Body { .. } if !full_duplex => Out::RequestBody(BodyResponse {
                 response: Some(common),
@@ -386,8 +421,17 @@ impl Exchange {
             FlowHeaders::read(|name| headers.get(name)),
             body,
             caller,
+            &*self.epp.shared,
         )?;
         self.streamed = facts.stream;
+        self.served_model.clone_from(&facts.resolved.model);
+        let rewritable = matches!(self.request_mode, BodyMode::FullDuplex | BodyMode::Buffered);
+        if let (Some(name), true) = (facts.resolved.rewritten_name(&facts.model), rewritable) {
+            if let Some(rewritten) = flowgate::admission::with_model(&self.body, name) {
+                self.body = rewritten;
+                self.body_rewritten = true;
+            }
+        }
         let mut meta = facts.meta;
         if let Some(entries) = &self.subset {
             meta.route.subset = Some(self.resolve_subset(entries).into());

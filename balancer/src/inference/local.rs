@@ -98,11 +98,12 @@ pub(super) async fn route(
     Ok(Some(Ok(Step::Answer(answer))))
 }
 
-/// `/v1/models`: every model (and alias) a live endpoint serves.
+/// `/v1/models`: every model (and alias) a live endpoint serves, and the
+/// names of the operator's model rules.
 fn models_body(door: &Inference) -> Vec<u8> {
     let data: Vec<serde_json::Value> = door
         .shared
-        .served_models()
+        .model_names(&door.admission.models)
         .into_iter()
         .map(|id| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "flowgate"}))
         .collect();

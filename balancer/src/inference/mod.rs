@@ -62,6 +62,10 @@ use crate::reply::{Answer, Refusal, REQUEST_ID_HEADER};
 /// Response header: milliseconds the request waited for an endpoint.
 const WAIT_HEADER: &str = "x-flowgate-wait-ms";
 
+/// Response header: the model that answered (after aliases, rewrites,
+/// the default model and fallbacks).
+pub(crate) const SERVED_MODEL_HEADER: &str = "x-flowgate-served-model";
+
 /// Bytes of an engine's error answer kept to check its shape.
 const MAX_ERROR_BODY: usize = 16 * 1024;
 
@@ -108,6 +112,11 @@ pub struct RequestCtx {
     pub(crate) reason: &'static str,
     /// The request's `model` field, for the access log.
     model: String,
+    /// The model it was sent for after the model rules (`None`: any
+    /// endpoint's), told to the client in [`SERVED_MODEL_HEADER`].
+    served_model: Option<Arc<str>>,
+    /// The body was rewritten (its `model`): its length changed.
+    body_rewritten: bool,
     /// The request asked for a streamed answer.
     stream: bool,
     /// The request's flow, for the access log.
@@ -165,7 +174,7 @@ impl Inference {
                 Ok(Ok(()))
             }
             Err(AdmitError::Rejected(r)) => Ok(Err(Refusal::from_reject(r, &ctx.model, || {
-                shared.served_models()
+                shared.model_names(&self.admission.models)
             }))),
             Err(AdmitError::ClientGone) => {
                 ctx.reason = "client-gone";
@@ -235,6 +244,7 @@ impl Inference {
             FlowHeaders::read(|name| headers.get(name).map(|v| v.as_bytes())),
             Some(&body.bytes),
             caller,
+            &*self.shared,
         );
         let facts = match facts {
             Ok(facts) => facts,
@@ -244,9 +254,21 @@ impl Inference {
             }
         };
         ctx.model = facts.model;
+        ctx.served_model.clone_from(&facts.resolved.model);
         ctx.stream = facts.stream;
+        // The engine gets the name of the model it serves, not an alias.
+        let mut body = body;
+        if let Some(name) = facts.resolved.rewritten_name(&ctx.model) {
+            if let Some(rewritten) = flowgate::admission::with_model(&body.bytes, name) {
+                body.bytes = rewritten.into();
+                body.in_retry_buffer = false;
+                ctx.body_rewritten = true;
+            }
+        }
         ctx.fairness_id = facts.meta.flow.fairness_id.to_string();
         ctx.priority = facts.meta.flow.priority;
+        // Keep a second copy only when the retry buffer cannot replay it all.
+        ctx.body = (!body.in_retry_buffer).then_some(body.bytes);
         if kind == Some(RouteKind::Slotless) {
             // No slot, no queue, no retry: a live server of the model
             // answers it at once.
@@ -256,12 +278,10 @@ impl Inference {
                     Ok(Step::Proxy)
                 }
                 Err(r) => Err(Refusal::from_reject(r, &ctx.model, || {
-                    self.shared.served_models()
+                    self.shared.model_names(&self.admission.models)
                 })),
             });
         }
-        // Keep a second copy only when the retry buffer cannot replay it all.
-        ctx.body = (!body.in_retry_buffer).then_some(body.bytes);
         ctx.meta = Some(facts.meta.clone());
         Ok(self
             .wait_for_slot(session, ctx, facts.meta)
@@ -320,6 +340,8 @@ impl ProxyHttp for Inference {
             inference: false,
             reason: "",
             model: String::new(),
+            served_model: None,
+            body_rewritten: false,
             stream: false,
             fairness_id: String::new(),
             priority: 0,
@@ -408,6 +430,16 @@ impl ProxyHttp for Inference {
         }
         if !ctx.request_id_given {
             upstream_request.insert_header(REQUEST_ID_HEADER, ctx.request_id.as_str())?;
+        }
+        if let (true, Some(body)) = (ctx.body_rewritten, &ctx.body) {
+            // A chunked body stays chunked; a sized one has a new size.
+            if upstream_request
+                .headers
+                .contains_key(http::header::CONTENT_LENGTH)
+            {
+                upstream_request
+                    .insert_header(http::header::CONTENT_LENGTH, body.len().to_string())?;
+            }
         }
         Ok(())
     }
@@ -525,6 +557,17 @@ impl ProxyHttp for Inference {
         // How long the request waited in flow control before it was sent.
         upstream_response.insert_header(WAIT_HEADER, ctx.waited.as_millis().to_string())?;
         upstream_response.insert_header(REQUEST_ID_HEADER, ctx.request_id.as_str())?;
+        let served = match (&ctx.served_model, &ctx.lease) {
+            (Some(m), _) => Some(m.to_string()),
+            (None, Some(lease)) => self.shared.served_model(lease.endpoint()),
+            (None, None) => None,
+        };
+        if let Some(served) = served {
+            // A name the header cannot carry is left out, not an error.
+            if let Ok(v) = http::HeaderValue::from_str(&served) {
+                upstream_response.insert_header(SERVED_MODEL_HEADER, v)?;
+            }
+        }
         Ok(())
     }
 
@@ -646,7 +689,9 @@ impl ProxyHttp for Inference {
             self.shared.metrics.record_outcome(status, reason);
             if ctx.upstream_status.is_some_and(|s| s < 400) {
                 let tpot = ctx.meter.time_per_output_token(usage);
-                let model = self.shared.model_label(&ctx.model);
+                let model = self
+                    .shared
+                    .model_label(ctx.served_model.as_deref().unwrap_or(&ctx.model));
                 self.shared.metrics.answer(model, ttft, tpot, usage);
             }
         }
@@ -656,6 +701,7 @@ impl ProxyHttp for Inference {
             method = %session.req_header().method,
             path = session.req_header().uri.path(),
             model = ctx.model.as_str(),
+            served_model = ctx.served_model.as_deref().unwrap_or(""),
             fairness_id = ctx.fairness_id.as_str(),
             priority = ctx.priority,
             status,

@@ -61,6 +61,10 @@ struct Cli {
     /// Model id served
     #[arg(long, default_value = "sim-model")]
     model: String,
+    /// Answer 404 `model_not_found` to a request whose `model` is another
+    /// name, as vLLM does (llama-server answers any name)
+    #[arg(long)]
+    strict_model: bool,
     /// Milliseconds to first token
     #[arg(long, default_value_t = 20)]
     ttft_ms: u64,
@@ -434,6 +438,14 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
         .get("stream")
         .and_then(|v| v.as_bool())
         .unwrap_or(false);
+    let asked = parsed.get("model").and_then(|m| m.as_str());
+    if sim.cli.strict_model && asked.is_some_and(|m| m != sim.cli.model) {
+        return json_resp(
+            StatusCode::NOT_FOUND,
+            json!({"error": {"message": format!("The model `{}` does not exist.", asked.unwrap_or("")),
+                "type": "NotFoundError", "code": 404}}),
+        );
+    }
 
     let fields = flowgate::openai::PromptFields {
         messages: parsed.get("messages"),

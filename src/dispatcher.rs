@@ -470,6 +470,27 @@ impl<T> Dispatcher<T> {
         self.ledger.model_reported(model)
     }
 
+    /// Where a request for `model` falls back to, now: `None` while an
+    /// eligible endpoint (busy or not) serves `model` itself, else the
+    /// first model of `chain` that has one (none has: `None`, it waits
+    /// for its own). See [`crate::models::Fallback`].
+    pub fn fallback_for<'a>(
+        &self,
+        model: &str,
+        chain: &'a [Arc<str>],
+        now: Instant,
+    ) -> Option<&'a Arc<str>> {
+        if self.ledger.model_live(model, now) {
+            return None;
+        }
+        self.first_live(chain, now)
+    }
+
+    /// The first model of `chain` an eligible endpoint serves.
+    pub fn first_live<'a>(&self, chain: &'a [Arc<str>], now: Instant) -> Option<&'a Arc<str>> {
+        chain.iter().find(|m| self.ledger.model_live(m, now))
+    }
+
     /// The first model an endpoint's agent reports (the engine's own id):
     /// which model answered a request that named none.
     pub fn first_model_of(&self, endpoint: EndpointId) -> Option<&str> {

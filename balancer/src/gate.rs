@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use flowgate::models::Fallback;
 use flowgate::{
     Admission, AgentReport, Dispatcher, DispatcherConfig, EndpointId, Lease, Reject, ReportOutcome,
     RequestMeta, Route, Snapshot,
@@ -51,6 +52,28 @@ impl flowgate::admission::ServedNames for FleetGate {
     fn draw(&self) -> u64 {
         self.draws.fetch_add(1, Ordering::Relaxed)
     }
+}
+
+/// A slot, how long the request waited for it, and the fallback model it
+/// went to instead of its own, if it did.
+pub struct Admitted {
+    pub lease: LeaseGuard,
+    pub waited: Duration,
+    pub fell_back: Option<Arc<str>>,
+}
+
+/// What moving a waiting request to a fallback model did.
+enum Moved {
+    /// No fallback can take it now (or it was answered meanwhile).
+    Stay,
+    /// Answered at once, for this model.
+    Done(Result<LeaseGuard, Reject>, Arc<str>),
+    /// Queued again, for this model.
+    Queued(
+        flowgate::Ticket,
+        oneshot::Receiver<Result<LeaseGuard, Reject>>,
+        Arc<str>,
+    ),
 }
 
 /// Why a request did not get a slot.
@@ -177,20 +200,45 @@ impl FleetGate {
     /// Waits for a slot. Resolves when a slot is granted, flow control
     /// refuses or evicts the request, its deadline passes, or `client_gone`
     /// resolves (then the request leaves the queues at once and holds
-    /// nothing).
+    /// nothing). With a `fallback` chain, a request whose model has no
+    /// eligible endpoint goes to the chain's first model that has one, at
+    /// once or once it has waited the chain's `after`.
     pub async fn admit(
         self: &Arc<Self>,
         request: RequestMeta,
+        fallback: Option<&Fallback>,
         client_gone: impl Future<Output = ()>,
-    ) -> Result<(LeaseGuard, Duration), AdmitError> {
+    ) -> Result<Admitted, AdmitError> {
         let priority = request.flow.priority;
         let (tx, mut rx) = oneshot::channel();
         let start = Instant::now();
-        let admission = self.with_dispatch(|d| d.submit(request, tx, start));
+        // Kept to move the request to a fallback after it waited.
+        let mut spare = fallback
+            .filter(|f| f.after.is_some())
+            .map(|_| request.clone());
+        let mut fell_back = None;
+        let admission = self.with_dispatch(|d| {
+            let mut request = request;
+            let asked = request.route.model.clone();
+            if let (Some(f), Some(model)) = (fallback, asked) {
+                if let Some(m) = d.fallback_for(&model, &f.models, start) {
+                    self.metrics.fallback(&model, m, "unavailable");
+                    request.route.model = Some(Arc::clone(m));
+                    fell_back = Some(Arc::clone(m));
+                }
+            }
+            d.submit(request, tx, start)
+        });
+        let admitted = |lease, waited, fell_back| Admitted {
+            lease,
+            waited,
+            fell_back,
+        };
         let (ticket, deadline) = match admission {
             Admission::Ready(lease) => {
                 self.metrics.flow.outcome(priority, Ok(()), Duration::ZERO);
-                return Ok((LeaseGuard::new(self, lease), Duration::ZERO));
+                let lease = LeaseGuard::new(self, lease);
+                return Ok(admitted(lease, Duration::ZERO, fell_back));
             }
             Admission::Rejected(r) => {
                 self.metrics
@@ -202,29 +250,52 @@ impl FleetGate {
         };
         self.metrics.buffered_total.inc();
         // Leaves the queues however this future ends, dropped included.
-        let _queued = QueuedTicket {
+        let mut queued = QueuedTicket {
             shared: self,
             ticket,
         };
+        let mut move_at = match (fallback, &fell_back) {
+            (Some(f), None) => f.after.map(|after| start + after),
+            _ => None,
+        };
         tokio::pin!(client_gone);
-        let outcome = tokio::select! {
-            answer = &mut rx => answer
-                .unwrap_or(Err(Reject::Timeout))
-                .map_err(AdmitError::Rejected),
-            () = tokio::time::sleep_until(deadline.into()) => {
-                let cancelled = self.lock().cancel(ticket);
-                if cancelled {
-                    Err(AdmitError::Rejected(Reject::Timeout))
-                } else {
-                    // Answered just before the timer fired.
-                    rx.try_recv()
-                        .unwrap_or(Err(Reject::Timeout))
-                        .map_err(AdmitError::Rejected)
+        let outcome = loop {
+            let moving = move_at.unwrap_or(deadline);
+            tokio::select! {
+                answer = &mut rx => break answer
+                    .unwrap_or(Err(Reject::Timeout))
+                    .map_err(AdmitError::Rejected),
+                () = tokio::time::sleep_until(deadline.into()) => {
+                    let cancelled = self.lock().cancel(queued.ticket);
+                    break if cancelled {
+                        Err(AdmitError::Rejected(Reject::Timeout))
+                    } else {
+                        // Answered just before the timer fired.
+                        rx.try_recv()
+                            .unwrap_or(Err(Reject::Timeout))
+                            .map_err(AdmitError::Rejected)
+                    };
                 }
+                () = tokio::time::sleep_until(moving.into()), if move_at.is_some() => {
+                    move_at = None;
+                    let (Some(f), Some(request)) = (fallback, spare.take()) else { continue };
+                    match self.move_to_fallback(queued.ticket, request, f, deadline) {
+                        Moved::Stay => continue,
+                        Moved::Done(result, m) => {
+                            fell_back = Some(m);
+                            break result.map_err(AdmitError::Rejected);
+                        }
+                        Moved::Queued(ticket, next, m) => {
+                            fell_back = Some(m);
+                            queued.ticket = ticket;
+                            rx = next;
+                        }
+                    }
+                }
+                // A grant that raced with the disconnect is dropped with `rx`,
+                // which releases its slot.
+                () = &mut client_gone => break Err(AdmitError::ClientGone),
             }
-            // A grant that raced with the disconnect is dropped with `rx`,
-            // which releases its slot.
-            () = &mut client_gone => Err(AdmitError::ClientGone),
         };
         let waited = start.elapsed();
         self.metrics.buffer_wait.observe(waited.as_secs_f64());
@@ -234,7 +305,46 @@ impl FleetGate {
             Err(AdmitError::ClientGone) => Err("client-gone"),
         };
         self.metrics.flow.outcome(priority, label, waited);
-        outcome.map(|lease| (lease, waited))
+        outcome.map(|lease| admitted(lease, waited, fell_back))
+    }
+
+    /// A queued request waited its chain's `after`: if a fallback model
+    /// has an eligible endpoint, the request leaves its queue for that
+    /// model's, keeping its deadline; all under one lock, so it is never
+    /// in two queues nor in none.
+    fn move_to_fallback(
+        self: &Arc<Self>,
+        ticket: flowgate::Ticket,
+        mut request: RequestMeta,
+        fallback: &Fallback,
+        deadline: Instant,
+    ) -> Moved {
+        self.with_dispatch(|d| {
+            let now = Instant::now();
+            let Some(m) = d.first_live(&fallback.models, now) else {
+                return Moved::Stay;
+            };
+            if !d.cancel(ticket) {
+                // Answered meanwhile: the answer is in the channel.
+                return Moved::Stay;
+            }
+            let model = request.route.model.replace(Arc::clone(m));
+            self.metrics
+                .fallback(model.as_deref().unwrap_or(""), m, "waited");
+            request.ttl = Some(
+                deadline
+                    .saturating_duration_since(now)
+                    .max(Duration::from_millis(1)),
+            );
+            let (tx, rx) = oneshot::channel();
+            match d.submit(request, tx, now) {
+                Admission::Ready(lease) => {
+                    Moved::Done(Ok(LeaseGuard::new(self, lease)), Arc::clone(m))
+                }
+                Admission::Rejected(r) => Moved::Done(Err(r), Arc::clone(m)),
+                Admission::Queued { ticket, .. } => Moved::Queued(ticket, rx, Arc::clone(m)),
+            }
+        })
     }
 
     /// Every model name a client may ask for, sorted: what live
@@ -434,6 +544,74 @@ mod tests {
         shared
     }
 
+    fn agent(id: &str, port: u16, model: &str) -> AgentReport {
+        AgentReport {
+            protocol_version: PROTOCOL_VERSION,
+            agent_id: id.into(),
+            name: id.into(),
+            backend: BackendKind::Llamacpp,
+            external_addr: format!("127.0.0.1:{port}"),
+            models: vec![model.into()],
+            health: BackendHealth::Ready,
+            slots_total: 1,
+            slots_busy: 0,
+            requests_waiting: 0,
+            kv_cache_usage: None,
+            monitoring_interval_ms: 1000,
+            draining: false,
+            last_error: None,
+        }
+    }
+
+    fn for_model(model: &str) -> RequestMeta {
+        let mut r = request();
+        r.route.model = Some(Arc::from(model));
+        r
+    }
+
+    /// A request that waited its chain's `after` moves to the fallback
+    /// model's queue: never in two queues, never in none, its slot on the
+    /// fallback's endpoint.
+    #[tokio::test]
+    async fn a_request_that_waited_too_long_moves_to_its_fallback() {
+        let mut config = DispatcherConfig::default();
+        config.flow.max_requests = 4;
+        let shared = FleetGate::new(config);
+        shared.report(agent("a", 1, "a")).unwrap();
+        shared.report(agent("b", 2, "b")).unwrap();
+        let chain = Fallback {
+            models: vec![Arc::from("b")],
+            after: Some(Duration::from_millis(50)),
+        };
+        let on_a = shared.admit(for_model("a"), Some(&chain), std::future::pending());
+        let on_a = on_a.await.unwrap();
+        assert!(on_a.fell_back.is_none(), "a is free: no fallback");
+        let on_b = shared.admit(for_model("b"), None, std::future::pending());
+        let on_b = on_b.await.unwrap();
+        // Both busy: the next request for a waits, then moves to b's queue.
+        let mut waiting =
+            Box::pin(shared.admit(for_model("a"), Some(&chain), std::future::pending()));
+        enqueue(&mut waiting).await;
+        assert_eq!(shared.snapshot().buffered, 1);
+        tokio::time::sleep(Duration::from_millis(80)).await;
+        enqueue(&mut waiting).await;
+        assert_eq!(shared.snapshot().buffered, 1, "moved, not copied");
+        on_b.lease.release();
+        let moved = waiting.await.unwrap();
+        assert_eq!(moved.fell_back.as_deref(), Some("b"));
+        assert_eq!(moved.lease.addr().port(), 2);
+        let snap = shared.snapshot();
+        assert_eq!((snap.in_flight, snap.buffered), (2, 0));
+        on_a.lease.release();
+        moved.lease.release();
+        // A model with no live endpoint at all falls back at once.
+        shared.deregister("a");
+        let at_once = shared.admit(for_model("a"), Some(&chain), std::future::pending());
+        let at_once = at_once.await.unwrap();
+        assert_eq!(at_once.fell_back.as_deref(), Some("b"));
+        assert_eq!(at_once.waited, Duration::ZERO);
+    }
+
     fn request() -> RequestMeta {
         RequestMeta {
             flow: flowgate::FlowKey::new("t", 0),
@@ -455,11 +633,12 @@ mod tests {
     #[tokio::test]
     async fn a_waiter_dropped_after_its_grant_gives_the_slot_back() {
         let shared = shared_with_one_slot();
-        let (first, _) = shared
-            .admit(request(), std::future::pending())
+        let first = shared
+            .admit(request(), None, std::future::pending())
             .await
-            .unwrap();
-        let mut waiting = Box::pin(shared.admit(request(), std::future::pending()));
+            .unwrap()
+            .lease;
+        let mut waiting = Box::pin(shared.admit(request(), None, std::future::pending()));
         enqueue(&mut waiting).await;
         assert_eq!(shared.snapshot().buffered, 1);
         first.release(); // the grant goes into the waiter's channel
@@ -472,11 +651,12 @@ mod tests {
     #[tokio::test]
     async fn a_waiter_dropped_while_queued_leaves_the_buffer() {
         let shared = shared_with_one_slot();
-        let (first, _) = shared
-            .admit(request(), std::future::pending())
+        let first = shared
+            .admit(request(), None, std::future::pending())
             .await
-            .unwrap();
-        let mut waiting = Box::pin(shared.admit(request(), std::future::pending()));
+            .unwrap()
+            .lease;
+        let mut waiting = Box::pin(shared.admit(request(), None, std::future::pending()));
         enqueue(&mut waiting).await;
         drop(waiting);
         assert_eq!(shared.snapshot().buffered, 0);
@@ -487,11 +667,12 @@ mod tests {
     #[tokio::test]
     async fn a_client_gone_while_queued_takes_nothing() {
         let shared = shared_with_one_slot();
-        let (first, _) = shared
-            .admit(request(), std::future::pending())
+        let first = shared
+            .admit(request(), None, std::future::pending())
             .await
-            .unwrap();
-        let gone = shared.admit(request(), async {}).await;
+            .unwrap()
+            .lease;
+        let gone = shared.admit(request(), None, async {}).await;
         assert_eq!(gone.err(), Some(AdmitError::ClientGone));
         let snap = shared.snapshot();
         assert_eq!((snap.in_flight, snap.buffered), (1, 0));

@@ -211,3 +211,77 @@ fn bad_model_rules_are_refused_at_start() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// A fallback chain: requests for a model whose endpoints are down go to
+/// the fallback at once; requests that waited longer than `after` for a
+/// busy one move to it. Each is counted per (model, fallback) and the
+/// engine gets the fallback's name.
+#[tokio::test]
+async fn fallbacks_take_requests_a_model_cannot() {
+    let dir = TempDir::new("dropin-fallback");
+    let config = dir.path("models.yaml");
+    std::fs::write(
+        &config,
+        "models:\n  fallbacks:\n    model-a: {models: [model-b], after: 300ms}\n",
+    )
+    .unwrap();
+    let b = Balancer::start(&["--config", &config]).await;
+    let a = Sim::start(&["--model", "model-a", "--strict-model", "--slots", "1"]);
+    let sim_b = Sim::start(&["--model", "model-b", "--strict-model", "--slots", "4"]);
+    let agent_a = agent(&a, &b);
+    let _agent_b = agent(&sim_b, &b);
+    b.wait_eligible(2).await;
+    let counted = |reason: &'static str| {
+        let b = &b;
+        async move {
+            metric(
+                b,
+                "flowgate_model_fallbacks_total",
+                &[
+                    ("model", "model-a"),
+                    ("fallback", "model-b"),
+                    ("reason", reason),
+                ],
+            )
+            .await
+        }
+    };
+    assert_eq!(served(&b, Some("model-a")).await, (200, "model-a".into()));
+
+    // model-a's one slot is busy for 3 s: the next request waits 300 ms,
+    // then model-b answers it.
+    let c = client();
+    let slow = {
+        let (c, url) = (c.clone(), b.url("/v1/chat/completions"));
+        tokio::spawn(async move {
+            c.post(url)
+                .header("x-sim-ttft-ms", "3000")
+                .json(&chat_for(Some("model-a"), "slow"))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        })
+    };
+    b.wait_in_flight(1, Duration::from_secs(5)).await;
+    let r = chat_with(&c, &b, &[], chat_for(Some("model-a"), "hi")).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-flowgate-served-model"], "model-b");
+    let waited: u64 = r.headers()["x-flowgate-wait-ms"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((300..3000).contains(&waited), "waited {waited} ms");
+    assert_eq!(counted("waited").await, 1.0);
+    assert_eq!(slow.await.unwrap(), 200);
+
+    // model-a's agent leaves: model-b answers at once.
+    drop(agent_a);
+    b.wait_eligible(1).await;
+    let r = chat_with(&c, &b, &[], chat_for(Some("model-a"), "hi")).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-flowgate-served-model"], "model-b");
+    assert_eq!(r.headers()["x-flowgate-wait-ms"], "0");
+    assert_eq!(counted("unavailable").await, 1.0);
+}

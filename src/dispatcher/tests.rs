@@ -1043,3 +1043,44 @@ fn served_models_are_the_live_agents_names_sorted_once() {
         ["alias", "m"]
     );
 }
+
+#[test]
+fn fallbacks_are_taken_only_while_the_model_has_no_eligible_endpoint() {
+    let mut d = dispatcher(4);
+    let t0 = Instant::now();
+    let chain: Vec<Arc<str>> = vec![Arc::from("b"), Arc::from("c")];
+    // Nothing registered: nowhere to fall back to either.
+    assert_eq!(d.fallback_for("a", &chain, t0), None);
+    let mut c = report("c", "127.0.0.1:3", 1);
+    c.models = vec!["c".into()];
+    d.report(c, t0).unwrap();
+    assert_eq!(d.fallback_for("a", &chain, t0).map(|m| &**m), Some("c"));
+    let mut b = report("b", "127.0.0.1:2", 1);
+    b.models = vec!["b".into()];
+    b.monitoring_interval_ms = 100;
+    d.report(b, t0).unwrap();
+    assert_eq!(
+        d.fallback_for("a", &chain, t0).map(|m| &**m),
+        Some("b"),
+        "in order"
+    );
+    let mut a = report("a", "127.0.0.1:1", 1);
+    a.models = vec!["a".into()];
+    d.report(a, t0).unwrap();
+    // Busy is not down: a request waits for its own model's endpoint.
+    let _busy = ready(d.submit(
+        RequestMeta {
+            route: Route {
+                model: Some(Arc::from("a")),
+                ..Route::default()
+            },
+            ..anon()
+        },
+        "w",
+        t0,
+    ));
+    assert_eq!(d.fallback_for("a", &chain, t0), None);
+    // b goes stale (3 intervals): c is next.
+    let later = t0 + Duration::from_millis(400);
+    assert_eq!(d.first_live(&chain, later).map(|m| &**m), Some("c"));
+}

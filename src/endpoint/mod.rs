@@ -440,6 +440,13 @@ impl EndpointLedger {
             .any(|e| Some(e.addr) != except && e.fits(route) && e.eligible(now))
     }
 
+    /// Whether an eligible endpoint (it may be busy) serves `model`.
+    pub(crate) fn model_live(&self, model: &str, now: Instant) -> bool {
+        self.endpoints
+            .values()
+            .any(|e| e.serves(Some(model)) && e.eligible(now))
+    }
+
     /// Whether requests for `model` are accepted: it is served or was
     /// lately, any endpoint will do (`None`, or an agent listing no models),
     /// or no agent is registered at all (the fleet may be scaling up from

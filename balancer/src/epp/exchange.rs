@@ -327,8 +327,18 @@ impl Exchange {
         let model = request.route.model.as_deref().unwrap_or("").to_string();
         let tx = self.tx.clone();
         let gone = async move { tx.closed().await };
-        let (lease, waited) = match self.epp.shared.admit(request, gone).await {
-            Ok(granted) => granted,
+        let fallback = request
+            .route
+            .model
+            .as_deref()
+            .and_then(|m| self.epp.admission.models.fallback(m));
+        let (lease, waited) = match self.epp.shared.admit(request, fallback, gone).await {
+            Ok(granted) => {
+                if let Some(m) = granted.fell_back {
+                    self.fell_back(m);
+                }
+                (granted.lease, granted.waited)
+            }
             Err(AdmitError::Rejected(r)) => {
                 let served = || self.epp.shared.model_names(&self.epp.admission.models);
                 return self.refuse(Refusal::from_reject(r, &model, served)).await;
@@ -402,6 +412,25 @@ impl Exchange {
         Ok(())
     }
 
+    /// The request goes to fallback model `m`: the engine gets that name
+    /// (where Envoy lets the body change).
+    fn fell_back(&mut self, m: Arc<str>) {
+        if self.rewritable() {
+            if let Some(body) = flowgate::admission::with_model(&self.body, &m) {
+                self.body = body;
+                self.body_rewritten = true;
+            }
+        }
+        self.served_model = Some(m);
+    }
+
+    /// Whether Envoy takes a new body from us: full duplex (we stream it
+    /// back) and buffered (one body answer); in streamed mode the body's
+    /// chunks already went on.
+    fn rewritable(&self) -> bool {
+        matches!(self.request_mode, BodyMode::FullDuplex | BodyMode::Buffered)
+    }
+
     /// What flow control needs to know of the request: the admission step
     /// every door shares (an API key, when keys are on, fixes the tenant
     /// and caps the priority, as at the proxy).
@@ -425,8 +454,10 @@ impl Exchange {
         )?;
         self.streamed = facts.stream;
         self.served_model.clone_from(&facts.resolved.model);
-        let rewritable = matches!(self.request_mode, BodyMode::FullDuplex | BodyMode::Buffered);
-        if let (Some(name), true) = (facts.resolved.rewritten_name(&facts.model), rewritable) {
+        if let (Some(name), true) = (
+            facts.resolved.rewritten_name(&facts.model),
+            self.rewritable(),
+        ) {
             if let Some(rewritten) = flowgate::admission::with_model(&self.body, name) {
                 self.body = rewritten;
                 self.body_rewritten = true;

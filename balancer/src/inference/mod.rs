@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use flowgate::admission::{AdmissionRules, Caller, FlowHeaders, Grant};
+use flowgate::admission::{with_model, AdmissionRules, Caller, FlowHeaders, Grant};
 use flowgate::blame::{self, Verdict};
 use flowgate::{EndpointId, RequestMeta};
 use http::StatusCode;
@@ -117,6 +117,8 @@ pub struct RequestCtx {
     served_model: Option<Arc<str>>,
     /// The body was rewritten (its `model`): its length changed.
     body_rewritten: bool,
+    /// The fallback model it went to instead of its own, if it did.
+    fallback: Option<Arc<str>>,
     /// The request asked for a streamed answer.
     stream: bool,
     /// The request's flow, for the access log.
@@ -165,12 +167,20 @@ impl Inference {
             // it should not while waiting for its answer).
             let _ = session.downstream_session.read_body_or_idle(true).await;
         };
-        match shared.admit(request, client_gone).await {
-            Ok((lease, waited)) => {
-                ctx.upstream = Some(lease.addr());
-                ctx.lease = Some(lease);
-                ctx.waited += waited;
+        let fallback = request
+            .route
+            .model
+            .as_deref()
+            .and_then(|m| self.admission.models.fallback(m));
+        match shared.admit(request, fallback, client_gone).await {
+            Ok(admitted) => {
+                ctx.upstream = Some(admitted.lease.addr());
+                ctx.lease = Some(admitted.lease);
+                ctx.waited += admitted.waited;
                 ctx.upstream_status = None;
+                if let Some(m) = admitted.fell_back {
+                    self.fell_back(ctx, m);
+                }
                 Ok(Ok(()))
             }
             Err(AdmitError::Rejected(r)) => Ok(Err(Refusal::from_reject(r, &ctx.model, || {
@@ -185,6 +195,20 @@ impl Inference {
                 .into_down())
             }
         }
+    }
+
+    /// The request goes to fallback model `m`: the engine gets that name,
+    /// and a retry stays with it.
+    fn fell_back(&self, ctx: &mut RequestCtx, m: Arc<str>) {
+        if let Some(meta) = &mut ctx.meta {
+            meta.route.model = Some(Arc::clone(&m));
+        }
+        if let Some(body) = ctx.body.as_ref().and_then(|b| with_model(b, &m)) {
+            ctx.body = Some(body.into());
+            ctx.body_rewritten = true;
+        }
+        ctx.served_model = Some(Arc::clone(&m));
+        ctx.fallback = Some(m);
     }
 
     /// The one place the balancer answers a request itself.
@@ -259,7 +283,7 @@ impl Inference {
         // The engine gets the name of the model it serves, not an alias.
         let mut body = body;
         if let Some(name) = facts.resolved.rewritten_name(&ctx.model) {
-            if let Some(rewritten) = flowgate::admission::with_model(&body.bytes, name) {
+            if let Some(rewritten) = with_model(&body.bytes, name) {
                 body.bytes = rewritten.into();
                 body.in_retry_buffer = false;
                 ctx.body_rewritten = true;
@@ -267,8 +291,11 @@ impl Inference {
         }
         ctx.fairness_id = facts.meta.flow.fairness_id.to_string();
         ctx.priority = facts.meta.flow.priority;
-        // Keep a second copy only when the retry buffer cannot replay it all.
-        ctx.body = (!body.in_retry_buffer).then_some(body.bytes);
+        // Keep a second copy only when the retry buffer cannot replay it
+        // all, or a fallback may have to rename the model in it.
+        let may_fall_back = (facts.resolved.model.as_deref())
+            .is_some_and(|m| self.admission.models.fallback(m).is_some());
+        ctx.body = (!body.in_retry_buffer || may_fall_back).then_some(body.bytes);
         if kind == Some(RouteKind::Slotless) {
             // No slot, no queue, no retry: a live server of the model
             // answers it at once.
@@ -342,6 +369,7 @@ impl ProxyHttp for Inference {
             model: String::new(),
             served_model: None,
             body_rewritten: false,
+            fallback: None,
             stream: false,
             fairness_id: String::new(),
             priority: 0,
@@ -702,6 +730,7 @@ impl ProxyHttp for Inference {
             path = session.req_header().uri.path(),
             model = ctx.model.as_str(),
             served_model = ctx.served_model.as_deref().unwrap_or(""),
+            fallback = ctx.fallback.as_deref().unwrap_or(""),
             fairness_id = ctx.fairness_id.as_str(),
             priority = ctx.priority,
             status,

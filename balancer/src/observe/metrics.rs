@@ -44,6 +44,8 @@ pub struct Metrics {
     upstream_errors: IntCounterVec,
     /// Requests sent again to another endpoint, by what failed.
     upstream_retries: IntCounterVec,
+    /// Requests sent to a fallback model (names from the config only).
+    model_fallbacks: IntCounterVec,
     /// How waits in flow control ended.
     pub flow: FlowMetrics,
     /// The buffer, flows and endpoints.
@@ -150,6 +152,18 @@ impl Metrics {
                     &["kind"],
                 ),
             ),
+            model_fallbacks: register(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "flowgate_model_fallbacks_total",
+                        "Requests sent to a fallback model of the one they asked for, by model, \
+                     fallback and why (unavailable: no live endpoint; waited: longer than the \
+                     chain's `after`)",
+                    ),
+                    &["model", "fallback", "reason"],
+                ),
+            ),
             upstream_retries: register(
                 &registry,
                 IntCounterVec::new(
@@ -228,6 +242,14 @@ impl Metrics {
                 .with_label_values(&[model, "completion"])
                 .inc_by(u.completion_tokens);
         }
+    }
+
+    /// Counts a request sent to `fallback` instead of `model`. Both names
+    /// come from the operator's fallback chains, so the series are bounded.
+    pub fn fallback(&self, model: &str, fallback: &str, reason: &str) {
+        self.model_fallbacks
+            .with_label_values(&[model, fallback, reason])
+            .inc();
     }
 
     pub fn upstream_retry(&self, reason: &str) {

@@ -198,6 +198,22 @@ impl<T> Dispatcher<T> {
         &self.config
     }
 
+    /// Applies a reloaded configuration: limits, policies, TTLs,
+    /// saturation thresholds and scheduling weights. Nothing queued or in
+    /// flight is dropped ([`FlowQueues::reconfigure`]).
+    pub fn reconfigure(&mut self, config: DispatcherConfig) {
+        self.queues.reconfigure(config.flow.clone());
+        self.ledger
+            .reconfigure(config.saturation, config.scheduling);
+        self.config = DispatcherConfig {
+            scheduling: SchedulingConfig {
+                seed: self.config.scheduling.seed,
+                ..config.scheduling
+            },
+            ..config
+        };
+    }
+
     /// The deadline a request gets: its own TTL cut to the maximum, or the
     /// default.
     pub fn ttl(&self, asked: Option<Duration>) -> Duration {

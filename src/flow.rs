@@ -273,6 +273,14 @@ pub struct FlowQueues<T> {
 }
 
 impl<T> FlowQueues<T> {
+    /// New limits and policies (a config reload). Nothing queued is
+    /// dropped: limits hold for the next request; a band's fairness policy
+    /// changes once it has emptied, its ordering policy for requests queued
+    /// from now on.
+    pub fn reconfigure(&mut self, config: FlowControlConfig) {
+        self.config = config;
+    }
+
     pub fn new(config: FlowControlConfig) -> Self {
         FlowQueues {
             config,

@@ -455,6 +455,13 @@ impl FleetGate {
         self.timers.notified().await;
     }
 
+    /// Applies a reloaded configuration (see
+    /// [`flowgate::Dispatcher::reconfigure`]); a raised limit may let
+    /// queued requests go at once.
+    pub fn reconfigure(self: &Arc<Self>, config: DispatcherConfig) {
+        self.with_dispatch(|d| d.reconfigure(config));
+    }
+
     /// Buffered and in-flight counts, and a view of every endpoint.
     pub fn snapshot(&self) -> Snapshot {
         self.lock().snapshot(Instant::now())

@@ -12,7 +12,9 @@ mod inference;
 mod limits;
 mod management;
 mod observe;
+mod reload;
 mod reply;
+mod rules;
 mod scaleup;
 mod serve_until_exit;
 mod tls;
@@ -62,7 +64,8 @@ impl pingora_core::services::background::BackgroundService for EppService {
 }
 
 fn main() -> ExitCode {
-    let settings = match Settings::from_cli(Cli::parse()) {
+    let cli = Cli::parse();
+    let settings = match Settings::from_cli(cli.clone()) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("balancer: {e}");
@@ -108,6 +111,7 @@ fn main() -> ExitCode {
     server.bootstrap();
 
     let shared = FleetGate::new(settings.dispatcher.clone());
+    let rules = rules::LiveRules::new(settings.door_rules());
     let scale_up = match &settings.scale_up_webhook {
         Some((url, interval)) => {
             match scaleup::ScaleUpWebhook::new(url.clone(), *interval, &shared.metrics) {
@@ -140,11 +144,10 @@ fn main() -> ExitCode {
                 max_bytes: settings.max_request_bytes,
                 timeout: settings.client_limits.body_timeout,
             },
-            admission: settings.admission(),
+            rules: Arc::clone(&rules),
             connect_timeout: settings.upstream_connect_timeout,
             retry_after: Duration::from_secs(1),
             retries: settings.retries,
-            api_keys: settings.api_keys.clone(),
             request_ids: inference::RequestIds::new(),
             async_queue: async_queue.clone(),
         },
@@ -194,6 +197,15 @@ fn main() -> ExitCode {
     server.add_service(inference);
     server.add_service(management);
     server.add_service(housekeeping);
+    server.add_service(background_service(
+        "config reload",
+        reload::Reload::new(
+            cli,
+            settings.clone(),
+            Arc::clone(&rules),
+            Arc::clone(&shared),
+        ),
+    ));
     if let Some(queue) = async_queue {
         server.add_service(background_service(
             "async dispatcher",
@@ -206,8 +218,7 @@ fn main() -> ExitCode {
     if let Some(addr) = settings.epp_addr {
         let epp = Arc::new(epp::Epp {
             shared: Arc::clone(&shared),
-            admission: settings.admission(),
-            api_keys: settings.api_keys.clone(),
+            rules: Arc::clone(&rules),
             max_request_bytes: settings.max_request_bytes,
             retry_after: Duration::from_secs(1),
             decisions: epp::decisions_metric(&shared.metrics),

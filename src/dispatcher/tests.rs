@@ -1084,3 +1084,28 @@ fn fallbacks_are_taken_only_while_the_model_has_no_eligible_endpoint() {
     let later = t0 + Duration::from_millis(400);
     assert_eq!(d.first_live(&chain, later).map(|m| &**m), Some("c"));
 }
+
+#[test]
+fn a_reload_changes_limits_for_new_requests_and_drops_nothing() {
+    let mut d = dispatcher(4);
+    let t0 = Instant::now();
+    d.report(report("a", "127.0.0.1:1", 1), t0).unwrap();
+    let lease = ready(d.submit(anon(), "first", t0));
+    for w in ["w1", "w2", "w3"] {
+        queued(d.submit(anon(), w, t0));
+    }
+    let mut smaller = d.config().clone();
+    smaller.flow.max_requests = 2;
+    d.reconfigure(smaller);
+    assert_eq!(d.buffered(), 3, "nothing queued is dropped");
+    assert_eq!(rejected(d.submit(anon(), "w4", t0)), Reject::BufferFull);
+    let mut larger = d.config().clone();
+    larger.flow.max_requests = 10;
+    d.reconfigure(larger);
+    queued(d.submit(anon(), "w4", t0));
+    d.release(lease);
+    let done = d.dispatch(t0);
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].waiter, "w1", "in order as before");
+    d.release(done.into_iter().next().unwrap().result.unwrap());
+}

@@ -241,6 +241,21 @@ impl EndpointLedger {
         }
     }
 
+    /// New saturation thresholds and scheduling weights (a config reload).
+    /// The tie-breaker keeps its sequence; a new prefix-index size holds
+    /// for endpoints registered from now on.
+    pub(crate) fn reconfigure(
+        &mut self,
+        saturation: SaturationConfig,
+        scheduling: SchedulingConfig,
+    ) {
+        self.saturation = saturation;
+        self.scheduling = SchedulingConfig {
+            seed: self.scheduling.seed,
+            ..scheduling
+        };
+    }
+
     /// Refuses a report that would grow the registry past its bounds: a new
     /// agent beyond [`MAX_AGENTS`], a new model name beyond
     /// [`MAX_MODEL_NAMES`].

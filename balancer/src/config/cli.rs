@@ -13,7 +13,7 @@ use flowgate_logging::LogFormat;
 
 /// Flowgate balancer: an OpenAI-compatible reverse proxy that holds requests
 /// in a buffer until a model server reported by an agent has a free slot.
-#[derive(Debug, Parser)]
+#[derive(Debug, Clone, Parser)]
 #[command(name = "balancer", version, about, long_about = None)]
 pub struct Cli {
     /// YAML file with any of the settings below (camelCase keys, e.g.

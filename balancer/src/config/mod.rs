@@ -117,6 +117,14 @@ impl Settings {
         }
     }
 
+    /// The doors' rules: API keys and admission.
+    pub fn door_rules(&self) -> crate::rules::DoorRules {
+        crate::rules::DoorRules {
+            admission: self.admission(),
+            api_keys: self.api_keys.clone(),
+        }
+    }
+
     /// Loads the config file named by `cli` (if any) and merges.
     pub fn from_cli(cli: Cli) -> Result<Self, SettingsError> {
         let file = match &cli.config {

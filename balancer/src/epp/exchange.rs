@@ -22,6 +22,7 @@ use tracing::{debug, info};
 use crate::gate::{AdmitError, LeaseGuard};
 use crate::inference::SERVED_MODEL_HEADER;
 use crate::reply::{Answer, Refusal};
+use crate::rules::DoorRules;
 use flowgate::blame::{self, Verdict};
 
 /// Request header (and `envoy.lb` metadata key) naming the chosen endpoint.
@@ -84,6 +85,8 @@ impl BodyMode {
 /// One `Process` stream: one HTTP request through Envoy.
 pub(super) struct Exchange {
     epp: Arc<Epp>,
+    /// The rules as they were when the request arrived.
+    rules: Arc<DoorRules>,
     tx: mpsc::Sender<Reply>,
     request_mode: BodyMode,
     response_mode: BodyMode,
@@ -111,6 +114,7 @@ pub(super) struct Exchange {
 impl Exchange {
     pub(super) fn new(epp: Arc<Epp>, tx: mpsc::Sender<Reply>) -> Self {
         Exchange {
+            rules: epp.rules.get(),
             epp,
             tx,
             // Until Envoy says otherwise (protocol_config).
@@ -331,7 +335,7 @@ impl Exchange {
             .route
             .model
             .as_deref()
-            .and_then(|m| self.epp.admission.models.fallback(m));
+            .and_then(|m| self.rules.admission.models.fallback(m));
         let (lease, waited) = match self.epp.shared.admit(request, fallback, gone).await {
             Ok(granted) => {
                 if let Some(m) = granted.fell_back {
@@ -340,7 +344,7 @@ impl Exchange {
                 (granted.lease, granted.waited)
             }
             Err(AdmitError::Rejected(r)) => {
-                let served = || self.epp.shared.model_names(&self.epp.admission.models);
+                let served = || self.epp.shared.model_names(&self.rules.admission.models);
                 return self.refuse(Refusal::from_reject(r, &model, served)).await;
             }
             Err(AdmitError::ClientGone) => {
@@ -435,7 +439,7 @@ impl Exchange {
     /// every door shares (an API key, when keys are on, fixes the tenant
     /// and caps the priority, as at the proxy).
     fn request_meta(&mut self) -> Result<RequestMeta, Refusal> {
-        let grant = match &self.epp.api_keys {
+        let grant = match &self.rules.api_keys {
             Some(keys) => Some(
                 keys.authenticate(self.headers.get(AUTHORIZATION))
                     .map_err(Refusal::unauthorized)?
@@ -446,7 +450,7 @@ impl Exchange {
         let caller = grant.as_ref().map_or(Caller::Anonymous, Caller::Key);
         let body = (!self.body.is_empty()).then_some(self.body.as_slice());
         let headers = &self.headers;
-        let facts = self.epp.admission.inference(
+        let facts = self.rules.admission.inference(
             FlowHeaders::read(|name| headers.get(name)),
             body,
             caller,

@@ -38,16 +38,15 @@ mod wire;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use crate::rules::LiveRules;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
-use flowgate::admission::AdmissionRules;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::auth::ApiKeys;
 use crate::gate::FleetGate;
 
 /// Request header (and `envoy.lb` metadata key) naming the chosen endpoint.
@@ -72,11 +71,10 @@ const HEALTH_NAMES: [&str; 3] = [
 /// The EPP gRPC service, sharing the proxy's state.
 pub struct Epp {
     pub shared: Arc<FleetGate>,
-    /// How a request's facts are read (the same rules at every door).
-    pub admission: AdmissionRules,
-    /// When set, every request needs one of these keys (in
-    /// `authorization`, as Envoy passes it on).
-    pub api_keys: Option<Arc<ApiKeys>>,
+    /// API keys (in `authorization`, as Envoy passes it on) and how a
+    /// request's facts are read: the same rules as at the proxy, reloaded
+    /// on SIGHUP.
+    pub rules: Arc<LiveRules>,
     pub max_request_bytes: usize,
     pub retry_after: std::time::Duration,
     /// `flowgate_epp_requests_total`: `picked`, or why the request was

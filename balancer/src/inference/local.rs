@@ -47,7 +47,7 @@ pub(super) async fn route(
         };
         let async_door = AsyncDoor {
             queue,
-            admission: &door.admission,
+            admission: &ctx.rules.admission,
             body: door.body_limits,
             metrics: &door.shared.metrics,
             grant: ctx.grant.as_ref(),
@@ -83,7 +83,9 @@ pub(super) async fn route(
             }
         }
         "/health" => not_allowed("GET"),
-        "/v1/models" if method == Method::GET => Answer::json(StatusCode::OK, models_body(door)),
+        "/v1/models" if method == Method::GET => {
+            Answer::json(StatusCode::OK, models_body(door, ctx))
+        }
         "/v1/models" => not_allowed("GET"),
         _ if kind.is_some() => not_allowed("POST"),
         _ => Answer::json(
@@ -100,10 +102,10 @@ pub(super) async fn route(
 
 /// `/v1/models`: every model (and alias) a live endpoint serves, and the
 /// names of the operator's model rules.
-fn models_body(door: &Inference) -> Vec<u8> {
+fn models_body(door: &Inference, ctx: &RequestCtx) -> Vec<u8> {
     let data: Vec<serde_json::Value> = door
         .shared
-        .model_names(&door.admission.models)
+        .model_names(&ctx.rules.admission.models)
         .into_iter()
         .map(|id| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "flowgate"}))
         .collect();

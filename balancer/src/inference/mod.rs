@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use flowgate::admission::{with_model, AdmissionRules, Caller, FlowHeaders, Grant};
+use flowgate::admission::{with_model, Caller, FlowHeaders, Grant};
 use flowgate::blame::{self, Verdict};
 use flowgate::{EndpointId, RequestMeta};
 use http::StatusCode;
@@ -53,11 +53,11 @@ pub use request_id::RequestIds;
 pub(crate) use routes::RouteKind;
 
 use crate::asyncq::{self, AsyncQueue};
-use crate::auth::ApiKeys;
 use crate::gate::{ActiveRequest, AdmitError, FleetGate, LeaseGuard};
 use crate::limits;
 use crate::observe::meter::ResponseMeter;
 use crate::reply::{Answer, Refusal, REQUEST_ID_HEADER};
+use crate::rules::{DoorRules, LiveRules};
 
 /// Response header: milliseconds the request waited for an endpoint.
 const WAIT_HEADER: &str = "x-flowgate-wait-ms";
@@ -75,14 +75,13 @@ pub struct Inference {
     pub body_limits: BodyLimits,
     /// The async path, when on.
     pub async_queue: Option<Arc<AsyncQueue>>,
-    /// How a request's facts are read (the same rules at every door).
-    pub admission: AdmissionRules,
+    /// API keys and how a request's facts are read (the same rules at
+    /// every door), reloaded on SIGHUP.
+    pub rules: Arc<LiveRules>,
     pub connect_timeout: Duration,
     pub retry_after: Duration,
     /// Attempts on other endpoints after a failure before the first byte.
     pub retries: u32,
-    /// When set, every route but `/health` needs one of these keys.
-    pub api_keys: Option<Arc<ApiKeys>>,
     /// Generates request ids.
     pub request_ids: RequestIds,
 }
@@ -145,6 +144,8 @@ pub struct RequestCtx {
     request_id_given: bool,
     /// What the request's API key grants, when keys are required.
     pub(crate) grant: Option<Grant>,
+    /// The rules as they were when the request arrived.
+    pub(crate) rules: Arc<DoorRules>,
     /// Timing and usage of the answer as it passes.
     meter: ResponseMeter,
     /// Counts the request as under way until the context is dropped.
@@ -171,7 +172,7 @@ impl Inference {
             .route
             .model
             .as_deref()
-            .and_then(|m| self.admission.models.fallback(m));
+            .and_then(|m| ctx.rules.admission.models.fallback(m));
         match shared.admit(request, fallback, client_gone).await {
             Ok(admitted) => {
                 ctx.upstream = Some(admitted.lease.addr());
@@ -184,7 +185,7 @@ impl Inference {
                 Ok(Ok(()))
             }
             Err(AdmitError::Rejected(r)) => Ok(Err(Refusal::from_reject(r, &ctx.model, || {
-                shared.model_names(&self.admission.models)
+                shared.model_names(&ctx.rules.admission.models)
             }))),
             Err(AdmitError::ClientGone) => {
                 ctx.reason = "client-gone";
@@ -237,7 +238,7 @@ impl Inference {
         let from_dispatcher = self.async_queue.as_ref().is_some_and(|q| {
             q.is_dispatcher(req.headers.get(asyncq::TOKEN_HEADER).map(|v| v.as_bytes()))
         });
-        if let (Some(keys), false) = (&self.api_keys, from_dispatcher) {
+        if let (Some(keys), false) = (&ctx.rules.api_keys, from_dispatcher) {
             if req.uri.path() != "/health" {
                 let authorization = req.headers.get(http::header::AUTHORIZATION);
                 match keys.authenticate(authorization.map(|v| v.as_bytes())) {
@@ -264,7 +265,7 @@ impl Inference {
             (None, _) => Caller::Anonymous,
         };
         let headers = &session.req_header().headers;
-        let facts = self.admission.inference(
+        let facts = ctx.rules.admission.inference(
             FlowHeaders::read(|name| headers.get(name).map(|v| v.as_bytes())),
             Some(&body.bytes),
             caller,
@@ -294,7 +295,7 @@ impl Inference {
         // Keep a second copy only when the retry buffer cannot replay it
         // all, or a fallback may have to rename the model in it.
         let may_fall_back = (facts.resolved.model.as_deref())
-            .is_some_and(|m| self.admission.models.fallback(m).is_some());
+            .is_some_and(|m| ctx.rules.admission.models.fallback(m).is_some());
         ctx.body = (!body.in_retry_buffer || may_fall_back).then_some(body.bytes);
         if kind == Some(RouteKind::Slotless) {
             // No slot, no queue, no retry: a live server of the model
@@ -305,7 +306,7 @@ impl Inference {
                     Ok(Step::Proxy)
                 }
                 Err(r) => Err(Refusal::from_reject(r, &ctx.model, || {
-                    self.shared.model_names(&self.admission.models)
+                    self.shared.model_names(&ctx.rules.admission.models)
                 })),
             });
         }
@@ -383,6 +384,7 @@ impl ProxyHttp for Inference {
             request_id: String::new(),
             request_id_given: false,
             grant: None,
+            rules: self.rules.get(),
             meter: ResponseMeter::default(),
             active: None,
         }
@@ -450,7 +452,7 @@ impl ProxyHttp for Inference {
         // The balancer already answered `100 Continue` and holds the body.
         upstream_request.remove_header(&http::header::EXPECT);
         // The key was the balancer's; the model server has its own.
-        if self.api_keys.is_some() {
+        if ctx.rules.api_keys.is_some() {
             upstream_request.remove_header(&http::header::AUTHORIZATION);
         }
         if self.async_queue.is_some() {

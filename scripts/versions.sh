@@ -5,6 +5,8 @@ SMOLLM2_VERSION=0.1.2
 MODEL_FILE=SmolLM2-135M-Instruct.Q4_1.gguf
 # The official OpenAI Python client, for the Batch API test.
 OPENAI_PY_VERSION=3.54.0
+# The official Anthropic Python client, for the drop-in test (llamacpp.rs).
+ANTHROPIC_PY_VERSION=2.12.0
 
 FLOWGATE_CACHE=${FLOWGATE_CACHE:-$HOME/.cache/flowgate}
 LLAMA_DIR=$FLOWGATE_CACHE/llama-server-$LLAMA_CPP_PYTHON_VERSION

@@ -33,6 +33,11 @@ struct Llama {
 impl Llama {
     /// Starts llama-server with `slots` parallel slots, one thread.
     async fn start(slots: u32) -> Llama {
+        Self::start_with(slots, &[]).await
+    }
+
+    /// [`Llama::start`] with more llama-server arguments.
+    async fn start_with(slots: u32, extra: &[&str]) -> Llama {
         let port = free_port();
         let args: Vec<String> = [
             "-m",
@@ -50,6 +55,7 @@ impl Llama {
             "1",
         ]
         .iter()
+        .chain(extra)
         .map(|s| s.to_string())
         .collect();
         let child = std::process::Command::new(required_path("FLOWGATE_LLAMA_SERVER"))
@@ -529,4 +535,90 @@ async fn real_llama_server_routes_answer_through_flowgate_as_directly() {
     );
     assert_eq!(b.in_flight().await, 1, "tokenizing took no slot");
     assert_eq!(long.await.unwrap(), 200);
+}
+
+/// Runs `integration-tests/scripts/dropin_clients.py` (the official
+/// `openai` and `anthropic` clients) against `base`; its JSON report.
+async fn python_clients(base: String, model: String, embedding_base: String) -> Value {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/dropin_clients.py");
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("python3")
+            .arg(script)
+            .args([&base, &model, &embedding_base, "smollm-embed"])
+            .output()
+            .expect("python3")
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "the official clients failed (scripts/test installs openai and anthropic):\n{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("the script's JSON")
+}
+
+/// What the official `openai` (chat, streamed chat with usage, responses,
+/// streamed responses, embeddings) and `anthropic` (messages, streamed
+/// messages, count_tokens) Python clients see through Flowgate is what
+/// they see from llama-server directly — with the served model's id, with
+/// a balancer alias, and with any name under `--default-model`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn official_python_clients_see_through_flowgate_what_they_see_directly() {
+    let chat = Llama::start(2).await;
+    let embed = Llama::start_with(
+        1,
+        &[
+            "--embeddings",
+            "--pooling",
+            "mean",
+            "--alias",
+            "smollm-embed",
+        ],
+    )
+    .await;
+    let models = get_json(&format!("http://{}/v1/models", chat.addr)).await;
+    let model = models["data"][0]["id"].as_str().unwrap().to_string();
+    let b = Balancer::start(&[
+        "--model-alias",
+        &format!("gpt-4o-mini={model}"),
+        "--default-model",
+        &model,
+    ])
+    .await;
+    let _a1 = agent_at(&chat.addr, &b, &[]);
+    let _a2 = agent_at(&embed.addr, &b, &[]);
+    b.wait_eligible(2).await;
+
+    let direct = python_clients(
+        format!("http://{}", chat.addr),
+        model.clone(),
+        format!("http://{}", embed.addr),
+    )
+    .await;
+    assert_eq!(direct["served_model"], Value::Null);
+    assert_eq!(
+        direct["responses_stream"]["first"], "response.created",
+        "{direct}"
+    );
+    assert_eq!(
+        direct["responses_stream"]["last"], "response.completed",
+        "{direct}"
+    );
+    assert_eq!(
+        direct["messages_stream"]["first"], "message_start",
+        "{direct}"
+    );
+    assert_eq!(
+        direct["messages_stream"]["last"], "message_stop",
+        "{direct}"
+    );
+    let via = format!("http://{}", b.inference);
+    for name in [model.as_str(), "gpt-4o-mini", "a-hard-coded-name"] {
+        let mut seen = python_clients(via.clone(), name.to_string(), via.clone()).await;
+        assert_eq!(seen["served_model"], model.as_str(), "{name}: {seen}");
+        seen["served_model"] = Value::Null;
+        assert_eq!(seen, direct, "{name}: through Flowgate vs directly");
+    }
 }

@@ -1,0 +1,109 @@
+"""The official `openai` and `anthropic` Python clients (PyPI) against one
+server: llama-server directly, or Flowgate in front of it.
+
+    python3 dropin_clients.py BASE_URL MODEL EMBEDDING_BASE_URL EMBEDDING_MODEL
+
+(directly, embeddings come from a second llama-server started with
+`--embeddings`; through Flowgate both are behind one base URL.)
+
+Prints one JSON object: for each call, what a user of the client sees
+(types, event names, whether text and usage came back), so that the answers
+of two servers compare equal when a client cannot tell them apart, and the
+`x-flowgate-served-model` header of a chat when there is one. A call that
+raises fails the script (exit 1) with the client's error.
+"""
+
+import json
+import sys
+
+import anthropic
+from openai import OpenAI
+
+PROMPT = [{"role": "user", "content": "Say hi."}]
+
+
+def openai_calls(base, model, embedding_base, embedding_model):
+    client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    out = {}
+    raw = client.chat.completions.with_raw_response.create(
+        model=model, messages=PROMPT, max_tokens=8, temperature=0
+    )
+    chat = raw.parse()
+    out["served_model"] = raw.headers.get("x-flowgate-served-model")
+    out["chat"] = {
+        "object": chat.object,
+        "text": bool(chat.choices[0].message.content),
+        "usage": chat.usage.completion_tokens > 0,
+    }
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=PROMPT,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    out["chat_stream"] = {
+        "object": chunks[0].object,
+        "several": len(chunks) > 2,
+        "usage_last": chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0,
+    }
+    response = client.responses.create(model=model, input="Say hi.", max_output_tokens=8)
+    out["responses"] = {
+        "object": response.object,
+        "status": response.status,
+        "text": bool(response.output_text),
+    }
+    events = [
+        e.type
+        for e in client.responses.create(
+            model=model, input="Say hi.", max_output_tokens=8, stream=True
+        )
+    ]
+    out["responses_stream"] = {
+        "first": events[0],
+        "last": events[-1],
+        "deltas": "response.output_text.delta" in events,
+    }
+    embedder = OpenAI(base_url=embedding_base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    embedding = embedder.embeddings.create(model=embedding_model, input="hello")
+    out["embeddings"] = {
+        "object": embedding.object,
+        "dims": len(embedding.data[0].embedding) > 0,
+    }
+    return out
+
+
+def anthropic_calls(base, model):
+    client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=60)
+    out = {}
+    message = client.messages.create(model=model, max_tokens=8, messages=PROMPT)
+    out["messages"] = {
+        "type": message.type,
+        "role": message.role,
+        "text": any(block.type == "text" and block.text for block in message.content),
+    }
+    events = [
+        e.type
+        for e in client.messages.create(model=model, max_tokens=8, messages=PROMPT, stream=True)
+    ]
+    out["messages_stream"] = {
+        "first": events[0],
+        "last": events[-1],
+        "deltas": "content_block_delta" in events,
+    }
+    counted = client.messages.count_tokens(model=model, messages=PROMPT)
+    out["count_tokens"] = counted.input_tokens > 0
+    return out
+
+
+def main():
+    base, model, embedding_base, embedding_model = sys.argv[1:5]
+    report = openai_calls(base, model, embedding_base, embedding_model)
+    report.update(anthropic_calls(base, model))
+    print(json.dumps(report, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

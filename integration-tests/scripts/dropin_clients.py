@@ -46,6 +46,7 @@ def openai_calls(base, model, embedding_base, embedding_model):
     )
     out["chat_stream"] = {
         "object": chunks[0].object,
+        "text": any(c.choices and c.choices[0].delta.content for c in chunks),
         "several": len(chunks) > 2,
         "usage_last": chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0,
     }
@@ -54,18 +55,14 @@ def openai_calls(base, model, embedding_base, embedding_model):
         "object": response.object,
         "status": response.status,
         "text": bool(response.output_text),
+        "usage": response.usage is not None and response.usage.total_tokens > 0,
     }
-    events = [
-        e.type
-        for e in client.responses.create(
-            model=model, input="Say hi.", max_output_tokens=8, stream=True
-        )
-    ]
-    out["responses_stream"] = {
-        "first": events[0],
-        "last": events[-1],
-        "deltas": "response.output_text.delta" in events,
-    }
+    events, text = [], ""
+    for e in client.responses.create(model=model, input="Say hi.", max_output_tokens=8, stream=True):
+        events.append(e.type)
+        if e.type == "response.output_text.delta":
+            text += e.delta
+    out["responses_stream"] = {"first": events[0], "last": events[-1], "text": bool(text)}
     embedder = OpenAI(base_url=embedding_base + "/v1", api_key="unused", max_retries=0, timeout=60)
     embedding = embedder.embeddings.create(model=embedding_model, input="hello")
     out["embeddings"] = {

@@ -21,6 +21,7 @@
 //!   headers.
 //! - [`models`]: which served model a requested name goes to (aliases,
 //!   weighted rewrites, a default model, fallback chains).
+//! - [`multipart`]: `multipart/form-data` bodies (uploads, audio requests).
 //! - [`openai`]: OpenAI-style error bodies shared by the binaries.
 
 pub mod admission;
@@ -31,6 +32,7 @@ pub mod duration;
 pub mod endpoint;
 pub mod flow;
 pub mod models;
+pub mod multipart;
 pub mod openai;
 pub mod prefix;
 pub mod protocol;

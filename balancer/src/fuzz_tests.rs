@@ -164,6 +164,7 @@ proptest! {
             objective: objective.as_deref(),
             priority: priority.as_deref(),
             ttl: ttl.as_deref(),
+            content_type: None,
         };
         if let Ok((flow, _)) = settings.admission().flow(headers, &model, Caller::Anonymous) {
             prop_assert!(flowgate::flow::valid_fairness_id(&flow.fairness_id));

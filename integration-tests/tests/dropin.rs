@@ -285,3 +285,37 @@ async fn fallbacks_take_requests_a_model_cannot() {
     assert_eq!(r.headers()["x-flowgate-wait-ms"], "0");
     assert_eq!(counted("unavailable").await, 1.0);
 }
+
+/// `/v1/audio/transcriptions` (vLLM's, a `multipart/form-data` body) from
+/// the official `openai` client: its form's `model` follows the model rules
+/// like a JSON body's, renamed for an engine that checks it.
+#[tokio::test]
+async fn audio_transcriptions_are_forms_under_the_same_model_rules() {
+    let (b, _sim, _agent) = fleet(
+        &["--model-alias", "whisper-1=whisper-large"],
+        &["--model", "whisper-large", "--strict-model"],
+    )
+    .await;
+    let script = "import sys\nfrom openai import OpenAI, NotFoundError\n\
+        c = OpenAI(base_url=sys.argv[1], api_key='unused', max_retries=0)\n\
+        r = c.audio.transcriptions.with_raw_response.create(model='whisper-1', file=('a.wav', b'RIFF' * 1000))\n\
+        print(r.headers.get('x-flowgate-served-model'), r.parse().text)\n\
+        try:\n    c.audio.transcriptions.create(model='whisper-9', file=('a.wav', b'RIFF'))\n\
+        except NotFoundError as e:\n    print('404', 'whisper-1' in str(e))\n";
+    let base = b.url("/v1");
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("python3")
+            .args(["-c", script, &base])
+            .output()
+            .expect("python3")
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout, "whisper-large simulated transcript\n404 True\n");
+}

@@ -15,8 +15,9 @@ use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata}
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    body_mutation, processing_request, processing_response, CommonResponse, HttpBody, HttpHeaders,
-    HttpTrailers, ImmediateResponse, ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
+    body_mutation, processing_request, processing_response, CommonResponse, HeaderMutation,
+    HttpBody, HttpHeaders, HttpTrailers, ImmediateResponse, ProcessingRequest, ProcessingResponse,
+    ProtocolConfiguration,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value as PbValue};
 use serde_json::Value;
@@ -744,4 +745,86 @@ async fn with_api_keys_envoy_requests_need_a_key_as_at_the_proxy() {
         .await;
     assert_eq!(destination(&placed), sim.addr);
     x.respond(200, b"{}").await;
+}
+
+/// The set headers of a header mutation, by name.
+fn set_headers(m: Option<&HeaderMutation>) -> HashMap<String, String> {
+    m.map(|m| m.set_headers.clone())
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|h| h.header)
+        .map(|h| (h.key, String::from_utf8(h.raw_value).unwrap()))
+        .collect()
+}
+
+/// The model rules hold behind Envoy as at the proxy: an alias reaches an
+/// engine that checks names under the served name — the body streamed back
+/// renamed (full duplex, with its new length) or replaced (buffered) — and
+/// the response says which model served it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn model_aliases_rename_the_body_envoy_sends_on() {
+    let epp = Epp::start(&["--model-alias", "gpt-4o-mini=m"]).await;
+    let sim = Sim::start(&["--model", "m", "--strict-model", "--slots", "2"]);
+    let _a = agent(&sim, &epp.b);
+    epp.b.wait_eligible(1).await;
+    let asked = chat_for(Some("gpt-4o-mini"), "hi");
+    let mut sent = asked.clone();
+    sent["model"] = "m".into();
+
+    // Full duplex: the new length with the destination, the body after.
+    let mut x = epp.open().await;
+    let mut headers = request_headers(&[], false);
+    let full_duplex = BodySendMode::FullDuplexStreamed as i32;
+    headers.protocol_config = Some(ProtocolConfiguration {
+        request_body_mode: full_duplex,
+        response_body_mode: BodySendMode::None as i32,
+        ..ProtocolConfiguration::default()
+    });
+    x.send(headers).await;
+    x.send(body_message(asked.to_string().into_bytes(), true))
+        .await;
+    let first = x.recv_full().await;
+    assert_eq!(destination(&first), sim.addr);
+    let set = set_headers(common_of(&first).header_mutation.as_ref());
+    let processing_response::Response::RequestBody(b) = x.recv().await else {
+        panic!("expected the body streamed back");
+    };
+    let Some(body_mutation::Mutation::StreamedResponse(chunk)) =
+        b.response.unwrap().body_mutation.unwrap().mutation
+    else {
+        panic!("expected a streamed body chunk");
+    };
+    let body: Value = serde_json::from_slice(&chunk.body).unwrap();
+    assert_eq!(body, sent);
+    assert_eq!(set["content-length"], chunk.body.len().to_string());
+    assert_eq!(forward(sim.addr, &body).await.0, 200, "the engine takes it");
+    x.send(response_headers(200, true)).await;
+    let processing_response::Response::ResponseHeaders(h) = x.recv().await else {
+        panic!("expected the response headers' answer");
+    };
+    let set = set_headers(h.response.and_then(|c| c.header_mutation).as_ref());
+    assert_eq!(set["x-flowgate-served-model"], "m");
+
+    // Buffered: the whole new body in the body's answer.
+    let mut y = epp.open().await;
+    y.send(request_headers(&[], false)).await;
+    y.recv().await;
+    y.send(body_message(asked.to_string().into_bytes(), true))
+        .await;
+    let answer = y.recv_full().await;
+    assert_eq!(destination(&answer), sim.addr);
+    let Some(body_mutation::Mutation::Body(replaced)) = common_of(&answer)
+        .body_mutation
+        .clone()
+        .and_then(|m| m.mutation)
+    else {
+        panic!("expected the body replaced: {answer:?}");
+    };
+    assert_eq!(serde_json::from_slice::<Value>(&replaced).unwrap(), sent);
+    y.send(response_headers(200, true)).await;
+    y.recv().await;
+    epp.b.wait_in_flight(0, PROMPTLY).await;
+    // Without the alias the engine refuses the name: the rename is what
+    // made it pass.
+    assert_eq!(forward(sim.addr, &asked).await.0, 404);
 }

@@ -102,6 +102,47 @@ pub fn body_facts(body: &[u8], prefix: &PrefixConfig) -> Result<BodyFacts, Strin
     })
 }
 
+/// The facts of a `multipart/form-data` body (the audio routes): its text
+/// fields `model`, `stream` and `prompt` (the transcription's prompt, for
+/// prefix affinity).
+pub fn form_facts(
+    content_type: &str,
+    body: &[u8],
+    prefix: &PrefixConfig,
+) -> Result<BodyFacts, String> {
+    let parts = crate::multipart::parse_multipart(content_type, body)?;
+    let field = |name: &str| {
+        parts
+            .iter()
+            .find(|p| p.name == name && p.filename.is_none())
+            .and_then(|p| std::str::from_utf8(p.data).ok())
+            .map(str::trim)
+    };
+    let model = field("model").filter(|m| !m.is_empty());
+    let limit = prefix.block_bytes.saturating_mul(prefix.max_blocks);
+    let prompt = field("prompt").unwrap_or_default().as_bytes();
+    Ok(BodyFacts {
+        model: model.unwrap_or_default().to_string(),
+        route: Route {
+            model: model.map(Arc::from),
+            prefix: block_hashes(&prompt[..prompt.len().min(limit)], prefix),
+            avoid: None,
+            subset: None,
+        },
+        stream: field("stream") == Some("true"),
+    })
+}
+
+/// `body` with its model renamed to `model`: the JSON field
+/// ([`with_model`]) or, for a form (`form` is its content type), the
+/// `model` field.
+pub fn renamed(body: &[u8], form: Option<&str>, model: &str) -> Option<Vec<u8>> {
+    match form {
+        Some(content_type) => crate::multipart::with_field(content_type, body, "model", model),
+        None => with_model(body, model),
+    }
+}
+
 /// `body` (one JSON object, as [`body_facts`] accepted it) with its
 /// top-level `model` set to `model`: the value replaced in place, or the
 /// field added first when the body names none. Every other byte stays as
@@ -227,6 +268,20 @@ fn model_value(b: &[u8], mut i: usize) -> Option<Option<std::ops::Range<usize>>>
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn forms_name_their_model_and_stream_flag() {
+        let ct = "multipart/form-data; boundary=B";
+        let body = b"--B\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n\r\nRIFF\r\n\
+--B\r\nContent-Disposition: form-data; name=\"model\"\r\n\r\n whisper-1 \r\n\
+--B\r\nContent-Disposition: form-data; name=\"stream\"\r\n\r\ntrue\r\n--B--\r\n";
+        let f = form_facts(ct, body, &PrefixConfig::default()).unwrap();
+        assert_eq!((f.model.as_str(), f.stream), ("whisper-1", true));
+        assert!(form_facts(ct, b"not a form", &PrefixConfig::default()).is_err());
+        let out = renamed(body, Some(ct), "big-whisper").unwrap();
+        let f = form_facts(ct, &out, &PrefixConfig::default()).unwrap();
+        assert_eq!(f.model, "big-whisper");
+    }
 
     #[test]
     fn with_model_replaces_or_adds_the_model_and_keeps_the_rest() {

@@ -10,6 +10,9 @@ pub const PRIORITY_HEADER: &str = "x-flowgate-priority";
 /// Header with the longest time the request may wait (`500ms`, `5s`, or
 /// milliseconds), cut to `maxRequestTTL`.
 pub const TTL_HEADER: &str = "x-flowgate-request-ttl";
+/// The body's type: a `multipart/form-data` body (the audio routes) is read
+/// as a form, anything else as JSON.
+pub const CONTENT_TYPE_HEADER: &str = "content-type";
 
 /// The flow-control view of a request's headers (raw values: checking them
 /// is [`crate::admission::PriorityRules::classify`]'s job).
@@ -19,17 +22,28 @@ pub struct FlowHeaders<'a> {
     pub objective: Option<&'a [u8]>,
     pub priority: Option<&'a [u8]>,
     pub ttl: Option<&'a [u8]>,
+    pub content_type: Option<&'a [u8]>,
 }
 
 impl<'a> FlowHeaders<'a> {
     /// Every header name this reads, lower case: a door that collects
     /// headers itself (EPP mode gets them as a list) keeps these.
-    pub const NAMES: [&'static str; 4] = [
+    pub const NAMES: [&'static str; 5] = [
         FAIRNESS_ID_HEADER,
         OBJECTIVE_HEADER,
         PRIORITY_HEADER,
         TTL_HEADER,
+        CONTENT_TYPE_HEADER,
     ];
+
+    /// The body's `multipart/form-data` content type, if it is a form.
+    pub fn form(&self) -> Option<&'a str> {
+        let ct = std::str::from_utf8(self.content_type?).ok()?;
+        ct.trim_start()
+            .get(..19)
+            .is_some_and(|t| t.eq_ignore_ascii_case("multipart/form-data"))
+            .then_some(ct)
+    }
 
     /// Reads the flow headers through `get`, a case-insensitive lookup of
     /// one header's value. A new header rule is one field here and one
@@ -40,6 +54,7 @@ impl<'a> FlowHeaders<'a> {
             objective: get(OBJECTIVE_HEADER),
             priority: get(PRIORITY_HEADER),
             ttl: get(TTL_HEADER),
+            content_type: get(CONTENT_TYPE_HEADER),
         }
     }
 }
@@ -56,7 +71,13 @@ mod tests {
                 .find(|n| n.eq_ignore_ascii_case(name))
                 .map(|n| n.as_bytes())
         });
-        let got = [h.fairness_id, h.objective, h.priority, h.ttl];
+        let got = [
+            h.fairness_id,
+            h.objective,
+            h.priority,
+            h.ttl,
+            h.content_type,
+        ];
         for (name, value) in FlowHeaders::NAMES.iter().zip(got) {
             assert_eq!(value, Some(name.as_bytes()));
             assert_eq!(*name, name.to_ascii_lowercase());

@@ -19,7 +19,7 @@ pub mod priority;
 
 use std::time::Duration;
 
-pub use body::{body_facts, with_model, BodyFacts};
+pub use body::{body_facts, form_facts, renamed, with_model, BodyFacts};
 pub use caller::{Caller, Grant};
 pub use headers::{FlowHeaders, FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER, TTL_HEADER};
 pub use priority::{BadHeader, PriorityRules};
@@ -80,9 +80,12 @@ impl AdmissionRules {
         caller: Caller<'_>,
         fleet: &dyn ServedNames,
     ) -> Result<RequestFacts, Refused> {
-        let mut facts = match body {
-            Some(body) => body_facts(body, &self.prefix).map_err(Refused::BadBody)?,
-            None => BodyFacts::default(),
+        let mut facts = match (body, headers.form()) {
+            (Some(body), Some(form)) => {
+                form_facts(form, body, &self.prefix).map_err(Refused::BadBody)?
+            }
+            (Some(body), None) => body_facts(body, &self.prefix).map_err(Refused::BadBody)?,
+            (None, _) => BodyFacts::default(),
         };
         let (flow, ttl) = self.flow(headers, &facts.model, caller)?;
         let resolved = self
@@ -254,6 +257,7 @@ mod tests {
             priority in proptest::collection::vec(any::<u8>(), 0..24),
             ttl in proptest::collection::vec(any::<u8>(), 0..24),
             body in proptest::collection::vec(any::<u8>(), 0..64),
+            as_form in any::<bool>(),
             ceiling in -100i32..100,
         ) {
             let r = rules();
@@ -262,9 +266,11 @@ mod tests {
                 objective: None,
                 priority: Some(&priority),
                 ttl: Some(&ttl),
+                content_type: None,
             };
             let grant = Grant { tenant: Arc::from("alpha"), max_priority: Some(ceiling) };
-            let _ = r.inference(h, Some(&body), Caller::Anonymous, &Fleet);
+            let form = FlowHeaders { content_type: Some(&b"multipart/form-data; boundary=x"[..]), ..h };
+            let _ = r.inference(if as_form { form } else { h }, Some(&body), Caller::Anonymous, &Fleet);
             if let Ok(f) = r.inference(h, Some(br#"{"model":"m"}"#), Caller::Key(&grant), &Fleet) {
                 prop_assert_eq!(&*f.meta.flow.fairness_id, "alpha");
                 prop_assert!(f.meta.flow.priority <= ceiling);

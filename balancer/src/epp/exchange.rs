@@ -420,7 +420,8 @@ impl Exchange {
     /// (where Envoy lets the body change).
     fn fell_back(&mut self, m: Arc<str>) {
         if self.rewritable() {
-            if let Some(body) = flowgate::admission::with_model(&self.body, &m) {
+            let form = FlowHeaders::read(|name| self.headers.get(name)).form();
+            if let Some(body) = flowgate::admission::renamed(&self.body, form, &m) {
                 self.body = body;
                 self.body_rewritten = true;
             }
@@ -462,7 +463,8 @@ impl Exchange {
             facts.resolved.rewritten_name(&facts.model),
             self.rewritable(),
         ) {
-            if let Some(rewritten) = flowgate::admission::with_model(&self.body, name) {
+            let form = FlowHeaders::read(|name| self.headers.get(name)).form();
+            if let Some(rewritten) = flowgate::admission::renamed(&self.body, form, name) {
                 self.body = rewritten;
                 self.body_rewritten = true;
             }

@@ -122,7 +122,8 @@ impl BatchCall {
         let bad = |m: String| ApiError(400, "invalid_request", m);
         match (&method, segs.as_slice()) {
             (&Method::POST, ["files"]) => {
-                let parts = asyncq::batch::parse_multipart(&content_type, &body).map_err(bad)?;
+                let parts =
+                    flowgate::multipart::parse_multipart(&content_type, &body).map_err(bad)?;
                 let field = |name: &str| parts.iter().find(|p| p.name == name);
                 let text = |name: &str| {
                     field(name).map(|p| String::from_utf8_lossy(p.data).trim().to_string())

@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use flowgate::admission::{with_model, Caller, FlowHeaders, Grant};
+use flowgate::admission::{renamed, Caller, FlowHeaders, Grant};
 use flowgate::blame::{self, Verdict};
 use flowgate::{EndpointId, RequestMeta};
 use http::StatusCode;
@@ -116,6 +116,8 @@ pub struct RequestCtx {
     served_model: Option<Arc<str>>,
     /// The body was rewritten (its `model`): its length changed.
     body_rewritten: bool,
+    /// The body's `multipart/form-data` content type, when it is a form.
+    form: Option<String>,
     /// The fallback model it went to instead of its own, if it did.
     fallback: Option<Arc<str>>,
     /// The request asked for a streamed answer.
@@ -204,7 +206,8 @@ impl Inference {
         if let Some(meta) = &mut ctx.meta {
             meta.route.model = Some(Arc::clone(&m));
         }
-        if let Some(body) = ctx.body.as_ref().and_then(|b| with_model(b, &m)) {
+        let renamed = |b: &Bytes| renamed(b, ctx.form.as_deref(), &m);
+        if let Some(body) = ctx.body.as_ref().and_then(renamed) {
             ctx.body = Some(body.into());
             ctx.body_rewritten = true;
         }
@@ -265,12 +268,12 @@ impl Inference {
             (None, _) => Caller::Anonymous,
         };
         let headers = &session.req_header().headers;
-        let facts = ctx.rules.admission.inference(
-            FlowHeaders::read(|name| headers.get(name).map(|v| v.as_bytes())),
-            Some(&body.bytes),
-            caller,
-            &*self.shared,
-        );
+        let flow_headers = FlowHeaders::read(|name| headers.get(name).map(|v| v.as_bytes()));
+        ctx.form = flow_headers.form().map(str::to_string);
+        let facts =
+            ctx.rules
+                .admission
+                .inference(flow_headers, Some(&body.bytes), caller, &*self.shared);
         let facts = match facts {
             Ok(facts) => facts,
             Err(refused) => {
@@ -284,7 +287,7 @@ impl Inference {
         // The engine gets the name of the model it serves, not an alias.
         let mut body = body;
         if let Some(name) = facts.resolved.rewritten_name(&ctx.model) {
-            if let Some(rewritten) = with_model(&body.bytes, name) {
+            if let Some(rewritten) = renamed(&body.bytes, ctx.form.as_deref(), name) {
                 body.bytes = rewritten.into();
                 body.in_retry_buffer = false;
                 ctx.body_rewritten = true;
@@ -370,6 +373,7 @@ impl ProxyHttp for Inference {
             model: String::new(),
             served_model: None,
             body_rewritten: false,
+            form: None,
             fallback: None,
             stream: false,
             fairness_id: String::new(),

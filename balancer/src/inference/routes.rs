@@ -15,7 +15,7 @@ pub enum RouteKind {
 }
 
 /// Routes whose requests take a slot.
-pub const SLOT_ROUTES: [&str; 17] = [
+pub const SLOT_ROUTES: [&str; 19] = [
     "/v1/chat/completions",
     "/chat/completions",
     "/v1/completions",
@@ -33,6 +33,10 @@ pub const SLOT_ROUTES: [&str; 17] = [
     "/reranking",
     "/v1/score",
     "/pooling",
+    // vLLM (Whisper and other speech models): `multipart/form-data` bodies,
+    // read by admission as forms.
+    "/v1/audio/transcriptions",
+    "/v1/audio/translations",
 ];
 
 /// Routes whose requests take none.

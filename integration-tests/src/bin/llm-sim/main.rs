@@ -385,12 +385,48 @@ async fn route(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>, 
             | "/v1/embeddings"
             | "/v1/responses",
         ) => inference(sim, req, path).await,
+        (&Method::POST, "/v1/audio/transcriptions") => transcription(sim, req).await,
         _ => json_resp(
             StatusCode::NOT_FOUND,
             json!({"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}),
         ),
     };
     Ok(resp)
+}
+
+/// vLLM's `/v1/audio/transcriptions`: a `multipart/form-data` body with a
+/// `file` and a `model`; answered at once with a fixed text.
+async fn transcription(sim: Arc<Sim>, req: Request<Incoming>) -> Response<Body> {
+    let content_type = header(&req, "content-type").unwrap_or_default().to_string();
+    sim.requests_total.fetch_add(1, Ordering::SeqCst);
+    let body = req.into_body().collect().await.map(|b| b.to_bytes());
+    let bad = |message: String| {
+        json_resp(
+            StatusCode::BAD_REQUEST,
+            json!({"error": {"message": message, "type": "invalid_request_error", "code": 400}}),
+        )
+    };
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => return bad(format!("body: {e}")),
+    };
+    let parts = match flowgate::multipart::parse_multipart(&content_type, &body) {
+        Ok(p) => p,
+        Err(e) => return bad(e),
+    };
+    let field = |name: &str| parts.iter().find(|p| p.name == name).map(|p| p.data);
+    if field("file").is_none() {
+        return bad("a transcription needs a file".into());
+    }
+    let asked = field("model").map(|m| String::from_utf8_lossy(m).trim().to_string());
+    if sim.cli.strict_model && asked.as_deref().is_some_and(|m| m != sim.cli.model) {
+        return json_resp(
+            StatusCode::NOT_FOUND,
+            json!({"error": {"message": format!("The model `{}` does not exist.", asked.unwrap_or_default()),
+                "type": "NotFoundError", "code": 404}}),
+        );
+    }
+    json_resp(StatusCode::OK, json!({"text": "simulated transcript"}))
 }
 
 async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Response<Body> {

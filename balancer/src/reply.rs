@@ -141,6 +141,12 @@ impl From<Refused> for Refusal {
                 "invalid_json",
                 message,
             ),
+            Refused::BadForm(message) => Refusal::new(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "invalid_form",
+                message,
+            ),
             Refused::BadHeader(bad) => bad.into(),
         }
     }

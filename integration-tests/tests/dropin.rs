@@ -318,4 +318,14 @@ async fn audio_transcriptions_are_forms_under_the_same_model_rules() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(stdout, "whisper-large simulated transcript\n404 True\n");
+    // A form that does not parse is the client's 400, said as such.
+    let r = client()
+        .post(b.url("/v1/audio/transcriptions"))
+        .header("content-type", "multipart/form-data; boundary=XyZ")
+        .body("not a form")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["x-flowgate-drop-reason"], "invalid_form");
+    assert_openai_error(r, 400).await;
 }

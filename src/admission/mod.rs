@@ -43,6 +43,9 @@ pub enum Refused {
     /// The body is not one JSON object.
     #[error("{0}")]
     BadBody(String),
+    /// A `multipart/form-data` body (the audio routes) does not parse.
+    #[error("{0}")]
+    BadForm(String),
     /// A flow-control header is malformed.
     #[error(transparent)]
     BadHeader(#[from] BadHeader),
@@ -82,7 +85,7 @@ impl AdmissionRules {
     ) -> Result<RequestFacts, Refused> {
         let mut facts = match (body, headers.form()) {
             (Some(body), Some(form)) => {
-                form_facts(form, body, &self.prefix).map_err(Refused::BadBody)?
+                form_facts(form, body, &self.prefix).map_err(Refused::BadForm)?
             }
             (Some(body), None) => body_facts(body, &self.prefix).map_err(Refused::BadBody)?,
             (None, _) => BodyFacts::default(),

@@ -102,7 +102,15 @@ async fn the_balancers_model_rules_reach_engines_that_check_the_name() {
          rewrites:\n    chat:\n      - {model: model-a, weight: 90}\n      - {model: model-b, weight: 10}\n",
     )
     .unwrap();
-    let b = Balancer::start(&["--config", &config, "--max-buffered-requests", "2000"]).await;
+    let b = Balancer::start(&[
+        "--config",
+        &config,
+        "--max-buffered-requests",
+        "2000",
+        "--async-dir",
+        &dir.path("async"),
+    ])
+    .await;
     let fast = [
         "--ttft-ms",
         "0",
@@ -132,6 +140,21 @@ async fn the_balancers_model_rules_reach_engines_that_check_the_name() {
     let r = chat_with(&client(), &b, &[], chat_for(Some("gpt-4o"), "hi")).await;
     let body: Value = r.json().await.unwrap();
     assert_eq!(body["model"], "model-a");
+
+    // The async door: delivered through the same rules.
+    let queued = post_json(
+        &b.url("/v1/async/chat/completions"),
+        &chat_for(Some("gpt-4o-mini"), "later"),
+    )
+    .await;
+    let id = queued["id"].as_str().unwrap().to_string();
+    let done = wait_for("the async request", Duration::from_secs(10), || async {
+        let v = get_json(&b.url(&format!("/v1/async/requests/{id}?wait=5s"))).await;
+        (v["status"] != "queued" && v["status"] != "dispatched").then_some(v)
+    })
+    .await;
+    assert_eq!(done["response_status"], 200, "{done}");
+    assert_eq!(done["response"]["model"], "model-a", "{done}");
 
     // 1,000 requests for the canary name split 90/10 within ±3 %.
     let c = client();

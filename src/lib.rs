@@ -23,6 +23,8 @@
 //!   weighted rewrites, a default model, fallback chains).
 //! - [`multipart`]: `multipart/form-data` bodies (uploads, audio requests).
 //! - [`openai`]: OpenAI-style error bodies shared by the binaries.
+//! - [`tokens`]: a request's cost in tokens, estimated at admission and
+//!   learned per model from the engines' answers.
 
 pub mod admission;
 pub mod blame;
@@ -37,6 +39,7 @@ pub mod openai;
 pub mod prefix;
 pub mod protocol;
 pub mod scorer;
+pub mod tokens;
 
 pub use dispatcher::{
     Admission, Dispatcher, DispatcherConfig, Done, Reject, RequestMeta, Snapshot, Ticket,

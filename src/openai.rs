@@ -30,43 +30,90 @@ pub struct PromptFields<'a> {
 /// hashed, so a huge prompt is not copied whole). Shapes this does not
 /// know add nothing: the model server judges the request.
 pub fn prompt_text(fields: &PromptFields<'_>, limit: usize) -> Vec<u8> {
-    fn put(out: &mut Vec<u8>, bytes: &[u8], limit: usize) {
-        let room = limit.saturating_sub(out.len());
-        out.extend_from_slice(&bytes[..bytes.len().min(room)]);
+    let mut out = Cut {
+        text: Vec::new(),
+        limit,
+    };
+    walk_prompt(fields, &mut out);
+    out.text
+}
+
+/// The length in bytes of the whole prompt [`prompt_text`] would give
+/// uncut, counted without copying it: what a token estimate starts from.
+pub fn prompt_bytes(fields: &PromptFields<'_>) -> u64 {
+    let mut n = Count(0);
+    walk_prompt(fields, &mut n);
+    n.0
+}
+
+/// Where the prompt's pieces go.
+trait Sink {
+    fn put(&mut self, bytes: &[u8]);
+    /// Nothing more is wanted.
+    fn full(&self) -> bool;
+}
+
+/// The prompt's first `limit` bytes.
+struct Cut {
+    text: Vec<u8>,
+    limit: usize,
+}
+
+impl Sink for Cut {
+    fn put(&mut self, bytes: &[u8]) {
+        let room = self.limit.saturating_sub(self.text.len());
+        self.text.extend_from_slice(&bytes[..bytes.len().min(room)]);
     }
-    fn push_text(out: &mut Vec<u8>, v: &Value, limit: usize) {
+    fn full(&self) -> bool {
+        self.text.len() >= self.limit
+    }
+}
+
+/// The prompt's length.
+struct Count(u64);
+
+impl Sink for Count {
+    fn put(&mut self, bytes: &[u8]) {
+        self.0 = self.0.saturating_add(bytes.len() as u64);
+    }
+    fn full(&self) -> bool {
+        false
+    }
+}
+
+fn walk_prompt(fields: &PromptFields<'_>, out: &mut impl Sink) {
+    fn push_text(out: &mut impl Sink, v: &Value) {
         match v {
-            Value::String(t) => put(out, t.as_bytes(), limit),
+            Value::String(t) => out.put(t.as_bytes()),
             // Content parts: [{"type": "text", "text": "..."}, ...].
             Value::Array(parts) => {
                 for part in parts {
-                    if out.len() >= limit {
+                    if out.full() {
                         return;
                     }
-                    push_text(out, part.get("text").unwrap_or(part), limit);
+                    push_text(out, part.get("text").unwrap_or(part));
                 }
             }
             _ => {}
         }
     }
     /// Messages: `[{"role": …, "content": …}, …]`.
-    fn push_messages(out: &mut Vec<u8>, messages: &[Value], limit: usize) {
+    fn push_messages(out: &mut impl Sink, messages: &[Value]) {
         for m in messages {
-            if out.len() >= limit {
+            if out.full() {
                 break;
             }
             if let Some(Value::String(role)) = m.get("role") {
-                put(out, role.as_bytes(), limit);
+                out.put(role.as_bytes());
             }
-            put(out, &[0x1f], limit);
+            out.put(&[0x1f]);
             if let Some(content) = m.get("content") {
-                push_text(out, content, limit);
+                push_text(out, content);
             }
-            put(out, &[0x1e], limit);
+            out.put(&[0x1e]);
         }
     }
     let is_messages = |v: &Value| matches!(v, Value::Array(items) if items.first().is_some_and(|m| m.get("role").is_some()));
-    let mut out = Vec::new();
     let ordered = [
         fields.system,
         fields.instructions,
@@ -80,15 +127,14 @@ pub fn prompt_text(fields: &PromptFields<'_>, limit: usize) -> Vec<u8> {
         fields.text_1,
     ];
     for v in ordered.into_iter().flatten() {
-        if out.len() >= limit {
+        if out.full() {
             break;
         }
         match v {
-            Value::Array(items) if is_messages(v) => push_messages(&mut out, items, limit),
-            _ => push_text(&mut out, v, limit),
+            Value::Array(items) if is_messages(v) => push_messages(out, items),
+            _ => push_text(out, v),
         }
     }
-    out
 }
 
 #[derive(Debug, Serialize)]

@@ -111,9 +111,10 @@ proptest! {
     #[test]
     fn request_bodies_are_routed_or_refused_400(raw in bytes(), body in json()) {
         struct NoFleet;
-        impl flowgate::admission::ServedNames for NoFleet {
+        impl flowgate::admission::FleetView for NoFleet {
             fn is_served(&self, _: &str) -> bool { false }
             fn draw(&self) -> u64 { 0 }
+            fn bytes_per_token(&self, _: Option<&str>) -> f64 { 4.0 }
         }
         let rules = flowgate::admission::AdmissionRules {
             prefix: PrefixConfig::default(),

@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use flowgate::models::Fallback;
+use flowgate::tokens::TokenRatios;
 use flowgate::{
     Admission, AgentReport, Dispatcher, DispatcherConfig, EndpointId, Lease, Reject, ReportOutcome,
     RequestMeta, Route, Snapshot,
@@ -42,15 +43,21 @@ pub struct FleetGate {
     timers: Notify,
     /// Draws for weighted model rewrites ([`flowgate::models`]).
     draws: AtomicU64,
+    /// Bytes of prompt per token, learned per model from the answers.
+    token_ratios: Mutex<TokenRatios>,
 }
 
-impl flowgate::admission::ServedNames for FleetGate {
+impl flowgate::admission::FleetView for FleetGate {
     fn is_served(&self, model: &str) -> bool {
         self.lock().model_reported(model)
     }
 
     fn draw(&self) -> u64 {
         self.draws.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn bytes_per_token(&self, model: Option<&str>) -> f64 {
+        self.ratios().bytes_per_token(model)
     }
 }
 
@@ -147,6 +154,7 @@ impl FleetGate {
             shutting_down: AtomicBool::new(false),
             timers: Notify::new(),
             draws: AtomicU64::new(0),
+            token_ratios: Mutex::new(TokenRatios::default()),
         })
     }
 
@@ -356,6 +364,26 @@ impl FleetGate {
         names.sort_unstable();
         names.dedup();
         names
+    }
+
+    fn ratios(&self) -> MutexGuard<'_, TokenRatios> {
+        // Updates are one assignment: a panic cannot leave half of one.
+        self.token_ratios
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Learns `model`'s bytes per token from an answer whose `usage` said
+    /// its `prompt_bytes` of prompt text were `prompt_tokens` tokens. Only
+    /// models an agent reports are learned (a client cannot add entries).
+    pub fn learn_tokens(&self, model: &str, prompt_bytes: u64, prompt_tokens: u64) {
+        if self.lock().model_reported(model) {
+            let mut ratios = self.ratios();
+            ratios.learn(model, prompt_bytes, prompt_tokens);
+            let ratio = ratios.bytes_per_token(Some(model));
+            drop(ratios);
+            self.metrics.learned_bytes_per_token(model, ratio);
+        }
     }
 
     /// The model that answered a request sent to any endpoint: the first

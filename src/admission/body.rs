@@ -38,6 +38,14 @@ struct InferenceFields {
     content: Option<serde_json::Value>,
     #[serde(default)]
     text_1: Option<serde_json::Value>,
+    /// The output bound, by route: chat and completions, OpenAI's newer
+    /// chat name, Responses ([`crate::tokens::output_bound`]).
+    #[serde(default)]
+    max_tokens: Option<serde_json::Value>,
+    #[serde(default)]
+    max_completion_tokens: Option<serde_json::Value>,
+    #[serde(default)]
+    max_output_tokens: Option<serde_json::Value>,
 }
 
 impl InferenceFields {
@@ -52,7 +60,11 @@ impl InferenceFields {
     /// The beginning of the prompt text, as much as prefix hashing uses.
     fn prompt_text(&self, prefix: &PrefixConfig) -> Vec<u8> {
         let limit = prefix.block_bytes.saturating_mul(prefix.max_blocks);
-        let fields = crate::openai::PromptFields {
+        crate::openai::prompt_text(&self.prompt_fields(), limit)
+    }
+
+    fn prompt_fields(&self) -> crate::openai::PromptFields<'_> {
+        crate::openai::PromptFields {
             system: self.system.as_ref(),
             instructions: self.instructions.as_ref(),
             messages: self.messages.as_ref(),
@@ -62,8 +74,7 @@ impl InferenceFields {
             documents: self.documents.as_ref(),
             content: self.content.as_ref(),
             text_1: self.text_1.as_ref(),
-        };
-        crate::openai::prompt_text(&fields, limit)
+        }
     }
 }
 
@@ -84,6 +95,10 @@ pub struct BodyFacts {
     pub route: Route,
     /// `"stream": true`.
     pub stream: bool,
+    /// The whole prompt text's length in bytes (for the token estimate).
+    pub prompt_bytes: u64,
+    /// The output tokens the request asks for at most, if it says.
+    pub output_bound: Option<u64>,
 }
 
 /// The facts of an inference request body; the reason if it is not one
@@ -99,6 +114,12 @@ pub fn body_facts(body: &[u8], prefix: &PrefixConfig) -> Result<BodyFacts, Strin
             subset: None,
         },
         stream: fields.stream == Some(serde_json::Value::Bool(true)),
+        prompt_bytes: crate::openai::prompt_bytes(&fields.prompt_fields()),
+        output_bound: crate::tokens::output_bound([
+            fields.max_tokens.as_ref(),
+            fields.max_completion_tokens.as_ref(),
+            fields.max_output_tokens.as_ref(),
+        ]),
     })
 }
 
@@ -130,6 +151,8 @@ pub fn form_facts(
             subset: None,
         },
         stream: field("stream") == Some("true"),
+        prompt_bytes: prompt.len() as u64,
+        output_bound: None,
     })
 }
 

@@ -28,13 +28,18 @@ use crate::dispatcher::RequestMeta;
 use crate::flow::FlowKey;
 use crate::models::{ModelRules, Resolved};
 use crate::prefix::PrefixConfig;
+use crate::tokens::TokenEstimate;
 
-/// What admission needs to know of the fleet to place a model name.
-pub trait ServedNames {
+/// What admission needs to know of the fleet: which model names are
+/// served, and what the engines taught about tokens.
+pub trait FleetView {
     /// Whether an agent reports serving `model` (lately).
     fn is_served(&self, model: &str) -> bool;
     /// A new draw for a weighted rewrite (a counter will do).
     fn draw(&self) -> u64;
+    /// Bytes of prompt text per token for `model`, as learned
+    /// ([`crate::tokens::TokenRatios`]).
+    fn bytes_per_token(&self, model: Option<&str>) -> f64;
 }
 
 /// Why a request is refused before it reaches flow control (each a 400).
@@ -60,16 +65,33 @@ pub struct RequestFacts {
     pub resolved: Resolved,
     /// `"stream": true`.
     pub stream: bool,
+    /// What it will cost in tokens, estimated ([`crate::tokens`]).
+    pub tokens: TokenEstimate,
+    /// The prompt text's length, to learn from the answer's usage.
+    pub prompt_bytes: u64,
     /// What flow control and the scheduler need.
     pub meta: RequestMeta,
 }
 
 /// The operator's rules every door admits requests by.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AdmissionRules {
     pub priorities: PriorityRules,
     pub prefix: PrefixConfig,
     pub models: ModelRules,
+    /// Output tokens assumed for a request that names no bound.
+    pub default_output_tokens: u64,
+}
+
+impl Default for AdmissionRules {
+    fn default() -> Self {
+        AdmissionRules {
+            priorities: PriorityRules::default(),
+            prefix: PrefixConfig::default(),
+            models: ModelRules::default(),
+            default_output_tokens: crate::tokens::DEFAULT_OUTPUT_TOKENS,
+        }
+    }
 }
 
 impl AdmissionRules {
@@ -81,7 +103,7 @@ impl AdmissionRules {
         headers: FlowHeaders<'_>,
         body: Option<&[u8]>,
         caller: Caller<'_>,
-        fleet: &dyn ServedNames,
+        fleet: &dyn FleetView,
     ) -> Result<RequestFacts, Refused> {
         let mut facts = match (body, headers.form()) {
             (Some(body), Some(form)) => {
@@ -95,9 +117,16 @@ impl AdmissionRules {
             .models
             .resolve(&facts.model, fleet.draw(), |m| fleet.is_served(m));
         facts.route.model.clone_from(&resolved.model);
+        let per_token = fleet.bytes_per_token(resolved.model.as_deref());
+        let tokens = TokenEstimate {
+            prompt: crate::tokens::prompt_tokens(facts.prompt_bytes, per_token),
+            output: facts.output_bound.unwrap_or(self.default_output_tokens),
+        };
         Ok(RequestFacts {
             model: facts.model,
             resolved,
+            tokens,
+            prompt_bytes: facts.prompt_bytes,
             stream: facts.stream,
             meta: RequestMeta {
                 flow,
@@ -140,12 +169,19 @@ mod tests {
     /// A fleet that serves `m`.
     struct Fleet;
 
-    impl ServedNames for Fleet {
+    impl FleetView for Fleet {
         fn is_served(&self, model: &str) -> bool {
             model == "m"
         }
         fn draw(&self) -> u64 {
             0
+        }
+        fn bytes_per_token(&self, model: Option<&str>) -> f64 {
+            if model == Some("m") {
+                2.0
+            } else {
+                4.0
+            }
         }
     }
 
@@ -163,7 +199,39 @@ mod tests {
                 .unwrap()
                 .build()
                 .unwrap(),
+            default_output_tokens: 100,
         }
+    }
+
+    #[test]
+    fn every_request_gets_a_token_estimate_in_its_models_ratio() {
+        let r = rules();
+        let estimate = |body: &[u8]| {
+            r.inference(
+                FlowHeaders::default(),
+                Some(body),
+                Caller::Anonymous,
+                &Fleet,
+            )
+            .unwrap()
+            .tokens
+        };
+        let prompt = "x".repeat(400);
+        let chat = format!(
+            r#"{{"model":"gpt-4o-mini","max_tokens":32,"messages":[{{"role":"user","content":"{prompt}"}}]}}"#
+        );
+        // "user" + separators + 400 bytes at 2 bytes per token (model m).
+        assert_eq!(estimate(chat.as_bytes()).prompt, 203);
+        assert_eq!(estimate(chat.as_bytes()).output, 32);
+        let responses = format!(r#"{{"model":"other","input":"{prompt}","max_output_tokens":-3}}"#);
+        let e = estimate(responses.as_bytes());
+        assert_eq!(
+            (e.prompt, e.output),
+            (100, 100),
+            "4 bytes per token; a bad bound: the default"
+        );
+        let newer = br#"{"messages":[],"max_completion_tokens":7}"#;
+        assert_eq!(estimate(newer).output, 7);
     }
 
     #[test]

@@ -146,6 +146,12 @@ pub struct Cli {
     #[arg(long = "model-fallback", value_name = "MODEL=FALLBACKS", value_parser = parse_pair)]
     pub model_fallbacks: Vec<(String, String)>,
 
+    /// Output tokens a request is assumed to produce when it names no
+    /// bound (`max_tokens`, `max_completion_tokens`, `max_output_tokens`):
+    /// part of its token estimate [default: 1024]
+    #[arg(long, value_name = "N")]
+    pub default_output_tokens: Option<u64>,
+
     /// Client connections the inference port holds open at once; a
     /// connection over the limit is answered 503 (`too_many_connections`,
     /// `retry-after: 1`) and closed. Keep it under the process's open-file

@@ -40,6 +40,7 @@ pub struct FileConfig {
     pub client_header_timeout: Option<ConfigDuration>,
     pub client_body_timeout: Option<ConfigDuration>,
     pub max_header_bytes: Option<usize>,
+    pub default_output_tokens: Option<u64>,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
     /// The async path (README "Async path").

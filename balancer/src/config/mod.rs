@@ -69,6 +69,8 @@ pub struct Settings {
     pub priorities: PriorityRules,
     /// Which served model a requested name goes to.
     pub models: flowgate::models::ModelRules,
+    /// Output tokens assumed for a request that names no bound.
+    pub default_output_tokens: u64,
     /// Retries on another endpoint after a failure before the first byte.
     pub retries: u32,
     pub max_request_bytes: usize,
@@ -114,6 +116,7 @@ impl Settings {
             priorities: self.priorities.clone(),
             prefix: self.dispatcher.scheduling.prefix,
             models: self.models.clone(),
+            default_output_tokens: self.default_output_tokens,
         }
     }
 
@@ -303,6 +306,11 @@ impl Settings {
             dispatcher,
             priorities,
             models,
+            default_output_tokens: layer(
+                cli.default_output_tokens,
+                file.default_output_tokens,
+                flowgate::tokens::DEFAULT_OUTPUT_TOKENS,
+            ),
             retries,
             max_request_bytes: layer(
                 cli.max_request_bytes,
@@ -359,6 +367,12 @@ impl Settings {
         }
         if self.threads == 0 {
             return invalid("threads must be at least 1");
+        }
+        if !(1..=flowgate::tokens::MAX_OUTPUT_TOKENS).contains(&self.default_output_tokens) {
+            return invalid(&format!(
+                "default_output_tokens must be 1 to {}",
+                flowgate::tokens::MAX_OUTPUT_TOKENS
+            ));
         }
         if let Some(a) = &self.async_queue {
             if !(0.0..1.0).contains(&a.baseline) {

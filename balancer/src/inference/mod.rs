@@ -39,6 +39,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use flowgate::admission::{renamed, Caller, FlowHeaders, Grant};
 use flowgate::blame::{self, Verdict};
+use flowgate::tokens::TokenEstimate;
 use flowgate::{EndpointId, RequestMeta};
 use http::StatusCode;
 use pingora_core::upstreams::peer::HttpPeer;
@@ -122,6 +123,10 @@ pub struct RequestCtx {
     fallback: Option<Arc<str>>,
     /// The request asked for a streamed answer.
     stream: bool,
+    /// Its token estimate, and its prompt text's length (learned from
+    /// against the answer's usage).
+    tokens: TokenEstimate,
+    prompt_bytes: u64,
     /// The request's flow, for the access log.
     fairness_id: String,
     priority: i32,
@@ -284,6 +289,8 @@ impl Inference {
         ctx.model = facts.model;
         ctx.served_model.clone_from(&facts.resolved.model);
         ctx.stream = facts.stream;
+        ctx.tokens = facts.tokens;
+        ctx.prompt_bytes = facts.prompt_bytes;
         // The engine gets the name of the model it serves, not an alias.
         let mut body = body;
         if let Some(name) = facts.resolved.rewritten_name(&ctx.model) {
@@ -376,6 +383,8 @@ impl ProxyHttp for Inference {
             form: None,
             fallback: None,
             stream: false,
+            tokens: TokenEstimate::default(),
+            prompt_bytes: 0,
             fairness_id: String::new(),
             priority: 0,
             meta: None,
@@ -722,6 +731,10 @@ impl ProxyHttp for Inference {
         if ctx.inference {
             self.shared.metrics.record_outcome(status, reason);
             if ctx.upstream_status.is_some_and(|s| s < 400) {
+                if let (Some(u), Some(model)) = (usage, ctx.served_model.as_deref()) {
+                    self.shared
+                        .learn_tokens(model, ctx.prompt_bytes, u.prompt_tokens);
+                }
                 let tpot = ctx.meter.time_per_output_token(usage);
                 let model = self
                     .shared
@@ -745,6 +758,8 @@ impl ProxyHttp for Inference {
             retries = ctx.retries,
             wait_ms = ctx.waited.as_millis() as u64,
             ttft_ms = ttft.map(|t| t.as_millis() as u64),
+            estimated_prompt_tokens = ctx.tokens.prompt,
+            estimated_output_tokens = ctx.tokens.output,
             prompt_tokens = usage.map(|u| u.prompt_tokens),
             completion_tokens = usage.map(|u| u.completion_tokens),
             duration_ms = ctx.start.elapsed().as_millis() as u64,

@@ -46,6 +46,8 @@ pub struct Metrics {
     upstream_retries: IntCounterVec,
     /// Requests sent to a fallback model (names from the config only).
     model_fallbacks: IntCounterVec,
+    /// Learned bytes of prompt text per token, by reported model.
+    bytes_per_token: prometheus::GaugeVec,
     /// How waits in flow control ended.
     pub flow: FlowMetrics,
     /// The buffer, flows and endpoints.
@@ -152,6 +154,17 @@ impl Metrics {
                     &["kind"],
                 ),
             ),
+            bytes_per_token: register(
+                &registry,
+                prometheus::GaugeVec::new(
+                    Opts::new(
+                        "flowgate_model_prompt_bytes_per_token",
+                        "Bytes of prompt text per prompt token, learned per model from the \
+                     answers' usage (the token estimate's ratio; 4 until a model answered)",
+                    ),
+                    &["model"],
+                ),
+            ),
             model_fallbacks: register(
                 &registry,
                 IntCounterVec::new(
@@ -242,6 +255,12 @@ impl Metrics {
                 .with_label_values(&[model, "completion"])
                 .inc_by(u.completion_tokens);
         }
+    }
+
+    /// The learned bytes per token of `model` (a reported model: the
+    /// series are bounded by the agents' names).
+    pub fn learned_bytes_per_token(&self, model: &str, ratio: f64) {
+        self.bytes_per_token.with_label_values(&[model]).set(ratio);
     }
 
     /// Counts a request sent to `fallback` instead of `model`. Both names

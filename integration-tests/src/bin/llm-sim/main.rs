@@ -61,6 +61,10 @@ struct Cli {
     /// Model id served
     #[arg(long, default_value = "sim-model")]
     model: String,
+    /// Bytes of prompt text per prompt token in the `usage` it reports
+    /// (its tokenizer, as far as a balancer learning ratios can tell)
+    #[arg(long, default_value_t = engine::BYTES_PER_TOKEN, value_parser = clap::value_parser!(u64).range(1..))]
+    bytes_per_token: u64,
     /// Answer 404 `model_not_found` to a request whose `model` is another
     /// name, as vLLM does (llama-server answers any name)
     #[arg(long)]
@@ -506,6 +510,11 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
     };
     let processing = Processing::new(Arc::clone(&sim), running);
     let (prompt_tokens, cached_tokens, prefill) = sim.engine.prefill(&prompt);
+    let prompt_tokens = if sim.cli.bytes_per_token == engine::BYTES_PER_TOKEN {
+        prompt_tokens
+    } else {
+        (prompt.len() as u64 / sim.cli.bytes_per_token).max(1)
+    };
     let ttft = ttft + prefill;
 
     match fault {

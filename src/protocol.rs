@@ -78,6 +78,11 @@ pub struct AgentReport {
     /// KV-cache use 0..=1 when the engine exposes it.
     #[serde(default)]
     pub kv_cache_usage: Option<f64>,
+    /// Tokens the server's KV cache holds in all (llama.cpp: the context of
+    /// every slot; vLLM: GPU blocks × block size; SGLang:
+    /// `max_total_num_tokens`), when the agent can tell.
+    #[serde(default)]
+    pub kv_capacity_tokens: Option<u64>,
     /// How often the agent reports, in milliseconds. The balancer treats the
     /// agent as stale after three missed intervals.
     pub monitoring_interval_ms: u64,
@@ -108,6 +113,8 @@ pub enum ReportError {
     BusyOverTotal { busy: u32, total: u32 },
     #[error("kv_cache_usage {0} is not a number in 0..=1")]
     BadKvUsage(String),
+    #[error("kv_capacity_tokens {0} is not 1..={MAX_KV_CAPACITY_TOKENS}")]
+    BadKvCapacity(u64),
     #[error("a report lists at most {MAX_MODELS_PER_REPORT} models ({0} given)")]
     TooManyModels(usize),
     #[error("model names are 1..={MAX_MODEL_NAME_LEN} bytes")]
@@ -124,6 +131,9 @@ pub enum ReportError {
 pub const MAX_MODELS_PER_REPORT: usize = 128;
 /// Longest model name.
 pub const MAX_MODEL_NAME_LEN: usize = 256;
+/// Largest KV capacity a report may claim (2^40 tokens: far beyond any
+/// server, small enough that sums of them cannot overflow).
+pub const MAX_KV_CAPACITY_TOKENS: u64 = 1 << 40;
 /// Longest `last_error`.
 pub const MAX_LAST_ERROR_LEN: usize = 4096;
 
@@ -165,6 +175,11 @@ impl AgentReport {
         if let Some(kv) = self.kv_cache_usage {
             if !(0.0..=1.0).contains(&kv) {
                 return Err(ReportError::BadKvUsage(kv.to_string()));
+            }
+        }
+        if let Some(c) = self.kv_capacity_tokens {
+            if !(1..=MAX_KV_CAPACITY_TOKENS).contains(&c) {
+                return Err(ReportError::BadKvCapacity(c));
             }
         }
         if self.models.len() > MAX_MODELS_PER_REPORT {
@@ -209,6 +224,7 @@ pub(crate) mod tests {
             slots_busy: 0,
             requests_waiting: 0,
             kv_cache_usage: None,
+            kv_capacity_tokens: None,
             monitoring_interval_ms: 1000,
             draining: false,
             last_error: None,
@@ -262,8 +278,16 @@ pub(crate) mod tests {
         let mut r = ok.clone();
         r.kv_cache_usage = Some(f64::NAN);
         assert!(matches!(r.validate(), Err(ReportError::BadKvUsage(_))));
-        let mut r = ok;
+        let mut r = ok.clone();
         r.kv_cache_usage = Some(1.5);
         assert!(matches!(r.validate(), Err(ReportError::BadKvUsage(_))));
+        for bad in [0, MAX_KV_CAPACITY_TOKENS + 1, u64::MAX] {
+            let mut r = ok.clone();
+            r.kv_capacity_tokens = Some(bad);
+            assert_eq!(r.validate(), Err(ReportError::BadKvCapacity(bad)));
+        }
+        let mut r = ok;
+        r.kv_capacity_tokens = Some(4096);
+        assert!(r.validate().is_ok());
     }
 }

@@ -13,6 +13,8 @@ pub struct BackendStatus {
     pub slots_busy: u32,
     pub requests_waiting: u32,
     pub kv_cache_usage: Option<f64>,
+    /// Tokens its KV cache holds in all, when the engine tells.
+    pub kv_capacity_tokens: Option<u64>,
     /// Why the server is not ready, when it is not.
     pub last_error: Option<String>,
 }
@@ -26,6 +28,7 @@ impl BackendStatus {
             slots_busy: 0,
             requests_waiting: 0,
             kv_cache_usage: None,
+            kv_capacity_tokens: None,
             last_error: Some(error),
         }
     }

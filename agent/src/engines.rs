@@ -29,26 +29,41 @@ pub struct EngineMetrics {
     pub waiting: &'static str,
     /// KV-cache use 0..=1, first name found wins.
     pub kv_cache: &'static [&'static str],
+    /// Where its KV capacity in tokens is read.
+    pub kv_capacity: KvCapacity,
+}
+
+/// How an engine tells its KV capacity in tokens.
+#[derive(Debug, Clone, Copy)]
+pub enum KvCapacity {
+    /// vLLM: an info gauge whose labels carry `num_gpu_blocks` and
+    /// `block_size` (their product).
+    BlockLabels(&'static str),
+    /// SGLang: a gauge of tokens.
+    Gauge(&'static str),
 }
 
 pub const VLLM: EngineMetrics = EngineMetrics {
     running: "vllm:num_requests_running",
     waiting: "vllm:num_requests_waiting",
     kv_cache: &["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+    kv_capacity: KvCapacity::BlockLabels("vllm:cache_config_info"),
 };
 
 pub const SGLANG: EngineMetrics = EngineMetrics {
     running: "sglang:num_running_reqs",
     waiting: "sglang:num_queue_reqs",
     kv_cache: &["sglang:token_usage"],
+    kv_capacity: KvCapacity::Gauge("sglang:max_total_num_tokens"),
 };
 
-/// What the metrics say: (running, waiting, KV use).
+/// What the metrics say: (running, waiting, KV use, KV capacity).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct EngineLoad {
     pub running: u32,
     pub waiting: u32,
     pub kv_cache_usage: Option<f64>,
+    pub kv_capacity_tokens: Option<u64>,
 }
 
 impl EngineMetrics {
@@ -77,7 +92,36 @@ impl EngineMetrics {
             running: prom::to_count(running),
             waiting: prom::to_count(waiting),
             kv_cache_usage,
+            kv_capacity_tokens: self.kv_capacity_tokens(&samples),
         })
+    }
+
+    /// The KV capacity in tokens, summed over the engine's series (data
+    /// parallel ranks each hold their own cache).
+    fn kv_capacity_tokens(&self, samples: &[prom::Sample]) -> Option<u64> {
+        let tokens = |v: f64| (v.is_finite() && v >= 1.0).then(|| v.min(1e15) as u64);
+        let total = match self.kv_capacity {
+            KvCapacity::Gauge(name) => samples
+                .iter()
+                .filter(|s| s.name == name)
+                .filter_map(|s| tokens(s.value))
+                .fold(0u64, u64::saturating_add),
+            KvCapacity::BlockLabels(name) => samples
+                .iter()
+                .filter(|s| s.name == name)
+                .filter_map(|s| {
+                    let label = |k: &str| {
+                        s.labels
+                            .iter()
+                            .find(|(n, _)| n == k)
+                            .and_then(|(_, v)| v.parse::<f64>().ok())
+                            .and_then(tokens)
+                    };
+                    Some(label("num_gpu_blocks")?.saturating_mul(label("block_size")?))
+                })
+                .fold(0u64, u64::saturating_add),
+        };
+        (total > 0).then_some(total)
     }
 }
 
@@ -128,6 +172,7 @@ impl Backend for MetricsEngine {
             slots_busy: load.running.min(self.max_concurrency),
             requests_waiting: load.waiting,
             kv_cache_usage: load.kv_cache_usage,
+            kv_capacity_tokens: load.kv_capacity_tokens,
             last_error: None,
         }
     }
@@ -146,9 +191,22 @@ mod tests {
             EngineLoad {
                 running: 3,
                 waiting: 2,
-                kv_cache_usage: Some(0.4375)
+                kv_cache_usage: Some(0.4375),
+                kv_capacity_tokens: None,
             }
         );
+        // vLLM's info gauge (its labels as vLLM writes them): 2,048 blocks
+        // of 16 tokens on each of two data-parallel engines.
+        let info = |engine: u32| {
+            format!(
+                "vllm:cache_config_info{{block_size=\"16\",cache_dtype=\"auto\",engine=\"{engine}\",\
+                 gpu_memory_utilization=\"0.9\",num_cpu_blocks=\"None\",num_gpu_blocks=\"2048\"}} 1.0\n"
+            )
+        };
+        let text = format!("{}{}{}", fixture("vllm/metrics.txt"), info(0), info(1));
+        assert_eq!(VLLM.read(&text).unwrap().kv_capacity_tokens, Some(65_536));
+        let odd = "vllm:num_requests_running 1\nvllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"None\"} 1\n";
+        assert_eq!(VLLM.read(odd).unwrap().kv_capacity_tokens, None);
     }
 
     #[test]
@@ -159,7 +217,8 @@ mod tests {
             EngineLoad {
                 running: 3,
                 waiting: 2,
-                kv_cache_usage: Some(0.11)
+                kv_cache_usage: Some(0.11),
+                kv_capacity_tokens: Some(16_384),
             }
         );
     }
@@ -235,8 +294,8 @@ mod fuzz {
 
         #[test]
         fn llamacpp_answers_are_parsed_or_refused(raw in prop::collection::vec(any::<u8>(), 0..256)) {
-            if let Ok((total, busy)) = crate::llamacpp::parse_slots(&raw) {
-                prop_assert!(busy <= total);
+            if let Ok(slots) = crate::llamacpp::parse_slots(&raw) {
+                prop_assert!(slots.busy <= slots.total);
             }
             let _ = crate::llamacpp::parse_models(&raw);
             let _ = prom::parse(&String::from_utf8_lossy(&raw));

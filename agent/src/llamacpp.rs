@@ -4,7 +4,9 @@
 //! with `is_processing`), `/metrics` (`llamacpp:requests_deferred`, needs
 //! `--metrics`) and `/v1/models`. Without `/slots` (server started with
 //! `--no-slots`) the slot count comes from `/props` `total_slots` and the
-//! busy count from `llamacpp:requests_processing`.
+//! busy count from `llamacpp:requests_processing`. The KV capacity in
+//! tokens is the context of every slot (`n_ctx` of each `/slots` entry, or
+//! `/props` `default_generation_settings.n_ctx` × `total_slots`).
 
 use async_trait::async_trait;
 use flowgate::BackendHealth;
@@ -23,11 +25,29 @@ pub struct LlamaCpp {
 struct Slot {
     #[serde(default)]
     is_processing: bool,
+    #[serde(default)]
+    n_ctx: u64,
 }
 
 #[derive(Debug, Deserialize)]
 struct Props {
     total_slots: u32,
+    #[serde(default)]
+    default_generation_settings: Option<SlotSettings>,
+}
+
+#[derive(Debug, Deserialize)]
+struct SlotSettings {
+    #[serde(default)]
+    n_ctx: u64,
+}
+
+/// Slots of a llama-server: (total, busy, KV capacity in tokens).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Slots {
+    pub total: u32,
+    pub busy: u32,
+    pub kv_capacity_tokens: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -40,13 +60,18 @@ struct ModelEntry {
     id: String,
 }
 
-/// Counts (total, busy) slots from a `/slots` body.
-pub fn parse_slots(body: &[u8]) -> Result<(u32, u32), String> {
+/// Counts slots from a `/slots` body; the capacity is their contexts' sum.
+pub fn parse_slots(body: &[u8]) -> Result<Slots, String> {
     let slots: Vec<Slot> =
         serde_json::from_slice(body).map_err(|e| format!("/slots is not a slot list: {e}"))?;
     let total = u32::try_from(slots.len()).map_err(|_| "too many slots".to_string())?;
     let busy = slots.iter().filter(|s| s.is_processing).count() as u32;
-    Ok((total, busy))
+    let context: u64 = slots.iter().map(|s| s.n_ctx).fold(0, u64::saturating_add);
+    Ok(Slots {
+        total,
+        busy,
+        kv_capacity_tokens: (context > 0).then_some(context),
+    })
 }
 
 /// Model ids from a `/v1/models` body.
@@ -66,7 +91,7 @@ impl LlamaCpp {
         LlamaCpp { http }
     }
 
-    async fn slots(&self, metrics: &[prom::Sample]) -> Result<(u32, u32), String> {
+    async fn slots(&self, metrics: &[prom::Sample]) -> Result<Slots, String> {
         match self.http.get("/slots").await? {
             (s, body) if s.is_success() => parse_slots(&body),
             // `--no-slots`: fall back to /props and the metrics.
@@ -75,7 +100,13 @@ impl LlamaCpp {
                 let props: Props = serde_json::from_slice(&body)
                     .map_err(|e| format!("/props has no total_slots: {e}"))?;
                 let busy = count(metrics, "llamacpp:requests_processing").unwrap_or(0);
-                Ok((props.total_slots, busy.min(props.total_slots)))
+                let per_slot = props.default_generation_settings.map_or(0, |s| s.n_ctx);
+                let context = per_slot.saturating_mul(u64::from(props.total_slots));
+                Ok(Slots {
+                    total: props.total_slots,
+                    busy: busy.min(props.total_slots),
+                    kv_capacity_tokens: (context > 0).then_some(context),
+                })
             }
             (s, _) => Err(format!("GET /slots: HTTP {s}")),
         }
@@ -103,7 +134,7 @@ impl Backend for LlamaCpp {
             Ok((s, body)) if s.is_success() => prom::parse(&String::from_utf8_lossy(&body)),
             _ => Vec::new(),
         };
-        let (slots_total, slots_busy) = match self.slots(&samples).await {
+        let slots = match self.slots(&samples).await {
             Ok(v) => v,
             Err(e) => return BackendStatus::unreachable(e),
         };
@@ -114,10 +145,11 @@ impl Backend for LlamaCpp {
         BackendStatus {
             health,
             models,
-            slots_total,
-            slots_busy,
+            slots_total: slots.total,
+            slots_busy: slots.busy,
             requests_waiting: count(&samples, "llamacpp:requests_deferred").unwrap_or(0),
             kv_cache_usage: None,
+            kv_capacity_tokens: slots.kv_capacity_tokens,
             last_error: None,
         }
     }
@@ -130,19 +162,35 @@ mod tests {
 
     #[test]
     fn slots_from_the_fixtures() {
+        let slots = |total, busy, kv_capacity_tokens| {
+            Ok(Slots {
+                total,
+                busy,
+                kv_capacity_tokens,
+            })
+        };
+        // Four slots of 1,024 tokens of context each.
         assert_eq!(
             parse_slots(fixture("llamacpp/slots_idle.txt").as_bytes()),
-            Ok((4, 0))
+            slots(4, 0, Some(4096))
         );
         assert_eq!(
             parse_slots(fixture("llamacpp/slots_busy.txt").as_bytes()),
-            Ok((4, 4))
+            slots(4, 4, Some(4096))
         );
         assert_eq!(
             parse_slots(br#"[{"id":0,"is_processing":true},{"id":1,"is_processing":false}]"#),
-            Ok((2, 1))
+            slots(2, 1, None),
+            "no n_ctx: no capacity"
         );
         assert!(parse_slots(br#"{"error":1}"#).is_err());
+    }
+
+    #[test]
+    fn props_give_slots_and_context_without_slots() {
+        let props: Props = serde_json::from_str(&fixture("llamacpp/props.txt")).unwrap();
+        assert_eq!(props.total_slots, 4);
+        assert_eq!(props.default_generation_settings.unwrap().n_ctx, 1024);
     }
 
     #[test]

@@ -252,6 +252,9 @@ fn report_of(
         slots_busy: status.slots_busy.min(status.slots_total),
         requests_waiting: status.requests_waiting,
         kv_cache_usage: status.kv_cache_usage,
+        kv_capacity_tokens: status
+            .kv_capacity_tokens
+            .map(|c| c.clamp(1, flowgate::protocol::MAX_KV_CAPACITY_TOKENS)),
         monitoring_interval_ms: cli.monitoring_interval.as_millis() as u64,
         draining,
         last_error: status.last_error,

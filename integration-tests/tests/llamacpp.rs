@@ -137,6 +137,8 @@ async fn real_llama_server_end_to_end() {
     let agents = b.agents().await;
     for e in agents["endpoints"].as_array().unwrap() {
         assert_eq!(e["agent"]["slots_total"], 2, "{e}");
+        // `-c 2048` over 2 slots: the KV cache holds 2,048 tokens in all.
+        assert_eq!(e["agent"]["kv_capacity_tokens"], 2048, "{e}");
         assert_eq!(e["agent"]["health"], "ready");
     }
     let models = get_json(&b.url("/v1/models")).await;

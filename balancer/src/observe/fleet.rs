@@ -170,6 +170,7 @@ struct EndpointGauges {
     endpoint_waiting: IntGaugeVec,
     endpoint_report_age: GaugeVec,
     endpoint_kv_cache: GaugeVec,
+    endpoint_kv_capacity: IntGaugeVec,
     endpoint_eligible: IntGaugeVec,
     endpoint_saturated: IntGaugeVec,
     endpoint_circuit_open: IntGaugeVec,
@@ -234,6 +235,18 @@ impl EndpointGauges {
                     ep,
                 ),
             ),
+            endpoint_kv_capacity: register(
+                registry,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "flowgate_endpoint_kv_capacity_tokens",
+                        "Tokens the endpoint's KV cache holds in all, as its agent reported \
+                     (llama.cpp: every slot's context; vLLM: GPU blocks x block size; SGLang: \
+                     max_total_num_tokens); absent when the engine does not say",
+                    ),
+                    ep,
+                ),
+            ),
             endpoint_eligible: register(
                 registry,
                 IntGaugeVec::new(
@@ -284,6 +297,7 @@ impl EndpointGauges {
         }
         self.endpoint_report_age.reset();
         self.endpoint_kv_cache.reset();
+        self.endpoint_kv_capacity.reset();
         for e in endpoints {
             let endpoint = e.addr.to_string();
             let agent = e.agent.as_ref().map_or("", |a| a.agent_id.as_str());
@@ -305,6 +319,12 @@ impl EndpointGauges {
                     .set(i64::from(a.requests_waiting));
                 if let Some(kv) = a.kv_cache_usage {
                     self.endpoint_kv_cache.with_label_values(&labels).set(kv);
+                }
+                if let Some(tokens) = a.kv_capacity_tokens {
+                    // Reports are bounded to 2^40 tokens: fits an i64.
+                    self.endpoint_kv_capacity
+                        .with_label_values(&labels)
+                        .set(i64::try_from(tokens).unwrap_or(i64::MAX));
                 }
             }
             if let Some(age) = e.report_age_ms {

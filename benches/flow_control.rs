@@ -41,6 +41,7 @@ fn report(i: u32) -> AgentReport {
         slots_busy: 0,
         requests_waiting: 0,
         kv_cache_usage: None,
+        kv_capacity_tokens: None,
         monitoring_interval_ms: 60_000,
         draining: false,
         last_error: None,

@@ -141,6 +141,24 @@ async fn the_balancers_model_rules_reach_engines_that_check_the_name() {
     let body: Value = r.json().await.unwrap();
     assert_eq!(body["model"], "model-a");
 
+    // A chunked body (no Content-Length) is renamed too, and stays chunked.
+    let json = chat_for(Some("gpt-4o-mini"), "in pieces")
+        .to_string()
+        .into_bytes();
+    let (head, tail) = json.split_at(json.len() / 2);
+    let pieces = vec![Ok::<_, std::io::Error>(head.to_vec()), Ok(tail.to_vec())];
+    let r = client()
+        .post(b.url("/v1/chat/completions"))
+        .header("content-type", "application/json")
+        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
+            pieces,
+        )))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-flowgate-served-model"], "model-a");
+
     // The async door: delivered through the same rules.
     let queued = post_json(
         &b.url("/v1/async/chat/completions"),

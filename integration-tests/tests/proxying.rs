@@ -460,3 +460,87 @@ async fn sigterm_lets_in_flight_requests_finish_then_exits() {
     assert!(status.success(), "{status:?}");
     assert!(sent.elapsed() < Duration::from_secs(4));
 }
+
+/// A model server that answers the first request on each connection and
+/// closes the connection, silently, when a second one arrives on it: what
+/// a pooled connection whose keep-alive the server ended (llama-server's
+/// after 5 s idle) looks like to the next request sent on it.
+fn one_request_per_connection_server() -> std::net::SocketAddr {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else { return };
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(conn.try_clone().unwrap());
+                let mut read_request = || -> Option<()> {
+                    let mut length = 0usize;
+                    loop {
+                        let mut line = String::new();
+                        if reader.read_line(&mut line).ok()? == 0 {
+                            return None;
+                        }
+                        let lower = line.to_ascii_lowercase();
+                        if let Some(v) = lower.strip_prefix("content-length:") {
+                            length = v.trim().parse().ok()?;
+                        }
+                        if line == "\r\n" {
+                            break;
+                        }
+                    }
+                    let mut body = vec![0; length];
+                    reader.read_exact(&mut body).ok()
+                };
+                if read_request().is_none() {
+                    return;
+                }
+                let body = r#"{"object":"chat.completion","choices":[]}"#;
+                let answer = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+                     content-length: {}\r\n\r\n{body}",
+                    body.len()
+                );
+                let mut conn = conn;
+                if conn.write_all(answer.as_bytes()).is_err() {
+                    return;
+                }
+                // The second request on this connection: closed unanswered.
+                let _ = read_request();
+            });
+        }
+    });
+    addr
+}
+
+/// A request sent on a pooled connection the server had already closed is
+/// sent again on a fresh one, answered, and not blamed on the endpoint.
+#[tokio::test]
+async fn a_stale_pooled_connection_is_retried_on_a_fresh_one() {
+    let b = Balancer::start(&[]).await;
+    let server = one_request_per_connection_server();
+    let report = json!({
+        "protocol_version": 1, "agent_id": "stale", "name": "stale",
+        "backend": "llamacpp", "external_addr": server.to_string(), "models": ["m"],
+        "health": "ready", "slots_total": 4, "slots_busy": 0,
+        "monitoring_interval_ms": 60_000,
+    });
+    let v = post_json(&b.mgmt("/api/v1/agents/stale/report"), &report).await;
+    assert!(v["status"].is_string(), "{v}");
+    let c = client();
+    for i in 0..5 {
+        let r = chat_with(&c, &b, &[], chat_for(Some("m"), "hi")).await;
+        assert_eq!(r.status(), 200, "request {i}");
+    }
+    let stale = metric(
+        &b,
+        "flowgate_upstream_retries_total",
+        &[("reason", "stale-connection")],
+    )
+    .await;
+    assert!(stale >= 4.0, "{stale} stale connections retried");
+    assert_eq!(
+        metric(&b, "flowgate_circuit_breaker_opened_total", &[]).await,
+        0.0
+    );
+}

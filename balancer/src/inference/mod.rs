@@ -136,6 +136,8 @@ pub struct RequestCtx {
     retries: u32,
     /// The endpoint failed and the request goes to another one.
     retry_pending: bool,
+    /// A stale pooled connection was retried on a fresh one.
+    stale_retried: bool,
     /// Status of the upstream response header, once it arrived.
     upstream_status: Option<u16>,
     /// An endpoint whose 5xx awaits a second endpoint's answer to the same
@@ -364,6 +366,16 @@ impl Inference {
     }
 }
 
+/// Whether `e` is what a reused upstream connection that the server had
+/// already closed gives: an upstream error before any response byte, of the
+/// kind Pingora marks retryable on reused connections only.
+fn reused_connection_went_stale(e: &Error, before_answer: bool, reused: bool) -> bool {
+    reused
+        && before_answer
+        && e.esource() == &ErrorSource::Upstream
+        && e.retry == pingora_core::RetryType::ReusedOnly
+}
+
 #[async_trait]
 impl ProxyHttp for Inference {
     type CTX = RequestCtx;
@@ -390,6 +402,7 @@ impl ProxyHttp for Inference {
             meta: None,
             retries: 0,
             retry_pending: false,
+            stale_retried: false,
             upstream_status: None,
             suspect: None,
             rejected: false,
@@ -560,7 +573,7 @@ impl ProxyHttp for Inference {
         session: &mut Session,
         e: Box<Error>,
         ctx: &mut RequestCtx,
-        _client_reused: bool,
+        upstream_reused: bool,
     ) -> Box<Error> {
         let mut e = e.more_context(format!("Peer: {}", peer.address()));
         if ctx.retry_pending {
@@ -571,6 +584,16 @@ impl ProxyHttp for Inference {
         // An upstream failure before any response header: the endpoint
         // failed; after it, the client already has part of the answer.
         let before_answer = ctx.upstream_status.is_none() && session.response_written().is_none();
+        if reused_connection_went_stale(&e, before_answer, upstream_reused) && !ctx.stale_retried {
+            // A pooled connection the server had already closed (its
+            // keep-alive ran out: llama-server's after 5 s idle). Not the
+            // endpoint's failure: once more on a fresh connection to the
+            // same endpoint, with the slot it holds.
+            ctx.stale_retried = true;
+            self.shared.metrics.upstream_retry("stale-connection");
+            e.set_retry(true);
+            return e;
+        }
         if e.esource() == &ErrorSource::Upstream {
             let kind = if before_answer {
                 "before-response"

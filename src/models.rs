@@ -331,20 +331,10 @@ impl ModelRules {
         self.fallbacks.get(model)
     }
 
-    /// Whether any model has a fallback chain.
-    pub fn has_fallbacks(&self) -> bool {
-        !self.fallbacks.is_empty()
-    }
-
-    /// The names the rules answer to, each with the models it may go to
-    /// (`/v1/models` lists them; a 404 names them).
+    /// The names the rules answer to (aliases and rewrites): `/v1/models`
+    /// lists them and a 404 names them.
     pub fn names(&self) -> impl Iterator<Item = &str> + '_ {
         self.names.keys().map(|n| &**n)
-    }
-
-    /// Whether the rules take any name (a default model or any-name).
-    pub fn takes_any_name(&self) -> bool {
-        self.default.is_some() || self.any_name
     }
 }
 
@@ -435,8 +425,6 @@ mod tests {
             None,
             "the engine gets it as sent"
         );
-        assert!(any.takes_any_name() && rules.takes_any_name());
-        assert!(!ModelRules::default().takes_any_name());
     }
 
     #[test]
@@ -500,7 +488,7 @@ mod tests {
         let f = rules.fallback("a").unwrap();
         assert_eq!(f.models, [Arc::from("b"), Arc::from("c")]);
         assert_eq!(f.after, Some(Duration::from_secs(2)));
-        assert!(rules.fallback("b").is_none() && rules.has_fallbacks());
+        assert!(rules.fallback("b").is_none());
         // Fallback models are known names.
         assert_eq!(rules.resolve("c", 0, served(&[])).chosen, Chosen::AsAsked);
     }

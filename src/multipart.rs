@@ -11,7 +11,7 @@ pub struct Part<'a> {
 }
 
 /// The `name="…"` parameter of a header value.
-pub fn param(header: &str, name: &str) -> Option<String> {
+fn param(header: &str, name: &str) -> Option<String> {
     header.split(';').find_map(|p| {
         let (k, v) = p.trim().split_once('=')?;
         k.trim()

@@ -558,28 +558,14 @@ mod tests {
         let mut config = DispatcherConfig::default();
         config.flow.max_requests = 4;
         let shared = FleetGate::new(config);
-        shared
-            .report(AgentReport {
-                protocol_version: PROTOCOL_VERSION,
-                agent_id: "a".into(),
-                name: "a".into(),
-                backend: BackendKind::Llamacpp,
-                external_addr: "127.0.0.1:1".into(),
-                models: vec![],
-                health: BackendHealth::Ready,
-                slots_total: 1,
-                slots_busy: 0,
-                requests_waiting: 0,
-                kv_cache_usage: None,
-                kv_capacity_tokens: None,
-                monitoring_interval_ms: 1000,
-                draining: false,
-                last_error: None,
-            })
-            .unwrap();
+        // An agent that lists no models serves any.
+        let mut a = agent("a", 1, "");
+        a.models.clear();
+        shared.report(a).unwrap();
         shared
     }
 
+    /// A ready agent with one slot, serving `model`.
     fn agent(id: &str, port: u16, model: &str) -> AgentReport {
         AgentReport {
             protocol_version: PROTOCOL_VERSION,

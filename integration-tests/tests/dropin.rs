@@ -9,6 +9,17 @@ use std::time::Duration;
 use common::*;
 use serde_json::Value;
 
+/// The ids `/v1/models` lists, in its order.
+async fn model_ids(b: &Balancer) -> Vec<String> {
+    let models = get_json(&b.url("/v1/models")).await;
+    models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["id"].as_str().map(str::to_string))
+        .collect()
+}
+
 #[tokio::test]
 async fn model_aliases_route_and_unknown_names_are_told_what_is_served() {
     let b = Balancer::start(&[]).await;
@@ -23,14 +34,7 @@ async fn model_aliases_route_and_unknown_names_are_told_what_is_served() {
         let r = chat_with(&client(), &b, &[], chat_for(Some(name), "hi")).await;
         assert_eq!(r.status(), 200, "{name}");
     }
-    let models = get_json(&b.url("/v1/models")).await;
-    let ids: Vec<&str> = models["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|m| m["id"].as_str())
-        .collect();
-    assert_eq!(ids, ["chat", "gpt-4o-mini", "served-model"]);
+    assert_eq!(model_ids(&b).await, ["chat", "gpt-4o-mini", "served-model"]);
     let r = chat_with(&client(), &b, &[], chat_for(Some("gpt-5"), "hi")).await;
     let err: Value = assert_openai_error(r, 404).await;
     let message = err["error"]["message"].as_str().unwrap();
@@ -189,14 +193,10 @@ async fn the_balancers_model_rules_reach_engines_that_check_the_name() {
     }
     assert!((70..=130).contains(&to_b), "{to_b} of 1000 went to model-b");
 
-    let models = get_json(&b.url("/v1/models")).await;
-    let ids: Vec<&str> = models["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|m| m["id"].as_str())
-        .collect();
-    assert_eq!(ids, ["chat", "gpt-4o", "gpt-4o-mini", "model-a", "model-b"]);
+    assert_eq!(
+        model_ids(&b).await,
+        ["chat", "gpt-4o", "gpt-4o-mini", "model-a", "model-b"]
+    );
     b.wait_in_flight(0, Duration::from_secs(5)).await;
 }
 

@@ -419,21 +419,22 @@ impl Exchange {
     /// The request goes to fallback model `m`: the engine gets that name
     /// (where Envoy lets the body change).
     fn fell_back(&mut self, m: Arc<str>) {
-        if self.rewritable() {
-            let form = FlowHeaders::read(|name| self.headers.get(name)).form();
-            if let Some(body) = flowgate::admission::renamed(&self.body, form, &m) {
-                self.body = body;
-                self.body_rewritten = true;
-            }
-        }
+        self.rename_body(&m);
         self.served_model = Some(m);
     }
 
-    /// Whether Envoy takes a new body from us: full duplex (we stream it
-    /// back) and buffered (one body answer); in streamed mode the body's
-    /// chunks already went on.
-    fn rewritable(&self) -> bool {
-        matches!(self.request_mode, BodyMode::FullDuplex | BodyMode::Buffered)
+    /// Renames the model in the body to `model`, where Envoy takes a new
+    /// body from us: full duplex (we stream it back) and buffered (one
+    /// body answer); in streamed mode the body's chunks already went on.
+    fn rename_body(&mut self, model: &str) {
+        if !matches!(self.request_mode, BodyMode::FullDuplex | BodyMode::Buffered) {
+            return;
+        }
+        let form = FlowHeaders::read(|name| self.headers.get(name)).form();
+        if let Some(body) = flowgate::admission::renamed(&self.body, form, model) {
+            self.body = body;
+            self.body_rewritten = true;
+        }
     }
 
     /// What flow control needs to know of the request: the admission step
@@ -459,15 +460,8 @@ impl Exchange {
         )?;
         self.streamed = facts.stream;
         self.served_model.clone_from(&facts.resolved.model);
-        if let (Some(name), true) = (
-            facts.resolved.rewritten_name(&facts.model),
-            self.rewritable(),
-        ) {
-            let form = FlowHeaders::read(|name| self.headers.get(name)).form();
-            if let Some(rewritten) = flowgate::admission::renamed(&self.body, form, name) {
-                self.body = rewritten;
-                self.body_rewritten = true;
-            }
+        if let Some(name) = facts.resolved.rewritten_name(&facts.model) {
+            self.rename_body(name);
         }
         let mut meta = facts.meta;
         if let Some(entries) = &self.subset {

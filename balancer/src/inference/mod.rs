@@ -213,11 +213,7 @@ impl Inference {
         if let Some(meta) = &mut ctx.meta {
             meta.route.model = Some(Arc::clone(&m));
         }
-        let renamed = |b: &Bytes| renamed(b, ctx.form.as_deref(), &m);
-        if let Some(body) = ctx.body.as_ref().and_then(renamed) {
-            ctx.body = Some(body.into());
-            ctx.body_rewritten = true;
-        }
+        rename_body(ctx, &m);
         ctx.served_model = Some(Arc::clone(&m));
         ctx.fallback = Some(m);
     }
@@ -293,22 +289,19 @@ impl Inference {
         ctx.stream = facts.stream;
         ctx.tokens = facts.tokens;
         ctx.prompt_bytes = facts.prompt_bytes;
-        // The engine gets the name of the model it serves, not an alias.
-        let mut body = body;
-        if let Some(name) = facts.resolved.rewritten_name(&ctx.model) {
-            if let Some(rewritten) = renamed(&body.bytes, ctx.form.as_deref(), name) {
-                body.bytes = rewritten.into();
-                body.in_retry_buffer = false;
-                ctx.body_rewritten = true;
-            }
-        }
         ctx.fairness_id = facts.meta.flow.fairness_id.to_string();
         ctx.priority = facts.meta.flow.priority;
         // Keep a second copy only when the retry buffer cannot replay it
-        // all, or a fallback may have to rename the model in it.
+        // all, or the model in it is (or may be, by a fallback) renamed.
+        let rename_to = facts.resolved.rewritten_name(&ctx.model);
         let may_fall_back = (facts.resolved.model.as_deref())
             .is_some_and(|m| ctx.rules.admission.models.fallback(m).is_some());
-        ctx.body = (!body.in_retry_buffer || may_fall_back).then_some(body.bytes);
+        let keep = !body.in_retry_buffer || rename_to.is_some() || may_fall_back;
+        ctx.body = keep.then_some(body.bytes);
+        if let Some(name) = rename_to {
+            // The engine gets the name of the model it serves, not an alias.
+            rename_body(ctx, name);
+        }
         if kind == Some(RouteKind::Slotless) {
             // No slot, no queue, no retry: a live server of the model
             // answers it at once.
@@ -363,6 +356,16 @@ impl Inference {
         }
         self.shared.metrics.upstream_retry(reason);
         true
+    }
+}
+
+/// Renames the model in the request's kept body to `model` (the engine
+/// may check it); the new body replaces the retry buffer's.
+fn rename_body(ctx: &mut RequestCtx, model: &str) {
+    let renamed = |b: &Bytes| renamed(b, ctx.form.as_deref(), model);
+    if let Some(body) = ctx.body.as_ref().and_then(renamed) {
+        ctx.body = Some(body.into());
+        ctx.body_rewritten = true;
     }
 }
 

@@ -20,6 +20,11 @@ import anthropic
 from openai import OpenAI
 
 PROMPT = [{"role": "user", "content": "Say hi."}]
+# Every generation is greedy (temperature 0): the same prompt gives the same
+# answer directly and through Flowgate, so what the reports compare (text or
+# none, several chunks or few) cannot differ by sampling. (This anthropic
+# client takes no `temperature` argument: it goes in the body as is.)
+GREEDY = {"temperature": 0}
 
 
 def openai_calls(base, model, embedding_base, embedding_model):
@@ -40,6 +45,7 @@ def openai_calls(base, model, embedding_base, embedding_model):
             model=model,
             messages=PROMPT,
             max_tokens=8,
+            temperature=0,
             stream=True,
             stream_options={"include_usage": True},
         )
@@ -50,7 +56,9 @@ def openai_calls(base, model, embedding_base, embedding_model):
         "several": len(chunks) > 2,
         "usage_last": chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0,
     }
-    response = client.responses.create(model=model, input="Say hi.", max_output_tokens=8)
+    response = client.responses.create(
+        model=model, input="Say hi.", max_output_tokens=8, temperature=0
+    )
     out["responses"] = {
         "object": response.object,
         "status": response.status,
@@ -58,7 +66,9 @@ def openai_calls(base, model, embedding_base, embedding_model):
         "usage": response.usage is not None and response.usage.total_tokens > 0,
     }
     events, text = [], ""
-    for e in client.responses.create(model=model, input="Say hi.", max_output_tokens=8, stream=True):
+    for e in client.responses.create(
+        model=model, input="Say hi.", max_output_tokens=8, temperature=0, stream=True
+    ):
         events.append(e.type)
         if e.type == "response.output_text.delta":
             text += e.delta
@@ -75,7 +85,7 @@ def openai_calls(base, model, embedding_base, embedding_model):
 def anthropic_calls(base, model):
     client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=60)
     out = {}
-    message = client.messages.create(model=model, max_tokens=8, messages=PROMPT)
+    message = client.messages.create(model=model, max_tokens=8, messages=PROMPT, extra_body=GREEDY)
     out["messages"] = {
         "type": message.type,
         "role": message.role,
@@ -85,7 +95,9 @@ def anthropic_calls(base, model):
     # through a proxy), so the first event compared is the one after it.
     events = [
         e.type
-        for e in client.messages.create(model=model, max_tokens=8, messages=PROMPT, stream=True)
+        for e in client.messages.create(
+            model=model, max_tokens=8, messages=PROMPT, extra_body=GREEDY, stream=True
+        )
         if e.type != "message_start"
     ]
     out["messages_stream"] = {

@@ -547,6 +547,7 @@ async fn real_llama_server_routes_answer_through_flowgate_as_directly() {
 /// Runs `integration-tests/scripts/dropin_clients.py` (the official
 /// `openai` and `anthropic` clients) against `base`; its JSON report.
 async fn python_clients(base: String, model: String, embedding_base: String) -> Value {
+    let target = format!("{base} for {model}");
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/dropin_clients.py");
     let out = tokio::task::spawn_blocking(move || {
         std::process::Command::new("python3")
@@ -559,7 +560,8 @@ async fn python_clients(base: String, model: String, embedding_base: String) -> 
     .unwrap();
     assert!(
         out.status.success(),
-        "the official clients failed (scripts/test installs openai and anthropic):\n{}{}",
+        "the official clients failed against {target} (scripts/test installs openai and \
+         anthropic):\n{}{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );

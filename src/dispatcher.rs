@@ -32,6 +32,10 @@
 //! - A request for a model no endpoint serves (nor served lately) is refused
 //!   404 at once, unless no agent is registered at all: then it waits for
 //!   the fleet to come up.
+//! - A request that needs more tokens than any endpoint of its model can
+//!   give one request is refused 413 at once
+//!   ([`crate::endpoint::Saturation::TokenBudget`]); one that fits but not
+//!   now waits like any other.
 //! - A request past its deadline is never served: `dispatch` answers it
 //!   504 first. Its owner may also remove it with [`Dispatcher::cancel`],
 //!   as when its client leaves. Neither holds a slot.
@@ -45,7 +49,7 @@ use crate::endpoint::{
     EndpointId, EndpointLedger, EndpointSnapshot, Lease, Pick, ReportOutcome, Route,
     SaturationConfig, SchedulingConfig,
 };
-use crate::flow::{FlowControlConfig, FlowKey, FlowQueues, FlowSnapshot, QueueFull, Removed};
+use crate::flow::{FlowControlConfig, FlowKey, FlowQueues, FlowSnapshot, QueueFull, Removed, Size};
 use crate::protocol::{AgentReport, ReportError};
 
 pub use crate::flow::Ticket;
@@ -97,6 +101,8 @@ pub enum Reject {
     Timeout,
     #[error("the requested model is not served by any model server")]
     UnknownModel,
+    #[error("the request needs more tokens (prompt plus max_tokens, estimated) than any model server of its model can hold")]
+    TooManyTokens,
 }
 
 impl Reject {
@@ -108,6 +114,7 @@ impl Reject {
             Reject::NoEndpoints => "no-endpoints",
             Reject::Timeout => "ttl-expired",
             Reject::UnknownModel => "model-not-found",
+            Reject::TooManyTokens => "exceeds-token-capacity",
         }
     }
 
@@ -117,6 +124,7 @@ impl Reject {
             Reject::Shed | Reject::Evicted => 429,
             Reject::Timeout => 504,
             Reject::UnknownModel => 404,
+            Reject::TooManyTokens => 413,
         }
     }
 }
@@ -227,6 +235,9 @@ impl<T> Dispatcher<T> {
         if !self.ledger.model_known(request.route.model.as_deref(), now) {
             return Admission::Rejected(Reject::UnknownModel);
         }
+        if self.ledger.never_fits(&request.route, now) {
+            return Admission::Rejected(Reject::TooManyTokens);
+        }
         let hold = self.config.scheduling.affinity_hold;
         if self.queues.is_empty() {
             if let Pick::Lease(lease) = self.ledger.pick(&request.route, now, !hold.is_zero()) {
@@ -243,6 +254,10 @@ impl<T> Dispatcher<T> {
         }
         let deadline = now + self.ttl(request.ttl);
         let lane = request.route.model.clone();
+        let size = Size {
+            bytes: request.bytes,
+            tokens: request.route.tokens.total(),
+        };
         let waiting = Waiting {
             handle,
             route: request.route,
@@ -251,7 +266,7 @@ impl<T> Dispatcher<T> {
         };
         match self
             .queues
-            .push(request.flow, lane, request.bytes, waiting, now, deadline)
+            .push(request.flow, lane, size, waiting, now, deadline)
         {
             Ok((ticket, evicted)) => {
                 self.evicted.extend(
@@ -336,6 +351,7 @@ impl<T> Dispatcher<T> {
                         prefix: Vec::new(),
                         avoid: r.avoid,
                         subset: r.subset.clone(),
+                        tokens: Default::default(),
                     });
                 }
             }
@@ -457,6 +473,11 @@ impl<T> Dispatcher<T> {
         self.queues.bytes()
     }
 
+    /// Queued estimated tokens.
+    pub fn buffered_tokens(&self) -> u64 {
+        self.queues.tokens()
+    }
+
     /// Demand with nowhere to go: queued requests whose model no eligible
     /// endpoint serves, busy or not (none registered, all draining, stale
     /// or failing), per model (`None`: requests that name none). Only more
@@ -555,6 +576,7 @@ impl<T> Dispatcher<T> {
         Snapshot {
             buffered: self.buffered(),
             buffered_bytes: self.buffered_bytes(),
+            buffered_tokens: self.buffered_tokens(),
             flows: self.flows(),
             in_flight: self.in_flight(),
             endpoints: self.endpoints(now),
@@ -570,6 +592,8 @@ impl<T> Dispatcher<T> {
 pub struct Snapshot {
     pub buffered: usize,
     pub buffered_bytes: u64,
+    /// Estimated tokens of the queued requests.
+    pub buffered_tokens: u64,
     pub flows: Vec<FlowSnapshot>,
     pub in_flight: u64,
     pub endpoints: Vec<EndpointSnapshot>,

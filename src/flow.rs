@@ -16,7 +16,8 @@
 //!   work-conserving: a lone flow may use every turn.
 //! - Inside a flow an [`OrderingPolicy`] picks the request: `fcfs` (arrival
 //!   order) or `edf` (earliest deadline first).
-//! - Capacity: `maxRequests` / `maxBytes` globally and per band. A band over
+//! - Capacity: `maxRequests` / `maxBytes` / `maxTokens` (estimated tokens,
+//!   [`crate::tokens`]) globally and per band. A band over
 //!   its own limit sheds the newcomer ([`Reject::Shed`], 429). When the whole
 //!   buffer is full, a newcomer evicts queued work of strictly lower
 //!   priority (the newest request of that band's largest flow, answered 429)
@@ -93,6 +94,9 @@ pub struct BandConfig {
     pub max_requests: Option<usize>,
     /// Most body bytes the band may hold; `None`: only the global limit.
     pub max_bytes: Option<u64>,
+    /// Most estimated tokens the band may hold; `None`: only the global
+    /// limit.
+    pub max_tokens: Option<u64>,
     pub fairness: FairnessPolicy,
     pub ordering: OrderingPolicy,
 }
@@ -102,6 +106,7 @@ impl Default for BandConfig {
         BandConfig {
             max_requests: None,
             max_bytes: None,
+            max_tokens: None,
             fairness: FairnessPolicy::RoundRobin,
             ordering: OrderingPolicy::Fcfs,
         }
@@ -115,6 +120,8 @@ pub struct FlowControlConfig {
     pub max_requests: usize,
     /// Most body bytes that may wait in all bands.
     pub max_bytes: u64,
+    /// Most estimated tokens that may wait in all bands; `None`: no limit.
+    pub max_tokens: Option<u64>,
     /// Bands with their own limits or policies, by priority.
     pub bands: BTreeMap<i32, BandConfig>,
     /// Policies of any priority not listed in `bands` (no band limits).
@@ -126,6 +133,7 @@ impl Default for FlowControlConfig {
         FlowControlConfig {
             max_requests: 30,
             max_bytes: 256 << 20,
+            max_tokens: None,
             bands: BTreeMap::new(),
             default_band: BandConfig::default(),
         }
@@ -179,6 +187,8 @@ pub struct FlowSnapshot {
     pub priority: i32,
     pub requests: usize,
     pub bytes: u64,
+    /// Estimated tokens of its queued requests.
+    pub tokens: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -196,8 +206,18 @@ struct OrderKey {
 struct Item<T> {
     handle: T,
     bytes: u64,
+    tokens: u64,
     enqueued_at: Instant,
     deadline: Instant,
+}
+
+/// What a queued request counts for against the limits.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Size {
+    /// Its body.
+    pub bytes: u64,
+    /// Its estimated tokens ([`crate::tokens::TokenEstimate::total`]).
+    pub tokens: u64,
 }
 
 /// What a flow is split by: the requested model (`None`: any).
@@ -209,6 +229,7 @@ struct Flow<T> {
     lane: Lane,
     items: BTreeMap<OrderKey, Item<T>>,
     bytes: u64,
+    tokens: u64,
     /// Round-robin only: the token of this flow's live entry in its band's
     /// ring, if it has one.
     ring_token: Option<u64>,
@@ -233,6 +254,7 @@ enum Turns {
 struct Band {
     requests: usize,
     bytes: u64,
+    tokens: u64,
     turns: Turns,
     /// Flows of this band that exist (empty ones included).
     flows: usize,
@@ -243,6 +265,7 @@ impl Band {
         Band {
             requests: 0,
             bytes: 0,
+            tokens: 0,
             turns: match config.fairness {
                 FairnessPolicy::GlobalStrict => Turns::GlobalStrict(BTreeSet::new()),
                 FairnessPolicy::RoundRobin => Turns::RoundRobin {
@@ -268,6 +291,7 @@ pub struct FlowQueues<T> {
     deadlines: BTreeSet<(Instant, OrderKey, FlowIdx)>,
     requests: usize,
     bytes: u64,
+    tokens: u64,
     next_seq: u64,
     next_ring_token: u64,
 }
@@ -291,6 +315,7 @@ impl<T> FlowQueues<T> {
             deadlines: BTreeSet::new(),
             requests: 0,
             bytes: 0,
+            tokens: 0,
             next_seq: 0,
             next_ring_token: 0,
         }
@@ -310,6 +335,11 @@ impl<T> FlowQueues<T> {
         self.bytes
     }
 
+    /// Queued estimated tokens in all bands.
+    pub fn tokens(&self) -> u64 {
+        self.tokens
+    }
+
     /// Queues a request, evicting lower-priority work if the buffer is full
     /// (the evicted requests are returned; answer them 429).
     #[allow(clippy::type_complexity)]
@@ -317,24 +347,28 @@ impl<T> FlowQueues<T> {
         &mut self,
         key: FlowKey,
         lane: Lane,
-        bytes: u64,
+        size: Size,
         handle: T,
         now: Instant,
         deadline: Instant,
     ) -> Result<(Ticket, Vec<Removed<T>>), (QueueFull, T)> {
+        let Size { bytes, tokens } = size;
         let band_config = self.config.band(key.priority);
-        let (band_requests, band_bytes) = self
+        let (band_requests, band_bytes, band_tokens) = self
             .bands
             .get(&key.priority)
-            .map_or((0, 0), |b| (b.requests, b.bytes));
+            .map_or((0, 0, 0), |b| (b.requests, b.bytes, b.tokens));
         let band_fits = band_config.max_requests.is_none_or(|m| band_requests < m)
             && band_config
                 .max_bytes
-                .is_none_or(|m| band_bytes.saturating_add(bytes) <= m);
+                .is_none_or(|m| band_bytes.saturating_add(bytes) <= m)
+            && band_config
+                .max_tokens
+                .is_none_or(|m| band_tokens.saturating_add(tokens) <= m);
         if !band_fits {
             return Err((QueueFull::Band, handle));
         }
-        let evicted = match self.make_room(key.priority, bytes) {
+        let evicted = match self.make_room(key.priority, size) {
             Some(evicted) => evicted,
             None => return Err((QueueFull::Global, handle)),
         };
@@ -359,17 +393,20 @@ impl<T> FlowQueues<T> {
             Item {
                 handle,
                 bytes,
+                tokens,
                 enqueued_at: now,
                 deadline,
             },
         );
         flow.bytes += bytes;
+        flow.tokens += tokens;
         let band = self
             .bands
             .get_mut(&priority)
             .expect("flow_for made the band");
         band.requests += 1;
         band.bytes += bytes;
+        band.tokens += tokens;
         match &mut band.turns {
             Turns::GlobalStrict(heads) => {
                 if old_head.is_none_or(|h| order < h) {
@@ -390,6 +427,7 @@ impl<T> FlowQueues<T> {
         self.deadlines.insert((deadline, order, idx));
         self.requests += 1;
         self.bytes += bytes;
+        self.tokens += tokens;
         Ok((
             Ticket {
                 flow: idx,
@@ -560,9 +598,11 @@ impl<T> FlowQueues<T> {
                 priority: f.key.priority,
                 requests: 0,
                 bytes: 0,
+                tokens: 0,
             });
             snap.requests += f.items.len();
             snap.bytes += f.bytes;
+            snap.tokens += f.tokens;
         }
         let mut out: Vec<FlowSnapshot> = by_key.into_values().collect();
         out.sort_by(|a, b| {
@@ -580,6 +620,7 @@ impl<T> FlowQueues<T> {
         let flow = self.flows.get_mut(ticket.flow.0 as usize)?.as_mut()?;
         let item = flow.items.remove(&ticket.key)?;
         flow.bytes -= item.bytes;
+        flow.tokens -= item.tokens;
         let new_head = flow.items.keys().next().copied();
         let left_ring = new_head.is_none() && flow.ring_token.take().is_some();
         let key = flow.key.clone();
@@ -589,6 +630,7 @@ impl<T> FlowQueues<T> {
             .expect("band of a queued request exists");
         band.requests -= 1;
         band.bytes -= item.bytes;
+        band.tokens -= item.tokens;
         match &mut band.turns {
             Turns::GlobalStrict(heads) => {
                 if heads.remove(&(ticket.key, ticket.flow)) {
@@ -612,6 +654,7 @@ impl<T> FlowQueues<T> {
             .remove(&(item.deadline, ticket.key, ticket.flow));
         self.requests -= 1;
         self.bytes -= item.bytes;
+        self.tokens -= item.tokens;
         Some(Removed {
             handle: item.handle,
             key,
@@ -630,6 +673,7 @@ impl<T> FlowQueues<T> {
             lane: lane.clone(),
             items: BTreeMap::new(),
             bytes: 0,
+            tokens: 0,
             ring_token: None,
         };
         let idx = match self.free_flows.pop() {
@@ -675,31 +719,43 @@ impl<T> FlowQueues<T> {
         }
     }
 
-    /// Makes room for a request of `priority` and `bytes` under the global
+    /// Makes room for a request of `priority` and `size` under the global
     /// limits, evicting work of strictly lower priority when that suffices.
     /// `None` (and nothing evicted) when it cannot.
-    fn make_room(&mut self, priority: i32, bytes: u64) -> Option<Vec<Removed<T>>> {
+    fn make_room(&mut self, priority: i32, size: Size) -> Option<Vec<Removed<T>>> {
+        let Size { bytes, tokens } = size;
         let max_requests = self.config.max_requests;
         let max_bytes = self.config.max_bytes;
-        if max_requests == 0 || bytes > max_bytes {
+        let max_tokens = self.config.max_tokens.unwrap_or(u64::MAX);
+        if max_requests == 0 || bytes > max_bytes || tokens > max_tokens {
             return None;
         }
         let excess_requests = (self.requests + 1).saturating_sub(max_requests);
         let excess_bytes = (self.bytes + bytes).saturating_sub(max_bytes);
-        if excess_requests == 0 && excess_bytes == 0 {
+        let excess_tokens = self
+            .tokens
+            .saturating_add(tokens)
+            .saturating_sub(max_tokens);
+        if excess_requests == 0 && excess_bytes == 0 && excess_tokens == 0 {
             return Some(Vec::new());
         }
-        let (lower_requests, lower_bytes) = self
+        let (lower_requests, lower_bytes, lower_tokens) = self
             .bands
             .range(..priority)
-            .fold((0, 0), |(r, b), (_, band)| {
-                (r + band.requests, b + band.bytes)
+            .fold((0, 0, 0), |(r, b, t), (_, band)| {
+                (r + band.requests, b + band.bytes, t + band.tokens)
             });
-        if lower_requests < excess_requests || lower_bytes < excess_bytes {
+        if lower_requests < excess_requests
+            || lower_bytes < excess_bytes
+            || lower_tokens < excess_tokens
+        {
             return None;
         }
         let mut evicted = Vec::new();
-        while self.requests + 1 > max_requests || self.bytes + bytes > max_bytes {
+        while self.requests + 1 > max_requests
+            || self.bytes + bytes > max_bytes
+            || self.tokens.saturating_add(tokens) > max_tokens
+        {
             let victim = self.eviction_victim(priority)?;
             evicted.push(self.cancel(victim).expect("victim is queued"));
         }

@@ -43,10 +43,50 @@ pub const MAX_LEARNED_MODELS: usize = 1024;
 const DECAY: f64 = 0.01;
 
 /// A request's cost in tokens.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct TokenEstimate {
     pub prompt: u64,
     pub output: u64,
+    /// `output` is the request's own bound, not the operator's default:
+    /// the request cannot be served in fewer tokens than
+    /// [`TokenEstimate::least`].
+    pub output_asked: bool,
+}
+
+impl TokenEstimate {
+    /// Prompt and output together: what the request may hold of a
+    /// server's KV cache at its end.
+    pub fn total(&self) -> u64 {
+        self.prompt.saturating_add(self.output)
+    }
+
+    /// The fewest tokens the request needs to be served as asked: its
+    /// prompt, plus its output bound when it named one (an engine refuses
+    /// a prompt plus `max_tokens` beyond its context; a default output is
+    /// only a guess).
+    pub fn least(&self) -> u64 {
+        if self.output_asked {
+            self.total()
+        } else {
+            self.prompt
+        }
+    }
+}
+
+/// Tokens an answer actually used, as its `usage` reports them (or, for an
+/// answer cut short, what was sent).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TokenUsage {
+    pub prompt: u64,
+    pub completion: u64,
+    /// Of `prompt`: tokens the engine found in its prefix cache.
+    pub cached: u64,
+}
+
+impl TokenUsage {
+    pub fn total(&self) -> u64 {
+        self.prompt.saturating_add(self.completion)
+    }
 }
 
 /// `prompt_bytes` of prompt text at `bytes_per_token`, rounded up: at

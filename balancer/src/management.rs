@@ -197,6 +197,7 @@ impl Management {
         let body = json!({
             "buffered_requests": snap.buffered,
             "buffered_bytes": snap.buffered_bytes,
+            "buffered_tokens": snap.buffered_tokens,
             "max_buffered_requests": snap.max_buffered_requests,
             "max_buffered_bytes": snap.max_buffered_bytes,
             "flows": snap.flows,

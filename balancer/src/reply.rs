@@ -107,6 +107,7 @@ impl Refusal {
             Reject::BufferFull | Reject::NoEndpoints => ("server_error", "service_unavailable"),
             Reject::Shed | Reject::Evicted => ("rate_limit_error", "rate_limit_exceeded"),
             Reject::Timeout => ("server_error", "timeout"),
+            Reject::TooManyTokens => ("invalid_request_error", "context_length_exceeded"),
             Reject::UnknownModel => unreachable!("answered above"),
         };
         Refusal {

@@ -53,3 +53,111 @@ fn a_default_output_bound_out_of_range_is_refused_at_start() {
         );
     }
 }
+
+/// A vLLM-like engine with 8,192 tokens of KV cache and 8 slots, its agent
+/// reporting the capacity (`vllm:cache_config_info`), and a balancer.
+async fn kv_fleet(ttft_ms: &str) -> (Balancer, Sim, Proc) {
+    let b = Balancer::start(&[]).await;
+    let sim = Sim::start(&[
+        "--engine",
+        "vllm",
+        "--slots",
+        "8",
+        "--kv-capacity-tokens",
+        "8192",
+        "--ttft-ms",
+        ttft_ms,
+    ]);
+    let agent = agent_at(
+        &sim.addr.to_string(),
+        &b,
+        &["--backend", "vllm", "--max-concurrency", "8"],
+    );
+    b.wait_eligible(1).await;
+    let capacity = &b.agents().await["endpoints"][0]["agent"]["kv_capacity_tokens"];
+    assert_eq!(capacity, 8192);
+    (b, sim, agent)
+}
+
+/// A chat of `prompt_tokens` tokens (at the balancer's starting 4 bytes
+/// per token) asking for `max_tokens`.
+fn sized_chat(prompt_tokens: usize, max_tokens: Option<u64>) -> serde_json::Value {
+    let mut body = chat_for(Some("sim-model"), &"abcd".repeat(prompt_tokens));
+    if let Some(n) = max_tokens {
+        body["max_tokens"] = n.into();
+    }
+    body
+}
+
+/// A request whose tokens do not fit in what is left of the server's KV
+/// capacity waits, slots free or not, and so does everything of its model
+/// behind it; it goes once room is made, and every answer is a 200.
+#[tokio::test]
+async fn a_large_request_waits_for_token_room_instead_of_filling_a_busy_server() {
+    let (b, _sim, _agent) = kv_fleet("1500").await;
+    let send = |body: serde_json::Value| {
+        let b_url = b.url("/v1/chat/completions");
+        tokio::spawn(async move {
+            let r = client().post(b_url).json(&body).send().await.unwrap();
+            r.status().as_u16()
+        })
+    };
+    // 4,000 + 1,000 tokens go; 4,000 + 1,000 more would be 10,000 > 8,192.
+    let first = send(sized_chat(4000, Some(1000)));
+    b.wait_in_flight(1, Duration::from_secs(5)).await;
+    let second = send(sized_chat(4000, Some(1000)));
+    b.wait_buffered(1).await;
+    let tiny = send(sized_chat(1, Some(1)));
+    b.wait_buffered(2).await;
+    let a = b.agents().await;
+    let ep = &a["endpoints"][0];
+    // The prompt text counts its role too: a token or two more.
+    let in_flight = ep["in_flight_tokens"].as_u64().unwrap();
+    assert!((5_000..5_010).contains(&in_flight), "{ep}");
+    assert!(ep["free_slots"].as_u64().unwrap() >= 6, "{ep}");
+    assert!(a["buffered_tokens"].as_u64().unwrap() >= 5_002, "{a}");
+    assert_eq!(
+        metric(&b, "flowgate_endpoint_in_flight_tokens", &[]).await,
+        in_flight as f64
+    );
+    for (name, h) in [("first", first), ("second", second), ("tiny", tiny)] {
+        assert_eq!(h.await.unwrap(), 200, "{name}");
+    }
+    b.wait_in_flight(0, Duration::from_secs(5)).await;
+    assert_eq!(b.agents().await["endpoints"][0]["in_flight_tokens"], 0);
+}
+
+/// A request that no server of its model can ever hold is refused at once
+/// with 413, not held until its TTL; an output bound the client did not
+/// ask for is no reason to refuse.
+#[tokio::test]
+async fn a_request_that_can_never_fit_is_refused_413_at_once() {
+    let (b, _sim, _agent) = kv_fleet("20").await;
+    let started = std::time::Instant::now();
+    for body in [sized_chat(8000, Some(500)), sized_chat(9000, None)] {
+        let r = chat_with(&client(), &b, &[], body).await;
+        assert_eq!(
+            r.headers()["x-flowgate-drop-reason"],
+            "exceeds-token-capacity"
+        );
+        let e = assert_openai_error(r, 413).await;
+        assert_eq!(e["error"]["code"], "context_length_exceeded", "{e}");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "refused at once, not after the 10 s TTL"
+    );
+    // 6,000 prompt tokens and no bound: the default 1,024 would overflow,
+    // but the engine stops at its context; it is served.
+    let r = chat_with(&client(), &b, &[], sized_chat(6000, None)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        metric(
+            &b,
+            "flowgate_requests_total",
+            &[("reason", "exceeds-token-capacity")]
+        )
+        .await,
+        2.0
+    );
+}

@@ -110,8 +110,7 @@ pub fn body_facts(body: &[u8], prefix: &PrefixConfig) -> Result<BodyFacts, Strin
         route: Route {
             model: fields.model().map(Arc::from),
             prefix: block_hashes(&fields.prompt_text(prefix), prefix),
-            avoid: None,
-            subset: None,
+            ..Route::default()
         },
         stream: fields.stream == Some(serde_json::Value::Bool(true)),
         prompt_bytes: crate::openai::prompt_bytes(&fields.prompt_fields()),
@@ -147,8 +146,7 @@ pub fn form_facts(
         route: Route {
             model: model.map(Arc::from),
             prefix: block_hashes(&prompt[..prompt.len().min(limit)], prefix),
-            avoid: None,
-            subset: None,
+            ..Route::default()
         },
         stream: field("stream") == Some("true"),
         prompt_bytes: prompt.len() as u64,

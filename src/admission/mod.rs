@@ -121,7 +121,9 @@ impl AdmissionRules {
         let tokens = TokenEstimate {
             prompt: crate::tokens::prompt_tokens(facts.prompt_bytes, per_token),
             output: facts.output_bound.unwrap_or(self.default_output_tokens),
+            output_asked: facts.output_bound.is_some(),
         };
+        facts.route.tokens = tokens;
         Ok(RequestFacts {
             model: facts.model,
             resolved,

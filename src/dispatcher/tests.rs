@@ -1109,3 +1109,229 @@ fn a_reload_changes_limits_for_new_requests_and_drops_nothing() {
     assert_eq!(done[0].waiter, "w1", "in order as before");
     d.release(done.into_iter().next().unwrap().result.unwrap());
 }
+
+fn costing(tenant: &str, prompt: u64, output: u64, asked: bool) -> RequestMeta {
+    RequestMeta {
+        route: Route {
+            tokens: crate::tokens::TokenEstimate {
+                prompt,
+                output,
+                output_asked: asked,
+            },
+            ..Route::default()
+        },
+        ..req(tenant, 0)
+    }
+}
+
+/// A vLLM-like server (one shared KV pool) of `capacity` tokens.
+fn pooled_server(port: u16, slots: u32, capacity: u64) -> AgentReport {
+    let mut r = report("v", &format!("127.0.0.1:{port}"), slots);
+    r.backend = crate::protocol::BackendKind::Vllm;
+    r.kv_capacity_tokens = Some(capacity);
+    r
+}
+
+#[test]
+fn a_request_waits_for_token_room_rather_than_fill_a_nearly_full_server() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    d.report(pooled_server(1, 8, 10_000), t0).unwrap();
+    // 6,000 of 10,000 tokens in flight, slots free.
+    let big = ready(d.submit(costing("t", 5_000, 1_000, true), "big", t0));
+    assert_eq!(big.tokens, 6_000);
+    assert_eq!(d.endpoints(t0)[0].in_flight_tokens, 6_000);
+    // 3,000 more fit; 5,000 more do not: it waits, though slots are free.
+    let small = ready(d.submit(costing("t", 2_000, 1_000, true), "small", t0));
+    let huge = queued(d.submit(costing("t", 4_000, 1_000, true), "huge", t0));
+    assert_eq!(d.endpoints(t0)[0].free_slots, 6);
+    // Nothing of the same model passes it, however small.
+    queued(d.submit(costing("t", 10, 10, true), "tiny", t0));
+    assert!(d.dispatch(t0).is_empty());
+    d.release(small);
+    assert!(d.dispatch(t0).is_empty(), "9,000 + 5,000 still do not fit");
+    d.release(big);
+    assert_eq!(granted(&d.dispatch(t0)), ["huge", "tiny"]);
+    assert!(!d.cancel(huge), "it was granted");
+    assert_eq!(d.endpoints(t0)[0].in_flight_tokens, 5_020);
+}
+
+#[test]
+fn the_token_budget_is_a_share_of_capacity_and_saturates_the_endpoint() {
+    let t0 = Instant::now();
+    let mut config = config(30);
+    config.saturation.token_budget = 0.5;
+    let mut d: Dispatcher<&str> = Dispatcher::new(config);
+    d.report(pooled_server(1, 8, 10_000), t0).unwrap();
+    let _a = ready(d.submit(costing("t", 4_000, 1_000, true), "a", t0));
+    assert_eq!(
+        d.endpoints(t0)[0].saturation,
+        Some(crate::Saturation::TokenBudget),
+        "5,000 of a 5,000-token budget"
+    );
+    queued(d.submit(costing("t", 1, 1, true), "b", t0));
+    // Turned off: tokens do not count.
+    let mut off = DispatcherConfig::default();
+    off.saturation.token_budget = 0.0;
+    d.reconfigure(off);
+    assert_eq!(granted(&d.dispatch(t0)), ["b"]);
+}
+
+#[test]
+fn an_idle_endpoint_takes_a_request_larger_than_its_budget() {
+    let t0 = Instant::now();
+    let mut config = config(30);
+    config.saturation.token_budget = 0.5;
+    let mut d: Dispatcher<&str> = Dispatcher::new(config);
+    d.report(pooled_server(1, 8, 10_000), t0).unwrap();
+    // 8,000 is over the 5,000 budget but within capacity: it goes alone.
+    let l = ready(d.submit(costing("t", 7_000, 1_000, true), "a", t0));
+    queued(d.submit(costing("t", 1, 1, true), "b", t0));
+    d.release(l);
+    assert_eq!(granted(&d.dispatch(t0)), ["b"]);
+}
+
+#[test]
+fn a_request_that_can_never_fit_is_refused_413_at_once() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    // No agent: nothing is known, it waits.
+    let early = queued(d.submit(costing("t", 50_000, 10, true), "early", t0));
+    assert!(d.cancel(early));
+    d.report(pooled_server(1, 8, 10_000), t0).unwrap();
+    let r = rejected(d.submit(costing("t", 9_000, 2_000, true), "x", t0));
+    assert_eq!(
+        (r, r.http_status(), r.reason()),
+        (Reject::TooManyTokens, 413, "exceeds-token-capacity")
+    );
+    // An output bound the operator assumed (none asked) is no reason to
+    // refuse: the request goes, counted for what the server can hold.
+    let l = ready(d.submit(costing("t", 9_000, 2_000, false), "y", t0));
+    assert_eq!(l.tokens, 10_000);
+    d.release(l);
+    // Another endpoint of unknown capacity might take it: it is admitted.
+    d.report(report("u", "127.0.0.1:2", 1), t0).unwrap();
+    let _z = ready(d.submit(costing("t", 9_000, 2_000, true), "z", t0));
+}
+
+#[test]
+fn llamacpp_slots_each_hold_their_share_of_the_context() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    // -c 2048 -np 2: each slot holds 1,024 tokens.
+    let mut r = report("l", "127.0.0.1:1", 2);
+    r.kv_capacity_tokens = Some(2048);
+    d.report(r, t0).unwrap();
+    // Unbounded chats (default output 1,024) count one slot's context
+    // each, so both slots fill.
+    let a = ready(d.submit(costing("t", 20, 1024, false), "a", t0));
+    let b = ready(d.submit(costing("t", 20, 1024, false), "b", t0));
+    assert_eq!((a.tokens, b.tokens), (1024, 1024));
+    // llama-server stops a larger max_tokens at the context's end: only a
+    // prompt beyond a slot's context can never be served.
+    d.release(a);
+    d.release(b);
+    let c = ready(d.submit(costing("t", 1000, 5000, true), "c", t0));
+    d.release(c);
+    let r = rejected(d.submit(costing("t", 1025, 1, true), "d", t0));
+    assert_eq!(r, Reject::TooManyTokens);
+}
+
+#[test]
+fn orphaned_slots_keep_their_tokens_until_freed() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    let mut r = report("l", "127.0.0.1:1", 2);
+    r.kv_capacity_tokens = Some(4096);
+    d.report(r.clone(), t0).unwrap();
+    let l = ready(d.submit(costing("t", 500, 500, true), "a", t0));
+    d.orphan(l, false, t0);
+    assert_eq!(d.endpoints(t0)[0].in_flight_tokens, 1000);
+    // The engine finished it: the next report frees slot and tokens.
+    d.report(r, t0 + MS).unwrap();
+    assert_eq!(d.endpoints(t0)[0].in_flight_tokens, 0);
+}
+
+proptest! {
+    /// Whatever requests come and go, in-flight tokens are the sum of the
+    /// live leases' tokens and never exceed the budget unless a single
+    /// request holds the endpoint.
+    #[test]
+    fn in_flight_tokens_are_the_leases_tokens(
+        ops in proptest::collection::vec((0u8..3, 0u64..6_000, 0u64..3_000), 1..80)
+    ) {
+        let t0 = Instant::now();
+        let mut d = dispatcher(1000);
+        d.report(pooled_server(1, 16, 10_000), t0).unwrap();
+        let mut leases: Vec<Lease> = Vec::new();
+        for (op, prompt, output) in ops {
+            match op {
+                0 | 1 => {
+                    if let Admission::Ready(l) = d.submit(costing("t", prompt, output, true), "r", t0) {
+                        leases.push(l);
+                    }
+                }
+                _ => {
+                    if !leases.is_empty() {
+                        let l = leases.remove(prompt as usize % leases.len());
+                        d.release(l);
+                    }
+                }
+            }
+            for done in d.dispatch(t0) {
+                if let Ok(l) = done.result {
+                    leases.push(l);
+                }
+            }
+            let sum: u64 = leases.iter().map(|l| l.tokens).sum();
+            let snap = &d.endpoints(t0)[0];
+            prop_assert_eq!(snap.in_flight_tokens, sum);
+            prop_assert!(sum <= 10_000 || leases.len() == 1, "{} tokens in {} leases", sum, leases.len());
+        }
+    }
+}
+
+#[test]
+fn token_limits_shed_and_evict_like_byte_limits() {
+    let t0 = Instant::now();
+    let mut config = config(100);
+    config.flow.max_tokens = Some(10_000);
+    config.flow.bands.insert(
+        1,
+        BandConfig {
+            max_tokens: Some(3_000),
+            ..BandConfig::default()
+        },
+    );
+    let mut d: Dispatcher<&str> = Dispatcher::new(config);
+    d.report(report("a", "127.0.0.1:1", 1), t0).unwrap();
+    let _busy = ready(d.submit(costing("t", 1, 1, true), "busy", t0));
+    let at = |p: i32, tokens: u64| RequestMeta {
+        flow: FlowKey::new("t", p),
+        ..costing("t", tokens, 0, true)
+    };
+    // The band holds 3,000 tokens: the next one is shed.
+    queued(d.submit(at(1, 2_500), "b1", t0));
+    assert_eq!(rejected(d.submit(at(1, 600), "b2", t0)), Reject::Shed);
+    // 10,000 in all: a priority-0 request beyond is refused (nothing lower
+    // to evict), a priority-5 one evicts priority-0 work.
+    queued(d.submit(at(0, 7_000), "low", t0));
+    assert_eq!(d.buffered_tokens(), 9_500);
+    assert_eq!(
+        rejected(d.submit(at(0, 600), "low2", t0)),
+        Reject::BufferFull
+    );
+    queued(d.submit(at(5, 600), "high", t0));
+    let done = d.dispatch(t0);
+    assert_eq!(done.len(), 1);
+    assert_eq!(
+        (done[0].waiter, done[0].result.as_ref().unwrap_err()),
+        ("low", &Reject::Evicted)
+    );
+    assert_eq!(d.buffered_tokens(), 3_100);
+    // A request larger than the whole buffer can never be queued.
+    assert_eq!(
+        rejected(d.submit(at(9, 10_001), "x", t0)),
+        Reject::BufferFull
+    );
+}

@@ -81,6 +81,9 @@ pub struct EndpointId(pub u64);
 pub struct Lease {
     pub endpoint: EndpointId,
     pub addr: SocketAddr,
+    /// Tokens counted in flight on the endpoint for this request (its
+    /// estimate, see [`Endpoint::token_need`]), given back with the slot.
+    pub tokens: u64,
 }
 
 #[derive(Debug, Clone)]
@@ -96,6 +99,9 @@ pub(crate) struct Endpoint {
     /// `None` once the agent deregistered or was dropped as stale.
     pub(crate) agent: Option<AgentState>,
     pub(crate) in_flight: u32,
+    /// Estimated tokens of the balancer's requests in flight here (orphans
+    /// included): what the token budget counts.
+    pub(crate) in_flight_tokens: u64,
     /// Highest `in_flight` since the last report (see module docs).
     in_flight_peak: u32,
     /// Busy slots the balancer did not cause, from the last report.
@@ -103,9 +109,9 @@ pub(crate) struct Endpoint {
     /// The agent the last take-over displaced (to tell two agents taking
     /// turns from a new owner).
     displaced: Option<String>,
-    /// When each orphaned slot (counted in `in_flight`) was orphaned,
-    /// oldest first.
-    orphans: std::collections::VecDeque<Instant>,
+    /// When each orphaned slot (counted in `in_flight`) was orphaned, and
+    /// its tokens, oldest first.
+    orphans: std::collections::VecDeque<(Instant, u64)>,
     breaker: Breaker,
     /// Prompt blocks recently sent here.
     prefix: PrefixLru,
@@ -149,8 +155,9 @@ impl Endpoint {
     /// Gives back the `n` oldest orphaned slots.
     fn free_orphans(&mut self, n: usize) {
         let n = n.min(self.orphans.len());
-        self.orphans.drain(..n);
+        let tokens: u64 = self.orphans.drain(..n).map(|(_, t)| t).sum();
         self.in_flight -= n as u32;
+        self.in_flight_tokens = self.in_flight_tokens.saturating_sub(tokens);
     }
 
     /// Slots the balancer may still fill.
@@ -175,6 +182,9 @@ pub struct EndpointSnapshot {
     /// Why an eligible endpoint takes no new work now (`null`: it does).
     pub saturation: Option<Saturation>,
     pub in_flight: u32,
+    /// Estimated tokens of the requests in flight (the token budget's
+    /// count).
+    pub in_flight_tokens: u64,
     /// Of `in_flight`: slots whose client left while the engine still works
     /// on them.
     pub orphaned: u32,
@@ -299,6 +309,7 @@ impl EndpointLedger {
                         addr,
                         agent: None,
                         in_flight: 0,
+                        in_flight_tokens: 0,
                         in_flight_peak: 0,
                         foreign_busy: 0,
                         displaced: None,
@@ -397,7 +408,7 @@ impl EndpointLedger {
             let old = ep
                 .orphans
                 .iter()
-                .take_while(|t| now.saturating_duration_since(**t) >= ORPHAN_MAX_AGE)
+                .take_while(|(t, _)| now.saturating_duration_since(*t) >= ORPHAN_MAX_AGE)
                 .count();
             ep.free_orphans(old);
         }
@@ -427,12 +438,15 @@ impl EndpointLedger {
             Choice::Busy => return Pick::Busy,
         };
         let ep = self.endpoints.get_mut(&chosen).expect("candidate exists");
+        let tokens = ep.token_need(&route.tokens);
         ep.in_flight += 1;
+        ep.in_flight_tokens = ep.in_flight_tokens.saturating_add(tokens);
         ep.in_flight_peak = ep.in_flight_peak.max(ep.in_flight);
         ep.prefix.insert(&route.prefix);
         Pick::Lease(Lease {
             endpoint: ep.id,
             addr: ep.addr,
+            tokens,
         })
     }
 
@@ -497,6 +511,7 @@ impl EndpointLedger {
         };
         debug_assert!(ep.in_flight > 0, "release without an in-flight request");
         ep.in_flight = ep.in_flight.saturating_sub(1);
+        ep.in_flight_tokens = ep.in_flight_tokens.saturating_sub(lease.tokens);
         if ep.in_flight == 0 && ep.agent.is_none() {
             self.forget(lease.endpoint);
         }
@@ -522,7 +537,7 @@ impl EndpointLedger {
             .endpoints
             .get_mut(&lease.endpoint)
             .expect("checked above");
-        ep.orphans.push_back(now);
+        ep.orphans.push_back((now, lease.tokens));
     }
 
     /// Requests the balancer has in flight to an endpoint.
@@ -555,6 +570,20 @@ impl EndpointLedger {
             .values()
             .map(|e| e.orphans.len() as u64)
             .sum()
+    }
+
+    /// Whether no endpoint that could serve `route` now or later (eligible,
+    /// busy or not) can ever take it: each has a known token capacity and
+    /// the request needs more than one request may use there
+    /// ([`Endpoint::never_fits`]). `false` while none is eligible (the
+    /// fleet may still come up).
+    pub(crate) fn never_fits(&self, route: &Route, now: Instant) -> bool {
+        let mut eligible = self
+            .endpoints
+            .values()
+            .filter(|e| e.fits(route) && e.eligible(now))
+            .peekable();
+        eligible.peek().is_some() && eligible.all(|e| e.never_fits(&route.tokens))
     }
 
     pub(crate) fn total_in_flight(&self) -> u64 {
@@ -602,6 +631,7 @@ impl EndpointLedger {
                     None
                 },
                 in_flight: e.in_flight,
+                in_flight_tokens: e.in_flight_tokens,
                 orphaned: e.orphans.len() as u32,
                 foreign_busy: e.foreign_busy,
                 free_slots: e.free_slots(),

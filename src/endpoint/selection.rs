@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use super::{BreakerConfig, Endpoint, EndpointId, EndpointLedger, Lease};
 use crate::prefix::PrefixConfig;
 use crate::scorer::{Candidate, ScorerWeights};
+use crate::tokens::TokenEstimate;
 
 /// Where a request may go.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -25,6 +26,9 @@ pub struct Route {
     pub avoid: Option<SocketAddr>,
     /// Only these endpoints, sorted (EPP mode's subset hint); `None`: any.
     pub subset: Option<Arc<[SocketAddr]>>,
+    /// What the request will cost, estimated: endpoints whose token budget
+    /// it does not fit in are saturated for it.
+    pub tokens: TokenEstimate,
 }
 
 impl Route {
@@ -110,7 +114,11 @@ impl EndpointLedger {
         self.candidates.extend(
             self.endpoints
                 .values()
-                .filter(|e| e.fits(route) && e.available(now, &config))
+                .filter(|e| {
+                    e.fits(route)
+                        && e.available(now, &config)
+                        && e.fits_token_budget(&route.tokens, &config)
+                })
                 .map(|e| e.id),
         );
         if self.candidates.is_empty() {
@@ -139,7 +147,11 @@ impl EndpointLedger {
         let busy = self
             .endpoints
             .values()
-            .filter(|e| e.fits(route) && e.eligible(now) && !e.available(now, &config))
+            .filter(|e| {
+                e.fits(route)
+                    && e.eligible(now)
+                    && !(e.available(now, &config) && e.fits_token_budget(&route.tokens, &config))
+            })
             .map(|e| e.prefix.matched(&route.prefix))
             .max()
             .unwrap_or(0);

@@ -290,8 +290,7 @@ fn route(model: Option<&str>, prefix: &[u64]) -> Route {
     Route {
         model: model.map(Arc::from),
         prefix: prefix.to_vec(),
-        avoid: None,
-        subset: None,
+        ..Route::default()
     }
 }
 

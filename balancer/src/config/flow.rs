@@ -20,6 +20,8 @@ use serde::de::{self, Deserializer, Visitor};
 use serde::Deserialize;
 
 pub const DEFAULT_MAX_BUFFERED_BYTES: u64 = 256 << 20;
+/// Most a token budget may overcommit a server's KV capacity.
+pub const MAX_TOKEN_BUDGET: f64 = 10.0;
 pub const DEFAULT_MAX_REQUEST_TTL: Duration = Duration::from_secs(60);
 
 /// A duration in the config file: `250ms`, `10s`, `2m`, or a number of
@@ -58,6 +60,8 @@ pub struct FlowControlSection {
     /// Same as the top-level `maxBufferedRequests`.
     pub max_requests: Option<usize>,
     pub max_bytes: Option<u64>,
+    /// Most estimated tokens that may wait (no limit when absent).
+    pub max_tokens: Option<u64>,
     /// Same as the top-level `bufferedRequestTimeout`.
     #[serde(rename = "defaultRequestTTL")]
     pub default_request_ttl: Option<ConfigDuration>,
@@ -84,6 +88,7 @@ pub struct PriorityBand {
     pub priority: i32,
     pub max_requests: Option<usize>,
     pub max_bytes: Option<u64>,
+    pub max_tokens: Option<u64>,
     pub fairness_policy_ref: Option<FairnessPolicy>,
     pub ordering_policy_ref: Option<OrderingPolicy>,
 }
@@ -95,6 +100,9 @@ pub struct SaturationSection {
     pub queue_depth_threshold: Option<u32>,
     pub kv_cache_util_threshold: Option<f64>,
     pub metrics_staleness_threshold: Option<ConfigDuration>,
+    /// Share of an endpoint's KV capacity the estimated tokens in flight
+    /// may fill (0: off; above 1 overcommits).
+    pub token_budget: Option<f64>,
 }
 
 /// Everything the file says about flow control, checked and resolved.
@@ -113,6 +121,9 @@ pub fn build(
         .map_or(DEFAULT_MAX_REQUEST_TTL.max(default_ttl), |d| d.0);
     if max_bytes == 0 {
         return Err("flowControl.maxBytes (--max-buffered-bytes) must be at least 1".into());
+    }
+    if fc.max_tokens == Some(0) {
+        return Err("flowControl.maxTokens must be at least 1 (leave it out for no limit)".into());
     }
     if max_ttl < default_ttl {
         return Err(format!(
@@ -136,6 +147,7 @@ pub fn build(
         flow: FlowControlConfig {
             max_requests,
             max_bytes,
+            max_tokens: fc.max_tokens,
             bands,
             default_band,
         },
@@ -183,9 +195,15 @@ fn bands(fc: &FlowControlSection) -> Result<(BandConfig, BTreeMap<i32, BandConfi
                 "{field}.maxBytes must be at least 1 (leave it out for no band limit)"
             ));
         }
+        if b.max_tokens == Some(0) {
+            return Err(format!(
+                "{field}.maxTokens must be at least 1 (leave it out for no band limit)"
+            ));
+        }
         let band = BandConfig {
             max_requests: b.max_requests,
             max_bytes: b.max_bytes,
+            max_tokens: b.max_tokens,
             fairness: b.fairness_policy_ref.unwrap_or(default_band.fairness),
             ordering: b.ordering_policy_ref.unwrap_or(default_band.ordering),
         };
@@ -212,6 +230,7 @@ fn saturation(sat: &SaturationSection) -> Result<SaturationConfig, String> {
         metrics_staleness_threshold: sat
             .metrics_staleness_threshold
             .map_or(sd.metrics_staleness_threshold, |d| d.0),
+        token_budget: sat.token_budget.unwrap_or(sd.token_budget),
     };
     if saturation.queue_depth_threshold == 0 {
         return Err("saturationDetector.queueDepthThreshold must be at least 1".into());
@@ -220,6 +239,13 @@ fn saturation(sat: &SaturationSection) -> Result<SaturationConfig, String> {
     if !(kv > 0.0 && kv <= 1.0) {
         return Err(format!(
             "saturationDetector.kvCacheUtilThreshold must be in (0, 1], not {kv}"
+        ));
+    }
+    let budget = saturation.token_budget;
+    if !(0.0..=MAX_TOKEN_BUDGET).contains(&budget) {
+        return Err(format!(
+            "saturationDetector.tokenBudget must be in [0, {MAX_TOKEN_BUDGET}] (a share of each \
+             server's KV capacity; 0 turns it off), not {budget}"
         ));
     }
     if saturation.metrics_staleness_threshold.is_zero() {

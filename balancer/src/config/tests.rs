@@ -192,9 +192,10 @@ fn flow_control_section_is_read_and_checked() {
         "flowControl:\n  maxRequests: 100\n  maxBytes: 1000000\n  defaultRequestTTL: 5s\n  \
          maxRequestTTL: 2m\n  defaultPriority: 1\n  priorityBands:\n  - priority: 10\n    \
          fairnessPolicyRef: global-strict-fairness-policy\n    orderingPolicyRef: edf\n  \
-         - priority: -1\n    maxRequests: 20\n    maxBytes: 50000\n\
+         - priority: -1\n    maxRequests: 20\n    maxBytes: 50000\n    maxTokens: 9000\n  \
+         maxTokens: 100000\n\
          saturationDetector:\n  queueDepthThreshold: 3\n  kvCacheUtilThreshold: 0.9\n  \
-         metricsStalenessThreshold: 150ms\nobjectives:\n  chat: 10\n  batch: -1\n",
+         metricsStalenessThreshold: 150ms\n  tokenBudget: 1.5\nobjectives:\n  chat: 10\n  batch: -1\n",
     )
     .unwrap();
     let s = Settings::merge(cli(&[]), file).unwrap();
@@ -207,6 +208,12 @@ fn flow_control_section_is_read_and_checked() {
     assert_eq!(high.ordering, flowgate::OrderingPolicy::Edf);
     let low = d.flow.band(-1);
     assert_eq!((low.max_requests, low.max_bytes), (Some(20), Some(50_000)));
+    assert_eq!(
+        (low.max_tokens, d.flow.max_tokens),
+        (Some(9000), Some(100_000))
+    );
+    assert_eq!(high.max_tokens, None);
+    assert_eq!(d.saturation.token_budget, 1.5);
     assert_eq!(low.fairness, flowgate::FairnessPolicy::RoundRobin);
     assert_eq!(d.saturation.queue_depth_threshold, 3);
     assert_eq!(
@@ -241,6 +248,17 @@ fn bad_flow_control_config_names_the_field() {
     bad(
         "saturationDetector:\n  kvCacheUtilThreshold: 1.5\n",
         "saturationDetector.kvCacheUtilThreshold",
+    );
+    for budget in ["-0.5", "11", ".nan"] {
+        bad(
+            &format!("saturationDetector:\n  tokenBudget: {budget}\n"),
+            "saturationDetector.tokenBudget",
+        );
+    }
+    bad("flowControl:\n  maxTokens: 0\n", "flowControl.maxTokens");
+    bad(
+        "flowControl:\n  priorityBands:\n  - priority: 1\n    maxTokens: 0\n",
+        "flowControl.priorityBands[0].maxTokens",
     );
     bad(
         "flowControl:\n  defaultRequestTTL: 90s\n  maxRequestTTL: 1s\n",

@@ -16,6 +16,7 @@ pub struct FleetMetrics {
     buffered: IntGauge,
     buffer_capacity: IntGauge,
     buffered_bytes: IntGauge,
+    buffered_tokens: IntGauge,
     in_flight: IntGauge,
     unserved_demand: IntGaugeVec,
     flow_queue_size: IntGaugeVec,
@@ -58,6 +59,14 @@ impl FleetMetrics {
                 IntGauge::new(
                     "flowgate_buffered_bytes",
                     "Request-body bytes waiting in the buffer now",
+                ),
+            ),
+            buffered_tokens: register(
+                registry,
+                IntGauge::new(
+                    "flowgate_buffered_tokens",
+                    "Estimated tokens (prompt + output bound) of the requests waiting in the \
+                     buffer now",
                 ),
             ),
             in_flight: register(
@@ -128,6 +137,8 @@ impl FleetMetrics {
     pub fn refresh(&self, snap: &Snapshot) {
         self.buffered.set(snap.buffered as i64);
         self.buffered_bytes.set(snap.buffered_bytes as i64);
+        self.buffered_tokens
+            .set(i64::try_from(snap.buffered_tokens).unwrap_or(i64::MAX));
         self.buffer_capacity.set(snap.max_buffered_requests as i64);
         self.flow_queue_size.reset();
         self.flow_queue_bytes.reset();
@@ -166,6 +177,7 @@ impl FleetMetrics {
 struct EndpointGauges {
     agents: IntGauge,
     endpoint_in_flight: IntGaugeVec,
+    endpoint_in_flight_tokens: IntGaugeVec,
     endpoint_slots: IntGaugeVec,
     endpoint_waiting: IntGaugeVec,
     endpoint_report_age: GaugeVec,
@@ -190,6 +202,17 @@ impl EndpointGauges {
                     Opts::new(
                         "flowgate_endpoint_in_flight_requests",
                         "Requests in flight per endpoint (the balancer's own count)",
+                    ),
+                    ep,
+                ),
+            ),
+            endpoint_in_flight_tokens: register(
+                registry,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "flowgate_endpoint_in_flight_tokens",
+                        "Estimated tokens of the requests in flight per endpoint (what \
+                     saturationDetector.tokenBudget counts)",
                     ),
                     ep,
                 ),
@@ -263,7 +286,7 @@ impl EndpointGauges {
                     Opts::new(
                         "flowgate_endpoint_saturated",
                         "1 when an eligible endpoint takes no new work, by reason \
-                     (slots-full, queue-depth, kv-cache, stale-metrics)",
+                     (slots-full, queue-depth, kv-cache, token-budget, stale-metrics)",
                     ),
                     &["endpoint", "agent", "reason"],
                 ),
@@ -287,6 +310,7 @@ impl EndpointGauges {
             .set(endpoints.iter().filter(|e| e.agent.is_some()).count() as i64);
         for v in [
             &self.endpoint_in_flight,
+            &self.endpoint_in_flight_tokens,
             &self.endpoint_slots,
             &self.endpoint_waiting,
             &self.endpoint_eligible,
@@ -305,6 +329,9 @@ impl EndpointGauges {
             self.endpoint_in_flight
                 .with_label_values(&labels)
                 .set(i64::from(e.in_flight));
+            self.endpoint_in_flight_tokens
+                .with_label_values(&labels)
+                .set(i64::try_from(e.in_flight_tokens).unwrap_or(i64::MAX));
             let total = e.agent.as_ref().map_or(0, |a| a.slots_total);
             let idle = e.free_slots;
             self.endpoint_slots

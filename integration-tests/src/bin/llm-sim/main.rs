@@ -271,10 +271,23 @@ impl Sim {
                 }
             ),
         };
+        // The KV capacity, as each engine states it (vLLM: an info gauge
+        // whose labels count blocks of 16 tokens).
+        let capacity = match (self.cli.kv_capacity_tokens, engine) {
+            (0, _) => String::new(),
+            (tokens, EngineKind::Vllm) => format!(
+                "# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"16\",\
+                 engine=\"0\",num_gpu_blocks=\"{}\"}} 1.0\n",
+                tokens / 16
+            ),
+            (tokens, _) => format!(
+                "# TYPE sglang:max_total_num_tokens gauge\nsglang:max_total_num_tokens{labels} {tokens}.0\n"
+            ),
+        };
         format!(
             "# TYPE {running} gauge\n{running}{labels} {busy}.0\n\
              # TYPE {waiting} gauge\n{waiting}{labels} {}.0\n\
-             # TYPE {kv} gauge\n{kv}{labels} {kv_use}\n{cache}",
+             # TYPE {kv} gauge\n{kv}{labels} {kv_use}\n{cache}{capacity}",
             self.deferred.load(Ordering::SeqCst)
         )
     }
@@ -318,8 +331,13 @@ impl Sim {
 
     fn slots_json(&self) -> serde_json::Value {
         let busy = self.processing.load(Ordering::SeqCst) as u32;
+        // llama-server splits its context evenly between slots.
+        let n_ctx = match self.cli.kv_capacity_tokens {
+            0 => 4096,
+            tokens => tokens / u64::from(self.cli.slots.max(1)),
+        };
         let slots: Vec<_> = (0..self.cli.slots)
-            .map(|i| json!({"id": i, "n_ctx": 4096, "speculative": false, "is_processing": i < busy}))
+            .map(|i| json!({"id": i, "n_ctx": n_ctx, "speculative": false, "is_processing": i < busy}))
             .collect();
         json!(slots)
     }

@@ -84,6 +84,7 @@ fn run(
                     .collect(),
                 ..Route::default()
             },
+            weight: 1,
         }
     };
     let mut leases: Vec<Lease> = Vec::new();

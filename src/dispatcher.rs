@@ -49,7 +49,9 @@ use crate::endpoint::{
     EndpointId, EndpointLedger, EndpointSnapshot, Lease, Pick, ReportOutcome, Route,
     SaturationConfig, SchedulingConfig,
 };
-use crate::flow::{FlowControlConfig, FlowKey, FlowQueues, FlowSnapshot, QueueFull, Removed, Size};
+use crate::flow::{
+    Charge, FlowControlConfig, FlowKey, FlowQueues, FlowSnapshot, Place, QueueFull, Removed, Size,
+};
 use crate::protocol::{AgentReport, ReportError};
 
 pub use crate::flow::Ticket;
@@ -139,6 +141,9 @@ pub struct RequestMeta {
     pub ttl: Option<Duration>,
     /// Where it may go and what the scorers look at.
     pub route: Route,
+    /// Its tenant's share against the other tenants of its band under
+    /// token fairness (1 ..= [`crate::flow::MAX_WEIGHT`]).
+    pub weight: u32,
 }
 
 /// Outcome of [`Dispatcher::submit`].
@@ -162,6 +167,8 @@ pub struct Done<T> {
     pub result: Result<Lease, Reject>,
     /// How long the request waited in the queues.
     pub waited: Duration,
+    /// What a granted request was charged, for [`Dispatcher::settle`].
+    pub charge: Option<Charge>,
 }
 
 /// A queued request: the caller's handle and where the request may go.
@@ -173,6 +180,7 @@ struct Waiting<T> {
     /// that caches its prompt until then.
     hold_until: Option<Instant>,
     priority: i32,
+    weight: u32,
 }
 
 /// The queues plus the endpoint ledger.
@@ -253,7 +261,11 @@ impl<T> Dispatcher<T> {
             return Admission::Rejected(Reject::NoEndpoints);
         }
         let deadline = now + self.ttl(request.ttl);
-        let lane = request.route.model.clone();
+        let place = Place {
+            key: request.flow,
+            lane: request.route.model.clone(),
+            weight: request.weight,
+        };
         let size = Size {
             bytes: request.bytes,
             tokens: request.route.tokens.total(),
@@ -262,12 +274,10 @@ impl<T> Dispatcher<T> {
             handle,
             route: request.route,
             hold_until: None,
-            priority: request.flow.priority,
+            priority: place.key.priority,
+            weight: request.weight,
         };
-        match self
-            .queues
-            .push(request.flow, lane, size, waiting, now, deadline)
-        {
+        match self.queues.push(place, size, waiting, now, deadline) {
             Ok((ticket, evicted)) => {
                 self.evicted.extend(
                     evicted
@@ -404,6 +414,13 @@ impl<T> Dispatcher<T> {
     /// may end before the one the owner waits for.
     pub fn take_new_holds(&mut self) -> u64 {
         std::mem::take(&mut self.new_holds)
+    }
+
+    /// Settles the token-fair charge of a request dispatched from the
+    /// queues ([`Done::charge`]) once its answer ended: it used `actual`
+    /// tokens.
+    pub fn settle(&mut self, charge: &Charge, actual: u64) {
+        self.queues.settle(charge, actual);
     }
 
     /// Removes a waiter whose client went away. `false` if it is no longer
@@ -604,11 +621,18 @@ pub struct Snapshot {
 }
 
 fn done<T>(r: Removed<Waiting<T>>, result: Result<Lease, Reject>, now: Instant) -> Done<T> {
+    let charge = result.is_ok().then(|| Charge {
+        flow: r.key.clone(),
+        lane: r.handle.route.model.clone(),
+        weight: r.handle.weight,
+        tokens: r.tokens,
+    });
     Done {
         waiter: r.handle.handle,
         flow: r.key,
         result,
         waited: now.saturating_duration_since(r.enqueued_at),
+        charge,
     }
 }
 

@@ -12,8 +12,18 @@
 //! - Inside a band a [`FairnessPolicy`] picks the flow that goes next:
 //!   `global-strict` (the best head across all flows, a single FIFO when
 //!   ordering is FCFS) or `round-robin` (each flow with work gets one turn in
-//!   rotation, so a noisy tenant cannot starve a quiet one). Both are
-//!   work-conserving: a lone flow may use every turn.
+//!   rotation, so a noisy tenant cannot starve a quiet one) or `token-fair`
+//!   (the flow that has been served the fewest weighted tokens goes next:
+//!   a virtual token counter per flow, as in VTC, "Fairness in Serving
+//!   Large Language Models", OSDI '24). All are work-conserving: a lone
+//!   flow may use every turn.
+//! - Token fairness: a flow's counter grows by its request's estimated
+//!   tokens ÷ its weight when the request is dispatched, and is settled to
+//!   the tokens the answer really used ([`FlowQueues::settle`]). A flow
+//!   that comes back from idle is lifted to the band's floor (the counter
+//!   of the last flow served), so idling banks no credit; one that went
+//!   idle while ahead keeps its lead (its counter is remembered while it is
+//!   above the floor).
 //! - Inside a flow an [`OrderingPolicy`] picks the request: `fcfs` (arrival
 //!   order) or `edf` (earliest deadline first).
 //! - Capacity: `maxRequests` / `maxBytes` / `maxTokens` (estimated tokens,
@@ -74,6 +84,9 @@ pub enum FairnessPolicy {
     /// Flows with queued work take turns, one request each.
     #[serde(rename = "round-robin", alias = "round-robin-fairness-policy")]
     RoundRobin,
+    /// The flow served the fewest weighted tokens goes next.
+    #[serde(rename = "token-fair", alias = "vtc")]
+    TokenFair,
 }
 
 /// How a flow orders its own requests.
@@ -178,6 +191,8 @@ pub struct Removed<T> {
     pub handle: T,
     pub key: FlowKey,
     pub enqueued_at: Instant,
+    /// Its estimated tokens, as queued.
+    pub tokens: u64,
 }
 
 /// One flow's current queue, for metrics and the management API.
@@ -211,6 +226,39 @@ struct Item<T> {
     deadline: Instant,
 }
 
+/// What a request dispatched from the queues was charged, to settle once
+/// its answer ended ([`FlowQueues::settle`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Charge {
+    pub flow: FlowKey,
+    pub lane: Lane,
+    pub weight: u32,
+    /// Its estimated tokens.
+    pub tokens: u64,
+}
+
+/// Largest fairness weight: a flow's share against a weight-1 flow.
+pub const MAX_WEIGHT: u32 = 1000;
+/// Virtual units per token served at weight 1 (so small weights divide
+/// without losing a token to rounding).
+const VIRTUAL_SCALE: u64 = 1000;
+/// Idle flows whose token-fair counters a band remembers at most.
+const MAX_IDLE_COUNTERS: usize = 65_536;
+
+/// `tokens` served at `weight`, in virtual units.
+fn virtual_tokens(tokens: u64, weight: u32) -> u64 {
+    tokens.saturating_mul(VIRTUAL_SCALE) / u64::from(weight.max(1))
+}
+
+/// The flow a request joins: its key, its lane, and its weight there
+/// (the latest request's weight is the flow's).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Place {
+    pub key: FlowKey,
+    pub lane: Lane,
+    pub weight: u32,
+}
+
 /// What a queued request counts for against the limits.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Size {
@@ -233,12 +281,28 @@ struct Flow<T> {
     /// Round-robin only: the token of this flow's live entry in its band's
     /// ring, if it has one.
     ring_token: Option<u64>,
+    /// Token-fair only: weighted tokens served ([`VIRTUAL_SCALE`] per
+    /// token at weight 1).
+    served: u64,
+    /// Its share against other flows of the band (the latest request's).
+    weight: u32,
 }
 
 #[derive(Debug)]
 enum Turns {
-    /// Heads of the band's non-empty flows, best first.
-    GlobalStrict(BTreeSet<(OrderKey, FlowIdx)>),
+    /// Heads of the band's non-empty flows, best first: by the head's
+    /// order (global-strict, `served` is 0 for all), or by weighted tokens
+    /// served, then the head's order (token-fair).
+    Ordered {
+        heads: BTreeSet<(u64, OrderKey, FlowIdx)>,
+        by_tokens: bool,
+        /// Token-fair: the counter of the flow served last; a flow that
+        /// joins is lifted to it.
+        floor: u64,
+        /// Token-fair: counters of idle flows still above the floor, so a
+        /// flow cannot shed its lead by going idle.
+        idle: HashMap<(FlowKey, Lane), u64>,
+    },
     /// Flows waiting for a turn, as (flow, token). An entry is live while
     /// the flow's `ring_token` equals its token; a flow emptied by a cancel
     /// leaves a dead entry behind, skipped when its turn comes (and swept
@@ -267,7 +331,12 @@ impl Band {
             bytes: 0,
             tokens: 0,
             turns: match config.fairness {
-                FairnessPolicy::GlobalStrict => Turns::GlobalStrict(BTreeSet::new()),
+                FairnessPolicy::GlobalStrict | FairnessPolicy::TokenFair => Turns::Ordered {
+                    heads: BTreeSet::new(),
+                    by_tokens: config.fairness == FairnessPolicy::TokenFair,
+                    floor: 0,
+                    idle: HashMap::new(),
+                },
                 FairnessPolicy::RoundRobin => Turns::RoundRobin {
                     ring: VecDeque::new(),
                     dead: 0,
@@ -345,13 +414,13 @@ impl<T> FlowQueues<T> {
     #[allow(clippy::type_complexity)]
     pub fn push(
         &mut self,
-        key: FlowKey,
-        lane: Lane,
+        place: Place,
         size: Size,
         handle: T,
         now: Instant,
         deadline: Instant,
     ) -> Result<(Ticket, Vec<Removed<T>>), (QueueFull, T)> {
+        let Place { key, lane, weight } = place;
         let Size { bytes, tokens } = size;
         let band_config = self.config.band(key.priority);
         let (band_requests, band_bytes, band_tokens) = self
@@ -407,13 +476,23 @@ impl<T> FlowQueues<T> {
         band.requests += 1;
         band.bytes += bytes;
         band.tokens += tokens;
+        flow.weight = weight.clamp(1, MAX_WEIGHT);
         match &mut band.turns {
-            Turns::GlobalStrict(heads) => {
+            Turns::Ordered {
+                heads,
+                by_tokens,
+                floor,
+                ..
+            } => {
+                if old_head.is_none() && *by_tokens {
+                    // Back from idle: no credit banked while away.
+                    flow.served = flow.served.max(*floor);
+                }
                 if old_head.is_none_or(|h| order < h) {
                     if let Some(h) = old_head {
-                        heads.remove(&(h, idx));
+                        heads.remove(&(flow.served, h, idx));
                     }
-                    heads.insert((order, idx));
+                    heads.insert((flow.served, order, idx));
                 }
             }
             Turns::RoundRobin { ring, .. } => {
@@ -481,8 +560,8 @@ impl<T> FlowQueues<T> {
                 continue;
             }
             match &mut band.turns {
-                Turns::GlobalStrict(heads) => {
-                    for &(_, flow) in heads.iter() {
+                Turns::Ordered { heads, .. } => {
+                    for &(_, _, flow) in heads.iter() {
                         if let Some(ticket) = first_ready(flow) {
                             return Some(ticket);
                         }
@@ -528,6 +607,29 @@ impl<T> FlowQueues<T> {
             .bands
             .get_mut(&removed.key.priority)
             .expect("band of a queued request exists");
+        if let Turns::Ordered {
+            heads,
+            by_tokens: true,
+            floor,
+            ..
+        } = &mut band.turns
+        {
+            // The flow is served: it had the least weighted service of the
+            // band (or passed ones that could not go), so its counter is
+            // the floor newcomers are lifted to.
+            let flow = self.flows[ticket.flow.0 as usize]
+                .as_mut()
+                .expect("a popped request's flow exists until freed");
+            *floor = (*floor).max(flow.served);
+            let charged = flow
+                .served
+                .saturating_add(virtual_tokens(removed.tokens, flow.weight));
+            if let Some(&head) = flow.items.keys().next() {
+                heads.remove(&(flow.served, head, ticket.flow));
+                heads.insert((charged, head, ticket.flow));
+            }
+            flow.served = charged;
+        }
         if let Turns::RoundRobin { ring, dead } = &mut band.turns {
             // The turn ends: a flow with more work goes to the back. Its
             // entry is usually the front one; a flow chosen by `peek_where`
@@ -554,6 +656,52 @@ impl<T> FlowQueues<T> {
         }
         self.free_flow_if_idle(ticket.flow);
         Some(removed)
+    }
+
+    /// Settles a token-fair flow's counter once its request's answer ended:
+    /// it was charged as `charge` says at dispatch and used `actual`
+    /// tokens. Flows of other policies, and flows forgotten meanwhile (idle
+    /// at or below the floor), are left alone.
+    pub fn settle(&mut self, charge: &Charge, actual: u64) {
+        let Charge {
+            flow: key,
+            lane,
+            weight,
+            tokens: estimated,
+        } = charge;
+        let (weight, estimated) = (*weight, *estimated);
+        let Some(band) = self.bands.get_mut(&key.priority) else {
+            return;
+        };
+        let Turns::Ordered {
+            heads,
+            by_tokens: true,
+            idle,
+            ..
+        } = &mut band.turns
+        else {
+            return;
+        };
+        let weight = weight.clamp(1, MAX_WEIGHT);
+        let settle = |served: u64| {
+            served
+                .saturating_sub(virtual_tokens(estimated, weight))
+                .saturating_add(virtual_tokens(actual, weight))
+        };
+        let index_key = (key.clone(), lane.clone());
+        if let Some(&idx) = self.flow_index.get(&index_key) {
+            let flow = self.flows[idx.0 as usize]
+                .as_mut()
+                .expect("indexed flow exists");
+            let settled = settle(flow.served);
+            if let Some(&head) = flow.items.keys().next() {
+                heads.remove(&(flow.served, head, idx));
+                heads.insert((settled, head, idx));
+            }
+            flow.served = settled;
+        } else if let Some(served) = idle.get_mut(&index_key) {
+            *served = settle(*served);
+        }
     }
 
     /// Removes a request (its client left); `None` if it is not queued.
@@ -619,6 +767,7 @@ impl<T> FlowQueues<T> {
     fn take(&mut self, ticket: Ticket) -> Option<Removed<T>> {
         let flow = self.flows.get_mut(ticket.flow.0 as usize)?.as_mut()?;
         let item = flow.items.remove(&ticket.key)?;
+        let served = flow.served;
         flow.bytes -= item.bytes;
         flow.tokens -= item.tokens;
         let new_head = flow.items.keys().next().copied();
@@ -632,10 +781,10 @@ impl<T> FlowQueues<T> {
         band.bytes -= item.bytes;
         band.tokens -= item.tokens;
         match &mut band.turns {
-            Turns::GlobalStrict(heads) => {
-                if heads.remove(&(ticket.key, ticket.flow)) {
+            Turns::Ordered { heads, .. } => {
+                if heads.remove(&(served, ticket.key, ticket.flow)) {
                     if let Some(h) = new_head {
-                        heads.insert((h, ticket.flow));
+                        heads.insert((served, h, ticket.flow));
                     }
                 }
             }
@@ -659,6 +808,7 @@ impl<T> FlowQueues<T> {
             handle: item.handle,
             key,
             enqueued_at: item.enqueued_at,
+            tokens: item.tokens,
         })
     }
 
@@ -668,6 +818,15 @@ impl<T> FlowQueues<T> {
             return idx;
         }
         let (key, lane) = index_key;
+        let band = self
+            .bands
+            .entry(key.priority)
+            .or_insert_with(|| Band::new(band_config));
+        band.flows += 1;
+        let served = match &mut band.turns {
+            Turns::Ordered { idle, .. } => idle.remove(&(key.clone(), lane.clone())).unwrap_or(0),
+            Turns::RoundRobin { .. } => 0,
+        };
         let flow = Flow {
             key: key.clone(),
             lane: lane.clone(),
@@ -675,6 +834,8 @@ impl<T> FlowQueues<T> {
             bytes: 0,
             tokens: 0,
             ring_token: None,
+            served,
+            weight: 1,
         };
         let idx = match self.free_flows.pop() {
             Some(idx) => {
@@ -687,10 +848,6 @@ impl<T> FlowQueues<T> {
                 idx
             }
         };
-        self.bands
-            .entry(key.priority)
-            .or_insert_with(|| Band::new(band_config))
-            .flows += 1;
         self.flow_index.insert((key, lane), idx);
         idx
     }
@@ -707,13 +864,35 @@ impl<T> FlowQueues<T> {
         let flow = self.flows[idx.0 as usize].take().expect("checked above");
         debug_assert!(flow.ring_token.is_none());
         let priority = flow.key.priority;
-        self.flow_index.remove(&(flow.key, flow.lane));
+        self.flow_index
+            .remove(&(flow.key.clone(), flow.lane.clone()));
         self.free_flows.push(idx);
         let band = self
             .bands
             .get_mut(&priority)
             .expect("band of a flow exists");
         band.flows -= 1;
+        if let Turns::Ordered {
+            by_tokens: true,
+            floor,
+            idle,
+            ..
+        } = &mut band.turns
+        {
+            if flow.served > *floor {
+                if idle.len() >= MAX_IDLE_COUNTERS {
+                    // Counters at or below the floor would be lifted to it
+                    // anyway; past the bound, the oldest leads are lost
+                    // rather than memory.
+                    let floor = *floor;
+                    idle.retain(|_, served| *served > floor);
+                    if idle.len() >= MAX_IDLE_COUNTERS {
+                        idle.clear();
+                    }
+                }
+                idle.insert((flow.key, flow.lane), flow.served);
+            }
+        }
         if band.flows == 0 {
             self.bands.remove(&priority);
         }
@@ -798,6 +977,7 @@ impl fmt::Display for FairnessPolicy {
         f.write_str(match self {
             FairnessPolicy::GlobalStrict => "global-strict",
             FairnessPolicy::RoundRobin => "round-robin",
+            FairnessPolicy::TokenFair => "token-fair",
         })
     }
 }

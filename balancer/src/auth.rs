@@ -10,6 +10,7 @@
 //!   - sha256: 2c26b46b68ffc68ff99b453c1d30413413422d706483bfa0f98a5e886266e7ae
 //!     tenant: acme
 //!     maxPriority: 0      # optional: higher priorities are cut to this
+//!     weight: 2           # optional: token-fairness weight (else the tenant's)
 //!   - key: sk-test-only   # the key itself; prefer sha256 so nothing secret is at rest
 //!     tenant: tests
 //! ```
@@ -101,6 +102,8 @@ struct KeyEntry {
     sha256: Option<String>,
     tenant: String,
     max_priority: Option<i32>,
+    /// Token-fairness weight of the key's requests (else its tenant's).
+    weight: Option<u32>,
 }
 
 fn sha256(bytes: &[u8]) -> [u8; 32] {
@@ -151,6 +154,15 @@ impl ApiKeys {
                     k.tenant
                 ));
             }
+            if let Some(w) = k
+                .weight
+                .filter(|w| !(1..=flowgate::flow::MAX_WEIGHT).contains(w))
+            {
+                return Err(format!(
+                    "{at}: weight must be 1..={}, not {w}",
+                    flowgate::flow::MAX_WEIGHT
+                ));
+            }
             if entries.iter().any(|e| e.digest == digest) {
                 return Err(format!("{at}: the same key is listed twice"));
             }
@@ -159,6 +171,7 @@ impl ApiKeys {
                 grant: Grant {
                     tenant: k.tenant.into(),
                     max_priority: k.max_priority,
+                    weight: k.weight,
                 },
             });
         }
@@ -200,6 +213,7 @@ keys:
     maxPriority: 0
   - key: sk-other
     tenant: tests
+    weight: 3
 ";
 
     #[test]
@@ -214,6 +228,7 @@ keys:
         let tests = keys.authenticate(Some(b"bearer  sk-other ")).unwrap();
         assert_eq!(&*tests.tenant, "tests");
         assert_eq!(tests.priority(5), 5);
+        assert_eq!((acme.weight, tests.weight), (None, Some(3)));
     }
 
     #[test]
@@ -254,6 +269,12 @@ keys:
     fn bad_files_say_what_is_wrong() {
         let err = |text: &str| ApiKeys::parse(text).unwrap_err();
         assert!(err("keys: []").contains("empty"));
+        for w in ["0", "1001", "-1"] {
+            let e = ApiKeys::parse(&format!(
+                "keys:\n  - key: k\n    tenant: a\n    weight: {w}\n"
+            ));
+            assert!(e.is_err(), "weight {w}");
+        }
         assert!(err("keys:\n  - tenant: a\n").contains("exactly one"));
         assert!(err("keys:\n  - key: k\n    sha256: ab\n    tenant: a\n").contains("exactly one"));
         assert!(err("keys:\n  - sha256: xyz\n    tenant: a\n").contains("64 hex"));

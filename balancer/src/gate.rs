@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use flowgate::flow::Charge;
 use flowgate::models::Fallback;
 use flowgate::tokens::TokenRatios;
 use flowgate::{
@@ -96,6 +97,8 @@ pub enum AdmitError {
 pub struct LeaseGuard {
     shared: Arc<FleetGate>,
     lease: Option<Lease>,
+    /// What its flow was charged when it left the queues (token fairness).
+    charge: Option<Charge>,
 }
 
 impl LeaseGuard {
@@ -103,6 +106,15 @@ impl LeaseGuard {
         LeaseGuard {
             shared: Arc::clone(shared),
             lease: Some(lease),
+            charge: None,
+        }
+    }
+
+    /// Settles the token-fair charge of its flow to the tokens the answer
+    /// used (what was sent, for one cut short); once.
+    pub fn settle(&mut self, actual: u64) {
+        if let Some(charge) = self.charge.take() {
+            self.shared.lock().settle(&charge, actual);
         }
     }
 
@@ -189,7 +201,12 @@ impl FleetGate {
                 return;
             }
             for w in done {
-                let answer = w.result.map(|lease| LeaseGuard::new(self, lease));
+                let charge = w.charge;
+                let answer = w.result.map(|lease| {
+                    let mut guard = LeaseGuard::new(self, lease);
+                    guard.charge = charge;
+                    guard
+                });
                 if let Err(Ok(mut unsent)) = w.waiter.send(answer) {
                     // Release under the lock we hold (the guard's own Drop
                     // would take it again).
@@ -641,6 +658,7 @@ mod tests {
             bytes: 10,
             ttl: None,
             route: Default::default(),
+            weight: 1,
         }
     }
 

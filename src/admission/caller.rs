@@ -9,6 +9,8 @@ pub struct Grant {
     pub tenant: Arc<str>,
     /// Highest priority the key's requests may have.
     pub max_priority: Option<i32>,
+    /// The key's token-fairness weight (else its tenant's).
+    pub weight: Option<u32>,
 }
 
 impl Grant {

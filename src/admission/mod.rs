@@ -17,6 +17,7 @@ pub mod caller;
 pub mod headers;
 pub mod priority;
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 pub use body::{body_facts, form_facts, renamed, with_model, BodyFacts};
@@ -81,6 +82,9 @@ pub struct AdmissionRules {
     pub models: ModelRules,
     /// Output tokens assumed for a request that names no bound.
     pub default_output_tokens: u64,
+    /// Token-fairness weights by fairness id (1 when not listed); an API
+    /// key's own weight wins.
+    pub weights: HashMap<String, u32>,
 }
 
 impl Default for AdmissionRules {
@@ -90,6 +94,7 @@ impl Default for AdmissionRules {
             prefix: PrefixConfig::default(),
             models: ModelRules::default(),
             default_output_tokens: crate::tokens::DEFAULT_OUTPUT_TOKENS,
+            weights: HashMap::new(),
         }
     }
 }
@@ -113,6 +118,7 @@ impl AdmissionRules {
             (None, _) => BodyFacts::default(),
         };
         let (flow, ttl) = self.flow(headers, &facts.model, caller)?;
+        let weight = self.weight(&flow, caller);
         let resolved = self
             .models
             .resolve(&facts.model, fleet.draw(), |m| fleet.is_served(m));
@@ -135,6 +141,7 @@ impl AdmissionRules {
                 bytes: body.map_or(0, |b| b.len() as u64),
                 ttl,
                 route: facts.route,
+                weight,
             },
         })
     }
@@ -158,6 +165,17 @@ impl AdmissionRules {
             Caller::AsyncDispatcher { band } => FlowKey::new(asked.fairness_id, band),
         };
         Ok((flow, ttl))
+    }
+
+    /// The share of a request's tenant under token fairness: its API
+    /// key's weight, else the configured weight of its fairness id, else 1.
+    pub fn weight(&self, flow: &FlowKey, caller: Caller<'_>) -> u32 {
+        match caller {
+            Caller::Key(Grant {
+                weight: Some(w), ..
+            }) => *w,
+            _ => self.weights.get(&*flow.fairness_id).copied().unwrap_or(1),
+        }
     }
 }
 
@@ -201,6 +219,7 @@ mod tests {
                 .unwrap()
                 .build()
                 .unwrap(),
+            weights: HashMap::new(),
             default_output_tokens: 100,
         }
     }
@@ -279,6 +298,7 @@ mod tests {
         let grant = Grant {
             tenant: Arc::from("alpha"),
             max_priority: Some(3),
+            weight: None,
         };
         let keyed = r
             .inference(h, Some(body), Caller::Key(&grant), &Fleet)
@@ -309,6 +329,7 @@ mod tests {
         let grant = Grant {
             tenant: Arc::from("alpha"),
             max_priority: None,
+            weight: None,
         };
         // A malformed header is refused even when a key fixes the tenant.
         assert!(matches!(
@@ -341,7 +362,7 @@ mod tests {
                 ttl: Some(&ttl),
                 content_type: None,
             };
-            let grant = Grant { tenant: Arc::from("alpha"), max_priority: Some(ceiling) };
+            let grant = Grant { tenant: Arc::from("alpha"), max_priority: Some(ceiling), weight: None };
             let form = FlowHeaders { content_type: Some(&b"multipart/form-data; boundary=x"[..]), ..h };
             let _ = r.inference(if as_form { form } else { h }, Some(&body), Caller::Anonymous, &Fleet);
             if let Ok(f) = r.inference(h, Some(br#"{"model":"m"}"#), Caller::Key(&grant), &Fleet) {

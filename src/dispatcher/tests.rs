@@ -29,6 +29,7 @@ fn req(tenant: &str, priority: i32) -> RequestMeta {
         bytes: 100,
         ttl: None,
         route: Default::default(),
+        weight: 1,
     }
 }
 
@@ -278,6 +279,7 @@ fn byte_limits_count_bodies_globally_and_per_band() {
         bytes,
         ttl: None,
         route: Default::default(),
+        weight: 1,
     };
     queued(d.submit(sized(5, 300), "a", t0));
     assert_eq!(rejected(d.submit(sized(5, 1), "b", t0)), Reject::Shed);
@@ -797,7 +799,8 @@ fn band_policy() -> impl Strategy<Value = (FairnessPolicy, OrderingPolicy)> {
     (
         prop_oneof![
             Just(FairnessPolicy::RoundRobin),
-            Just(FairnessPolicy::GlobalStrict)
+            Just(FairnessPolicy::GlobalStrict),
+            Just(FairnessPolicy::TokenFair)
         ],
         prop_oneof![Just(OrderingPolicy::Fcfs), Just(OrderingPolicy::Edf)],
     )
@@ -928,8 +931,14 @@ proptest! {
                         ttl: ttl_ms.map(|t| Duration::from_millis(u64::from(t))),
                         route: Route {
                             model: Some(Arc::from(MODELS[usize::from(model)])),
+                            tokens: crate::tokens::TokenEstimate {
+                                prompt: u64::from(bytes),
+                                output: 10,
+                                output_asked: true,
+                            },
                             ..Route::default()
                         },
+                        weight: u32::from(tenant) + 1,
                     };
                     let deadline = now + d.ttl(meta.ttl);
                     match d.submit(meta, id, now) {
@@ -1334,4 +1343,165 @@ fn token_limits_shed_and_evict_like_byte_limits() {
         rejected(d.submit(at(9, 10_001), "x", t0)),
         Reject::BufferFull
     );
+}
+
+/// A dispatcher whose default band is token-fair, with one single-slot
+/// endpoint, the slot taken (returned).
+fn token_fair() -> (Dispatcher<&'static str>, Lease) {
+    let t0 = Instant::now();
+    let mut config = config(10_000);
+    config.flow.default_band.fairness = FairnessPolicy::TokenFair;
+    let mut d = Dispatcher::new(config);
+    d.report(report("a", "127.0.0.1:1", 1), t0).unwrap();
+    let busy = ready(d.submit(costing("x", 1, 0, true), "busy", t0));
+    (d, busy)
+}
+
+fn weighted(tenant: &str, tokens: u64, weight: u32) -> RequestMeta {
+    RequestMeta {
+        weight,
+        ..costing(tenant, tokens, 0, true)
+    }
+}
+
+/// Serves one request through the single slot: releases `lease`, returns
+/// the next grant (settled to `actual` tokens when given).
+fn serve_next(
+    d: &mut Dispatcher<&'static str>,
+    lease: Lease,
+    actual: Option<u64>,
+) -> (&'static str, Lease) {
+    d.release(lease);
+    let mut done = d.dispatch(Instant::now());
+    assert_eq!(done.len(), 1, "one freed slot, one grant");
+    let g = done.pop().unwrap();
+    if let (Some(actual), Some(charge)) = (actual, &g.charge) {
+        d.settle(charge, actual);
+    }
+    (g.waiter, g.result.unwrap())
+}
+
+/// Tenants H (1,000-token requests) and L (100-token requests), both
+/// backlogged, weights `wh` and `wl`: tokens served per tenant after
+/// `n` grants.
+fn token_shares(wh: u32, wl: u32, n: usize) -> (u64, u64, Vec<&'static str>) {
+    let (mut d, mut lease) = token_fair();
+    let t0 = Instant::now();
+    for _ in 0..200 {
+        queued(d.submit(weighted("H", 1000, wh), "H", t0));
+    }
+    for _ in 0..2000 {
+        queued(d.submit(weighted("L", 100, wl), "L", t0));
+    }
+    let (mut h, mut l) = (0, 0);
+    let mut order = Vec::new();
+    for _ in 0..n {
+        let (w, next) = serve_next(&mut d, lease, None);
+        lease = next;
+        order.push(w);
+        match w {
+            "H" => h += 1000,
+            _ => l += 100,
+        }
+        // Never more than one request's worth apart (weighted).
+        let (vh, vl) = (h * 1000 / u64::from(wh), l * 1000 / u64::from(wl));
+        assert!(
+            vh.abs_diff(vl) <= 1000 * 1000,
+            "H {h} L {l} after {order:?}"
+        );
+    }
+    d.release(lease);
+    (h, l, order)
+}
+
+#[test]
+fn token_fairness_serves_tenants_equal_tokens_not_equal_requests() {
+    let (h, l, order) = token_shares(1, 1, 220);
+    // Round-robin would give L 110 turns of 100 tokens against H's 110 of
+    // 1,000; tokens make it 20 H requests against 200 L.
+    assert_eq!(order.iter().filter(|w| **w == "H").count(), 20);
+    assert_eq!((h, l), (20_000, 20_000));
+}
+
+#[test]
+fn token_fairness_follows_weights() {
+    let (h, l, _) = token_shares(2, 1, 330);
+    let ratio = h as f64 / l as f64;
+    assert!((1.8..2.2).contains(&ratio), "H {h} L {l}");
+}
+
+#[test]
+fn a_flow_back_from_idle_banks_no_credit() {
+    let (mut d, mut lease) = token_fair();
+    let t0 = Instant::now();
+    // H alone for 10 requests: its counter runs ahead of L's (which was
+    // idle, not waiting).
+    for _ in 0..12 {
+        queued(d.submit(weighted("H", 1000, 1), "H", t0));
+    }
+    for _ in 0..10 {
+        (_, lease) = serve_next(&mut d, lease, None);
+    }
+    // L comes back with plenty: lifted to the floor, it does not get ten
+    // turns in a row for the time it was away.
+    for _ in 0..20 {
+        queued(d.submit(weighted("L", 1000, 1), "L", t0));
+    }
+    let mut order = Vec::new();
+    for _ in 0..4 {
+        let (w, next) = serve_next(&mut d, lease, None);
+        order.push(w);
+        lease = next;
+    }
+    assert!(order.contains(&"H"), "{order:?}");
+    d.release(lease);
+}
+
+#[test]
+fn a_flow_that_idles_while_ahead_keeps_its_lead() {
+    let (mut d, mut lease) = token_fair();
+    let t0 = Instant::now();
+    queued(d.submit(weighted("H", 5000, 1), "H", t0));
+    for _ in 0..100 {
+        queued(d.submit(weighted("L", 100, 1), "L", t0));
+    }
+    let (w, next) = serve_next(&mut d, lease, None);
+    assert_eq!(w, "H", "first come at equal counters");
+    lease = next;
+    // H's queue emptied (its flow was freed) 5,000 tokens ahead; it comes
+    // right back: L still gets 50 requests first (and the 51st: at equal
+    // counters the older head goes first).
+    queued(d.submit(weighted("H", 5000, 1), "H", t0));
+    let mut l_first = 0;
+    loop {
+        let (w, next) = serve_next(&mut d, lease, None);
+        lease = next;
+        if w == "H" {
+            break;
+        }
+        l_first += 1;
+    }
+    assert_eq!(l_first, 51);
+    d.release(lease);
+}
+
+#[test]
+fn settling_to_actual_usage_refunds_the_unused_estimate() {
+    let (mut d, mut lease) = token_fair();
+    let t0 = Instant::now();
+    // H asks for 1,000 but each answer uses 100: settled, H and L (100
+    // each) alternate instead of L getting ten turns per H.
+    for _ in 0..20 {
+        queued(d.submit(weighted("H", 1000, 1), "H", t0));
+        queued(d.submit(weighted("L", 100, 1), "L", t0));
+    }
+    let mut order = Vec::new();
+    for _ in 0..10 {
+        let (w, next) = serve_next(&mut d, lease, Some(100));
+        order.push(w);
+        lease = next;
+    }
+    let h = order.iter().filter(|w| **w == "H").count();
+    assert!((4..=6).contains(&h), "{order:?}");
+    d.release(lease);
 }

@@ -6,12 +6,13 @@
 //! Names follow the Gateway API Inference Extension's EndpointPickerConfig
 //! where it has them.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::time::Duration;
 
 use flowgate::admission::PriorityRules;
 use flowgate::duration::parse_duration;
+use flowgate::flow::MAX_WEIGHT;
 use flowgate::{
     BandConfig, DispatcherConfig, FairnessPolicy, FlowControlConfig, OrderingPolicy,
     SaturationConfig,
@@ -72,6 +73,9 @@ pub struct FlowControlSection {
     pub default_band: Option<BandPolicies>,
     #[serde(default)]
     pub priority_bands: Vec<PriorityBand>,
+    /// Token-fairness weights by fairness id (1 when not listed).
+    #[serde(default)]
+    pub tenant_weights: BTreeMap<String, u32>,
 }
 
 /// Policies of bands not listed in `priorityBands`.
@@ -115,7 +119,7 @@ pub fn build(
     max_requests: usize,
     max_bytes: u64,
     default_ttl: Duration,
-) -> Result<(DispatcherConfig, PriorityRules), String> {
+) -> Result<(DispatcherConfig, PriorityRules, HashMap<String, u32>), String> {
     let max_ttl = fc
         .max_request_ttl
         .map_or(DEFAULT_MAX_REQUEST_TTL.max(default_ttl), |d| d.0);
@@ -163,7 +167,26 @@ pub fn build(
         models: model_priorities.clone().into_iter().collect(),
         allow_client_priority: fc.allow_client_priority.unwrap_or(false),
     };
-    Ok((dispatcher, rules))
+    let weights = weights(&fc.tenant_weights)?;
+    Ok((dispatcher, rules, weights))
+}
+
+/// `flowControl.tenantWeights`, checked.
+fn weights(weights: &BTreeMap<String, u32>) -> Result<HashMap<String, u32>, String> {
+    for (tenant, &w) in weights {
+        if !flowgate::flow::valid_fairness_id(tenant) {
+            return Err(format!(
+                "flowControl.tenantWeights: {tenant:?} is not a valid fairness id (1-128 visible \
+                 ASCII characters)"
+            ));
+        }
+        if !(1..=MAX_WEIGHT).contains(&w) {
+            return Err(format!(
+                "flowControl.tenantWeights.{tenant} must be 1..={MAX_WEIGHT}, not {w}"
+            ));
+        }
+    }
+    Ok(weights.clone().into_iter().collect())
 }
 
 /// The default band's policies and the listed bands, checked.

@@ -67,6 +67,8 @@ pub struct Settings {
     pub dispatcher: DispatcherConfig,
     /// How requests get their priority.
     pub priorities: PriorityRules,
+    /// Token-fairness weights by fairness id.
+    pub weights: std::collections::HashMap<String, u32>,
     /// Which served model a requested name goes to.
     pub models: flowgate::models::ModelRules,
     /// Output tokens assumed for a request that names no bound.
@@ -117,6 +119,7 @@ impl Settings {
             prefix: self.dispatcher.scheduling.prefix,
             models: self.models.clone(),
             default_output_tokens: self.default_output_tokens,
+            weights: self.weights.clone(),
         }
     }
 
@@ -198,7 +201,7 @@ impl Settings {
                     .into(),
             ));
         }
-        let (mut dispatcher, priorities) = flow::build(
+        let (mut dispatcher, priorities, weights) = flow::build(
             &fc,
             &file.saturation_detector.unwrap_or_default(),
             &file.objectives,
@@ -305,6 +308,7 @@ impl Settings {
             epp_addr: cli.epp_addr.or(file.epp_addr),
             dispatcher,
             priorities,
+            weights,
             models,
             default_output_tokens: layer(
                 cli.default_output_tokens,

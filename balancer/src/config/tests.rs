@@ -193,7 +193,7 @@ fn flow_control_section_is_read_and_checked() {
          maxRequestTTL: 2m\n  defaultPriority: 1\n  priorityBands:\n  - priority: 10\n    \
          fairnessPolicyRef: global-strict-fairness-policy\n    orderingPolicyRef: edf\n  \
          - priority: -1\n    maxRequests: 20\n    maxBytes: 50000\n    maxTokens: 9000\n  \
-         maxTokens: 100000\n\
+         maxTokens: 100000\n  tenantWeights:\n    acme: 2\n  defaultBand:\n    fairnessPolicyRef: token-fair\n\
          saturationDetector:\n  queueDepthThreshold: 3\n  kvCacheUtilThreshold: 0.9\n  \
          metricsStalenessThreshold: 150ms\n  tokenBudget: 1.5\nobjectives:\n  chat: 10\n  batch: -1\n",
     )
@@ -214,7 +214,13 @@ fn flow_control_section_is_read_and_checked() {
     );
     assert_eq!(high.max_tokens, None);
     assert_eq!(d.saturation.token_budget, 1.5);
-    assert_eq!(low.fairness, flowgate::FairnessPolicy::RoundRobin);
+    assert_eq!(s.weights["acme"], 2);
+    assert_eq!(
+        d.flow.default_band.fairness,
+        flowgate::FairnessPolicy::TokenFair
+    );
+    // A listed band without a policy takes the default band's.
+    assert_eq!(low.fairness, flowgate::FairnessPolicy::TokenFair);
     assert_eq!(d.saturation.queue_depth_threshold, 3);
     assert_eq!(
         d.saturation.metrics_staleness_threshold,
@@ -256,6 +262,18 @@ fn bad_flow_control_config_names_the_field() {
         );
     }
     bad("flowControl:\n  maxTokens: 0\n", "flowControl.maxTokens");
+    bad(
+        "flowControl:\n  tenantWeights:\n    acme: 0\n",
+        "flowControl.tenantWeights.acme",
+    );
+    bad(
+        "flowControl:\n  tenantWeights:\n    \"a b\": 2\n",
+        "not a valid fairness id",
+    );
+    bad(
+        "flowControl:\n  defaultBand:\n    fairnessPolicyRef: tokens\n",
+        "tokens",
+    );
     bad(
         "flowControl:\n  priorityBands:\n  - priority: 1\n    maxTokens: 0\n",
         "flowControl.priorityBands[0].maxTokens",

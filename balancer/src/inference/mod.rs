@@ -729,7 +729,16 @@ impl ProxyHttp for Inference {
             // JSON, but not an engine's error object: the endpoint's.
             self.record_outcome(ctx, false);
         }
-        if let Some(lease) = ctx.lease.take() {
+        let usage = ctx.meter.usage();
+        if let Some(mut lease) = ctx.lease.take() {
+            // Its flow's token-fair charge becomes what the answer spent
+            // (a stream cut short: what was sent).
+            let spent = ctx
+                .meter
+                .tokens_spent(usage, ctx.tokens.prompt, ctx.upstream_status);
+            if let Some(spent) = spent {
+                lease.settle(spent);
+            }
             // The client left before its answer ended: the engine may still
             // be working on it, so its slot is not free yet.
             let client_left = e.is_some_and(|e| e.esource() == &ErrorSource::Downstream);
@@ -753,7 +762,6 @@ impl ProxyHttp for Inference {
             ctx.reason
         };
         let ttft = ctx.meter.time_to_first_token(ctx.start);
-        let usage = ctx.meter.usage();
         if ctx.inference {
             self.shared.metrics.record_outcome(status, reason);
             if ctx.upstream_status.is_some_and(|s| s < 400) {

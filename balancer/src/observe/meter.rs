@@ -17,13 +17,75 @@ const TAIL: usize = 8 * 1024;
 
 /// Token counts of one answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(from = "WireUsage")]
 pub struct Usage {
-    /// `input_tokens` in the Responses and Anthropic Messages APIs.
-    #[serde(default, alias = "input_tokens")]
     pub prompt_tokens: u64,
-    /// `output_tokens` there.
-    #[serde(default, alias = "output_tokens")]
     pub completion_tokens: u64,
+    /// Of the prompt: tokens the engine found in its prefix cache.
+    pub cached_tokens: u64,
+}
+
+impl Usage {
+    pub fn total(&self) -> u64 {
+        self.prompt_tokens.saturating_add(self.completion_tokens)
+    }
+}
+
+/// A `usage` object as the APIs write it: Chat Completions
+/// (`prompt_tokens_details.cached_tokens`), Responses (`input_tokens`,
+/// `input_tokens_details.cached_tokens`), Anthropic Messages
+/// (`cache_read_input_tokens`).
+#[derive(Deserialize)]
+struct WireUsage {
+    #[serde(default, alias = "input_tokens")]
+    prompt_tokens: u64,
+    #[serde(default, alias = "output_tokens")]
+    completion_tokens: u64,
+    #[serde(default, alias = "input_tokens_details")]
+    prompt_tokens_details: Option<CachedDetails>,
+    #[serde(default)]
+    cache_read_input_tokens: u64,
+}
+
+/// llama.cpp's `timings`: `prompt_n` prompt tokens evaluated beyond the
+/// `cache_n` it found cached, `predicted_n` generated.
+#[derive(Deserialize)]
+struct Timings {
+    #[serde(default)]
+    prompt_n: u64,
+    #[serde(default)]
+    predicted_n: u64,
+    #[serde(default)]
+    cache_n: u64,
+}
+
+impl From<Timings> for Usage {
+    fn from(t: Timings) -> Self {
+        Usage {
+            prompt_tokens: t.prompt_n.saturating_add(t.cache_n),
+            completion_tokens: t.predicted_n,
+            cached_tokens: t.cache_n,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+struct CachedDetails {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
+}
+
+impl From<WireUsage> for Usage {
+    fn from(w: WireUsage) -> Self {
+        let details = w.prompt_tokens_details.and_then(|d| d.cached_tokens);
+        Usage {
+            prompt_tokens: w.prompt_tokens,
+            completion_tokens: w.completion_tokens,
+            cached_tokens: details
+                .unwrap_or(w.cache_read_input_tokens)
+                .min(w.prompt_tokens),
+        }
+    }
 }
 
 /// Watches one response body.
@@ -73,17 +135,42 @@ impl ResponseMeter {
             .map(|first| first.saturating_duration_since(start))
     }
 
-    /// The last usage object of the body, if it had one.
+    /// The last usage object of the body, if it had one (else llama.cpp's
+    /// `timings`, which its native routes end with).
     pub fn usage(&self) -> Option<Usage> {
+        let find = |text: &[u8]| {
+            find_usage::<Usage>(text, b"\"usage\"")
+                .or_else(|| find_usage::<Timings>(text, b"\"timings\"").map(Usage::from))
+        };
         match self.tail.len() {
             0 => None,
-            1 => find_usage(&self.tail[0][self.tail_len.saturating_sub(TAIL)..]),
+            1 => find(&self.tail[0][self.tail_len.saturating_sub(TAIL)..]),
             _ => {
                 let mut joined = Vec::with_capacity(self.tail_len);
                 self.tail.iter().for_each(|c| joined.extend_from_slice(c));
-                find_usage(&joined[joined.len().saturating_sub(TAIL)..])
+                find(&joined[joined.len().saturating_sub(TAIL)..])
             }
         }
+    }
+
+    /// The tokens an answer spent, to settle its estimate with: its usage;
+    /// for a stream cut short without one, the prompt (`prompt_estimate`)
+    /// and one token per event sent; nothing for an engine's error
+    /// (`status` 4xx/5xx, no usage). `None` when the body does not tell.
+    pub fn tokens_spent(
+        &self,
+        usage: Option<Usage>,
+        prompt_estimate: u64,
+        status: Option<u16>,
+    ) -> Option<u64> {
+        if let Some(u) = usage {
+            return Some(u.total());
+        }
+        if status.is_some_and(|s| s >= 400) {
+            return Some(0);
+        }
+        (self.streaming && self.events > 0)
+            .then(|| prompt_estimate.saturating_add(u64::from(self.events)))
     }
 
     /// Time per output token of a stream after the first:
@@ -106,14 +193,13 @@ fn count(haystack: &[u8], needle: &[u8]) -> usize {
         .count()
 }
 
-/// The last `"usage": {...}` object in `text` that parses; `"usage": null`
-/// (stream chunks before the last) is skipped.
-fn find_usage(text: &[u8]) -> Option<Usage> {
-    const KEY: &[u8] = b"\"usage\"";
+/// The last `"usage": {...}` (or other `key`) object in `text` that
+/// parses; `"usage": null` (stream chunks before the last) is skipped.
+fn find_usage<T: serde::de::DeserializeOwned>(text: &[u8], key: &[u8]) -> Option<T> {
     let mut end = text.len();
-    while let Some(at) = text[..end].windows(KEY.len()).rposition(|w| w == KEY) {
+    while let Some(at) = text[..end].windows(key.len()).rposition(|w| w == key) {
         end = at;
-        let rest = &text[at + KEY.len()..];
+        let rest = &text[at + key.len()..];
         let Some(rest) = rest.trim_ascii_start().strip_prefix(b":") else {
             continue;
         };
@@ -122,7 +208,7 @@ fn find_usage(text: &[u8]) -> Option<Usage> {
             continue;
         }
         if let Some(len) = object_len(rest) {
-            if let Ok(u) = serde_json::from_slice::<Usage>(&rest[..len]) {
+            if let Ok(u) = serde_json::from_slice::<T>(&rest[..len]) {
                 return Some(u);
             }
         }
@@ -180,7 +266,8 @@ mod tests {
             m.usage(),
             Some(Usage {
                 prompt_tokens: 30,
-                completion_tokens: 12
+                completion_tokens: 12,
+                cached_tokens: 0
             })
         );
         assert_eq!(m.time_to_first_token(t0), None, "not a stream");
@@ -199,7 +286,8 @@ mod tests {
                 m.usage(),
                 Some(Usage {
                     prompt_tokens: 9,
-                    completion_tokens: 4
+                    completion_tokens: 4,
+                    cached_tokens: 0
                 })
             );
         }
@@ -234,6 +322,69 @@ mod tests {
         assert_eq!(usage.completion_tokens, 3);
         // usage wins over the event count: 60 ms / 2.
         assert_eq!(m.time_per_output_token(Some(usage)), Some(30 * MS));
+    }
+
+    #[test]
+    fn cached_tokens_and_llamacpp_timings_are_read() {
+        for (body, want) in [
+            (
+                &br#"{"usage":{"prompt_tokens":50,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":32}}}"#[..],
+                (50, 5, 32),
+            ),
+            (
+                br#"{"usage":{"input_tokens":50,"output_tokens":5,"input_tokens_details":{"cached_tokens":16}}}"#,
+                (50, 5, 16),
+            ),
+            (
+                br#"{"type":"message","usage":{"input_tokens":50,"output_tokens":5,"cache_read_input_tokens":48}}"#,
+                (50, 5, 48),
+            ),
+            // llama.cpp's native /completion: no usage, its timings.
+            (
+                br#"{"content":"hi","tokens_predicted":5,"timings":{"cache_n":40,"prompt_n":10,"predicted_n":5}}"#,
+                (50, 5, 40),
+            ),
+            // More cached than prompted is not believed.
+            (
+                br#"{"usage":{"prompt_tokens":4,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":9}}}"#,
+                (4, 1, 4),
+            ),
+        ] {
+            let mut m = ResponseMeter::default();
+            m.on_chunk(&Bytes::copy_from_slice(body), Instant::now());
+            let u = m.usage().unwrap();
+            assert_eq!((u.prompt_tokens, u.completion_tokens, u.cached_tokens), want);
+        }
+    }
+
+    #[test]
+    fn tokens_spent_settle_on_what_was_sent() {
+        let mut m = ResponseMeter {
+            streaming: true,
+            ..ResponseMeter::default()
+        };
+        assert_eq!(m.tokens_spent(None, 100, Some(200)), None, "nothing sent");
+        for _ in 0..3 {
+            m.on_chunk(
+                &Bytes::from_static(b"data: {\"choices\":[{\"delta\":{}}]}\n\n"),
+                Instant::now(),
+            );
+        }
+        // Cut short: the prompt and one token per event.
+        assert_eq!(m.tokens_spent(None, 100, Some(200)), Some(103));
+        let usage = Usage {
+            prompt_tokens: 90,
+            completion_tokens: 7,
+            cached_tokens: 0,
+        };
+        assert_eq!(m.tokens_spent(Some(usage), 100, Some(200)), Some(97));
+        let plain = ResponseMeter::default();
+        assert_eq!(
+            plain.tokens_spent(None, 100, Some(500)),
+            Some(0),
+            "an engine error"
+        );
+        assert_eq!(plain.tokens_spent(None, 100, None), None);
     }
 
     #[test]

@@ -25,6 +25,7 @@
 //! - [`openai`]: OpenAI-style error bodies shared by the binaries.
 //! - [`tokens`]: a request's cost in tokens, estimated at admission and
 //!   learned per model from the engines' answers.
+//! - [`usage`]: tokens and requests spent per tenant and API key, by minute.
 
 pub mod admission;
 pub mod blame;
@@ -40,6 +41,7 @@ pub mod prefix;
 pub mod protocol;
 pub mod scorer;
 pub mod tokens;
+pub mod usage;
 
 pub use dispatcher::{
     Admission, Dispatcher, DispatcherConfig, Done, Reject, RequestMeta, Snapshot, Ticket,

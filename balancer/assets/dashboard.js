@@ -103,6 +103,25 @@ function renderFlows(flows) {
   $("flows-empty").classList.toggle("hidden", rows.length > 0);
 }
 
+// The ten tenants that spent the most tokens in the last hour; `usage` is
+// null when the balancer keeps it behind the management token.
+function renderTenants(usage) {
+  const rows = (usage ? usage.tenants : []).map(t => {
+    const row = el("tr");
+    row.dataset.tenant = t.tenant;
+    cell(row, "tenant", t.tenant);
+    cell(row, "requests", t.requests);
+    cell(row, "prompt", t.prompt_tokens.toLocaleString());
+    cell(row, "completion", t.completion_tokens.toLocaleString());
+    cell(row, "cached", t.cached_tokens.toLocaleString());
+    return row;
+  });
+  $("tenants").tBodies[0].replaceChildren(...rows);
+  $("tenants-empty").textContent = usage ? "No answered request yet." :
+    "Usage needs the management token (GET /api/v1/usage with Authorization: Bearer).";
+  $("tenants-empty").classList.toggle("hidden", rows.length > 0);
+}
+
 const SVG = "http://www.w3.org/2000/svg";
 
 // Draws series (arrays of numbers or nulls, one per point) into an svg with a
@@ -195,10 +214,13 @@ async function fetchJson(path) {
 
 async function refresh() {
   try {
-    const [view, history] = await Promise.all([fetchJson("/api/v1/agents"), fetchJson("/api/v1/history")]);
+    const [view, history, usage] = await Promise.all([
+      fetchJson("/api/v1/agents"), fetchJson("/api/v1/history"),
+      fetchJson("/api/v1/usage?limit=10").catch(() => null)]);
     renderSummary(view);
     renderAgents(view.endpoints);
     renderFlows(view.flows);
+    renderTenants(usage);
     renderHistory(history);
     refreshes += 1;
     document.body.dataset.refreshes = refreshes;

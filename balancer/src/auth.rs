@@ -11,6 +11,7 @@
 //!     tenant: acme
 //!     maxPriority: 0      # optional: higher priorities are cut to this
 //!     weight: 2           # optional: token-fairness weight (else the tenant's)
+//!     name: acme-prod     # optional: the key's name in usage accounting
 //!   - key: sk-test-only   # the key itself; prefer sha256 so nothing secret is at rest
 //!     tenant: tests
 //! ```
@@ -104,6 +105,9 @@ struct KeyEntry {
     max_priority: Option<i32>,
     /// Token-fairness weight of the key's requests (else its tenant's).
     weight: Option<u32>,
+    /// The key's name in usage accounting (default: its digest's first 12
+    /// hex digits).
+    name: Option<String>,
 }
 
 fn sha256(bytes: &[u8]) -> [u8; 32] {
@@ -163,6 +167,15 @@ impl ApiKeys {
                     flowgate::flow::MAX_WEIGHT
                 ));
             }
+            let key_id = match k.name {
+                Some(name) if valid_fairness_id(&name) => name,
+                Some(name) => {
+                    return Err(format!(
+                        "{at}: name {name:?} is not 1-128 visible ASCII characters"
+                    ))
+                }
+                None => digest[..6].iter().map(|b| format!("{b:02x}")).collect(),
+            };
             if entries.iter().any(|e| e.digest == digest) {
                 return Err(format!("{at}: the same key is listed twice"));
             }
@@ -172,6 +185,7 @@ impl ApiKeys {
                     tenant: k.tenant.into(),
                     max_priority: k.max_priority,
                     weight: k.weight,
+                    key_id: key_id.into(),
                 },
             });
         }
@@ -214,6 +228,7 @@ keys:
   - key: sk-other
     tenant: tests
     weight: 3
+    name: ci
 ";
 
     #[test]
@@ -229,6 +244,11 @@ keys:
         assert_eq!(&*tests.tenant, "tests");
         assert_eq!(tests.priority(5), 5);
         assert_eq!((acme.weight, tests.weight), (None, Some(3)));
+        assert_eq!(
+            &*acme.key_id, "2c26b46b68ff",
+            "the digest's first 12 hex digits"
+        );
+        assert_eq!(&*tests.key_id, "ci");
     }
 
     #[test]

@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 
 use flowgate::flow::Charge;
 use flowgate::models::Fallback;
-use flowgate::tokens::TokenRatios;
+use flowgate::tokens::{TokenRatios, TokenUsage};
+use flowgate::usage::{TenantUsage, UsageLedger};
 use flowgate::{
     Admission, AgentReport, Dispatcher, DispatcherConfig, EndpointId, Lease, Reject, ReportOutcome,
     RequestMeta, Route, Snapshot,
@@ -29,6 +30,7 @@ use tokio::sync::{oneshot, Notify};
 use tracing::warn;
 
 use crate::observe::history::History;
+use crate::observe::meter::Usage;
 use crate::observe::metrics::Metrics;
 
 type Waker = oneshot::Sender<Result<LeaseGuard, Reject>>;
@@ -46,6 +48,8 @@ pub struct FleetGate {
     draws: AtomicU64,
     /// Bytes of prompt per token, learned per model from the answers.
     token_ratios: Mutex<TokenRatios>,
+    /// Tokens and requests spent per tenant and key, by minute.
+    usage: Mutex<UsageLedger>,
 }
 
 impl flowgate::admission::FleetView for FleetGate {
@@ -167,6 +171,7 @@ impl FleetGate {
             timers: Notify::new(),
             draws: AtomicU64::new(0),
             token_ratios: Mutex::new(TokenRatios::default()),
+            usage: Mutex::new(UsageLedger::new(Instant::now())),
         })
     }
 
@@ -401,6 +406,30 @@ impl FleetGate {
             drop(ratios);
             self.metrics.learned_bytes_per_token(model, ratio);
         }
+    }
+
+    /// Accounts an answered request of `tenant`, sent with API key `key`
+    /// (its id), that spent `spent`: `/api/v1/usage` and the tenant
+    /// metrics.
+    pub fn record_usage(&self, tenant: &str, key: Option<&Arc<str>>, spent: Usage) {
+        self.metrics.tenants.record(tenant, &spent);
+        let tokens = TokenUsage {
+            prompt: spent.prompt_tokens,
+            completion: spent.completion_tokens,
+            cached: spent.cached_tokens,
+        };
+        self.usage
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .record(&Arc::from(tenant), key, tokens, Instant::now());
+    }
+
+    /// What each tenant spent over the last `window`, biggest first.
+    pub fn usage(&self, window: Duration) -> Vec<TenantUsage> {
+        self.usage
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .window(window, Instant::now())
     }
 
     /// The model that answered a request sent to any endpoint: the first

@@ -8,11 +8,15 @@
 //! - `GET    /`                           the dashboard (`/dashboard.js`, `/dashboard.css`)
 //! - `GET    /api/v1/agents`              reports + the balancer's in-flight view
 //! - `GET    /api/v1/history`             the last 10 minutes: rates, TTFT, wait
+//! - `GET    /api/v1/usage`               tokens and requests per tenant and API
+//!   key over a window (`?window=15m`, default and longest `1h`; `&tenant=`;
+//!   `&limit=`, default 100)
 //! - `GET    /metrics`                    Prometheus text exposition
 //! - `GET    /health`                     liveness
 //!
-//! With a management token, the two writes need `Authorization: Bearer
-//! <token>` (401 otherwise); reads stay open.
+//! With a management token, the two writes and the usage read (what each
+//! tenant spent) need `Authorization: Bearer <token>` (401 otherwise);
+//! other reads stay open.
 
 use std::sync::Arc;
 
@@ -210,6 +214,52 @@ impl Management {
         json_response(StatusCode::OK, body.to_string().into_bytes())
     }
 
+    /// `GET /api/v1/usage?window=15m&tenant=acme&limit=10`.
+    fn usage(&self, query: &str) -> Response<Vec<u8>> {
+        let mut window = flowgate::usage::BUCKET * flowgate::usage::BUCKETS as u32;
+        let longest = window;
+        let (mut tenant, mut limit) = (None, 100usize);
+        for (k, v) in form_urlencoded::parse(query.as_bytes()) {
+            match &*k {
+                "window" => match flowgate::duration::parse_duration(&v) {
+                    Ok(d) if !d.is_zero() => window = d.min(longest),
+                    _ => {
+                        return error(
+                            StatusCode::BAD_REQUEST,
+                            "bad_window",
+                            &format!("window {v:?} is not a duration such as 15m or 1h"),
+                        )
+                    }
+                },
+                "tenant" => tenant = Some(v.into_owned()),
+                "limit" => match v.parse::<usize>() {
+                    Ok(n) if n > 0 => limit = n,
+                    _ => {
+                        return error(
+                            StatusCode::BAD_REQUEST,
+                            "bad_limit",
+                            "limit must be a positive integer",
+                        )
+                    }
+                },
+                _ => {}
+            }
+        }
+        let all = self.shared.usage(window);
+        let total = all.len();
+        let tenants: Vec<_> = all
+            .into_iter()
+            .filter(|t| tenant.as_deref().is_none_or(|want| t.tenant == want))
+            .take(limit)
+            .collect();
+        let body = json!({
+            "window_s": window.as_secs(),
+            "tenants_total": total,
+            "tenants": tenants,
+        });
+        json_response(StatusCode::OK, body.to_string().into_bytes())
+    }
+
     fn history(&self) -> Response<Vec<u8>> {
         let body = json!({
             "interval_s": history::INTERVAL.as_secs_f64(),
@@ -235,7 +285,7 @@ impl ServeHttp for Management {
     async fn response(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
         let method = session.req_header().method.clone();
         let path = session.req_header().uri.path().to_string();
-        if method == Method::POST || method == Method::DELETE {
+        if method == Method::POST || method == Method::DELETE || path == "/api/v1/usage" {
             if let Some(refused) = self.check_token(session) {
                 return refused;
             }
@@ -255,6 +305,9 @@ impl ServeHttp for Management {
             (&Method::GET, ["dashboard.css"]) => asset("text/css; charset=utf-8", DASHBOARD_CSS),
             (&Method::GET, ["api", "v1", "agents"]) => self.agents(),
             (&Method::GET, ["api", "v1", "history"]) => self.history(),
+            (&Method::GET, ["api", "v1", "usage"]) => {
+                self.usage(session.req_header().uri.query().unwrap_or(""))
+            }
             (_, ["api", "v1", "agents", id, ..]) if !valid_agent_id(id) => error(
                 StatusCode::BAD_REQUEST,
                 "bad_agent_id",

@@ -273,6 +273,15 @@ async fn the_dashboard_shows_agents_and_traffic_live_in_a_real_browser() {
         "the TTFT chart has a line"
     );
 
+    // The tenants that spent the most: the seven answers above, sent with
+    // no fairness id.
+    browser
+        .wait_text(
+            "tr[data-tenant=\"default\"] td[data-field=\"requests\"]",
+            "7",
+        )
+        .await;
+
     // A tenant's request waits for the (now full) simulated agent's model:
     // its queue appears, with the tenant and the count.
     report(&b, 8, 5, 0.93).await;

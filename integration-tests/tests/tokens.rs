@@ -161,3 +161,126 @@ async fn a_request_that_can_never_fit_is_refused_413_at_once() {
         2.0
     );
 }
+
+/// What each tenant and key spent is counted from the answers' usage:
+/// `GET /api/v1/usage` per tenant and key over a window, the tenant
+/// metrics, with their series bounded whatever fairness ids clients send.
+#[tokio::test]
+async fn usage_is_accounted_per_tenant_and_key() {
+    let keys = ConfigFile::new(
+        "keys:\n  - key: sk-acme\n    tenant: acme\n    name: acme-prod\n  \
+         - key: sk-beta\n    tenant: beta\n",
+    );
+    let (b, _sim, _agent) = fleet(
+        &["--api-keys-file", keys.arg()],
+        &["--output-tokens", "5", "--ttft-ms", "1", "--tpot-ms", "0"],
+    )
+    .await;
+    let send = |key: &'static str, fairness: String, prompt_bytes: usize| {
+        let b_url = b.url("/v1/chat/completions");
+        async move {
+            let r = client()
+                .post(b_url)
+                .bearer_auth(key)
+                .header("x-gateway-inference-fairness-id", fairness)
+                .json(&chat_for(
+                    Some("sim-model"),
+                    &"abcd".repeat(prompt_bytes / 4),
+                ))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            let v: serde_json::Value = r.json().await.unwrap();
+            v["usage"]["prompt_tokens"].as_u64().unwrap()
+                + v["usage"]["completion_tokens"].as_u64().unwrap()
+        }
+    };
+    let mut acme = 0;
+    for _ in 0..3 {
+        acme += send("sk-acme", "ignored".into(), 400).await;
+    }
+    let beta = send("sk-beta", "ignored".into(), 40).await;
+    let usage = |query: &'static str| {
+        let url = b.mgmt(&format!("/api/v1/usage{query}"));
+        async move { get_json(&url).await }
+    };
+    let u = usage("").await;
+    assert_eq!(u["window_s"], 3600);
+    let tenants = u["tenants"].as_array().unwrap();
+    assert_eq!(tenants[0]["tenant"], "acme", "{u}");
+    assert_eq!(tenants[0]["requests"], 3);
+    let total = |t: &serde_json::Value| {
+        t["prompt_tokens"].as_u64().unwrap() + t["completion_tokens"].as_u64().unwrap()
+    };
+    assert_eq!(total(&tenants[0]), acme);
+    assert_eq!(tenants[0]["completion_tokens"], 15);
+    assert_eq!(tenants[0]["keys"]["acme-prod"]["requests"], 3);
+    assert_eq!(total(&tenants[1]), beta);
+    // A key without a name is its digest's first 12 hex digits.
+    let beta_keys: Vec<&String> = tenants[1]["keys"].as_object().unwrap().keys().collect();
+    assert_eq!(beta_keys.len(), 1);
+    assert_eq!(beta_keys[0].len(), 12);
+    assert!(!u.to_string().contains("sk-"), "no key in the answer: {u}");
+    // Filters and bad queries.
+    let only = usage("?tenant=beta&window=5m").await;
+    assert_eq!(only["tenants"].as_array().unwrap().len(), 1);
+    assert_eq!(only["window_s"], 300);
+    for bad in ["?window=soon", "?window=0s", "?limit=-1"] {
+        let r = client()
+            .get(b.mgmt(&format!("/api/v1/usage{bad}")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "{bad}");
+    }
+    // The metrics say the same.
+    let acme_metric = metric(&b, "flowgate_tenant_tokens_total", &[("tenant", "acme")]).await;
+    assert_eq!(acme_metric as u64, acme);
+    assert_eq!(
+        metric(&b, "flowgate_tenant_requests_total", &[("tenant", "beta")]).await,
+        1.0
+    );
+}
+
+/// Fairness ids are the client's to choose: however many it invents, the
+/// tenant series stay bounded, and the counts stay true.
+#[tokio::test]
+async fn tenant_series_are_bounded() {
+    let (b, _sim, _agent) =
+        fleet(&[], &["--ttft-ms", "0", "--tpot-ms", "0", "--slots", "16"]).await;
+    let c = client();
+    let sends = (0..300).map(|i| {
+        let c = c.clone();
+        let url = b.url("/v1/chat/completions");
+        async move {
+            let r = c
+                .post(url)
+                .header("x-gateway-inference-fairness-id", format!("t{i}"))
+                .json(&chat_body())
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+        }
+    });
+    // 16 at a time: within the slots and the buffer.
+    use futures_util::StreamExt;
+    futures_util::stream::iter(sends)
+        .buffer_unordered(16)
+        .collect::<Vec<()>>()
+        .await;
+    let text = metrics_text(&b).await;
+    let series = text
+        .lines()
+        .filter(|l| l.starts_with("flowgate_tenant_requests_total{"))
+        .count();
+    assert_eq!(series, 257, "256 tenants and (other)");
+    assert_eq!(
+        metric(&b, "flowgate_tenant_requests_total", &[]).await,
+        300.0
+    );
+    let u = get_json(&b.mgmt("/api/v1/usage?limit=5")).await;
+    assert_eq!(u["tenants_total"], 300);
+    assert_eq!(u["tenants"].as_array().unwrap().len(), 5);
+}

@@ -11,6 +11,9 @@ pub struct Grant {
     pub max_priority: Option<i32>,
     /// The key's token-fairness weight (else its tenant's).
     pub weight: Option<u32>,
+    /// How usage accounting names the key: its `name`, else the first 12
+    /// hex digits of its SHA-256 (never the key itself).
+    pub key_id: Arc<str>,
 }
 
 impl Grant {

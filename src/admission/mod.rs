@@ -299,6 +299,7 @@ mod tests {
             tenant: Arc::from("alpha"),
             max_priority: Some(3),
             weight: None,
+            key_id: Arc::from("k"),
         };
         let keyed = r
             .inference(h, Some(body), Caller::Key(&grant), &Fleet)
@@ -330,6 +331,7 @@ mod tests {
             tenant: Arc::from("alpha"),
             max_priority: None,
             weight: None,
+            key_id: Arc::from("k"),
         };
         // A malformed header is refused even when a key fixes the tenant.
         assert!(matches!(
@@ -362,7 +364,7 @@ mod tests {
                 ttl: Some(&ttl),
                 content_type: None,
             };
-            let grant = Grant { tenant: Arc::from("alpha"), max_priority: Some(ceiling), weight: None };
+            let grant = Grant { tenant: Arc::from("alpha"), max_priority: Some(ceiling), weight: None, key_id: Arc::from("k") };
             let form = FlowHeaders { content_type: Some(&b"multipart/form-data; boundary=x"[..]), ..h };
             let _ = r.inference(if as_form { form } else { h }, Some(&body), Caller::Anonymous, &Fleet);
             if let Ok(f) = r.inference(h, Some(br#"{"model":"m"}"#), Caller::Key(&grant), &Fleet) {

@@ -730,14 +730,14 @@ impl ProxyHttp for Inference {
             self.record_outcome(ctx, false);
         }
         let usage = ctx.meter.usage();
+        // What the answer spent (a stream cut short: what was sent).
+        let spent = ctx
+            .meter
+            .spent(usage, ctx.tokens.prompt, ctx.upstream_status);
         if let Some(mut lease) = ctx.lease.take() {
-            // Its flow's token-fair charge becomes what the answer spent
-            // (a stream cut short: what was sent).
-            let spent = ctx
-                .meter
-                .tokens_spent(usage, ctx.tokens.prompt, ctx.upstream_status);
+            // Its flow's token-fair charge becomes what was spent.
             if let Some(spent) = spent {
-                lease.settle(spent);
+                lease.settle(spent.total());
             }
             // The client left before its answer ended: the engine may still
             // be working on it, so its slot is not free yet.
@@ -764,6 +764,10 @@ impl ProxyHttp for Inference {
         let ttft = ctx.meter.time_to_first_token(ctx.start);
         if ctx.inference {
             self.shared.metrics.record_outcome(status, reason);
+            if let (Some(spent), Some(_)) = (spent, ctx.upstream_status) {
+                let key = ctx.grant.as_ref().map(|g| &g.key_id);
+                self.shared.record_usage(&ctx.fairness_id, key, spent);
+            }
             if ctx.upstream_status.is_some_and(|s| s < 400) {
                 if let (Some(u), Some(model)) = (usage, ctx.served_model.as_deref()) {
                     self.shared

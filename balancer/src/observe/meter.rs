@@ -153,24 +153,28 @@ impl ResponseMeter {
         }
     }
 
-    /// The tokens an answer spent, to settle its estimate with: its usage;
-    /// for a stream cut short without one, the prompt (`prompt_estimate`)
-    /// and one token per event sent; nothing for an engine's error
-    /// (`status` 4xx/5xx, no usage). `None` when the body does not tell.
-    pub fn tokens_spent(
+    /// The tokens an answer spent, to settle its estimate and account its
+    /// tenant with: its usage; for a stream cut short without one, the
+    /// prompt (`prompt_estimate`) and one token per event sent; nothing
+    /// for an engine's error (`status` 4xx/5xx, no usage). `None` when the
+    /// body does not tell.
+    pub fn spent(
         &self,
         usage: Option<Usage>,
         prompt_estimate: u64,
         status: Option<u16>,
-    ) -> Option<u64> {
-        if let Some(u) = usage {
-            return Some(u.total());
+    ) -> Option<Usage> {
+        if usage.is_some() {
+            return usage;
         }
         if status.is_some_and(|s| s >= 400) {
-            return Some(0);
+            return Some(Usage::default());
         }
-        (self.streaming && self.events > 0)
-            .then(|| prompt_estimate.saturating_add(u64::from(self.events)))
+        (self.streaming && self.events > 0).then(|| Usage {
+            prompt_tokens: prompt_estimate,
+            completion_tokens: u64::from(self.events),
+            cached_tokens: 0,
+        })
     }
 
     /// Time per output token of a stream after the first:
@@ -358,12 +362,13 @@ mod tests {
     }
 
     #[test]
-    fn tokens_spent_settle_on_what_was_sent() {
+    fn spent_tokens_settle_on_what_was_sent() {
+        let spent = |m: &ResponseMeter, u, status| m.spent(u, 100, status).map(|u| u.total());
         let mut m = ResponseMeter {
             streaming: true,
             ..ResponseMeter::default()
         };
-        assert_eq!(m.tokens_spent(None, 100, Some(200)), None, "nothing sent");
+        assert_eq!(spent(&m, None, Some(200)), None, "nothing sent");
         for _ in 0..3 {
             m.on_chunk(
                 &Bytes::from_static(b"data: {\"choices\":[{\"delta\":{}}]}\n\n"),
@@ -371,20 +376,16 @@ mod tests {
             );
         }
         // Cut short: the prompt and one token per event.
-        assert_eq!(m.tokens_spent(None, 100, Some(200)), Some(103));
+        assert_eq!(spent(&m, None, Some(200)), Some(103));
         let usage = Usage {
             prompt_tokens: 90,
             completion_tokens: 7,
             cached_tokens: 0,
         };
-        assert_eq!(m.tokens_spent(Some(usage), 100, Some(200)), Some(97));
+        assert_eq!(spent(&m, Some(usage), Some(200)), Some(97));
         let plain = ResponseMeter::default();
-        assert_eq!(
-            plain.tokens_spent(None, 100, Some(500)),
-            Some(0),
-            "an engine error"
-        );
-        assert_eq!(plain.tokens_spent(None, 100, None), None);
+        assert_eq!(spent(&plain, None, Some(500)), Some(0), "an engine error");
+        assert_eq!(spent(&plain, None, None), None);
     }
 
     #[test]

@@ -54,6 +54,8 @@ pub struct Metrics {
     pub fleet: FleetMetrics,
     /// Client connections and requests on the inference port.
     pub clients: ClientMetrics,
+    /// Tokens and requests per tenant.
+    pub tenants: super::tenants::TenantMetrics,
 }
 
 pub(super) const WAIT_BUCKETS: [f64; 14] = [
@@ -191,6 +193,7 @@ impl Metrics {
             flow: FlowMetrics::new(&registry),
             fleet: FleetMetrics::new(&registry),
             clients: ClientMetrics::new(&registry),
+            tenants: super::tenants::TenantMetrics::new(&registry),
             registry,
         }
     }

@@ -1,6 +1,6 @@
 //! What the balancer measures and shows: Prometheus metrics ([`metrics`]:
 //! the request path; [`fleet`]: the buffer and endpoints; [`clients`]:
-//! client connections and limits; a component with metrics of its own
+//! client connections and limits; [`tenants`]: what each tenant spent; a component with metrics of its own
 //! registers them beside itself, as the async queue, EPP mode and the
 //! scale-up webhook do), the timing and
 //! usage of an answer as it passes ([`meter`]), and the dashboard's last
@@ -12,3 +12,4 @@ pub mod flow;
 pub mod history;
 pub mod meter;
 pub mod metrics;
+pub mod tenants;

@@ -9,6 +9,10 @@
 //! - `loadgen hold`: sends many requests at once, each on its own
 //!   connection, and reports how they ended (the proxy benchmark's buffered
 //!   requests, `scripts/bench/proxy`).
+//! - `loadgen tenants`: open-loop tenants, each at its own request rate
+//!   with its own prompt size and `max_tokens`, and prints tokens served
+//!   and TTFT per tenant (the token-fairness benchmark,
+//!   `scripts/bench/fairness`).
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -50,6 +54,46 @@ enum Command {
     Proxy(ProxyArgs),
     /// Send many requests at once and wait for all of them
     Hold(HoldArgs),
+    /// Open-loop tenants at fixed request rates; tokens and TTFT per tenant
+    Tenants(TenantsArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct TenantsArgs {
+    /// Router base URL, e.g. http://127.0.0.1:8061
+    #[arg(long)]
+    target: String,
+    /// Seconds to send for (answers that end later are not counted)
+    #[arg(long, default_value_t = 60)]
+    seconds: u64,
+    /// A tenant: NAME:RATE:PROMPT_BYTES:MAX_TOKENS (requests per second,
+    /// evenly spaced); repeat for each
+    #[arg(long = "tenant", value_parser = parse_tenant, required = true)]
+    tenants: Vec<Tenant>,
+    #[arg(long, default_value = "sim-model")]
+    model: String,
+}
+
+#[derive(Debug, Clone)]
+struct Tenant {
+    name: String,
+    rate: f64,
+    prompt_bytes: usize,
+    max_tokens: u64,
+}
+
+fn parse_tenant(s: &str) -> Result<Tenant, String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let [name, rate, prompt_bytes, max_tokens] = parts[..] else {
+        return Err(format!("{s:?}: want NAME:RATE:PROMPT_BYTES:MAX_TOKENS"));
+    };
+    let num = |v: &str| v.parse::<f64>().map_err(|e| format!("{v:?}: {e}"));
+    Ok(Tenant {
+        name: name.to_string(),
+        rate: num(rate)?.max(0.001),
+        prompt_bytes: num(prompt_bytes)? as usize,
+        max_tokens: num(max_tokens)? as u64,
+    })
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -143,7 +187,152 @@ fn main() {
         Command::Run(args) => rt.block_on(run(args)),
         Command::Proxy(args) => rt.block_on(proxy(args)),
         Command::Hold(args) => rt.block_on(hold(args)),
+        Command::Tenants(args) => rt.block_on(tenants(args)),
     }
+}
+
+/// Per tenant: requests answered, tokens served (from each answer's
+/// `usage`), TTFT of each, and failures by status.
+#[derive(Debug, Default)]
+struct TenantSamples {
+    ok: u64,
+    tokens: u64,
+    ttft: Vec<f64>,
+    errors: BTreeMap<u16, u64>,
+}
+
+async fn tenants(args: TenantsArgs) {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(4096)
+        .build()
+        .expect("http client");
+    let url = format!("{}/v1/chat/completions", args.target.trim_end_matches('/'));
+    let samples: Arc<Mutex<BTreeMap<String, TenantSamples>>> = Arc::default();
+    let start = Instant::now();
+    let until = start + Duration::from_secs(args.seconds);
+    let mut senders = Vec::new();
+    for (t, tenant) in args.tenants.iter().cloned().enumerate() {
+        let (client, url, samples, model) = (
+            client.clone(),
+            url.clone(),
+            Arc::clone(&samples),
+            args.model.clone(),
+        );
+        senders.push(tokio::spawn(async move {
+            let gap = Duration::from_secs_f64(1.0 / tenant.rate);
+            let mut inflight = Vec::new();
+            let mut n = 0u64;
+            // Staggered so the tenants' arrivals interleave.
+            let mut next = start + gap.mul_f64(t as f64 / 7.0);
+            while next < until {
+                tokio::time::sleep_until(next.into()).await;
+                next += gap;
+                n += 1;
+                let filler = "lorem ipsum dolor sit amet ".repeat(tenant.prompt_bytes / 27 + 1);
+                let content = format!("{} {n}: {filler}", tenant.name);
+                let body = json!({"model": model, "stream": true,
+                    "stream_options": {"include_usage": true},
+                    "max_tokens": tenant.max_tokens,
+                    "messages": [{"role": "user", "content": &content[..tenant.prompt_bytes.min(content.len())]}]});
+                let req = client
+                    .post(&url)
+                    .header("x-gateway-inference-fairness-id", &tenant.name)
+                    .header("x-flowgate-request-ttl", "60s")
+                    .json(&body);
+                let (samples, name) = (Arc::clone(&samples), tenant.name.clone());
+                inflight.push(tokio::spawn(async move {
+                    let sent = Instant::now();
+                    let outcome = match req.send().await {
+                        Ok(resp) if resp.status().is_success() => {
+                            let mut body = resp.bytes_stream();
+                            let mut ttft = None;
+                            let mut text = Vec::new();
+                            let mut ok = true;
+                            while let Some(chunk) = body.next().await {
+                                match chunk {
+                                    Ok(c) => {
+                                        if ttft.is_none() && !c.is_empty() {
+                                            ttft = Some(sent.elapsed().as_secs_f64());
+                                        }
+                                        text.extend_from_slice(&c);
+                                    }
+                                    Err(_) => ok = false,
+                                }
+                            }
+                            match (ttft, ok) {
+                                (Some(t), true) => Ok((t, usage_tokens(&text))),
+                                _ => Err(0),
+                            }
+                        }
+                        Ok(resp) => Err(resp.status().as_u16()),
+                        Err(_) => Err(0),
+                    };
+                    let mut s = samples.lock().unwrap();
+                    let s = s.entry(name).or_default();
+                    match outcome {
+                        Ok((ttft, tokens)) if Instant::now() <= until => {
+                            s.ok += 1;
+                            s.tokens += tokens;
+                            s.ttft.push(ttft);
+                        }
+                        Ok(_) => {}
+                        Err(code) => *s.errors.entry(code).or_default() += 1,
+                    }
+                }));
+            }
+            // Answers that end later do not count: the rest are dropped
+            // (their clients leave) when the time is up.
+            tokio::time::sleep_until(until.into()).await;
+            for t in inflight {
+                t.abort();
+            }
+        }));
+    }
+    for s in senders {
+        let _ = s.await;
+    }
+    let secs = args.seconds as f64;
+    let s = samples.lock().unwrap();
+    let mut out = serde_json::Map::new();
+    let total: u64 = s.values().map(|t| t.tokens).sum();
+    for (name, t) in s.iter() {
+        let ttft = sorted(&t.ttft);
+        let p = |q| {
+            if ttft.is_empty() {
+                f64::NAN
+            } else {
+                pct(&ttft, q)
+            }
+        };
+        let errors: BTreeMap<String, u64> =
+            t.errors.iter().map(|(k, v)| (k.to_string(), *v)).collect();
+        out.insert(
+            name.clone(),
+            json!({"requests": t.ok, "tokens": t.tokens,
+                   "token_share": t.tokens as f64 / total.max(1) as f64,
+                   "ttft_p50_s": p(0.5), "ttft_p99_s": p(0.99), "errors": errors}),
+        );
+    }
+    println!(
+        "{}",
+        json!({"seconds": secs, "tokens_per_s": total as f64 / secs, "tenants": out})
+    );
+}
+
+/// Prompt plus completion tokens of the last `usage` in an SSE body (0 if
+/// none).
+fn usage_tokens(body: &[u8]) -> u64 {
+    let text = String::from_utf8_lossy(body);
+    text.lines()
+        .rev()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| {
+            let u = v.get("usage")?;
+            Some(u["prompt_tokens"].as_u64()? + u["completion_tokens"].as_u64()?)
+        })
+        .next()
+        .unwrap_or(0)
 }
 
 // ---- load generator ---------------------------------------------------

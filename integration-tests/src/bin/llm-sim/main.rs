@@ -78,6 +78,10 @@ struct Cli {
     /// Output tokens per request
     #[arg(long, default_value_t = 8)]
     output_tokens: u32,
+    /// Generate as many tokens as the request's `max_tokens` (or
+    /// `max_completion_tokens`) asks, instead of --output-tokens
+    #[arg(long)]
+    honor_max_tokens: bool,
     /// Milliseconds after start during which /health answers 503 (loading)
     #[arg(long, default_value_t = 0)]
     loading_ms: u64,
@@ -511,6 +515,13 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
         ..Default::default()
     };
     let prompt = flowgate::openai::prompt_text(&fields, usize::MAX);
+    let asked_tokens = ["max_tokens", "max_completion_tokens"]
+        .iter()
+        .find_map(|k| parsed.get(*k).and_then(serde_json::Value::as_u64));
+    let tokens = match asked_tokens {
+        Some(n) if sim.cli.honor_max_tokens => n.min(1_000_000) as u32,
+        _ => tokens,
+    };
     let kv_tokens = prompt.len() as u64 / engine::BYTES_PER_TOKEN + u64::from(tokens);
     // Wait for a slot (and KV room) like llama-server does (FIFO), counted
     // as deferred.

@@ -26,6 +26,8 @@
 //! - [`tokens`]: a request's cost in tokens, estimated at admission and
 //!   learned per model from the engines' answers.
 //! - [`usage`]: tokens and requests spent per tenant and API key, by minute.
+//! - [`quota`]: requests and tokens per minute and requests in flight per
+//!   tenant and key, reserved at admission and settled at the end.
 
 pub mod admission;
 pub mod blame;
@@ -39,6 +41,7 @@ pub mod multipart;
 pub mod openai;
 pub mod prefix;
 pub mod protocol;
+pub mod quota;
 pub mod scorer;
 pub mod tokens;
 pub mod usage;

@@ -91,6 +91,35 @@ impl QuotaLimits {
     }
 }
 
+/// The operator's quotas: per tenant (by fairness id), a default for
+/// tenants not listed, and per API key (on the key's grant).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct QuotaRules {
+    pub tenants: HashMap<String, QuotaLimits>,
+    /// Limits of each tenant not listed (each its own, not shared).
+    pub default_tenant: Option<QuotaLimits>,
+}
+
+impl QuotaRules {
+    /// The subjects a request of `tenant`, sent with a key of id `key`
+    /// and `key_limits`, counts against.
+    pub fn subjects(
+        &self,
+        tenant: &Arc<str>,
+        key: Option<(&Arc<str>, &QuotaLimits)>,
+    ) -> Vec<(Subject, QuotaLimits)> {
+        let mut out = Vec::new();
+        let own = self.tenants.get(&**tenant).or(self.default_tenant.as_ref());
+        if let Some(limits) = own.filter(|l| !l.is_empty()) {
+            out.push((Subject::Tenant(Arc::clone(tenant)), *limits));
+        }
+        if let Some((id, limits)) = key.filter(|(_, l)| !l.is_empty()) {
+            out.push((Subject::Key(Arc::clone(id)), *limits));
+        }
+        out
+    }
+}
+
 /// Whose quota a request counts against.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Subject {
@@ -158,7 +187,7 @@ pub struct LimitStatus {
 
 impl RateStatus {
     /// Keeps, for each kind, the status with the least remaining.
-    fn tighten(&mut self, requests: Option<LimitStatus>, tokens: Option<LimitStatus>) {
+    pub fn tighten(&mut self, requests: Option<LimitStatus>, tokens: Option<LimitStatus>) {
         fn pick(a: Option<LimitStatus>, b: Option<LimitStatus>) -> Option<LimitStatus> {
             match (a, b) {
                 (Some(a), Some(b)) => Some(if b.remaining < a.remaining { b } else { a }),

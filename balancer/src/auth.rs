@@ -12,6 +12,7 @@
 //!     maxPriority: 0      # optional: higher priorities are cut to this
 //!     weight: 2           # optional: token-fairness weight (else the tenant's)
 //!     name: acme-prod     # optional: the key's name in usage accounting
+//!     quota: {requestsPerMinute: 60, tokensPerMinute: 10000}  # optional, see quotas
 //!   - key: sk-test-only   # the key itself; prefer sha256 so nothing secret is at rest
 //!     tenant: tests
 //! ```
@@ -108,6 +109,8 @@ struct KeyEntry {
     /// The key's name in usage accounting (default: its digest's first 12
     /// hex digits).
     name: Option<String>,
+    /// The key's own quota, besides its tenant's.
+    quota: Option<crate::config::quotas::LimitsSpec>,
 }
 
 fn sha256(bytes: &[u8]) -> [u8; 32] {
@@ -176,6 +179,11 @@ impl ApiKeys {
                 }
                 None => digest[..6].iter().map(|b| format!("{b:02x}")).collect(),
             };
+            let quota = k
+                .quota
+                .as_ref()
+                .map(|q| q.resolve(&format!("{at}.quota")))
+                .transpose()?;
             if entries.iter().any(|e| e.digest == digest) {
                 return Err(format!("{at}: the same key is listed twice"));
             }
@@ -186,6 +194,7 @@ impl ApiKeys {
                     max_priority: k.max_priority,
                     weight: k.weight,
                     key_id: key_id.into(),
+                    quota,
                 },
             });
         }

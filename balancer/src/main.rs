@@ -12,6 +12,7 @@ mod inference;
 mod limits;
 mod management;
 mod observe;
+mod quotas;
 mod reload;
 mod reply;
 mod rules;
@@ -136,6 +137,14 @@ fn main() -> ExitCode {
         None => None,
     };
 
+    let quotas = match quotas::Quotas::new(&settings.quota_store, &shared.metrics) {
+        Ok(q) => Arc::new(q),
+        Err(e) => {
+            error!("{e}");
+            return ExitCode::from(1);
+        }
+    };
+
     let proxy = pingora_proxy::http_proxy(
         &server.configuration,
         inference::Inference {
@@ -149,6 +158,7 @@ fn main() -> ExitCode {
             retry_after: Duration::from_secs(1),
             retries: settings.retries,
             request_ids: inference::RequestIds::new(),
+            quotas,
             async_queue: async_queue.clone(),
         },
     );

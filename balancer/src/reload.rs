@@ -118,6 +118,10 @@ fn needs_restart(a: &Settings, b: &Settings) -> Vec<&'static str> {
         ("tlsCert / tlsKey", differ(&a.tls, &b.tls)),
         ("async", differ(&a.async_queue, &b.async_queue)),
         (
+            "quotas.redisUrl / onRedisError",
+            differ(&a.quota_store, &b.quota_store),
+        ),
+        (
             "scaleUpWebhook",
             differ(&a.scale_up_webhook, &b.scale_up_webhook),
         ),

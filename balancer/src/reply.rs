@@ -37,6 +37,11 @@ pub struct Refusal {
     pub code: &'static str,
     pub message: String,
     pub reason: &'static str,
+    /// When a retry may succeed, if the refusal knows better than the
+    /// default `Retry-After` (a quota's window).
+    pub retry_after: Option<Duration>,
+    /// More headers (a quota's `x-ratelimit-*`).
+    pub headers: Vec<(&'static str, String)>,
 }
 
 impl Refusal {
@@ -52,7 +57,44 @@ impl Refusal {
             code,
             message,
             reason: code,
+            retry_after: None,
+            headers: Vec::new(),
         }
+    }
+
+    /// 429: a tenant's or key's quota is used up.
+    pub fn quota_exceeded(e: &flowgate::quota::Exceeded) -> Self {
+        let who = match &e.subject {
+            flowgate::quota::Subject::Tenant(t) => format!("tenant `{t}`"),
+            flowgate::quota::Subject::Key(_) => "this API key".to_string(),
+        };
+        let mut r = Refusal::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            "quota_exceeded",
+            format!(
+                "the quota of {who} ({}) is used up; retry in {} s",
+                e.limit.as_str(),
+                e.retry_after.as_secs().max(1)
+            ),
+        );
+        r.reason = "quota-exceeded";
+        r.retry_after = Some(e.retry_after);
+        r.headers = crate::quotas::rate_headers(&e.status);
+        r
+    }
+
+    /// 503: quotas are shared through a Redis that does not answer, and
+    /// the operator chose to refuse requests it cannot check.
+    pub fn quota_unavailable() -> Self {
+        let mut r = Refusal::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "quota_unavailable",
+            "quotas cannot be checked now (their store does not answer); retry later".into(),
+        );
+        r.reason = "quota-unavailable";
+        r
     }
 
     /// 401: no API key or an unknown one.
@@ -116,6 +158,8 @@ impl Refusal {
             code,
             message: r.to_string(),
             reason: r.reason(),
+            retry_after: None,
+            headers: Vec::new(),
         }
     }
 }
@@ -183,7 +227,13 @@ impl Answer {
             .with_header(DROP_REASON_HEADER, r.reason.to_string());
         if r.status == StatusCode::SERVICE_UNAVAILABLE || r.status == StatusCode::TOO_MANY_REQUESTS
         {
-            a = a.with_header("retry-after", retry_after.as_secs().max(1).to_string());
+            let after = r.retry_after.unwrap_or(retry_after);
+            // Whole seconds, rounded up: never earlier than the window.
+            let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+            a = a.with_header("retry-after", secs.max(1).to_string());
+        }
+        for (name, value) in &r.headers {
+            a = a.with_header(name, value.clone());
         }
         if r.status == StatusCode::UNAUTHORIZED {
             a = a.with_header("www-authenticate", "Bearer".to_string());

@@ -16,6 +16,8 @@ pub struct DoorRules {
     pub admission: AdmissionRules,
     /// When set, every route but `/health` needs one of these keys.
     pub api_keys: Option<Arc<ApiKeys>>,
+    /// Quotas per tenant (keys carry their own).
+    pub quotas: flowgate::quota::QuotaRules,
 }
 
 /// The current [`DoorRules`].

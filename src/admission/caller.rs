@@ -14,6 +14,8 @@ pub struct Grant {
     /// How usage accounting names the key: its `name`, else the first 12
     /// hex digits of its SHA-256 (never the key itself).
     pub key_id: Arc<str>,
+    /// The key's own quota (besides its tenant's).
+    pub quota: Option<crate::quota::QuotaLimits>,
 }
 
 impl Grant {

@@ -300,6 +300,7 @@ mod tests {
             max_priority: Some(3),
             weight: None,
             key_id: Arc::from("k"),
+            quota: None,
         };
         let keyed = r
             .inference(h, Some(body), Caller::Key(&grant), &Fleet)
@@ -332,6 +333,7 @@ mod tests {
             max_priority: None,
             weight: None,
             key_id: Arc::from("k"),
+            quota: None,
         };
         // A malformed header is refused even when a key fixes the tenant.
         assert!(matches!(
@@ -364,7 +366,7 @@ mod tests {
                 ttl: Some(&ttl),
                 content_type: None,
             };
-            let grant = Grant { tenant: Arc::from("alpha"), max_priority: Some(ceiling), weight: None, key_id: Arc::from("k") };
+            let grant = Grant { tenant: Arc::from("alpha"), max_priority: Some(ceiling), weight: None, key_id: Arc::from("k"), quota: None };
             let form = FlowHeaders { content_type: Some(&b"multipart/form-data; boundary=x"[..]), ..h };
             let _ = r.inference(if as_form { form } else { h }, Some(&body), Caller::Anonymous, &Fleet);
             if let Ok(f) = r.inference(h, Some(br#"{"model":"m"}"#), Caller::Key(&grant), &Fleet) {

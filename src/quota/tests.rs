@@ -212,3 +212,27 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_request_answers_to_its_tenant_and_its_key() {
+    let mut rules = QuotaRules::default();
+    let acme = limits(Some(10), None, None);
+    rules.tenants.insert("acme".into(), acme);
+    let t = |n: &str| Arc::<str>::from(n);
+    let key_limits = limits(None, Some(500), None);
+    let subjects = rules.subjects(&t("acme"), Some((&t("k1"), &key_limits)));
+    assert_eq!(
+        subjects,
+        [(tenant("acme"), acme), (Subject::Key(t("k1")), key_limits)]
+    );
+    // No default: other tenants are free; an empty key quota is none.
+    assert!(rules
+        .subjects(&t("other"), Some((&t("k1"), &QuotaLimits::default())))
+        .is_empty());
+    let fallback = limits(None, Some(1000), Some(2));
+    rules.default_tenant = Some(fallback);
+    assert_eq!(
+        rules.subjects(&t("other"), None),
+        [(tenant("other"), fallback)]
+    );
+}

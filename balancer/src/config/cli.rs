@@ -192,6 +192,18 @@ pub struct Cli {
     #[arg(long, value_name = "DIR")]
     pub async_dir: Option<PathBuf>,
 
+    /// Share quota windows between balancers in this Redis
+    /// (`redis://host:6379/0`; `quotas.redisUrl`) [default: each balancer
+    /// keeps its own]
+    #[arg(long, value_name = "URL")]
+    pub quota_redis_url: Option<String>,
+
+    /// When the quota Redis does not answer: `open` admits the request
+    /// (logged, counted in flowgate_quota_store_errors_total), `closed`
+    /// refuses it with 503 (`quotas.onRedisError`) [default: open]
+    #[arg(long, value_enum, value_name = "POLICY")]
+    pub quota_on_redis_error: Option<super::quotas::OnStoreError>,
+
     /// Keep the async queue in Redis instead (`redis://host:6379/0`; Streams
     /// with a consumer group), so several balancers share it; turns the
     /// async path on

@@ -9,6 +9,7 @@ use serde::Deserialize;
 
 use super::flow::{ConfigDuration, FlowControlSection, SaturationSection};
 use super::models::ModelsSection;
+use super::quotas::QuotasSection;
 use super::scheduling::SchedulingSection;
 use super::SettingsError;
 use crate::asyncq::job::DeadLetter;
@@ -60,6 +61,8 @@ pub struct FileConfig {
     pub scheduling: Option<SchedulingSection>,
     /// Aliases, default model, rewrites, fallbacks.
     pub models: Option<ModelsSection>,
+    /// Quotas per tenant, and where they are kept.
+    pub quotas: Option<QuotasSection>,
 }
 
 /// The config file's `async:` section: the `--async-*` flags (and

@@ -13,12 +13,14 @@
 //! - [`async_queue`]: the `--async-*` flags and the `async:` section.
 //! - [`models`]: `models:` and the model flags (aliases, default model,
 //!   rewrites, fallbacks).
+//! - [`quotas`]: `quotas:`, the keys' `quota:` and the quota store flags.
 
 mod async_queue;
 mod cli;
 mod file;
 pub mod flow;
 mod models;
+pub mod quotas;
 pub mod scheduling;
 #[cfg(test)]
 mod tests;
@@ -69,6 +71,10 @@ pub struct Settings {
     pub priorities: PriorityRules,
     /// Token-fairness weights by fairness id.
     pub weights: std::collections::HashMap<String, u32>,
+    /// Quotas per tenant (keys carry their own).
+    pub quotas: flowgate::quota::QuotaRules,
+    /// Where quota windows are kept.
+    pub quota_store: quotas::QuotaStore,
     /// Which served model a requested name goes to.
     pub models: flowgate::models::ModelRules,
     /// Output tokens assumed for a request that names no bound.
@@ -128,6 +134,7 @@ impl Settings {
         crate::rules::DoorRules {
             admission: self.admission(),
             api_keys: self.api_keys.clone(),
+            quotas: self.quotas.clone(),
         }
     }
 
@@ -218,6 +225,9 @@ impl Settings {
         let (sched, retries) = scheduling::build(&file.scheduling.unwrap_or_default(), seed)
             .map_err(SettingsError::Invalid)?;
         dispatcher.scheduling = sched;
+        let (quota_rules, quota_store) =
+            quotas::build(&cli, &file.quotas.take().unwrap_or_default())
+                .map_err(SettingsError::Invalid)?;
         let models = models::build(&cli, &file.models.take().unwrap_or_default())
             .map_err(SettingsError::Invalid)?;
         let api_keys = match cli.api_keys_file.or(file.api_keys_file) {
@@ -309,6 +319,8 @@ impl Settings {
             dispatcher,
             priorities,
             weights,
+            quotas: quota_rules,
+            quota_store,
             models,
             default_output_tokens: layer(
                 cli.default_output_tokens,

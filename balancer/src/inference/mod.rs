@@ -39,7 +39,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use flowgate::admission::{renamed, Caller, FlowHeaders, Grant};
 use flowgate::blame::{self, Verdict};
-use flowgate::tokens::TokenEstimate;
+use flowgate::tokens::{TokenEstimate, TokenUsage};
 use flowgate::{EndpointId, RequestMeta};
 use http::StatusCode;
 use pingora_core::upstreams::peer::HttpPeer;
@@ -56,7 +56,8 @@ pub(crate) use routes::RouteKind;
 use crate::asyncq::{self, AsyncQueue};
 use crate::gate::{ActiveRequest, AdmitError, FleetGate, LeaseGuard};
 use crate::limits;
-use crate::observe::meter::ResponseMeter;
+use crate::observe::meter::{ResponseMeter, Usage};
+use crate::quotas::{Held, QuotaRefusal, Quotas};
 use crate::reply::{Answer, Refusal, REQUEST_ID_HEADER};
 use crate::rules::{DoorRules, LiveRules};
 
@@ -85,6 +86,8 @@ pub struct Inference {
     pub retries: u32,
     /// Generates request ids.
     pub request_ids: RequestIds,
+    /// Quotas per tenant and key.
+    pub quotas: Arc<Quotas>,
 }
 
 /// What a request's first step decided.
@@ -153,6 +156,10 @@ pub struct RequestCtx {
     request_id_given: bool,
     /// What the request's API key grants, when keys are required.
     pub(crate) grant: Option<Grant>,
+    /// What its quotas reserved, settled when it ends, and their state for
+    /// the `x-ratelimit-*` headers.
+    quota: Option<Held>,
+    rate_headers: Vec<(&'static str, String)>,
     /// The rules as they were when the request arrived.
     pub(crate) rules: Arc<DoorRules>,
     /// Timing and usage of the answer as it passes.
@@ -228,9 +235,16 @@ impl Inference {
     }
 
     /// A refusal's answer; its reason labels the metrics and access log.
+    /// A request under a quota tells its state on every answer.
     fn refusal(&self, ctx: &mut RequestCtx, r: &Refusal) -> Step {
         ctx.reason = r.reason;
-        Step::Answer(Answer::refusal(r, self.retry_after))
+        let mut answer = Answer::refusal(r, self.retry_after);
+        if r.headers.is_empty() {
+            for (name, value) in &ctx.rate_headers {
+                answer = answer.with_header(name, value.clone());
+            }
+        }
+        Step::Answer(answer)
     }
 
     /// Everything before the proxying: who calls, the local routes, the
@@ -315,11 +329,40 @@ impl Inference {
                 })),
             });
         }
+        if let Err(refusal) = self.reserve_quota(ctx, &facts.meta.flow.fairness_id).await {
+            return Ok(Err(refusal));
+        }
         ctx.meta = Some(facts.meta.clone());
         Ok(self
             .wait_for_slot(session, ctx, facts.meta)
             .await?
             .map(|()| Step::Proxy))
+    }
+
+    /// Reserves the request's estimate against its tenant's and key's
+    /// quotas (if they have any); refused: 429 `quota_exceeded`.
+    async fn reserve_quota(
+        &self,
+        ctx: &mut RequestCtx,
+        tenant: &Arc<str>,
+    ) -> std::result::Result<(), Refusal> {
+        let key = ctx
+            .grant
+            .as_ref()
+            .and_then(|g| g.quota.as_ref().map(|q| (&g.key_id, q)));
+        let subjects = ctx.rules.quotas.subjects(tenant, key);
+        if subjects.is_empty() {
+            return Ok(());
+        }
+        match self.quotas.reserve(subjects, ctx.tokens).await {
+            Ok((held, status)) => {
+                ctx.quota = Some(held);
+                ctx.rate_headers = crate::quotas::rate_headers(&status);
+                Ok(())
+            }
+            Err(QuotaRefusal::Exceeded(e)) => Err(Refusal::quota_exceeded(&e)),
+            Err(QuotaRefusal::StoreUnavailable) => Err(Refusal::quota_unavailable()),
+        }
     }
 
     /// Feeds the circuit breaker of the endpoint the request holds.
@@ -413,6 +456,8 @@ impl ProxyHttp for Inference {
             request_id: String::new(),
             request_id_given: false,
             grant: None,
+            quota: None,
+            rate_headers: Vec::new(),
             rules: self.rules.get(),
             meter: ResponseMeter::default(),
             active: None,
@@ -626,6 +671,9 @@ impl ProxyHttp for Inference {
         // How long the request waited in flow control before it was sent.
         upstream_response.insert_header(WAIT_HEADER, ctx.waited.as_millis().to_string())?;
         upstream_response.insert_header(REQUEST_ID_HEADER, ctx.request_id.as_str())?;
+        for (name, value) in &ctx.rate_headers {
+            upstream_response.insert_header(*name, value.as_str())?;
+        }
         let served = match (&ctx.served_model, &ctx.lease) {
             (Some(m), _) => Some(m.to_string()),
             (None, Some(lease)) => self.shared.served_model(lease.endpoint()),
@@ -734,6 +782,23 @@ impl ProxyHttp for Inference {
         let spent = ctx
             .meter
             .spent(usage, ctx.tokens.prompt, ctx.upstream_status);
+        if let Some(held) = ctx.quota.take() {
+            // Served: its quotas count what it spent (the estimate when the
+            // answer does not say); never served: it leaves their windows.
+            let used = ctx.upstream_status.map(|_| {
+                let u = spent.unwrap_or(Usage {
+                    prompt_tokens: ctx.tokens.prompt,
+                    completion_tokens: ctx.tokens.output,
+                    cached_tokens: 0,
+                });
+                TokenUsage {
+                    prompt: u.prompt_tokens,
+                    completion: u.completion_tokens,
+                    cached: u.cached_tokens,
+                }
+            });
+            self.quotas.settle(held, used);
+        }
         if let Some(mut lease) = ctx.lease.take() {
             // Its flow's token-fair charge becomes what was spent.
             if let Some(spent) = spent {

@@ -554,3 +554,88 @@ impl Drop for Prometheus {
         let _ = self.child.wait();
     }
 }
+
+/// A real redis-server (Debian's `redis-server` package, installed by
+/// `scripts/test`) on a port of the test's own, stopped when dropped.
+pub struct Redis {
+    child: std::process::Child,
+    pub url: String,
+}
+
+impl Redis {
+    /// A private redis-server on a port of its own. Another test's server
+    /// may take the port picked for it between the pick and the bind: then
+    /// this one exits, and it tries again on another port; it counts as up
+    /// only once the server on the port says it is this process.
+    pub async fn start() -> Redis {
+        for _ in 0..5 {
+            let port = free_port();
+            let mut child = std::process::Command::new("redis-server")
+                .args([
+                    "--port",
+                    &port.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                ])
+                .args(["--appendonly", "no", "--protected-mode", "yes"])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .expect("redis-server (Debian's redis-server package; scripts/test installs it)");
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while std::time::Instant::now() < deadline {
+                if child.try_wait().ok().flatten().is_some() {
+                    break;
+                }
+                if is_ours(port, child.id()).await {
+                    return Redis {
+                        child,
+                        url: format!("redis://127.0.0.1:{port}/0"),
+                    };
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        panic!("redis-server did not start on any of 5 ports");
+    }
+}
+
+/// Whether the Redis answering on `port` is the process `pid` (its
+/// `INFO server` names its process id).
+async fn is_ours(port: u16, pid: u32) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+        return false;
+    };
+    if s.write_all(b"INFO server\r\n").await.is_err() {
+        return false;
+    }
+    let want = format!("process_id:{pid}\r\n");
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    let read = tokio::time::timeout(Duration::from_secs(1), async {
+        while let Ok(n) = s.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+            seen.extend_from_slice(&buf[..n]);
+            if String::from_utf8_lossy(&seen).contains(&want) {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    read.unwrap_or(false)
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

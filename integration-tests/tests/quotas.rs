@@ -93,6 +93,8 @@ async fn a_keys_token_quota_settles_to_what_the_answers_used() {
     assert_eq!(r.status(), 200);
     let remaining: u64 = header(&r, "x-ratelimit-remaining-tokens").parse().unwrap();
     assert!((390..400).contains(&remaining), "reserved 602: {remaining}");
+    // Settled when the request gives its slot back.
+    b.wait_in_flight(0, Duration::from_secs(5)).await;
     let r = send(&b, Some("sk-small"), "x", body.clone()).await;
     assert_eq!(
         r.status(),
@@ -132,11 +134,13 @@ async fn a_keys_token_quota_settles_to_what_the_answers_used() {
         "{e}"
     );
     assert_eq!(first.await.unwrap(), 200);
+    b.wait_in_flight(0, Duration::from_secs(5)).await;
     // Over its token quota, 1,000 per minute: an answer that used 1,100
     // prompt tokens.
     let mut long = chat_for(Some("sim-model"), &"abcd".repeat(1100));
     long["max_tokens"] = 5.into();
     assert_eq!(send(&b, Some("sk-small"), "x", long).await.status(), 200);
+    b.wait_in_flight(0, Duration::from_secs(5)).await;
     let r = send(&b, Some("sk-small"), "x", chat_body()).await;
     assert_eq!(r.status(), 429);
     assert_eq!(header(&r, "x-ratelimit-remaining-tokens"), "0");

@@ -201,6 +201,8 @@ async fn usage_is_accounted_per_tenant_and_key() {
         acme += send("sk-acme", "ignored".into(), 400).await;
     }
     let beta = send("sk-beta", "ignored".into(), 40).await;
+    // Accounted once each request has given its slot back.
+    b.wait_in_flight(0, Duration::from_secs(5)).await;
     let usage = |query: &'static str| {
         let url = b.mgmt(&format!("/api/v1/usage{query}"));
         async move { get_json(&url).await }
@@ -270,6 +272,7 @@ async fn tenant_series_are_bounded() {
         .buffer_unordered(16)
         .collect::<Vec<()>>()
         .await;
+    b.wait_in_flight(0, Duration::from_secs(5)).await;
     let text = metrics_text(&b).await;
     let series = text
         .lines()

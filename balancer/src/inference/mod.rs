@@ -475,6 +475,13 @@ impl ProxyHttp for Inference {
             Err(refusal) => self.refusal(ctx, &refusal),
         };
         let proxy = matches!(step, Step::Proxy);
+        if !proxy {
+            // Answered here, never served: it leaves its quotas' windows
+            // before the client sees the answer.
+            if let Some(held) = ctx.quota.take() {
+                self.quotas.settle(held, None);
+            }
+        }
         self.answer(session, ctx, step).await?;
         Ok(!proxy)
     }
@@ -782,6 +789,12 @@ impl ProxyHttp for Inference {
         let spent = ctx
             .meter
             .spent(usage, ctx.tokens.prompt, ctx.upstream_status);
+        // Accounted before the slot is given back: once a request no longer
+        // counts in flight, its usage and quotas are up to date.
+        if let (true, Some(spent), Some(_)) = (ctx.inference, spent, ctx.upstream_status) {
+            let key = ctx.grant.as_ref().map(|g| &g.key_id);
+            self.shared.record_usage(&ctx.fairness_id, key, spent);
+        }
         if let Some(held) = ctx.quota.take() {
             // Served: its quotas count what it spent (the estimate when the
             // answer does not say); never served: it leaves their windows.
@@ -829,10 +842,6 @@ impl ProxyHttp for Inference {
         let ttft = ctx.meter.time_to_first_token(ctx.start);
         if ctx.inference {
             self.shared.metrics.record_outcome(status, reason);
-            if let (Some(spent), Some(_)) = (spent, ctx.upstream_status) {
-                let key = ctx.grant.as_ref().map(|g| &g.key_id);
-                self.shared.record_usage(&ctx.fairness_id, key, spent);
-            }
             if ctx.upstream_status.is_some_and(|s| s < 400) {
                 if let (Some(u), Some(model)) = (usage, ctx.served_model.as_deref()) {
                     self.shared

@@ -60,9 +60,10 @@ enum Command {
 
 #[derive(Debug, clap::Args)]
 struct TenantsArgs {
-    /// Router base URL, e.g. http://127.0.0.1:8061
-    #[arg(long)]
-    target: String,
+    /// Router base URL, e.g. http://127.0.0.1:8061; repeat to spread the
+    /// requests over several (in turn)
+    #[arg(long = "target", required = true)]
+    targets: Vec<String>,
     /// Seconds to send for (answers that end later are not counted)
     #[arg(long, default_value_t = 60)]
     seconds: u64,
@@ -199,6 +200,24 @@ struct TenantSamples {
     tokens: u64,
     ttft: Vec<f64>,
     errors: BTreeMap<u16, u64>,
+    /// (seconds from the start when sent, tokens) of each answered request.
+    served: Vec<(f64, u64)>,
+}
+
+/// The most tokens answered for requests sent within any 60 s.
+fn max_tokens_per_minute(served: &[(f64, u64)]) -> u64 {
+    let mut sorted = served.to_vec();
+    sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let (mut best, mut sum, mut first) = (0, 0, 0);
+    for &(at, tokens) in &sorted {
+        sum += tokens;
+        while sorted[first].0 <= at - 60.0 {
+            sum -= sorted[first].1;
+            first += 1;
+        }
+        best = best.max(sum);
+    }
+    best
 }
 
 async fn tenants(args: TenantsArgs) {
@@ -206,15 +225,19 @@ async fn tenants(args: TenantsArgs) {
         .pool_max_idle_per_host(4096)
         .build()
         .expect("http client");
-    let url = format!("{}/v1/chat/completions", args.target.trim_end_matches('/'));
+    let urls: Vec<String> = args
+        .targets
+        .iter()
+        .map(|t| format!("{}/v1/chat/completions", t.trim_end_matches('/')))
+        .collect();
     let samples: Arc<Mutex<BTreeMap<String, TenantSamples>>> = Arc::default();
     let start = Instant::now();
     let until = start + Duration::from_secs(args.seconds);
     let mut senders = Vec::new();
     for (t, tenant) in args.tenants.iter().cloned().enumerate() {
-        let (client, url, samples, model) = (
+        let (client, urls, samples, model) = (
             client.clone(),
-            url.clone(),
+            urls.clone(),
             Arc::clone(&samples),
             args.model.clone(),
         );
@@ -235,13 +258,14 @@ async fn tenants(args: TenantsArgs) {
                     "max_tokens": tenant.max_tokens,
                     "messages": [{"role": "user", "content": &content[..tenant.prompt_bytes.min(content.len())]}]});
                 let req = client
-                    .post(&url)
+                    .post(&urls[n as usize % urls.len()])
                     .header("x-gateway-inference-fairness-id", &tenant.name)
                     .header("x-flowgate-request-ttl", "60s")
                     .json(&body);
                 let (samples, name) = (Arc::clone(&samples), tenant.name.clone());
                 inflight.push(tokio::spawn(async move {
                     let sent = Instant::now();
+                    let sent_s = sent.duration_since(start).as_secs_f64();
                     let outcome = match req.send().await {
                         Ok(resp) if resp.status().is_success() => {
                             let mut body = resp.bytes_stream();
@@ -274,6 +298,7 @@ async fn tenants(args: TenantsArgs) {
                             s.ok += 1;
                             s.tokens += tokens;
                             s.ttft.push(ttft);
+                            s.served.push((sent_s, tokens));
                         }
                         Ok(_) => {}
                         Err(code) => *s.errors.entry(code).or_default() += 1,
@@ -309,6 +334,7 @@ async fn tenants(args: TenantsArgs) {
         out.insert(
             name.clone(),
             json!({"requests": t.ok, "tokens": t.tokens,
+                   "max_tokens_per_minute": max_tokens_per_minute(&t.served),
                    "token_share": t.tokens as f64 / total.max(1) as f64,
                    "ttft_p50_s": p(0.5), "ttft_p99_s": p(0.99), "errors": errors}),
         );

@@ -335,13 +335,18 @@ impl Sim {
 
     fn slots_json(&self) -> serde_json::Value {
         let busy = self.processing.load(Ordering::SeqCst) as u32;
-        // llama-server splits its context evenly between slots.
-        let n_ctx = match self.cli.kv_capacity_tokens {
-            0 => 4096,
-            tokens => tokens / u64::from(self.cli.slots.max(1)),
-        };
+        // llama-server splits its context evenly between slots. Without a
+        // KV capacity the simulator holds any prompt, and says no context
+        // (its agent then reports no capacity: no token budget applies).
         let slots: Vec<_> = (0..self.cli.slots)
-            .map(|i| json!({"id": i, "n_ctx": n_ctx, "speculative": false, "is_processing": i < busy}))
+            .map(|i| {
+                let mut slot = json!({"id": i, "speculative": false, "is_processing": i < busy});
+                if self.cli.kv_capacity_tokens > 0 {
+                    slot["n_ctx"] =
+                        json!(self.cli.kv_capacity_tokens / u64::from(self.cli.slots.max(1)));
+                }
+                slot
+            })
             .collect();
         json!(slots)
     }

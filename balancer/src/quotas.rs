@@ -18,7 +18,7 @@
 //! silently.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use flowgate::quota::{
@@ -125,9 +125,36 @@ end
 return 1
 ";
 
-/// A request's reservation, to settle or cancel when it ends.
+/// A request's reservation, settled exactly once: by
+/// [`Reserved::settle`] when the request ends, or, should the request end
+/// without that (its task dropped), as never served, so that no
+/// concurrency slot is held forever.
+pub struct Reserved {
+    quotas: Arc<Quotas>,
+    held: Option<Held>,
+}
+
+impl Reserved {
+    /// The request ended having used `used` tokens (`None`: it was never
+    /// served; it leaves the windows).
+    pub fn settle(mut self, used: Option<TokenUsage>) {
+        if let Some(held) = self.held.take() {
+            self.quotas.settle(held, used);
+        }
+    }
+}
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        if let Some(held) = self.held.take() {
+            self.quotas.settle(held, None);
+        }
+    }
+}
+
+/// What a reservation holds.
 #[derive(Debug)]
-pub enum Held {
+enum Held {
     Local(Reservation),
     Shared {
         id: String,
@@ -234,6 +261,19 @@ impl Quotas {
     /// Reserves `estimate` against every subject; the limits' state for
     /// the response headers.
     pub async fn reserve(
+        self: &Arc<Self>,
+        subjects: Vec<(Subject, QuotaLimits)>,
+        estimate: TokenEstimate,
+    ) -> Result<(Reserved, RateStatus), QuotaRefusal> {
+        let (held, status) = self.hold(subjects, estimate).await?;
+        let reserved = Reserved {
+            quotas: Arc::clone(self),
+            held: Some(held),
+        };
+        Ok((reserved, status))
+    }
+
+    async fn hold(
         &self,
         subjects: Vec<(Subject, QuotaLimits)>,
         estimate: TokenEstimate,
@@ -309,9 +349,7 @@ impl Quotas {
         Ok((Held::Shared { id, subjects }, status))
     }
 
-    /// The request ended having used `used` tokens (`None`: it was never
-    /// served; it leaves the windows).
-    pub fn settle(&self, held: Held, used: Option<TokenUsage>) {
+    fn settle(&self, held: Held, used: Option<TokenUsage>) {
         match held {
             Held::Unchecked => {}
             Held::Local(r) => {
@@ -326,11 +364,15 @@ impl Quotas {
                 let Some(conn) = shared.conn.get() else {
                     return;
                 };
+                let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                    self.store_errors.with_label_values(&["settle"]).inc();
+                    return;
+                };
                 let mut conn = conn.clone();
                 let script = shared.settle.clone();
                 let errors = self.store_errors.clone();
                 // Off the request's path: the answer is already sent.
-                tokio::spawn(async move {
+                runtime.spawn(async move {
                     let mut call = script.prepare_invoke();
                     call.arg(&id);
                     for (subject, limits) in &subjects {

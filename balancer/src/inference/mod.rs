@@ -57,7 +57,7 @@ use crate::asyncq::{self, AsyncQueue};
 use crate::gate::{ActiveRequest, AdmitError, FleetGate, LeaseGuard};
 use crate::limits;
 use crate::observe::meter::{ResponseMeter, Usage};
-use crate::quotas::{Held, QuotaRefusal, Quotas};
+use crate::quotas::{QuotaRefusal, Quotas, Reserved};
 use crate::reply::{Answer, Refusal, REQUEST_ID_HEADER};
 use crate::rules::{DoorRules, LiveRules};
 
@@ -158,7 +158,7 @@ pub struct RequestCtx {
     pub(crate) grant: Option<Grant>,
     /// What its quotas reserved, settled when it ends, and their state for
     /// the `x-ratelimit-*` headers.
-    quota: Option<Held>,
+    quota: Option<Reserved>,
     rate_headers: Vec<(&'static str, String)>,
     /// The rules as they were when the request arrived.
     pub(crate) rules: Arc<DoorRules>,
@@ -478,8 +478,8 @@ impl ProxyHttp for Inference {
         if !proxy {
             // Answered here, never served: it leaves its quotas' windows
             // before the client sees the answer.
-            if let Some(held) = ctx.quota.take() {
-                self.quotas.settle(held, None);
+            if let Some(reserved) = ctx.quota.take() {
+                reserved.settle(None);
             }
         }
         self.answer(session, ctx, step).await?;
@@ -795,7 +795,7 @@ impl ProxyHttp for Inference {
             let key = ctx.grant.as_ref().map(|g| &g.key_id);
             self.shared.record_usage(&ctx.fairness_id, key, spent);
         }
-        if let Some(held) = ctx.quota.take() {
+        if let Some(reserved) = ctx.quota.take() {
             // Served: its quotas count what it spent (the estimate when the
             // answer does not say); never served: it leaves their windows.
             let used = ctx.upstream_status.map(|_| {
@@ -810,7 +810,7 @@ impl ProxyHttp for Inference {
                     cached: u.cached_tokens,
                 }
             });
-            self.quotas.settle(held, used);
+            reserved.settle(used);
         }
         if let Some(mut lease) = ctx.lease.take() {
             // Its flow's token-fair charge becomes what was spent.

@@ -158,7 +158,7 @@ fn main() -> ExitCode {
             retry_after: Duration::from_secs(1),
             retries: settings.retries,
             request_ids: inference::RequestIds::new(),
-            quotas,
+            quotas: Arc::clone(&quotas),
             async_queue: async_queue.clone(),
         },
     );
@@ -232,6 +232,7 @@ fn main() -> ExitCode {
             max_request_bytes: settings.max_request_bytes,
             retry_after: Duration::from_secs(1),
             decisions: epp::decisions_metric(&shared.metrics),
+            quotas: Arc::clone(&quotas),
         });
         let mut service = background_service("epp", EppService { epp, addr });
         service.threads = Some(settings.threads);

@@ -828,3 +828,42 @@ async fn model_aliases_rename_the_body_envoy_sends_on() {
     // made it pass.
     assert_eq!(forward(sim.addr, &asked).await.0, 404);
 }
+
+/// Quotas hold behind Envoy as at the proxy: the response carries the
+/// quota's headers, and a request over it is an immediate 429
+/// `quota_exceeded` with `Retry-After` and the same headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quotas_hold_behind_envoy() {
+    let config = ConfigFile::new("quotas:\n  tenants:\n    alpha: {requestsPerMinute: 1}\n");
+    let epp = Epp::start(&["--config", config.arg()]).await;
+    let sim = Sim::start(&["--model", "m", "--slots", "2"]);
+    let _a = agent(&sim, &epp.b);
+    epp.b.wait_eligible(1).await;
+    let tenant = [("x-gateway-inference-fairness-id", "alpha")];
+    let body = chat_for(Some("m"), "hello");
+    let mut x = epp.open().await;
+    let placed = x.request(&tenant, &body).await;
+    assert_eq!(destination(&placed), sim.addr);
+    x.send(response_headers(200, true)).await;
+    let processing_response::Response::ResponseHeaders(h) = x.recv().await else {
+        panic!("expected the response headers' answer");
+    };
+    let set = set_headers(h.response.and_then(|c| c.header_mutation).as_ref());
+    assert_eq!(set["x-ratelimit-limit-requests"], "1");
+    assert_eq!(set["x-ratelimit-remaining-requests"], "0");
+
+    let mut y = epp.open().await;
+    y.send(request_headers(&tenant, false)).await;
+    let _ = y.recv().await;
+    y.send(body_message(serde_json::to_vec(&body).unwrap(), true))
+        .await;
+    let (status, h, err) = immediate(y.recv().await);
+    assert_eq!(status, 429, "{err}");
+    assert_eq!(err["error"]["code"], "quota_exceeded", "{err}");
+    assert_eq!(h["x-ratelimit-remaining-requests"], "0");
+    assert!(h["retry-after"].parse::<u64>().unwrap() >= 1);
+    // Another tenant is not touched.
+    let mut z = epp.open().await;
+    let placed = z.request(&[], &body).await;
+    assert_eq!(destination(&placed), sim.addr);
+}

@@ -21,9 +21,11 @@ use tracing::{debug, info};
 
 use crate::gate::{AdmitError, LeaseGuard};
 use crate::inference::SERVED_MODEL_HEADER;
+use crate::quotas::QuotaRefusal;
 use crate::reply::{Answer, Refusal};
 use crate::rules::DoorRules;
 use flowgate::blame::{self, Verdict};
+use flowgate::tokens::{TokenEstimate, TokenUsage};
 
 /// Request header (and `envoy.lb` metadata key) naming the chosen endpoint.
 use super::wire::{
@@ -109,6 +111,14 @@ pub(super) struct Exchange {
     streamed: bool,
     /// The response headers came through.
     answered: bool,
+    /// Its token estimate.
+    tokens: TokenEstimate,
+    /// What its quotas reserved, and the `x-ratelimit-*` headers for the
+    /// response.
+    quota: Option<crate::quotas::Reserved>,
+    rate_headers: Vec<(&'static str, String)>,
+    /// The API key's grant, when keys are on.
+    grant: Option<flowgate::admission::Grant>,
 }
 
 impl Exchange {
@@ -129,6 +139,10 @@ impl Exchange {
             decided: false,
             streamed: false,
             answered: false,
+            tokens: TokenEstimate::default(),
+            quota: None,
+            rate_headers: Vec::new(),
+            grant: None,
         }
     }
 
@@ -148,6 +162,11 @@ impl Exchange {
             if self.step(message).await.is_err() {
                 break;
             }
+        }
+        // A request that was sent counts its estimate in its quotas (the
+        // answer is not read here); one never sent leaves them (the guard).
+        if let (Some(q), true) = (self.quota.take(), self.lease.is_some() || self.answered) {
+            q.settle(Some(self.estimate_as_used()));
         }
         if let Some(lease) = self.lease.take() {
             if self.answered && self.response_mode == BodyMode::None {
@@ -280,9 +299,18 @@ impl Exchange {
         if h.end_of_stream {
             self.finish();
         }
-        // Which model answered, as the proxy says it.
-        let served = self.served_model.as_deref().map(|m| HeaderMutation {
-            set_headers: vec![header(SERVED_MODEL_HEADER, m)],
+        // Which model answered, as the proxy says it, and the quotas'
+        // state.
+        let mut set_headers: Vec<_> = self
+            .rate_headers
+            .iter()
+            .map(|(name, value)| header(name, value))
+            .collect();
+        if let Some(m) = self.served_model.as_deref() {
+            set_headers.push(header(SERVED_MODEL_HEADER, m));
+        }
+        let served = (!set_headers.is_empty()).then(|| HeaderMutation {
+            set_headers,
             remove_headers: Vec::new(),
         });
         self.send(reply(processing_response::Response::ResponseHeaders(
@@ -315,8 +343,42 @@ impl Exchange {
 
     /// The response ended: the endpoint's slot is free again.
     fn finish(&mut self) {
+        if let Some(q) = self.quota.take() {
+            q.settle(Some(self.estimate_as_used()));
+        }
         if let Some(lease) = self.lease.take() {
             lease.release();
+        }
+    }
+
+    /// What a served request counts in its quotas here: its estimate.
+    fn estimate_as_used(&self) -> TokenUsage {
+        TokenUsage {
+            prompt: self.tokens.prompt,
+            completion: self.tokens.output,
+            cached: 0,
+        }
+    }
+
+    /// Reserves the request's estimate against its tenant's and key's
+    /// quotas; refused: 429 `quota_exceeded`.
+    async fn reserve_quota(&mut self, tenant: &Arc<str>) -> Result<(), Refusal> {
+        let key = self
+            .grant
+            .as_ref()
+            .and_then(|g| g.quota.as_ref().map(|q| (&g.key_id, q)));
+        let subjects = self.rules.quotas.subjects(tenant, key);
+        if subjects.is_empty() {
+            return Ok(());
+        }
+        match self.epp.quotas.reserve(subjects, self.tokens).await {
+            Ok((reserved, status)) => {
+                self.quota = Some(reserved);
+                self.rate_headers = crate::quotas::rate_headers(&status);
+                Ok(())
+            }
+            Err(QuotaRefusal::Exceeded(e)) => Err(Refusal::quota_exceeded(&e)),
+            Err(QuotaRefusal::StoreUnavailable) => Err(Refusal::quota_unavailable()),
         }
     }
 
@@ -328,6 +390,9 @@ impl Exchange {
             Ok(r) => r,
             Err(refusal) => return self.refuse(refusal).await,
         };
+        if let Err(refusal) = self.reserve_quota(&request.flow.fairness_id).await {
+            return self.refuse(refusal).await;
+        }
         let model = request.route.model.as_deref().unwrap_or("").to_string();
         let tx = self.tx.clone();
         let gone = async move { tx.closed().await };
@@ -344,6 +409,10 @@ impl Exchange {
                 (granted.lease, granted.waited)
             }
             Err(AdmitError::Rejected(r)) => {
+                // Never sent: it leaves its quotas' windows.
+                if let Some(q) = self.quota.take() {
+                    q.settle(None);
+                }
                 let served = || self.epp.shared.model_names(&self.rules.admission.models);
                 return self.refuse(Refusal::from_reject(r, &model, served)).await;
             }
@@ -449,6 +518,7 @@ impl Exchange {
             ),
             None => None,
         };
+        self.grant.clone_from(&grant);
         let caller = grant.as_ref().map_or(Caller::Anonymous, Caller::Key);
         let body = (!self.body.is_empty()).then_some(self.body.as_slice());
         let headers = &self.headers;
@@ -459,6 +529,7 @@ impl Exchange {
             &*self.epp.shared,
         )?;
         self.streamed = facts.stream;
+        self.tokens = facts.tokens;
         self.served_model.clone_from(&facts.resolved.model);
         if let Some(name) = facts.resolved.rewritten_name(&facts.model) {
             self.rename_body(name);

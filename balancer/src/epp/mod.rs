@@ -26,8 +26,13 @@
 //! configure Envoy with `BUFFERED` or `FULL_DUPLEX_STREAMED`.
 //!
 //! Refusals are `ImmediateResponse`s with the proxy's status codes and
-//! bodies: 404 unknown model, 429 shed, 503 no endpoint (or an empty subset
-//! hint), 504 waited past the TTL, 400 / 413 bad requests.
+//! bodies: 404 unknown model, 429 shed or over a quota, 503 no endpoint (or
+//! an empty subset hint), 504 waited past the TTL, 400 / 413 bad requests.
+//!
+//! Quotas hold as at the proxy, reserved before the request waits; the
+//! answer's body is not read here, so a served request keeps its estimate
+//! in the windows (not settled to its usage), and its usage is not in
+//! `/api/v1/usage`.
 //!
 //! The rooms: [`exchange`] answers one request's stream (the state machine),
 //! [`wire`] builds Envoy's messages.
@@ -80,6 +85,8 @@ pub struct Epp {
     /// `flowgate_epp_requests_total`: `picked`, or why the request was
     /// answered by Flowgate itself ([`decisions_metric`]).
     pub decisions: prometheus::IntCounterVec,
+    /// Quotas per tenant and key, as at the proxy.
+    pub quotas: Arc<crate::quotas::Quotas>,
 }
 
 /// `flowgate_epp_requests_total`, registered with the balancer's metrics.

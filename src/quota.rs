@@ -54,23 +54,29 @@ pub enum TokenKind {
     Total,
 }
 
+/// The most tokens one request counts for in a window: an engine that
+/// reports more is not believed, and a window's sums cannot overflow.
+pub const MAX_REQUEST_TOKENS: u64 = 1 << 40;
+
 impl TokenKind {
     /// What `estimate` counts for under this kind.
     pub fn estimated(self, estimate: &TokenEstimate) -> u64 {
-        match self {
+        let n = match self {
             TokenKind::Input => estimate.prompt,
             TokenKind::Output => estimate.output,
             TokenKind::Total => estimate.total(),
-        }
+        };
+        n.min(MAX_REQUEST_TOKENS)
     }
 
     /// What `usage` counts for under this kind.
     pub fn used(self, usage: &TokenUsage) -> u64 {
-        match self {
+        let n = match self {
             TokenKind::Input => usage.prompt,
             TokenKind::Output => usage.completion,
             TokenKind::Total => usage.total(),
-        }
+        };
+        n.min(MAX_REQUEST_TOKENS)
     }
 }
 

@@ -236,3 +236,16 @@ fn a_request_answers_to_its_tenant_and_its_key() {
         [(tenant("other"), fallback)]
     );
 }
+
+#[test]
+fn an_absurd_usage_cannot_overflow_a_window() {
+    let t0 = Instant::now();
+    let mut q = QuotaBook::default();
+    let who = [(tenant("a"), limits(None, Some(10), None))];
+    let (r, _) = q.reserve(&who, cost(1, 1), t0).unwrap();
+    q.settle(&r, used(u64::MAX, u64::MAX), t0);
+    let e = q.reserve(&who, cost(1, 1), t0).unwrap_err();
+    assert_eq!(e.limit, Limit::Tokens);
+    // It leaves the window like any other.
+    q.reserve(&who, cost(1, 1), t0 + 60 * S).unwrap();
+}

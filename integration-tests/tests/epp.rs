@@ -831,7 +831,8 @@ async fn model_aliases_rename_the_body_envoy_sends_on() {
 
 /// Quotas hold behind Envoy as at the proxy: the response carries the
 /// quota's headers, and a request over it is an immediate 429
-/// `quota_exceeded` with `Retry-After` and the same headers.
+/// `quota_exceeded` with `Retry-After` and the same headers; what an
+/// answer's body says it used is accounted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn quotas_hold_behind_envoy() {
     let config = ConfigFile::new("quotas:\n  tenants:\n    alpha: {requestsPerMinute: 1}\n");
@@ -862,8 +863,20 @@ async fn quotas_hold_behind_envoy() {
     assert_eq!(err["error"]["code"], "quota_exceeded", "{err}");
     assert_eq!(h["x-ratelimit-remaining-requests"], "0");
     assert!(h["retry-after"].parse::<u64>().unwrap() >= 1);
-    // Another tenant is not touched.
+    // Another tenant is not touched; the usage its answer's body reports
+    // (Envoy sends response bodies) is accounted as at the proxy.
     let mut z = epp.open().await;
     let placed = z.request(&[], &body).await;
     assert_eq!(destination(&placed), sim.addr);
+    z.respond(
+        200,
+        br#"{"usage":{"prompt_tokens":7,"completion_tokens":3}}"#,
+    )
+    .await;
+    let usage = wait_for("the usage accounted", Duration::from_secs(5), || async {
+        let u = get_json(&epp.b.mgmt("/api/v1/usage?tenant=default")).await;
+        (u["tenants"][0]["completion_tokens"] == 3).then_some(u)
+    })
+    .await;
+    assert_eq!(usage["tenants"][0]["prompt_tokens"], 7, "{usage}");
 }

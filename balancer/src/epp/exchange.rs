@@ -27,6 +27,8 @@ use crate::rules::DoorRules;
 use flowgate::blame::{self, Verdict};
 use flowgate::tokens::{TokenEstimate, TokenUsage};
 
+use crate::observe::meter::{ResponseMeter, Usage};
+
 /// Request header (and `envoy.lb` metadata key) naming the chosen endpoint.
 use super::wire::{
     continue_body, destination_metadata, header, header_pairs, reply, streamed_body, subset_hint,
@@ -119,6 +121,12 @@ pub(super) struct Exchange {
     rate_headers: Vec<(&'static str, String)>,
     /// The API key's grant, when keys are on.
     grant: Option<flowgate::admission::Grant>,
+    /// The request's tenant, for usage accounting.
+    tenant: Option<Arc<str>>,
+    /// The answer's status and what its body said of its usage (when Envoy
+    /// sends response bodies).
+    status: Option<u16>,
+    meter: ResponseMeter,
 }
 
 impl Exchange {
@@ -143,6 +151,9 @@ impl Exchange {
             quota: None,
             rate_headers: Vec::new(),
             grant: None,
+            tenant: None,
+            status: None,
+            meter: ResponseMeter::default(),
         }
     }
 
@@ -166,7 +177,7 @@ impl Exchange {
         // A request that was sent counts its estimate in its quotas (the
         // answer is not read here); one never sent leaves them (the guard).
         if let (Some(q), true) = (self.quota.take(), self.lease.is_some() || self.answered) {
-            q.settle(Some(self.estimate_as_used()));
+            q.settle(Some(self.spent()));
         }
         if let Some(lease) = self.lease.take() {
             if self.answered && self.response_mode == BodyMode::None {
@@ -278,8 +289,10 @@ impl Exchange {
             } else if name.eq_ignore_ascii_case("content-type") {
                 json = blame::is_json_content_type(value);
                 self.streamed |= value.starts_with(b"text/event-stream");
+                self.meter.streaming = value.starts_with(b"text/event-stream");
             }
         }
+        self.status = status;
         if let (Some(code), Some(lease)) = (status, &self.lease) {
             // Whose fault, as in the proxy ([`flowgate::blame`]); Envoy
             // retries on its own, so a suspect 5xx counts here.
@@ -325,6 +338,12 @@ impl Exchange {
     }
 
     async fn on_response_body(&mut self, b: HttpBody) -> Result<(), Gone> {
+        if !b.body.is_empty() {
+            self.meter.on_chunk(
+                &bytes::Bytes::copy_from_slice(&b.body),
+                std::time::Instant::now(),
+            );
+        }
         if b.end_of_stream {
             self.finish();
         }
@@ -341,22 +360,44 @@ impl Exchange {
         self.send(answer).await
     }
 
-    /// The response ended: the endpoint's slot is free again.
+    /// The response ended: its usage is accounted and its quotas and
+    /// flow settled, then the endpoint's slot is free again.
     fn finish(&mut self) {
-        if let Some(q) = self.quota.take() {
-            q.settle(Some(self.estimate_as_used()));
+        let spent = self.spent();
+        if let (Some(spent), Some(tenant)) = (self.meter_spent(), &self.tenant) {
+            let key = self.grant.as_ref().map(|g| &g.key_id);
+            self.epp.shared.record_usage(tenant, key, spent);
         }
-        if let Some(lease) = self.lease.take() {
+        if let Some(q) = self.quota.take() {
+            q.settle(Some(spent));
+        }
+        if let Some(mut lease) = self.lease.take() {
+            lease.settle(spent.total());
             lease.release();
         }
     }
 
-    /// What a served request counts in its quotas here: its estimate.
-    fn estimate_as_used(&self) -> TokenUsage {
-        TokenUsage {
-            prompt: self.tokens.prompt,
-            completion: self.tokens.output,
-            cached: 0,
+    /// What the answer spent, as its body said (Envoy sent it), if it did.
+    fn meter_spent(&self) -> Option<Usage> {
+        let usage = self.meter.usage();
+        self.meter.spent(usage, self.tokens.prompt, self.status)
+    }
+
+    /// What a served request counts for: what its answer said it spent,
+    /// else its estimate (without the response body, nothing else is
+    /// known).
+    fn spent(&self) -> TokenUsage {
+        match self.meter_spent() {
+            Some(u) => TokenUsage {
+                prompt: u.prompt_tokens,
+                completion: u.completion_tokens,
+                cached: u.cached_tokens,
+            },
+            None => TokenUsage {
+                prompt: self.tokens.prompt,
+                completion: self.tokens.output,
+                cached: 0,
+            },
         }
     }
 
@@ -530,6 +571,7 @@ impl Exchange {
         )?;
         self.streamed = facts.stream;
         self.tokens = facts.tokens;
+        self.tenant = Some(Arc::clone(&facts.meta.flow.fairness_id));
         self.served_model.clone_from(&facts.resolved.model);
         if let Some(name) = facts.resolved.rewritten_name(&facts.model) {
             self.rename_body(name);

@@ -29,10 +29,10 @@
 //! bodies: 404 unknown model, 429 shed or over a quota, 503 no endpoint (or
 //! an empty subset hint), 504 waited past the TTL, 400 / 413 bad requests.
 //!
-//! Quotas hold as at the proxy, reserved before the request waits; the
-//! answer's body is not read here, so a served request keeps its estimate
-//! in the windows (not settled to its usage), and its usage is not in
-//! `/api/v1/usage`.
+//! Quotas hold as at the proxy, reserved before the request waits. When
+//! Envoy sends response bodies, their `usage` settles the quotas and the
+//! token-fair charge and is accounted (`/api/v1/usage`), as at the proxy;
+//! without them a served request counts its estimate.
 //!
 //! The rooms: [`exchange`] answers one request's stream (the state machine),
 //! [`wire`] builds Envoy's messages.

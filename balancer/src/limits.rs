@@ -105,36 +105,43 @@ impl<A> Limited<A> {
     }
 }
 
+/// Answers a connection over the limit 503, closes our side, then takes
+/// what the client still sends for up to a second: closing with unread
+/// bytes would reset the connection and could destroy the answer before it
+/// is read.
+async fn refuse_connection(mut stream: Stream, max_connections: usize) {
+    let answer = raw_response(
+        "503 Service Unavailable",
+        "too_many_connections",
+        &format!(
+            "this balancer holds its maximum of {max_connections} client connections; retry \
+             shortly"
+        ),
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        stream.write_all(&answer).await?;
+        stream.flush().await?;
+        AsyncWriteExt::shutdown(&mut stream).await?;
+        let mut sink = [0u8; 1024];
+        while stream.read(&mut sink).await? > 0 {}
+        io::Result::Ok(())
+    })
+    .await;
+}
+
 #[async_trait]
 impl<A: ServerApp + Send + Sync + 'static> ServerApp for Limited<A> {
     async fn process_new(
         self: &Arc<Self>,
-        mut stream: Stream,
+        stream: Stream,
         shutdown: &ShutdownWatch,
     ) -> Option<Stream> {
         let metrics = &self.shared.metrics;
         let Ok(_permit) = Arc::clone(&self.permits).try_acquire_owned() else {
             metrics.clients.refusal("too_many_connections");
-            let answer = raw_response(
-                "503 Service Unavailable",
-                "too_many_connections",
-                &format!(
-                    "this balancer holds its maximum of {} client connections; retry shortly",
-                    self.limits.max_connections
-                ),
-            );
-            // Answer, close our side, then take what the client still sends
-            // for up to a second: closing with unread bytes would reset the
-            // connection and could destroy the answer before it is read.
-            let _ = tokio::time::timeout(Duration::from_secs(1), async {
-                stream.write_all(&answer).await?;
-                stream.flush().await?;
-                AsyncWriteExt::shutdown(&mut stream).await?;
-                let mut sink = [0u8; 1024];
-                while stream.read(&mut sink).await? > 0 {}
-                io::Result::Ok(())
-            })
-            .await;
+            // Boxed: this future lives as long as the connection, and the
+            // refusal's buffers would otherwise be part of every one.
+            Box::pin(refuse_connection(stream, self.limits.max_connections)).await;
             return None;
         };
         let _open = metrics.clients.opened();

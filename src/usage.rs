@@ -29,6 +29,17 @@ pub const MAX_ENTRIES_PER_BUCKET: usize = 4096;
 /// The tenant that stands for all pairs beyond the bound.
 pub const OTHER: &str = "(other)";
 
+/// The window a query for `window` covers: whole buckets, at least one,
+/// at most all of them.
+pub fn covered(window: Duration) -> Duration {
+    let minutes = window
+        .as_secs()
+        .saturating_add(u64::from(window.subsec_nanos() > 0))
+        .div_ceil(BUCKET.as_secs())
+        .clamp(1, BUCKETS as u64);
+    BUCKET * minutes as u32
+}
+
 /// What one tenant or key spent.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct Spent {
@@ -132,13 +143,11 @@ impl UsageLedger {
         });
     }
 
-    /// Spending per tenant over the last `window` (cut to the hour kept),
-    /// the biggest spenders (total tokens, then requests) first.
+    /// Spending per tenant over the last `window` ([`covered`]: whole
+    /// minutes, at most the hour kept), the biggest spenders (total
+    /// tokens, then requests) first.
     pub fn window(&self, window: Duration, now: Instant) -> Vec<TenantUsage> {
-        let minutes = window
-            .as_secs()
-            .div_ceil(BUCKET.as_secs())
-            .clamp(1, BUCKETS as u64);
+        let minutes = covered(window).as_secs() / BUCKET.as_secs();
         let current = self.minute(now);
         let mut tenants: HashMap<&Arc<str>, TenantUsage> = HashMap::new();
         for bucket in self.buckets.iter().filter(|b| b.minute + minutes > current) {
@@ -214,6 +223,14 @@ mod tests {
             1
         );
         assert_eq!(u.buckets.len(), 1);
+    }
+
+    #[test]
+    fn a_window_covers_whole_minutes_of_the_hour() {
+        assert_eq!(covered(Duration::from_millis(1)), BUCKET);
+        assert_eq!(covered(Duration::from_secs(61)), 2 * BUCKET);
+        assert_eq!(covered(Duration::from_secs(60)), BUCKET);
+        assert_eq!(covered(Duration::from_secs(86_400)), 60 * BUCKET);
     }
 
     #[test]

@@ -253,7 +253,7 @@ impl Management {
             .take(limit)
             .collect();
         let body = json!({
-            "window_s": window.as_secs(),
+            "window_s": flowgate::usage::covered(window).as_secs(),
             "tenants_total": total,
             "tenants": tenants,
         });

@@ -244,3 +244,62 @@ async fn an_unreachable_quota_store_fails_open_or_closed_as_configured() {
     assert_ne!(out.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&out.stderr).contains("quota Redis"));
 }
+
+/// An async request delivered while its tenant is over its quota ends with
+/// that 429 (retrying at once would meet the same window), and does not
+/// hold back other tenants' async work.
+#[tokio::test]
+async fn an_async_request_over_its_tenants_quota_ends_with_the_429() {
+    let dir = TempDir::new("quota-async");
+    let config = ConfigFile::new("quotas:\n  tenants:\n    acme: {requestsPerMinute: 1}\n");
+    let (b, _sim, _agent) = fleet(&["--config", config.arg(), "--async-dir", dir.arg()], &[]).await;
+    let submit = |tenant: &'static str| {
+        let url = b.url("/v1/async/chat/completions");
+        async move {
+            let r = client()
+                .post(url)
+                .header("x-gateway-inference-fairness-id", tenant)
+                .json(&chat_body())
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 202);
+            r.json::<Value>().await.unwrap()["id"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        }
+    };
+    let ids = [
+        submit("acme").await,
+        submit("acme").await,
+        submit("other").await,
+    ];
+    let views = wait_for(
+        "the async requests to end",
+        Duration::from_secs(20),
+        || async {
+            let mut views = Vec::new();
+            for id in &ids {
+                let v = get_json(&b.url(&format!("/v1/async/requests/{id}?wait=0"))).await;
+                if v["status"] == "queued" || v["status"] == "dispatched" {
+                    return None;
+                }
+                views.push(v);
+            }
+            Some(views)
+        },
+    )
+    .await;
+    let status = |v: &Value| v["response_status"].as_u64().unwrap();
+    // The two of acme are delivered at once: either may be the one over.
+    let mut acme = [status(&views[0]), status(&views[1])];
+    acme.sort_unstable();
+    assert_eq!((acme, status(&views[2])), ([200, 429], 200), "{views:?}");
+    let over = views.iter().find(|v| status(v) == 429).unwrap();
+    assert_eq!(
+        over["response"]["error"]["code"], "quota_exceeded",
+        "{over}"
+    );
+    assert_eq!(over["attempts"], 1, "ended, not retried: {over}");
+}

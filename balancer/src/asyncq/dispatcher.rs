@@ -83,16 +83,24 @@ impl AsyncDispatcher {
         let q = Arc::clone(&queue);
         let outcome = match sent {
             Ok(resp) => {
+                // Over its tenant's quota is the request's own answer, not
+                // a fleet without room: it ends with it (retried at once it
+                // would only meet the same window again), and other
+                // tenants' work is not held back.
+                let over_quota = resp
+                    .headers()
+                    .get(crate::reply::DROP_REASON_HEADER)
+                    .is_some_and(|v| v == "quota-exceeded");
                 let status = resp.status().as_u16();
                 match resp.text().await {
-                    Ok(body) => Ok((status, body)),
+                    Ok(body) => Ok((status, body, over_quota)),
                     Err(e) => Err(format!("answer cut: {e}")),
                 }
             }
             Err(e) => Err(format!("cannot reach the inference port: {e}")),
         };
         let ended = tokio::task::spawn_blocking(move || match outcome {
-            Ok((status, _)) if matches!(status, 429 | 503 | 504) => q
+            Ok((status, _, false)) if matches!(status, 429 | 503 | 504) => q
                 .store
                 .retry(
                     &id,
@@ -102,7 +110,7 @@ impl AsyncDispatcher {
                     now_ms(),
                 )
                 .map(|j| (j, Some(status))),
-            Ok((status, _)) if status >= 500 => q
+            Ok((status, _, _)) if status >= 500 => q
                 .store
                 .retry(
                     &id,
@@ -112,7 +120,7 @@ impl AsyncDispatcher {
                     now_ms(),
                 )
                 .map(|j| (j, None)),
-            Ok((status, body)) => q
+            Ok((status, body, _)) => q
                 .store
                 .finish(&id, attempt, Answer { status, body }, now_ms())
                 .map(|j| (j, None)),

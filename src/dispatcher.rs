@@ -180,7 +180,6 @@ struct Waiting<T> {
     /// that caches its prompt until then.
     hold_until: Option<Instant>,
     priority: i32,
-    weight: u32,
 }
 
 /// The queues plus the endpoint ledger.
@@ -275,7 +274,6 @@ impl<T> Dispatcher<T> {
             route: request.route,
             hold_until: None,
             priority: place.key.priority,
-            weight: request.weight,
         };
         match self.queues.push(place, size, waiting, now, deadline) {
             Ok((ticket, evicted)) => {
@@ -624,7 +622,7 @@ fn done<T>(r: Removed<Waiting<T>>, result: Result<Lease, Reject>, now: Instant) 
     let charge = result.is_ok().then(|| Charge {
         flow: r.key.clone(),
         lane: r.handle.route.model.clone(),
-        weight: r.handle.weight,
+        weight: r.weight,
         tokens: r.tokens,
     });
     Done {

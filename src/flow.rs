@@ -193,6 +193,8 @@ pub struct Removed<T> {
     pub enqueued_at: Instant,
     /// Its estimated tokens, as queued.
     pub tokens: u64,
+    /// Its token-fairness weight (what it was charged at).
+    pub weight: u32,
 }
 
 /// One flow's current queue, for metrics and the management API.
@@ -222,6 +224,8 @@ struct Item<T> {
     handle: T,
     bytes: u64,
     tokens: u64,
+    /// Its token-fairness weight, 1 ..= [`MAX_WEIGHT`].
+    weight: u32,
     enqueued_at: Instant,
     deadline: Instant,
 }
@@ -250,8 +254,8 @@ fn virtual_tokens(tokens: u64, weight: u32) -> u64 {
     tokens.saturating_mul(VIRTUAL_SCALE) / u64::from(weight.max(1))
 }
 
-/// The flow a request joins: its key, its lane, and its weight there
-/// (the latest request's weight is the flow's).
+/// The flow a request joins (its key and lane), and the weight it is
+/// charged at there under token fairness.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Place {
     pub key: FlowKey,
@@ -284,8 +288,6 @@ struct Flow<T> {
     /// Token-fair only: weighted tokens served ([`VIRTUAL_SCALE`] per
     /// token at weight 1).
     served: u64,
-    /// Its share against other flows of the band (the latest request's).
-    weight: u32,
 }
 
 #[derive(Debug)]
@@ -463,6 +465,7 @@ impl<T> FlowQueues<T> {
                 handle,
                 bytes,
                 tokens,
+                weight: weight.clamp(1, MAX_WEIGHT),
                 enqueued_at: now,
                 deadline,
             },
@@ -476,7 +479,6 @@ impl<T> FlowQueues<T> {
         band.requests += 1;
         band.bytes += bytes;
         band.tokens += tokens;
-        flow.weight = weight.clamp(1, MAX_WEIGHT);
         match &mut band.turns {
             Turns::Ordered {
                 heads,
@@ -623,7 +625,7 @@ impl<T> FlowQueues<T> {
             *floor = (*floor).max(flow.served);
             let charged = flow
                 .served
-                .saturating_add(virtual_tokens(removed.tokens, flow.weight));
+                .saturating_add(virtual_tokens(removed.tokens, removed.weight));
             if let Some(&head) = flow.items.keys().next() {
                 heads.remove(&(flow.served, head, ticket.flow));
                 heads.insert((charged, head, ticket.flow));
@@ -809,6 +811,7 @@ impl<T> FlowQueues<T> {
             key,
             enqueued_at: item.enqueued_at,
             tokens: item.tokens,
+            weight: item.weight,
         })
     }
 
@@ -835,7 +838,6 @@ impl<T> FlowQueues<T> {
             tokens: 0,
             ring_token: None,
             served,
-            weight: 1,
         };
         let idx = match self.free_flows.pop() {
             Some(idx) => {

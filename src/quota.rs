@@ -192,6 +192,23 @@ pub struct LimitStatus {
 }
 
 impl RateStatus {
+    /// The state of `limits` for a window that holds `requests` and
+    /// `tokens` and is empty again after `reset`.
+    pub fn of(limits: &QuotaLimits, requests: u64, tokens: u64, reset: Duration) -> Self {
+        RateStatus {
+            requests: limits.requests_per_minute.map(|limit| LimitStatus {
+                limit,
+                remaining: limit.saturating_sub(requests),
+                reset,
+            }),
+            tokens: limits.tokens_per_minute.map(|limit| LimitStatus {
+                limit,
+                remaining: limit.saturating_sub(tokens),
+                reset,
+            }),
+        }
+    }
+
     /// Keeps, for each kind, the status with the least remaining.
     pub fn tighten(&mut self, requests: Option<LimitStatus>, tokens: Option<LimitStatus>) {
         fn pick(a: Option<LimitStatus>, b: Option<LimitStatus>) -> Option<LimitStatus> {
@@ -263,19 +280,7 @@ impl State {
     }
 
     fn status(&self, limits: &QuotaLimits, now: Instant) -> RateStatus {
-        let reset = self.clear_at(now);
-        RateStatus {
-            requests: limits.requests_per_minute.map(|limit| LimitStatus {
-                limit,
-                remaining: limit.saturating_sub(self.requests),
-                reset,
-            }),
-            tokens: limits.tokens_per_minute.map(|limit| LimitStatus {
-                limit,
-                remaining: limit.saturating_sub(self.tokens),
-                reset,
-            }),
-        }
+        RateStatus::of(limits, self.requests, self.tokens, self.clear_at(now))
     }
 
     fn push(&mut self, entry: Entry) {
@@ -305,7 +310,6 @@ impl State {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reservation {
     pub subjects: Vec<(Subject, QuotaLimits)>,
-    pub estimate: TokenEstimate,
     id: u64,
     at: Instant,
 }
@@ -375,7 +379,6 @@ impl QuotaBook {
         Ok((
             Reservation {
                 subjects: subjects.to_vec(),
-                estimate,
                 id,
                 at: now,
             },

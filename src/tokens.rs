@@ -71,6 +71,16 @@ impl TokenEstimate {
             self.prompt
         }
     }
+
+    /// The estimate counted as if the answer had used it: what a served
+    /// request counts for when its answer does not say.
+    pub fn as_used(&self) -> TokenUsage {
+        TokenUsage {
+            prompt: self.prompt,
+            completion: self.output,
+            cached: 0,
+        }
+    }
 }
 
 /// Tokens an answer actually used, as its `usage` reports them (or, for an

@@ -30,7 +30,6 @@ use tokio::sync::{oneshot, Notify};
 use tracing::warn;
 
 use crate::observe::history::History;
-use crate::observe::meter::Usage;
 use crate::observe::metrics::Metrics;
 
 type Waker = oneshot::Sender<Result<LeaseGuard, Reject>>;
@@ -411,17 +410,12 @@ impl FleetGate {
     /// Accounts an answered request of `tenant`, sent with API key `key`
     /// (its id), that spent `spent`: `/api/v1/usage` and the tenant
     /// metrics.
-    pub fn record_usage(&self, tenant: &str, key: Option<&Arc<str>>, spent: Usage) {
+    pub fn record_usage(&self, tenant: &Arc<str>, key: Option<&Arc<str>>, spent: TokenUsage) {
         self.metrics.tenants.record(tenant, &spent);
-        let tokens = TokenUsage {
-            prompt: spent.prompt_tokens,
-            completion: spent.completion_tokens,
-            cached: spent.cached_tokens,
-        };
         self.usage
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .record(&Arc::from(tenant), key, tokens, Instant::now());
+            .record(tenant, key, spent, Instant::now());
     }
 
     /// What each tenant spent over the last `window`, biggest first.

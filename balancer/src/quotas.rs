@@ -21,9 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use flowgate::quota::{
-    Exceeded, Limit, LimitStatus, QuotaBook, QuotaLimits, RateStatus, Reservation, Subject,
-};
+use flowgate::quota::{Exceeded, Limit, QuotaBook, QuotaLimits, RateStatus, Reservation, Subject};
 use flowgate::tokens::{TokenEstimate, TokenUsage};
 use prometheus::{IntCounterVec, Opts};
 use redis::aio::ConnectionManager;
@@ -31,6 +29,9 @@ use tracing::warn;
 
 use crate::config::quotas::{OnStoreError, QuotaStore};
 use crate::observe::metrics::Metrics;
+use crate::reply::Refusal;
+use flowgate::admission::Grant;
+use flowgate::quota::QuotaRules;
 
 /// Longest a quota store call may take before it counts as failed.
 pub const STORE_TIMEOUT: Duration = Duration::from_millis(250);
@@ -167,7 +168,7 @@ enum Held {
 
 /// Why a request was not admitted by its quotas.
 #[derive(Debug)]
-pub enum QuotaRefusal {
+enum QuotaRefusal {
     Exceeded(Exceeded),
     /// The shared store failed and the policy is `closed`.
     StoreUnavailable,
@@ -258,19 +259,35 @@ impl Quotas {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// Reserves `estimate` against every subject; the limits' state for
-    /// the response headers.
-    pub async fn reserve(
+    /// Reserves a request's `estimate` against the quotas of its `tenant`
+    /// and of its API key (`grant`) under `rules`, for every door: `None`
+    /// when neither has a quota, else the reservation and the
+    /// `x-ratelimit-*` headers of its answers; refused: 429
+    /// `quota_exceeded` (503 `quota_unavailable` when the shared store
+    /// fails closed).
+    pub async fn admit(
         self: &Arc<Self>,
-        subjects: Vec<(Subject, QuotaLimits)>,
+        rules: &QuotaRules,
+        tenant: &Arc<str>,
+        grant: Option<&Grant>,
         estimate: TokenEstimate,
-    ) -> Result<(Reserved, RateStatus), QuotaRefusal> {
-        let (held, status) = self.hold(subjects, estimate).await?;
-        let reserved = Reserved {
-            quotas: Arc::clone(self),
-            held: Some(held),
-        };
-        Ok((reserved, status))
+    ) -> Result<Option<(Reserved, Vec<(&'static str, String)>)>, Refusal> {
+        let key = grant.and_then(|g| g.quota.as_ref().map(|q| (&g.key_id, q)));
+        let subjects = rules.subjects(tenant, key);
+        if subjects.is_empty() {
+            return Ok(None);
+        }
+        match self.hold(subjects, estimate).await {
+            Ok((held, status)) => {
+                let reserved = Reserved {
+                    quotas: Arc::clone(self),
+                    held: Some(held),
+                };
+                Ok(Some((reserved, rate_headers(&status))))
+            }
+            Err(QuotaRefusal::Exceeded(e)) => Err(Refusal::quota_exceeded(&e)),
+            Err(QuotaRefusal::StoreUnavailable) => Err(Refusal::quota_unavailable()),
+        }
     }
 
     async fn hold(
@@ -322,7 +339,7 @@ impl Quotas {
                 2 => Limit::Tokens,
                 _ => Limit::Concurrency,
             };
-            let status = status_of(
+            let status = RateStatus::of(
                 limits,
                 out[4].max(0) as u64,
                 out[5].max(0) as u64,
@@ -338,7 +355,7 @@ impl Quotas {
         let mut status = RateStatus::default();
         for (i, (_, limits)) in subjects.iter().enumerate() {
             let (requests, tokens) = (out.get(7 + 2 * i), out.get(8 + 2 * i));
-            let s = status_of(
+            let s = RateStatus::of(
                 limits,
                 requests.copied().unwrap_or(0).max(0) as u64,
                 tokens.copied().unwrap_or(0).max(0) as u64,
@@ -424,21 +441,6 @@ impl Quotas {
 fn keys(subject: &Subject) -> [String; 4] {
     let base = format!("{KEY_PREFIX}{}", subject.label());
     ["w", "t", "s", "c"].map(|k| format!("{base}:{k}"))
-}
-
-fn status_of(limits: &QuotaLimits, requests: u64, tokens: u64, reset: Duration) -> RateStatus {
-    RateStatus {
-        requests: limits.requests_per_minute.map(|limit| LimitStatus {
-            limit,
-            remaining: limit.saturating_sub(requests),
-            reset,
-        }),
-        tokens: limits.tokens_per_minute.map(|limit| LimitStatus {
-            limit,
-            remaining: limit.saturating_sub(tokens),
-            reset,
-        }),
-    }
 }
 
 /// The `x-ratelimit-*` headers of `status` (OpenAI's names and formats).

@@ -40,14 +40,20 @@ def fresh_connections(sdk):
     return sdk.DefaultHttpxClient(limits=httpx2.Limits(max_keepalive_connections=0))
 
 
-def openai_calls(base, model, embedding_base, embedding_model):
-    client = OpenAI(
+def openai_client(base):
+    """The openai client against `base`, retrying nothing, a connection per
+    request."""
+    return OpenAI(
         base_url=base + "/v1",
         api_key="unused",
         max_retries=0,
         timeout=60,
         http_client=fresh_connections(openai),
     )
+
+
+def openai_calls(base, model, embedding_base, embedding_model):
+    client = openai_client(base)
     out = {}
     raw = client.chat.completions.with_raw_response.create(
         model=model, messages=PROMPT, max_tokens=8, temperature=0
@@ -92,13 +98,7 @@ def openai_calls(base, model, embedding_base, embedding_model):
         if e.type == "response.output_text.delta":
             text += e.delta
     out["responses_stream"] = {"first": events[0], "last": events[-1], "text": bool(text)}
-    embedder = OpenAI(
-        base_url=embedding_base + "/v1",
-        api_key="unused",
-        max_retries=0,
-        timeout=60,
-        http_client=fresh_connections(openai),
-    )
+    embedder = openai_client(embedding_base)
     embedding = embedder.embeddings.create(model=embedding_model, input="hello")
     out["embeddings"] = {
         "object": embedding.object,

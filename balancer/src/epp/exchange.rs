@@ -21,13 +21,12 @@ use tracing::{debug, info};
 
 use crate::gate::{AdmitError, LeaseGuard};
 use crate::inference::SERVED_MODEL_HEADER;
-use crate::quotas::QuotaRefusal;
 use crate::reply::{Answer, Refusal};
 use crate::rules::DoorRules;
 use flowgate::blame::{self, Verdict};
 use flowgate::tokens::{TokenEstimate, TokenUsage};
 
-use crate::observe::meter::{ResponseMeter, Usage};
+use crate::observe::meter::ResponseMeter;
 
 /// Request header (and `envoy.lb` metadata key) naming the chosen endpoint.
 use super::wire::{
@@ -363,11 +362,12 @@ impl Exchange {
     /// The response ended: its usage is accounted and its quotas and
     /// flow settled, then the endpoint's slot is free again.
     fn finish(&mut self) {
-        let spent = self.spent();
-        if let (Some(spent), Some(tenant)) = (self.meter_spent(), &self.tenant) {
+        let said = self.meter_spent();
+        if let (Some(said), Some(tenant)) = (said, &self.tenant) {
             let key = self.grant.as_ref().map(|g| &g.key_id);
-            self.epp.shared.record_usage(tenant, key, spent);
+            self.epp.shared.record_usage(tenant, key, said);
         }
+        let spent = said.unwrap_or(self.tokens.as_used());
         if let Some(q) = self.quota.take() {
             q.settle(Some(spent));
         }
@@ -378,7 +378,7 @@ impl Exchange {
     }
 
     /// What the answer spent, as its body said (Envoy sent it), if it did.
-    fn meter_spent(&self) -> Option<Usage> {
+    fn meter_spent(&self) -> Option<TokenUsage> {
         let usage = self.meter.usage();
         self.meter.spent(usage, self.tokens.prompt, self.status)
     }
@@ -387,40 +387,7 @@ impl Exchange {
     /// else its estimate (without the response body, nothing else is
     /// known).
     fn spent(&self) -> TokenUsage {
-        match self.meter_spent() {
-            Some(u) => TokenUsage {
-                prompt: u.prompt_tokens,
-                completion: u.completion_tokens,
-                cached: u.cached_tokens,
-            },
-            None => TokenUsage {
-                prompt: self.tokens.prompt,
-                completion: self.tokens.output,
-                cached: 0,
-            },
-        }
-    }
-
-    /// Reserves the request's estimate against its tenant's and key's
-    /// quotas; refused: 429 `quota_exceeded`.
-    async fn reserve_quota(&mut self, tenant: &Arc<str>) -> Result<(), Refusal> {
-        let key = self
-            .grant
-            .as_ref()
-            .and_then(|g| g.quota.as_ref().map(|q| (&g.key_id, q)));
-        let subjects = self.rules.quotas.subjects(tenant, key);
-        if subjects.is_empty() {
-            return Ok(());
-        }
-        match self.epp.quotas.reserve(subjects, self.tokens).await {
-            Ok((reserved, status)) => {
-                self.quota = Some(reserved);
-                self.rate_headers = crate::quotas::rate_headers(&status);
-                Ok(())
-            }
-            Err(QuotaRefusal::Exceeded(e)) => Err(Refusal::quota_exceeded(&e)),
-            Err(QuotaRefusal::StoreUnavailable) => Err(Refusal::quota_unavailable()),
-        }
+        self.meter_spent().unwrap_or(self.tokens.as_used())
     }
 
     /// Places the request (waiting in flow control as long as it must) and
@@ -431,8 +398,19 @@ impl Exchange {
             Ok(r) => r,
             Err(refusal) => return self.refuse(refusal).await,
         };
-        if let Err(refusal) = self.reserve_quota(&request.flow.fairness_id).await {
-            return self.refuse(refusal).await;
+        let quota = self.epp.quotas.admit(
+            &self.rules.quotas,
+            &request.flow.fairness_id,
+            self.grant.as_ref(),
+            self.tokens,
+        );
+        match quota.await {
+            Ok(Some((reserved, headers))) => {
+                self.quota = Some(reserved);
+                self.rate_headers = headers;
+            }
+            Ok(None) => {}
+            Err(refusal) => return self.refuse(refusal).await,
         }
         let model = request.route.model.as_deref().unwrap_or("").to_string();
         let tx = self.tx.clone();

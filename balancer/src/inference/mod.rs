@@ -39,7 +39,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use flowgate::admission::{renamed, Caller, FlowHeaders, Grant};
 use flowgate::blame::{self, Verdict};
-use flowgate::tokens::{TokenEstimate, TokenUsage};
+use flowgate::tokens::TokenEstimate;
 use flowgate::{EndpointId, RequestMeta};
 use http::StatusCode;
 use pingora_core::upstreams::peer::HttpPeer;
@@ -56,8 +56,8 @@ pub(crate) use routes::RouteKind;
 use crate::asyncq::{self, AsyncQueue};
 use crate::gate::{ActiveRequest, AdmitError, FleetGate, LeaseGuard};
 use crate::limits;
-use crate::observe::meter::{ResponseMeter, Usage};
-use crate::quotas::{QuotaRefusal, Quotas, Reserved};
+use crate::observe::meter::ResponseMeter;
+use crate::quotas::{Quotas, Reserved};
 use crate::reply::{Answer, Refusal, REQUEST_ID_HEADER};
 use crate::rules::{DoorRules, LiveRules};
 
@@ -131,7 +131,7 @@ pub struct RequestCtx {
     tokens: TokenEstimate,
     prompt_bytes: u64,
     /// The request's flow, for the access log.
-    fairness_id: String,
+    fairness_id: Option<Arc<str>>,
     priority: i32,
     /// What it asked of flow control, kept to ask again on a retry.
     meta: Option<RequestMeta>,
@@ -303,7 +303,7 @@ impl Inference {
         ctx.stream = facts.stream;
         ctx.tokens = facts.tokens;
         ctx.prompt_bytes = facts.prompt_bytes;
-        ctx.fairness_id = facts.meta.flow.fairness_id.to_string();
+        ctx.fairness_id = Some(Arc::clone(&facts.meta.flow.fairness_id));
         ctx.priority = facts.meta.flow.priority;
         // Keep a second copy only when the retry buffer cannot replay it
         // all, or the model in it is (or may be, by a fallback) renamed.
@@ -329,40 +329,25 @@ impl Inference {
                 })),
             });
         }
-        if let Err(refusal) = self.reserve_quota(ctx, &facts.meta.flow.fairness_id).await {
-            return Ok(Err(refusal));
+        let quota = self.quotas.admit(
+            &ctx.rules.quotas,
+            &facts.meta.flow.fairness_id,
+            ctx.grant.as_ref(),
+            ctx.tokens,
+        );
+        match quota.await {
+            Ok(Some((reserved, headers))) => {
+                ctx.quota = Some(reserved);
+                ctx.rate_headers = headers;
+            }
+            Ok(None) => {}
+            Err(refusal) => return Ok(Err(refusal)),
         }
         ctx.meta = Some(facts.meta.clone());
         Ok(self
             .wait_for_slot(session, ctx, facts.meta)
             .await?
             .map(|()| Step::Proxy))
-    }
-
-    /// Reserves the request's estimate against its tenant's and key's
-    /// quotas (if they have any); refused: 429 `quota_exceeded`.
-    async fn reserve_quota(
-        &self,
-        ctx: &mut RequestCtx,
-        tenant: &Arc<str>,
-    ) -> std::result::Result<(), Refusal> {
-        let key = ctx
-            .grant
-            .as_ref()
-            .and_then(|g| g.quota.as_ref().map(|q| (&g.key_id, q)));
-        let subjects = ctx.rules.quotas.subjects(tenant, key);
-        if subjects.is_empty() {
-            return Ok(());
-        }
-        match self.quotas.reserve(subjects, ctx.tokens).await {
-            Ok((held, status)) => {
-                ctx.quota = Some(held);
-                ctx.rate_headers = crate::quotas::rate_headers(&status);
-                Ok(())
-            }
-            Err(QuotaRefusal::Exceeded(e)) => Err(Refusal::quota_exceeded(&e)),
-            Err(QuotaRefusal::StoreUnavailable) => Err(Refusal::quota_unavailable()),
-        }
     }
 
     /// Feeds the circuit breaker of the endpoint the request holds.
@@ -443,7 +428,7 @@ impl ProxyHttp for Inference {
             stream: false,
             tokens: TokenEstimate::default(),
             prompt_bytes: 0,
-            fairness_id: String::new(),
+            fairness_id: None,
             priority: 0,
             meta: None,
             retries: 0,
@@ -791,25 +776,17 @@ impl ProxyHttp for Inference {
             .spent(usage, ctx.tokens.prompt, ctx.upstream_status);
         // Accounted before the slot is given back: once a request no longer
         // counts in flight, its usage and quotas are up to date.
-        if let (true, Some(spent), Some(_)) = (ctx.inference, spent, ctx.upstream_status) {
+        if let (Some(tenant), Some(spent), Some(_)) = (&ctx.fairness_id, spent, ctx.upstream_status)
+        {
             let key = ctx.grant.as_ref().map(|g| &g.key_id);
-            self.shared.record_usage(&ctx.fairness_id, key, spent);
+            self.shared.record_usage(tenant, key, spent);
         }
         if let Some(reserved) = ctx.quota.take() {
             // Served: its quotas count what it spent (the estimate when the
             // answer does not say); never served: it leaves their windows.
-            let used = ctx.upstream_status.map(|_| {
-                let u = spent.unwrap_or(Usage {
-                    prompt_tokens: ctx.tokens.prompt,
-                    completion_tokens: ctx.tokens.output,
-                    cached_tokens: 0,
-                });
-                TokenUsage {
-                    prompt: u.prompt_tokens,
-                    completion: u.completion_tokens,
-                    cached: u.cached_tokens,
-                }
-            });
+            let used = ctx
+                .upstream_status
+                .map(|_| spent.unwrap_or(ctx.tokens.as_used()));
             reserved.settle(used);
         }
         if let Some(mut lease) = ctx.lease.take() {
@@ -844,8 +821,7 @@ impl ProxyHttp for Inference {
             self.shared.metrics.record_outcome(status, reason);
             if ctx.upstream_status.is_some_and(|s| s < 400) {
                 if let (Some(u), Some(model)) = (usage, ctx.served_model.as_deref()) {
-                    self.shared
-                        .learn_tokens(model, ctx.prompt_bytes, u.prompt_tokens);
+                    self.shared.learn_tokens(model, ctx.prompt_bytes, u.prompt);
                 }
                 let tpot = ctx.meter.time_per_output_token(usage);
                 let model = self
@@ -862,7 +838,7 @@ impl ProxyHttp for Inference {
             model = ctx.model.as_str(),
             served_model = ctx.served_model.as_deref().unwrap_or(""),
             fallback = ctx.fallback.as_deref().unwrap_or(""),
-            fairness_id = ctx.fairness_id.as_str(),
+            fairness_id = ctx.fairness_id.as_deref().unwrap_or(""),
             priority = ctx.priority,
             status,
             reason,
@@ -872,8 +848,8 @@ impl ProxyHttp for Inference {
             ttft_ms = ttft.map(|t| t.as_millis() as u64),
             estimated_prompt_tokens = ctx.tokens.prompt,
             estimated_output_tokens = ctx.tokens.output,
-            prompt_tokens = usage.map(|u| u.prompt_tokens),
-            completion_tokens = usage.map(|u| u.completion_tokens),
+            prompt_tokens = usage.map(|u| u.prompt),
+            completion_tokens = usage.map(|u| u.completion),
             duration_ms = ctx.start.elapsed().as_millis() as u64,
             error = e.map(|e| e.to_string()).unwrap_or_default(),
         );

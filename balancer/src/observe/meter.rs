@@ -9,27 +9,12 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use flowgate::tokens::TokenUsage;
 use serde::Deserialize;
 
 /// Bytes kept from the end of a body to find `usage` in: it sits in the
 /// last few hundred bytes of every known server's answer.
 const TAIL: usize = 8 * 1024;
-
-/// Token counts of one answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(from = "WireUsage")]
-pub struct Usage {
-    pub prompt_tokens: u64,
-    pub completion_tokens: u64,
-    /// Of the prompt: tokens the engine found in its prefix cache.
-    pub cached_tokens: u64,
-}
-
-impl Usage {
-    pub fn total(&self) -> u64 {
-        self.prompt_tokens.saturating_add(self.completion_tokens)
-    }
-}
 
 /// A `usage` object as the APIs write it: Chat Completions
 /// (`prompt_tokens_details.cached_tokens`), Responses (`input_tokens`,
@@ -59,12 +44,12 @@ struct Timings {
     cache_n: u64,
 }
 
-impl From<Timings> for Usage {
+impl From<Timings> for TokenUsage {
     fn from(t: Timings) -> Self {
-        Usage {
-            prompt_tokens: t.prompt_n.saturating_add(t.cache_n),
-            completion_tokens: t.predicted_n,
-            cached_tokens: t.cache_n,
+        TokenUsage {
+            prompt: t.prompt_n.saturating_add(t.cache_n),
+            completion: t.predicted_n,
+            cached: t.cache_n,
         }
     }
 }
@@ -75,13 +60,13 @@ struct CachedDetails {
     cached_tokens: Option<u64>,
 }
 
-impl From<WireUsage> for Usage {
+impl From<WireUsage> for TokenUsage {
     fn from(w: WireUsage) -> Self {
         let details = w.prompt_tokens_details.and_then(|d| d.cached_tokens);
-        Usage {
-            prompt_tokens: w.prompt_tokens,
-            completion_tokens: w.completion_tokens,
-            cached_tokens: details
+        TokenUsage {
+            prompt: w.prompt_tokens,
+            completion: w.completion_tokens,
+            cached: details
                 .unwrap_or(w.cache_read_input_tokens)
                 .min(w.prompt_tokens),
         }
@@ -137,10 +122,11 @@ impl ResponseMeter {
 
     /// The last usage object of the body, if it had one (else llama.cpp's
     /// `timings`, which its native routes end with).
-    pub fn usage(&self) -> Option<Usage> {
+    pub fn usage(&self) -> Option<TokenUsage> {
         let find = |text: &[u8]| {
-            find_usage::<Usage>(text, b"\"usage\"")
-                .or_else(|| find_usage::<Timings>(text, b"\"timings\"").map(Usage::from))
+            find_usage::<WireUsage>(text, b"\"usage\"")
+                .map(TokenUsage::from)
+                .or_else(|| find_usage::<Timings>(text, b"\"timings\"").map(TokenUsage::from))
         };
         match self.tail.len() {
             0 => None,
@@ -160,31 +146,31 @@ impl ResponseMeter {
     /// body does not tell.
     pub fn spent(
         &self,
-        usage: Option<Usage>,
+        usage: Option<TokenUsage>,
         prompt_estimate: u64,
         status: Option<u16>,
-    ) -> Option<Usage> {
+    ) -> Option<TokenUsage> {
         if usage.is_some() {
             return usage;
         }
         if status.is_some_and(|s| s >= 400) {
-            return Some(Usage::default());
+            return Some(TokenUsage::default());
         }
-        (self.streaming && self.events > 0).then(|| Usage {
-            prompt_tokens: prompt_estimate,
-            completion_tokens: u64::from(self.events),
-            cached_tokens: 0,
+        (self.streaming && self.events > 0).then(|| TokenUsage {
+            prompt: prompt_estimate,
+            completion: u64::from(self.events),
+            cached: 0,
         })
     }
 
     /// Time per output token of a stream after the first:
     /// (last − first byte) / (tokens − 1), with the completion tokens from
     /// `usage` or else one per SSE event.
-    pub fn time_per_output_token(&self, usage: Option<Usage>) -> Option<Duration> {
+    pub fn time_per_output_token(&self, usage: Option<TokenUsage>) -> Option<Duration> {
         if !self.streaming {
             return None;
         }
-        let tokens = usage.map_or(u64::from(self.events), |u| u.completion_tokens);
+        let tokens = usage.map_or(u64::from(self.events), |u| u.completion);
         let span = self.last?.saturating_duration_since(self.first?);
         (tokens >= 2).then(|| span / (tokens - 1).min(u64::from(u32::MAX)) as u32)
     }
@@ -268,10 +254,10 @@ mod tests {
         m.on_chunk(&Bytes::copy_from_slice(&body[50..]), t0);
         assert_eq!(
             m.usage(),
-            Some(Usage {
-                prompt_tokens: 30,
-                completion_tokens: 12,
-                cached_tokens: 0
+            Some(TokenUsage {
+                prompt: 30,
+                completion: 12,
+                cached: 0
             })
         );
         assert_eq!(m.time_to_first_token(t0), None, "not a stream");
@@ -288,11 +274,7 @@ mod tests {
             m.on_chunk(&Bytes::copy_from_slice(body), Instant::now());
             assert_eq!(
                 m.usage(),
-                Some(Usage {
-                    prompt_tokens: 9,
-                    completion_tokens: 4,
-                    cached_tokens: 0
-                })
+                Some(TokenUsage { prompt: 9, completion: 4, cached: 0 })
             );
         }
     }
@@ -323,7 +305,7 @@ mod tests {
             t0 + 160 * MS,
         );
         let usage = m.usage().unwrap();
-        assert_eq!(usage.completion_tokens, 3);
+        assert_eq!(usage.completion, 3);
         // usage wins over the event count: 60 ms / 2.
         assert_eq!(m.time_per_output_token(Some(usage)), Some(30 * MS));
     }
@@ -357,7 +339,7 @@ mod tests {
             let mut m = ResponseMeter::default();
             m.on_chunk(&Bytes::copy_from_slice(body), Instant::now());
             let u = m.usage().unwrap();
-            assert_eq!((u.prompt_tokens, u.completion_tokens, u.cached_tokens), want);
+            assert_eq!((u.prompt, u.completion, u.cached), want);
         }
     }
 
@@ -377,10 +359,10 @@ mod tests {
         }
         // Cut short: the prompt and one token per event.
         assert_eq!(spent(&m, None, Some(200)), Some(103));
-        let usage = Usage {
-            prompt_tokens: 90,
-            completion_tokens: 7,
-            cached_tokens: 0,
+        let usage = TokenUsage {
+            prompt: 90,
+            completion: 7,
+            cached: 0,
         };
         assert_eq!(spent(&m, Some(usage), Some(200)), Some(97));
         let plain = ResponseMeter::default();
@@ -403,7 +385,7 @@ mod tests {
             m.on_chunk(&Bytes::copy_from_slice(body), Instant::now());
             let u = m.usage();
             assert!(
-                u.is_none() || u == Some(Usage::default()),
+                u.is_none() || u == Some(TokenUsage::default()),
                 "{body:?}: {u:?}"
             );
         }
@@ -415,7 +397,7 @@ mod tests {
             &Bytes::from_static(br#","usage":{"prompt_tokens":2}}"#),
             Instant::now(),
         );
-        assert_eq!(m.usage().unwrap().prompt_tokens, 2);
+        assert_eq!(m.usage().unwrap().prompt, 2);
         assert!(
             m.tail.len() <= 3,
             "only the chunks of the last {TAIL} bytes are kept"

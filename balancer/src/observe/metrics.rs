@@ -238,7 +238,7 @@ impl Metrics {
         model: &str,
         ttft: Option<Duration>,
         tpot: Option<Duration>,
-        usage: Option<crate::observe::meter::Usage>,
+        usage: Option<flowgate::tokens::TokenUsage>,
     ) {
         if let Some(t) = ttft {
             self.ttft
@@ -253,10 +253,10 @@ impl Metrics {
         if let Some(u) = usage {
             self.tokens
                 .with_label_values(&[model, "prompt"])
-                .inc_by(u.prompt_tokens);
+                .inc_by(u.prompt);
             self.tokens
                 .with_label_values(&[model, "completion"])
-                .inc_by(u.completion_tokens);
+                .inc_by(u.completion);
         }
     }
 

@@ -10,8 +10,8 @@ use std::sync::Mutex;
 
 use prometheus::{IntCounterVec, Opts, Registry};
 
-use super::meter::Usage;
 use super::metrics::register;
+use flowgate::tokens::TokenUsage;
 
 /// Tenants with series of their own.
 pub const MAX_TENANT_LABELS: usize = 256;
@@ -53,7 +53,7 @@ impl TenantMetrics {
     }
 
     /// Counts one answered request of `tenant` that used `usage`.
-    pub fn record(&self, tenant: &str, usage: &Usage) {
+    pub fn record(&self, tenant: &str, usage: &TokenUsage) {
         let label = {
             let mut labelled = self
                 .labelled
@@ -68,9 +68,9 @@ impl TenantMetrics {
         };
         self.requests.with_label_values(&[label]).inc();
         for (kind, n) in [
-            ("prompt", usage.prompt_tokens),
-            ("completion", usage.completion_tokens),
-            ("cached", usage.cached_tokens),
+            ("prompt", usage.prompt),
+            ("completion", usage.completion),
+            ("cached", usage.cached),
         ] {
             self.tokens.with_label_values(&[label, kind]).inc_by(n);
         }

@@ -120,7 +120,7 @@ impl Default for BandConfig {
             max_requests: None,
             max_bytes: None,
             max_tokens: None,
-            fairness: FairnessPolicy::RoundRobin,
+            fairness: FairnessPolicy::TokenFair,
             ordering: OrderingPolicy::Fcfs,
         }
     }

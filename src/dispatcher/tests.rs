@@ -23,6 +23,13 @@ fn dispatcher(max: usize) -> Dispatcher<&'static str> {
     Dispatcher::new(config(max))
 }
 
+/// Request round-robin between flows (the default is token-fair).
+fn round_robin(max: usize) -> DispatcherConfig {
+    let mut c = config(max);
+    c.flow.default_band.fairness = FairnessPolicy::RoundRobin;
+    c
+}
+
 fn req(tenant: &str, priority: i32) -> RequestMeta {
     RequestMeta {
         flow: FlowKey::new(tenant, priority),
@@ -143,7 +150,7 @@ fn higher_priority_always_goes_first() {
 #[test]
 fn round_robin_gives_flows_equal_turns_whatever_they_queued() {
     let t0 = Instant::now();
-    let mut d = dispatcher(30);
+    let mut d = Dispatcher::new(round_robin(30));
     d.report(report("a", "127.0.0.1:1", 1), t0).unwrap();
     let running = ready(d.submit(anon(), "running", t0));
     for name in ["n1", "n2", "n3", "n4"] {
@@ -356,7 +363,7 @@ fn cancelled_waiters_leave_at_once_and_take_nothing() {
 #[test]
 fn a_round_robin_flow_emptied_by_cancel_loses_its_turn_cleanly() {
     let t0 = Instant::now();
-    let mut d = dispatcher(30);
+    let mut d = Dispatcher::new(round_robin(30));
     d.report(report("a", "127.0.0.1:1", 1), t0).unwrap();
     let running = ready(d.submit(anon(), "running", t0));
     let b = queued(d.submit(req("b", 0), "b1", t0));
@@ -725,7 +732,7 @@ fn stale_metrics_saturate_after_the_threshold_or_two_agent_intervals() {
 fn round_robin_shares_are_equal_between_greedy_flows() {
     // Three tenants keep 50, 200 and 1,000 requests queued at all times.
     let t0 = Instant::now();
-    let mut d: Dispatcher<usize> = Dispatcher::new(config(10_000));
+    let mut d: Dispatcher<usize> = Dispatcher::new(round_robin(10_000));
     d.report(report("a", "127.0.0.1:1", 1), t0).unwrap();
     let mut lease = match d.submit(anon(), usize::MAX, t0) {
         Admission::Ready(l) => Some(l),

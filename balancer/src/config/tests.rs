@@ -80,7 +80,7 @@ fn defaults_match_the_documentation() {
     );
     assert_eq!(
         s.dispatcher.flow.default_band.fairness,
-        flowgate::FairnessPolicy::RoundRobin
+        flowgate::FairnessPolicy::TokenFair
     );
     assert!(!s.priorities.allow_client_priority);
     assert_eq!(s.max_request_bytes, 16 << 20);

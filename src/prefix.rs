@@ -151,6 +151,13 @@ impl PrefixLru {
     /// Remembers `blocks` (sent to this endpoint just now), the first block
     /// as the most recent.
     pub fn insert(&mut self, blocks: &[u64]) {
+        self.insert_tracked(blocks, |_, _| {});
+    }
+
+    /// [`PrefixLru::insert`], telling `changed` of each hash it starts
+    /// (`true`) or stops (`false`) remembering, so a [`PrefixHolders`]
+    /// can follow.
+    pub fn insert_tracked(&mut self, blocks: &[u64], mut changed: impl FnMut(u64, bool)) {
         if self.capacity == 0 {
             return;
         }
@@ -167,16 +174,25 @@ impl PrefixLru {
                 });
                 self.push_front(i);
                 self.index.insert(h, i);
+                changed(h, true);
             } else {
                 // Full: the least recently used node takes the new hash.
                 let i = self.tail;
-                self.index.remove(&self.nodes[i as usize].hash);
+                let old = self.nodes[i as usize].hash;
+                self.index.remove(&old);
+                changed(old, false);
                 self.unlink(i);
                 self.nodes[i as usize].hash = h;
                 self.push_front(i);
                 self.index.insert(h, i);
+                changed(h, true);
             }
         }
+    }
+
+    /// Every hash remembered, in no particular order.
+    pub fn hashes(&self) -> impl Iterator<Item = u64> + '_ {
+        self.index.keys().copied()
     }
 
     fn unlink(&mut self, i: u32) {
@@ -200,6 +216,95 @@ impl PrefixLru {
             o => self.nodes[o as usize].prev = i,
         }
         self.head = i;
+    }
+}
+
+/// Which owners (endpoints) remember each block hash: the reverse of all
+/// their [`PrefixLru`]s, kept in step through
+/// [`PrefixLru::insert_tracked`], so the endpoints that hold a prompt's
+/// blocks are found without asking every endpoint. Most blocks are held by
+/// one endpoint (prefix affinity sends a conversation back where it was),
+/// so one holder is stored inline.
+#[derive(Debug)]
+pub struct PrefixHolders<K> {
+    map: HashMap<u64, Holders<K>, BuildHasherDefault<PassThrough>>,
+}
+
+#[derive(Debug)]
+enum Holders<K> {
+    One(K),
+    Many(Vec<K>),
+}
+
+impl<K> Default for PrefixHolders<K> {
+    fn default() -> Self {
+        PrefixHolders {
+            map: HashMap::default(),
+        }
+    }
+}
+
+impl<K: Copy + Eq> PrefixHolders<K> {
+    /// The owners that remember `hash`.
+    pub fn of(&self, hash: u64) -> &[K] {
+        match self.map.get(&hash) {
+            None => &[],
+            Some(Holders::One(k)) => std::slice::from_ref(k),
+            Some(Holders::Many(v)) => v,
+        }
+    }
+
+    /// `owner` started (`true`) or stopped remembering `hash`.
+    pub fn change(&mut self, hash: u64, owner: K, holds: bool) {
+        use std::collections::hash_map::Entry;
+        match (self.map.entry(hash), holds) {
+            (Entry::Vacant(v), true) => {
+                v.insert(Holders::One(owner));
+            }
+            (Entry::Vacant(_), false) => {}
+            (Entry::Occupied(mut o), true) => match o.get_mut() {
+                Holders::One(k) if *k == owner => {}
+                Holders::One(k) => {
+                    let first = *k;
+                    o.insert(Holders::Many(vec![first, owner]));
+                }
+                Holders::Many(v) => {
+                    if !v.contains(&owner) {
+                        v.push(owner);
+                    }
+                }
+            },
+            (Entry::Occupied(mut o), false) => match o.get_mut() {
+                Holders::One(k) if *k == owner => {
+                    o.remove();
+                }
+                Holders::One(_) => {}
+                Holders::Many(v) => {
+                    if let Some(i) = v.iter().position(|k| *k == owner) {
+                        v.swap_remove(i);
+                    }
+                    match v.len() {
+                        0 => {
+                            o.remove();
+                        }
+                        1 => {
+                            let last = v[0];
+                            o.insert(Holders::One(last));
+                        }
+                        _ => {}
+                    }
+                }
+            },
+        }
+    }
+
+    /// Hashes with at least one owner.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
     }
 }
 
@@ -289,5 +394,35 @@ mod tests {
         let mut lru = PrefixLru::new(0);
         lru.insert(&[1, 2, 3]);
         assert!(lru.is_empty());
+    }
+
+    /// The holders index is the exact reverse of the LRUs it follows,
+    /// through inserts that evict.
+    #[test]
+    fn holders_follow_every_lru() {
+        let mut lrus: Vec<PrefixLru> = (0..3).map(|_| PrefixLru::new(5)).collect();
+        let mut holders: PrefixHolders<usize> = PrefixHolders::default();
+        let mut x = 7u64;
+        for step in 0..2_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let owner = step % 3;
+            let first = x % 4;
+            let blocks: Vec<u64> = (0..1 + x % 3).map(|b| first * 10 + b).collect();
+            lrus[owner].insert_tracked(&blocks, |h, holds| holders.change(h, owner, holds));
+        }
+        let mut all: Vec<u64> = lrus.iter().flat_map(PrefixLru::hashes).collect();
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(holders.len(), all.len());
+        for h in all {
+            let mut expected: Vec<usize> = (0..3).filter(|&o| lrus[o].matched(&[h]) == 1).collect();
+            let mut got = holders.of(h).to_vec();
+            got.sort_unstable();
+            expected.sort_unstable();
+            assert_eq!(got, expected, "holders of {h}");
+        }
+        assert!(holders.of(999).is_empty());
     }
 }

@@ -485,3 +485,50 @@ async fn affinity_lands_follow_up_turns_on_a_warm_prefix_cache() {
         "warm turns took {warm:.3} s vs {cold:.3} s cold"
     );
 }
+
+/// A fleet of 60 simulated servers in one process, each reported to the
+/// balancer by the simulator itself as its agent would: all become
+/// eligible, and one client sending requests one after another is spread
+/// over all of them (equal endpoints take turns), each answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_in_one_process_is_reported_and_shares_the_load() {
+    const SERVERS: usize = 60;
+    let b = Balancer::start(&[]).await;
+    let mgmt = format!("http://{}", b.management);
+    let (_fleet, addrs) = Sim::start_fleet(
+        SERVERS,
+        &[
+            "--slots",
+            "2",
+            "--ttft-ms",
+            "0",
+            "--tpot-ms",
+            "0",
+            "--report-to",
+            &mgmt,
+            "--report-interval-ms",
+            "200",
+        ],
+    );
+    b.wait_eligible(SERVERS).await;
+    let c = client();
+    for i in 0..3 * SERVERS {
+        // Prompts that share nothing: no prefix affinity, only load.
+        let resp = c
+            .post(b.url("/v1/chat/completions"))
+            .json(&chat_for(None, &format!("question number {i}")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        resp.bytes().await.unwrap();
+    }
+    let mut idle = Vec::new();
+    for a in &addrs {
+        let stats = get_json(&format!("http://{a}/sim/stats")).await;
+        if stats["requests_total"] == 0 {
+            idle.push(*a);
+        }
+    }
+    assert!(idle.is_empty(), "servers that got nothing: {idle:?}");
+}

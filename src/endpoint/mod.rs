@@ -29,6 +29,7 @@
 //! endpoints out for a while; this file keeps the ledger.
 
 mod breaker;
+mod ranking;
 mod saturation;
 mod selection;
 
@@ -39,6 +40,7 @@ pub(crate) use selection::Pick;
 pub use selection::{Route, SchedulingConfig};
 
 use breaker::Breaker;
+use ranking::{Rank, Ranking};
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -47,7 +49,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use crate::prefix::PrefixLru;
+use crate::prefix::{PrefixHolders, PrefixLru};
 use crate::protocol::{AgentReport, BackendHealth, ReportError};
 use crate::scorer::TieBreaker;
 
@@ -224,9 +226,13 @@ pub(crate) struct EndpointLedger {
     models: HashMap<Arc<str>, Instant>,
     next_id: u64,
     ties: TieBreaker,
-    /// Scratch space of `acquire`: candidates, and the best of them.
-    candidates: Vec<EndpointId>,
-    best: Vec<EndpointId>,
+    /// Endpoints with an agent by model, those that may take work best
+    /// first: kept in step by [`EndpointLedger::rerank`] at every change.
+    ranking: Ranking,
+    /// Re-rankings so far: an endpoint's tie key ([`Rank`]).
+    reranks: u64,
+    /// Which endpoints' prefix indexes hold each prompt block.
+    holders: PrefixHolders<EndpointId>,
 }
 
 impl Default for EndpointLedger {
@@ -246,8 +252,9 @@ impl EndpointLedger {
             models: HashMap::new(),
             next_id: 0,
             ties: TieBreaker::new(scheduling.seed),
-            candidates: Vec::new(),
-            best: Vec::new(),
+            ranking: Ranking::default(),
+            reranks: 0,
+            holders: PrefixHolders::default(),
         }
     }
 
@@ -264,6 +271,30 @@ impl EndpointLedger {
             seed: self.scheduling.seed,
             ..scheduling
         };
+        // Thresholds and weights place every endpoint anew.
+        let ids: Vec<EndpointId> = self.endpoints.keys().copied().collect();
+        for id in ids {
+            self.rerank(id);
+        }
+    }
+
+    /// Puts an endpoint where it now belongs in the ranking: called after
+    /// every change to what ranks it (a report, a slot taken or given
+    /// back, its agent gone, new thresholds).
+    fn rerank(&mut self, id: EndpointId) {
+        let Some(ep) = self.endpoints.get(&id) else {
+            self.ranking.remove(id);
+            return;
+        };
+        self.reranks += 1;
+        let rank = ep.rankable(&self.saturation).then(|| {
+            Rank::new(
+                ep.static_score(&self.scheduling.scorers, &self.saturation),
+                self.reranks,
+                id,
+            )
+        });
+        self.ranking.rerank(id, rank);
     }
 
     /// Refuses a report that would grow the registry past its bounds: a new
@@ -359,10 +390,12 @@ impl EndpointLedger {
             }
         }
         self.by_agent.insert(report.agent_id.clone(), id);
+        self.ranking.set_models(id, &report.models);
         ep.agent = Some(AgentState {
             report,
             received_at: now,
         });
+        self.rerank(id);
         outcome
     }
 
@@ -371,6 +404,7 @@ impl EndpointLedger {
             if let Some(a) = ep.agent.take() {
                 self.by_agent.remove(&a.report.agent_id);
             }
+            self.ranking.remove(id);
             ep.foreign_busy = 0;
             // No report can free them any more, and the endpoint takes no
             // new work: nothing is left to protect.
@@ -382,8 +416,12 @@ impl EndpointLedger {
     }
 
     fn forget(&mut self, id: EndpointId) {
+        self.ranking.remove(id);
         if let Some(ep) = self.endpoints.remove(&id) {
             self.by_addr.remove(&ep.addr);
+            for h in ep.prefix.hashes() {
+                self.holders.change(h, id, false);
+            }
         }
     }
 
@@ -404,13 +442,20 @@ impl EndpointLedger {
     pub(crate) fn drop_stale(&mut self, now: Instant) -> Vec<String> {
         self.models
             .retain(|_, seen| now.saturating_duration_since(*seen) < MODEL_MEMORY);
+        let mut freed = Vec::new();
         for ep in self.endpoints.values_mut() {
             let old = ep
                 .orphans
                 .iter()
                 .take_while(|(t, _)| now.saturating_duration_since(*t) >= ORPHAN_MAX_AGE)
                 .count();
-            ep.free_orphans(old);
+            if old > 0 {
+                ep.free_orphans(old);
+                freed.push(ep.id);
+            }
+        }
+        for id in freed {
+            self.rerank(id);
         }
         let stale: Vec<(EndpointId, String)> = self
             .endpoints
@@ -442,18 +487,44 @@ impl EndpointLedger {
         ep.in_flight += 1;
         ep.in_flight_tokens = ep.in_flight_tokens.saturating_add(tokens);
         ep.in_flight_peak = ep.in_flight_peak.max(ep.in_flight);
-        ep.prefix.insert(&route.prefix);
-        Pick::Lease(Lease {
+        let holders = &mut self.holders;
+        ep.prefix
+            .insert_tracked(&route.prefix, |h, holds| holders.change(h, chosen, holds));
+        let lease = Lease {
             endpoint: ep.id,
             addr: ep.addr,
             tokens,
-        })
+        };
+        self.rerank(chosen);
+        Pick::Lease(lease)
     }
 
     /// Whether some endpoint could take work now, for any model.
     pub(crate) fn any_available(&self, now: Instant) -> bool {
         let config = self.saturation;
-        self.endpoints.values().any(|e| e.available(now, &config))
+        self.ranking
+            .ranked(None)
+            .any(|r| self.endpoints[&r.id].available(now, &config))
+    }
+
+    /// The endpoints that may serve `route`, busy or not: its subset, or
+    /// its model's lane.
+    fn serving<'a>(&'a self, route: &'a Route) -> Box<dyn Iterator<Item = &'a Endpoint> + 'a> {
+        match &route.subset {
+            Some(subset) => Box::new(
+                subset
+                    .iter()
+                    .filter_map(|a| self.by_addr.get(a))
+                    .filter_map(|id| self.endpoints.get(id))
+                    .filter(|e| e.fits(route)),
+            ),
+            None => Box::new(
+                self.ranking
+                    .members(route.model.as_deref())
+                    .filter_map(|id| self.endpoints.get(&id))
+                    .filter(|e| Some(e.addr) != route.avoid),
+            ),
+        }
     }
 
     /// Whether an eligible endpoint fits `route` and is not `except` (it
@@ -464,16 +535,15 @@ impl EndpointLedger {
         except: Option<SocketAddr>,
         now: Instant,
     ) -> bool {
-        self.endpoints
-            .values()
-            .any(|e| Some(e.addr) != except && e.fits(route) && e.eligible(now))
+        self.serving(route)
+            .any(|e| Some(e.addr) != except && e.eligible(now))
     }
 
     /// Whether an eligible endpoint (it may be busy) serves `model`.
     pub(crate) fn model_live(&self, model: &str, now: Instant) -> bool {
-        self.endpoints
-            .values()
-            .any(|e| e.serves(Some(model)) && e.eligible(now))
+        self.ranking
+            .members(Some(model))
+            .any(|id| self.endpoints.get(&id).is_some_and(|e| e.eligible(now)))
     }
 
     /// Whether requests for `model` are accepted: it is served or was
@@ -482,15 +552,10 @@ impl EndpointLedger {
     /// zero, so requests wait for it).
     pub(crate) fn model_known(&self, model: Option<&str>, now: Instant) -> bool {
         let Some(m) = model else { return true };
-        let mut agents = self
-            .endpoints
-            .values()
-            .filter(|e| e.agent.is_some())
-            .peekable();
-        if agents.peek().is_none() {
+        if self.ranking.is_empty() {
             return true;
         }
-        agents.any(|e| e.serves(Some(m)))
+        self.ranking.members(Some(m)).next().is_some()
             || self
                 .models
                 .get(m)
@@ -514,6 +579,8 @@ impl EndpointLedger {
         ep.in_flight_tokens = ep.in_flight_tokens.saturating_sub(lease.tokens);
         if ep.in_flight == 0 && ep.agent.is_none() {
             self.forget(lease.endpoint);
+        } else {
+            self.rerank(lease.endpoint);
         }
     }
 
@@ -553,7 +620,9 @@ impl EndpointLedger {
 
     /// Whether any endpoint could take work now or after its load drains.
     pub(crate) fn any_eligible(&self, now: Instant) -> bool {
-        self.endpoints.values().any(|e| e.eligible(now))
+        self.ranking
+            .members(None)
+            .any(|id| self.endpoints.get(&id).is_some_and(|e| e.eligible(now)))
     }
 
     /// The earliest instant at which some agent turns stale, if any.
@@ -578,11 +647,7 @@ impl EndpointLedger {
     /// ([`Endpoint::never_fits`]). `false` while none is eligible (the
     /// fleet may still come up).
     pub(crate) fn never_fits(&self, route: &Route, now: Instant) -> bool {
-        let mut eligible = self
-            .endpoints
-            .values()
-            .filter(|e| e.fits(route) && e.eligible(now))
-            .peekable();
+        let mut eligible = self.serving(route).filter(|e| e.eligible(now)).peekable();
         eligible.peek().is_some() && eligible.all(|e| e.never_fits(&route.tokens))
     }
 

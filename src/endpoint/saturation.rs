@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use super::Endpoint;
-use crate::protocol::BackendKind;
+use crate::protocol::{BackendHealth, BackendKind};
 use crate::tokens::TokenEstimate;
 
 /// When an endpoint counts as saturated (GIE's `saturationDetector`).
@@ -97,7 +97,16 @@ impl Endpoint {
             .max(a.report.monitoring_interval() * 2);
         if now.saturating_duration_since(a.received_at) > staleness {
             Some(Saturation::StaleMetrics)
-        } else if self.free_slots() == 0 {
+        } else {
+            self.load_saturation(config)
+        }
+    }
+
+    /// Why the endpoint cannot take work by its load alone (what it last
+    /// reported and the balancer's own counts; not the clock).
+    fn load_saturation(&self, config: &SaturationConfig) -> Option<Saturation> {
+        let a = self.agent.as_ref()?;
+        if self.free_slots() == 0 {
             Some(Saturation::SlotsFull)
         } else if a.report.requests_waiting >= config.queue_depth_threshold {
             Some(Saturation::QueueDepth)
@@ -115,6 +124,16 @@ impl Endpoint {
         } else {
             None
         }
+    }
+
+    /// Whether the endpoint could take work by everything but the clock:
+    /// an agent, ready, not draining, not saturated by its load. Only
+    /// these are ranked ([`super::ranking`]).
+    pub(super) fn rankable(&self, config: &SaturationConfig) -> bool {
+        self.agent
+            .as_ref()
+            .is_some_and(|a| a.report.health == BackendHealth::Ready && !a.report.draining)
+            && self.load_saturation(config).is_none()
     }
 
     /// Tokens the balancer may have in flight here: the configured share

@@ -1,7 +1,9 @@
 //! Scheduling: a request names a [`Route`] (its model and prompt prefix).
 //! Only endpoints that serve the model, are eligible (ready, not draining,
 //! not stale, circuit closed) and are not saturated are candidates; the
-//! weighted scorers of [`crate::scorer`] pick among them, ties at random.
+//! weighted scorers of [`crate::scorer`] pick among them; equal endpoints
+//! take turns (see [`super::ranking`], which also keeps this cheap in a
+//! large fleet).
 //! The chosen endpoint remembers the request's prompt blocks
 //! ([`crate::prefix`]).
 //!
@@ -10,7 +12,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{BreakerConfig, Endpoint, EndpointId, EndpointLedger, Lease};
+use super::{BreakerConfig, Endpoint, EndpointId, EndpointLedger, Lease, SaturationConfig};
 use crate::prefix::PrefixConfig;
 use crate::scorer::{Candidate, ScorerWeights};
 use crate::tokens::TokenEstimate;
@@ -89,14 +91,48 @@ impl Endpoint {
     /// Serves the route's model, is not the endpoint it avoids, and is in
     /// its subset if it has one.
     pub(super) fn fits(&self, route: &Route) -> bool {
+        self.fits_targets(route) && self.serves(route.model.as_deref())
+    }
+
+    /// Is not the endpoint the route avoids, and is in its subset if it has
+    /// one (the model is the caller's to check).
+    fn fits_targets(&self, route: &Route) -> bool {
         Some(self.addr) != route.avoid
             && route
                 .subset
                 .as_ref()
                 .is_none_or(|s| s.binary_search(&self.addr).is_ok())
-            && self.serves(route.model.as_deref())
+    }
+
+    /// Can take this request now: fits its targets, eligible, not
+    /// saturated, room in its token budget (the model is the caller's to
+    /// check).
+    fn takes(&self, route: &Route, now: Instant, config: &SaturationConfig) -> bool {
+        self.fits_targets(route)
+            && self.available(now, config)
+            && self.fits_token_budget(&route.tokens, config)
+    }
+
+    /// The scorers' sum without the prefix term: what ranks the endpoint
+    /// in its lanes ([`super::ranking`]).
+    pub(super) fn static_score(&self, weights: &ScorerWeights, config: &SaturationConfig) -> f64 {
+        let Some(agent) = self.agent.as_ref() else {
+            return 0.0;
+        };
+        weights.score(&Candidate {
+            prefix_matched: 0,
+            prefix_blocks: 0,
+            free_slots: self.free_slots(),
+            slots_total: self.slots_total(),
+            kv_cache_usage: agent.report.kv_cache_usage,
+            requests_waiting: agent.report.requests_waiting,
+            queue_depth_threshold: config.queue_depth_threshold,
+        })
     }
 }
+
+/// Scores are sums of a few ratios: closer than this is a tie.
+const TIE: f64 = 1e-9;
 
 impl EndpointLedger {
     /// The best endpoint for `route` among those that serve its model and
@@ -108,110 +144,207 @@ impl EndpointLedger {
     /// candidate does. Waiting a little for the server that already has the
     /// prompt beats prefilling it again elsewhere; the caller bounds the
     /// wait.
+    ///
+    /// The cost does not grow with the fleet: the best candidate by its
+    /// static score is the first of its model's ranked lane that can take
+    /// the request ([`super::ranking`]); only endpoints that hold the
+    /// prompt's blocks ([`crate::prefix::PrefixHolders`]) can beat it with
+    /// their prefix term, and they are looked at deepest match first until
+    /// none could.
     pub(super) fn choose(&mut self, route: &Route, now: Instant, may_hold: bool) -> Choice {
-        let config = self.saturation;
-        self.candidates.clear();
-        self.candidates.extend(
-            self.endpoints
-                .values()
-                .filter(|e| {
-                    e.fits(route)
-                        && e.available(now, &config)
-                        && e.fits_token_budget(&route.tokens, &config)
-                })
-                .map(|e| e.id),
-        );
-        if self.candidates.is_empty() {
-            return Choice::Busy;
+        if let Some(subset) = &route.subset {
+            return self.choose_in_subset(route, &Arc::clone(subset), now, may_hold);
         }
-        if may_hold && self.better_cached_elsewhere(route, now) {
+        let config = self.saturation;
+        let model = route.model.as_deref();
+        let Some(top) = self
+            .ranking
+            .ranked(model)
+            .find(|r| self.endpoints[&r.id].takes(route, now, &config))
+        else {
+            return Choice::Busy;
+        };
+        let weight = self.scheduling.scorers.prefix_cache;
+        let blocks = route.prefix.len();
+        if weight <= 0.0 || blocks == 0 {
+            return Choice::Endpoint(top.id);
+        }
+        // Blocks are chained, and an LRU touches a prompt's first block
+        // last: an endpoint holding block `d` holds every block before it.
+        let depth = route
+            .prefix
+            .iter()
+            .take_while(|h| !self.holders.of(**h).is_empty())
+            .count();
+        if depth == 0 {
+            return Choice::Endpoint(top.id);
+        }
+        if may_hold && self.better_cached_elsewhere(route, depth, now) {
             return Choice::Hold;
         }
-        Choice::Endpoint(match self.candidates.len() {
-            // The usual case at saturation: the one endpoint a slot freed on.
-            1 => self.candidates[0],
-            _ => self.best_candidate(route),
-        })
-    }
-
-    /// Whether an eligible but saturated endpoint that serves the route
-    /// holds at least half of its prompt blocks, and more than every
-    /// candidate (filled in by `pick`). Busy endpoints are looked at
-    /// first: with none, nothing more is matched.
-    fn better_cached_elsewhere(&self, route: &Route, now: Instant) -> bool {
-        let blocks = route.prefix.len();
-        if self.scheduling.scorers.prefix_cache <= 0.0 || blocks == 0 {
-            return false;
-        }
-        let config = self.saturation;
-        let busy = self
-            .endpoints
-            .values()
-            .filter(|e| {
-                e.fits(route)
-                    && e.eligible(now)
-                    && !(e.available(now, &config) && e.fits_token_budget(&route.tokens, &config))
-            })
-            .map(|e| e.prefix.matched(&route.prefix))
-            .max()
-            .unwrap_or(0);
-        if busy * 2 < blocks {
-            return false;
-        }
-        let free = self
-            .candidates
+        let prefix_term = |matched: usize| weight * matched as f64 / blocks as f64;
+        let score_of = |e: &Endpoint| {
+            e.static_score(&self.scheduling.scorers, &config)
+                + prefix_term(e.prefix.matched(&route.prefix))
+        };
+        let top_endpoint = &self.endpoints[&top.id];
+        let mut best = (score_of(top_endpoint), top.id);
+        let held: usize = route.prefix[..depth]
             .iter()
-            .map(|id| self.endpoints[id].prefix.matched(&route.prefix))
-            .max()
-            .unwrap_or(0);
-        busy > free
+            .map(|h| self.holders.of(*h).len())
+            .sum();
+        if held > self.ranking.ranked_len(model) {
+            // More holders than candidates (a prompt many endpoints saw):
+            // scoring every candidate is the cheaper way.
+            for r in self.ranking.ranked(model) {
+                let e = &self.endpoints[&r.id];
+                if e.takes(route, now, &config) {
+                    let score = score_of(e);
+                    if score > best.0 + TIE {
+                        best = (score, r.id);
+                    }
+                }
+            }
+            return Choice::Endpoint(best.1);
+        }
+        for d in (0..depth).rev() {
+            // No endpoint whose deepest block is `d` can beat `best`.
+            if top.score() + prefix_term(d + 1) <= best.0 + TIE {
+                break;
+            }
+            for id in self.holders.of(route.prefix[d]) {
+                let Some(e) = self.endpoints.get(id) else {
+                    continue;
+                };
+                if e.serves(model) && e.takes(route, now, &config) {
+                    let score = score_of(e);
+                    if score > best.0 + TIE {
+                        best = (score, *id);
+                    }
+                }
+            }
+        }
+        Choice::Endpoint(best.1)
     }
 
-    /// The highest-scoring of several candidates, ties at random.
-    fn best_candidate(&mut self, route: &Route) -> EndpointId {
+    /// Whether an eligible endpoint that serves the route but cannot take
+    /// it now holds at least half of its prompt blocks, and more than every
+    /// endpoint that can. `depth`: blocks held anywhere (nonzero).
+    fn better_cached_elsewhere(&self, route: &Route, depth: usize, now: Instant) -> bool {
+        let config = self.saturation;
+        let model = route.model.as_deref();
+        let blocks = route.prefix.len();
+        // Only a busy endpoint holding at least half the blocks counts.
+        let half = blocks.div_ceil(2);
+        if depth < half {
+            return false;
+        }
+        let busy_here = |e: &Endpoint| {
+            e.serves(model)
+                && e.fits_targets(route)
+                && e.eligible(now)
+                && !(e.available(now, &config) && e.fits_token_budget(&route.tokens, &config))
+        };
+        let holders_to_look_at: usize = route.prefix[half - 1..depth]
+            .iter()
+            .map(|h| self.holders.of(*h).len())
+            .sum();
+        let busy = if holders_to_look_at <= self.ranking.unranked_len(model) {
+            // Deepest first: the first busy holder found holds the most.
+            (half - 1..depth)
+                .rev()
+                .find_map(|d| {
+                    self.holders
+                        .of(route.prefix[d])
+                        .iter()
+                        .filter_map(|id| self.endpoints.get(id))
+                        .find(|e| busy_here(e))
+                        .map(|e| e.prefix.matched(&route.prefix))
+                })
+                .unwrap_or(0)
+        } else {
+            // Few busy endpoints (those ranked but stale are not
+            // counted: nothing is known of them to wait for).
+            self.ranking
+                .unranked(model)
+                .filter_map(|id| self.endpoints.get(&id))
+                .filter(|e| busy_here(e))
+                .map(|e| e.prefix.matched(&route.prefix))
+                .max()
+                .unwrap_or(0)
+        };
+        if busy < half {
+            return false;
+        }
+        // Some endpoint that can take it holds as much: no need to wait.
+        let free_as_good = (busy - 1..depth).any(|d| {
+            self.holders.of(route.prefix[d]).iter().any(|id| {
+                self.endpoints
+                    .get(id)
+                    .is_some_and(|e| e.serves(model) && e.takes(route, now, &config))
+            })
+        });
+        !free_as_good
+    }
+
+    /// [`EndpointLedger::choose`] for a route limited to a subset of
+    /// endpoints (EPP's hint): the subset is looked at in full.
+    fn choose_in_subset(
+        &mut self,
+        route: &Route,
+        subset: &[SocketAddr],
+        now: Instant,
+        may_hold: bool,
+    ) -> Choice {
+        let config = self.saturation;
         let weights = self.scheduling.scorers;
         let blocks = route.prefix.len();
         let score_prefix = weights.prefix_cache > 0.0 && blocks > 0;
+        let in_subset: Vec<&Endpoint> = subset
+            .iter()
+            .filter_map(|a| self.by_addr.get(a))
+            .filter_map(|id| self.endpoints.get(id))
+            .filter(|e| e.fits(route) && e.eligible(now))
+            .collect();
+        let matched = |e: &Endpoint| {
+            if score_prefix {
+                e.prefix.matched(&route.prefix)
+            } else {
+                0
+            }
+        };
+        let (free, busy): (Vec<&Endpoint>, Vec<&Endpoint>) = in_subset
+            .into_iter()
+            .partition(|e| e.takes(route, now, &config));
+        if free.is_empty() {
+            return Choice::Busy;
+        }
+        if may_hold && score_prefix {
+            let busy_best = busy.iter().map(|e| matched(e)).max().unwrap_or(0);
+            let free_best = free.iter().map(|e| matched(e)).max().unwrap_or(0);
+            if busy_best * 2 >= blocks && busy_best > free_best {
+                return Choice::Hold;
+            }
+        }
         let mut best_score = f64::NEG_INFINITY;
-        self.best.clear();
-        for id in &self.candidates {
-            let e = &self.endpoints[id];
-            let report = &e
-                .agent
-                .as_ref()
-                .expect("eligible endpoints have an agent")
-                .report;
-            let score = weights.score(&Candidate {
-                prefix_matched: if score_prefix {
-                    e.prefix.matched(&route.prefix)
+        let mut best: Vec<EndpointId> = Vec::new();
+        for e in free {
+            let score = e.static_score(&weights, &config)
+                + if score_prefix {
+                    weights.prefix_cache * matched(e) as f64 / blocks as f64
                 } else {
-                    0
-                },
-                prefix_blocks: blocks,
-                free_slots: e.free_slots(),
-                slots_total: e.slots_total(),
-                kv_cache_usage: report.kv_cache_usage,
-                requests_waiting: report.requests_waiting,
-                queue_depth_threshold: self.saturation.queue_depth_threshold,
-            });
-            // Scores are sums of a few ratios: closer than this is a tie.
-            const TIE: f64 = 1e-9;
+                    0.0
+                };
             if score > best_score + TIE {
                 best_score = score;
-                self.best.clear();
-                self.best.push(e.id);
+                best.clear();
+                best.push(e.id);
             } else if score >= best_score - TIE {
-                self.best.push(e.id);
+                best.push(e.id);
             }
         }
-        match self.best.len() {
-            1 => self.best[0],
-            n => {
-                // HashMap order varies: sort so the seed alone decides.
-                self.best.sort_unstable();
-                self.best[self.ties.below(n)]
-            }
-        }
+        best.sort_unstable();
+        Choice::Endpoint(best[self.ties.below(best.len())])
     }
 
     /// A live endpoint for a request that takes no slot on the engine

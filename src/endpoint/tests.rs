@@ -1,5 +1,6 @@
 use super::*;
 use crate::protocol::tests::report;
+use crate::tokens::TokenEstimate;
 use std::time::Duration;
 
 impl EndpointLedger {
@@ -398,7 +399,7 @@ fn without_shared_prefixes_load_stays_balanced() {
         leases.push(l);
     }
     assert_eq!(&per_port[1..], &[8, 8, 8, 8]);
-    // Ties are broken at random: single requests on idle equal
+    // Equal endpoints take turns: single requests on idle equal
     // endpoints do not always land on the same one.
     for l in leases {
         r.release(l);
@@ -469,4 +470,247 @@ fn the_circuit_opens_after_repeated_failures_and_closes_on_its_own() {
     assert!(r
         .acquire(&Route::default(), back + Duration::from_secs(10))
         .is_some());
+}
+
+/// What the choice must be, computed the plain way: every endpoint looked
+/// at (as choosing was before the ranking). `Some(score)`: the best score.
+#[derive(Debug, PartialEq)]
+enum Expected {
+    Busy,
+    Hold,
+    Best(f64),
+}
+
+fn expected(r: &EndpointLedger, route: &Route, now: Instant, may_hold: bool) -> Expected {
+    let config = r.saturation;
+    let weights = r.scheduling.scorers;
+    let blocks = route.prefix.len();
+    let score_prefix = weights.prefix_cache > 0.0 && blocks > 0;
+    let matched = |e: &Endpoint| {
+        if score_prefix {
+            e.prefix.matched(&route.prefix)
+        } else {
+            0
+        }
+    };
+    let takes =
+        |e: &Endpoint| e.available(now, &config) && e.fits_token_budget(&route.tokens, &config);
+    let candidates: Vec<&Endpoint> = r
+        .endpoints
+        .values()
+        .filter(|e| e.fits(route) && takes(e))
+        .collect();
+    if candidates.is_empty() {
+        return Expected::Busy;
+    }
+    if may_hold && score_prefix {
+        let busy = r
+            .endpoints
+            .values()
+            .filter(|e| e.fits(route) && e.eligible(now) && !takes(e))
+            .map(&matched)
+            .max()
+            .unwrap_or(0);
+        let free = candidates.iter().map(|e| matched(e)).max().unwrap_or(0);
+        if busy * 2 >= blocks && busy > free {
+            return Expected::Hold;
+        }
+    }
+    Expected::Best(
+        candidates
+            .iter()
+            .map(|e| score_of(r, e, route))
+            .fold(f64::NEG_INFINITY, f64::max),
+    )
+}
+
+fn score_of(r: &EndpointLedger, e: &Endpoint, route: &Route) -> f64 {
+    let blocks = route.prefix.len();
+    let weights = r.scheduling.scorers;
+    e.static_score(&weights, &r.saturation)
+        + if blocks > 0 && weights.prefix_cache > 0.0 {
+            weights.prefix_cache * e.prefix.matched(&route.prefix) as f64 / blocks as f64
+        } else {
+            0.0
+        }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Report {
+        agent: u8,
+        slots: u32,
+        waiting: u32,
+        kv: Option<u8>,
+        capacity: Option<u64>,
+        models: u8,
+        ready: bool,
+        draining: bool,
+    },
+    Pick {
+        model: u8,
+        path: Vec<u8>,
+        tokens: u64,
+        avoid: Option<u8>,
+        may_hold: bool,
+    },
+    Release(usize),
+    Orphan(usize),
+    Deregister(u8),
+}
+
+fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+    use proptest::prelude::*;
+    prop_oneof![
+        (
+            0u8..6,
+            0u32..4,
+            0u32..7,
+            proptest::option::of(0u8..=10),
+            proptest::option::of(100u64..2_000),
+            0u8..4,
+            proptest::bool::weighted(0.9),
+            proptest::bool::weighted(0.1),
+        )
+            .prop_map(
+                |(agent, slots, waiting, kv, capacity, models, ready, draining)| Op::Report {
+                    agent,
+                    slots,
+                    waiting,
+                    kv,
+                    capacity,
+                    models,
+                    ready,
+                    draining,
+                }
+            ),
+        (
+            0u8..4,
+            proptest::collection::vec(0u8..3, 0..7),
+            0u64..800,
+            proptest::option::of(0u8..6),
+            any::<bool>(),
+        )
+            .prop_map(|(model, path, tokens, avoid, may_hold)| Op::Pick {
+                model,
+                path,
+                tokens,
+                avoid,
+                may_hold,
+            }),
+        (0usize..64).prop_map(Op::Release),
+        (0usize..64).prop_map(Op::Orphan),
+        (0u8..6).prop_map(Op::Deregister),
+    ]
+}
+
+fn port_addr(agent: u8) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 1 + u16::from(agent)))
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(300))]
+    /// Whatever reports, picks, releases and departures happen, the ranked
+    /// choice is as good as looking at every endpoint: busy, hold or the
+    /// best score alike; and the ranking holds exactly the endpoints that
+    /// could take work, at their current scores.
+    #[test]
+    fn the_ranked_choice_is_the_best_of_all(ops in proptest::collection::vec(op(), 1..120)) {
+        let now = Instant::now();
+        let mut r = EndpointLedger::new(
+            SaturationConfig::default(),
+            SchedulingConfig {
+                prefix: crate::prefix::PrefixConfig {
+                    capacity_blocks: 6,
+                    ..Default::default()
+                },
+                ..Default::default()
+            },
+        );
+        let mut leases: Vec<Lease> = Vec::new();
+        for op in ops {
+            match op {
+                Op::Report { agent, slots, waiting, kv, capacity, models, ready, draining } => {
+                    let a = port_addr(agent);
+                    let mut rep = report(&format!("agent-{agent}"), &a.to_string(), slots);
+                    rep.requests_waiting = waiting;
+                    rep.kv_cache_usage = kv.map(|k| f64::from(k) / 10.0);
+                    rep.kv_capacity_tokens = capacity;
+                    rep.models = match models {
+                        0 => vec![],
+                        1 => vec!["x".into()],
+                        2 => vec!["y".into()],
+                        _ => vec!["x".into(), "y".into()],
+                    };
+                    rep.health = if ready { BackendHealth::Ready } else { BackendHealth::Loading };
+                    rep.draining = draining;
+                    r.apply_report(rep, a, now);
+                }
+                Op::Pick { model, path, tokens, avoid, may_hold } => {
+                    // Chained like real block hashes: a value names its
+                    // whole prefix.
+                    let mut h = 0u64;
+                    let prefix: Vec<u64> = path
+                        .iter()
+                        .map(|&c| {
+                            h = h * 4 + u64::from(c) + 1;
+                            h
+                        })
+                        .collect();
+                    let route = Route {
+                        model: match model {
+                            0 => None,
+                            1 => Some(Arc::from("x")),
+                            2 => Some(Arc::from("y")),
+                            _ => Some(Arc::from("z")),
+                        },
+                        prefix,
+                        avoid: avoid.map(port_addr),
+                        subset: None,
+                        tokens: TokenEstimate { prompt: tokens, output: tokens / 2, output_asked: true },
+                    };
+                    let want = expected(&r, &route, now, may_hold);
+                    match r.choose(&route, now, may_hold) {
+                        Choice::Busy => proptest::prop_assert_eq!(want, Expected::Busy),
+                        Choice::Hold => proptest::prop_assert_eq!(want, Expected::Hold),
+                        Choice::Endpoint(id) => {
+                            let Expected::Best(best) = want else {
+                                return Err(proptest::test_runner::TestCaseError::fail(
+                                    format!("chose {id:?}, expected {want:?}"),
+                                ));
+                            };
+                            let got = score_of(&r, &r.endpoints[&id], &route);
+                            proptest::prop_assert!((got - best).abs() < 1e-6, "score {got}, best {best}");
+                        }
+                    }
+                    if let Pick::Lease(l) = r.pick(&route, now, may_hold) {
+                        leases.push(l);
+                    }
+                }
+                Op::Release(i) if !leases.is_empty() => {
+                    let l = leases.swap_remove(i % leases.len());
+                    r.release(l);
+                }
+                Op::Orphan(i) if !leases.is_empty() => {
+                    let l = leases.swap_remove(i % leases.len());
+                    r.orphan(l, false, now);
+                }
+                Op::Deregister(agent) => {
+                    r.deregister(&format!("agent-{agent}"));
+                }
+                Op::Release(_) | Op::Orphan(_) => {}
+            }
+            // The ranking is exactly the endpoints that could take work.
+            for e in r.endpoints.values() {
+                let rank = r.ranking.rank_of(e.id);
+                proptest::prop_assert_eq!(rank.is_some(), e.rankable(&r.saturation), "{:?}", e.id);
+                if let Some(rank) = rank {
+                    proptest::prop_assert_eq!(
+                        rank.score(),
+                        e.static_score(&r.scheduling.scorers, &r.saturation)
+                    );
+                }
+            }
+        }
+    }
 }

@@ -183,6 +183,40 @@ impl Sim {
         Sim { proc, addr }
     }
 
+    /// `n` simulated servers in one process (`llm-sim --servers n`), each
+    /// reached at its own address; the first one is `self`.
+    pub fn start_fleet(n: usize, args: &[&str]) -> (Sim, Vec<SocketAddr>) {
+        let mut all: Vec<String> = vec![
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--servers".into(),
+            n.to_string(),
+        ];
+        all.extend(args.iter().map(|s| s.to_string()));
+        let mut proc = Proc::spawn("llm-sim", &all);
+        let stdout = proc.child.stdout.take().expect("piped stdout");
+        let addrs: Vec<SocketAddr> = BufReader::new(stdout)
+            .lines()
+            .take(n)
+            .map(|line| {
+                let line = line.expect("read llm-sim banner");
+                line.trim()
+                    .strip_prefix("listening on ")
+                    .unwrap_or_else(|| panic!("unexpected llm-sim banner {line:?}"))
+                    .parse()
+                    .expect("llm-sim address")
+            })
+            .collect();
+        assert_eq!(addrs.len(), n, "llm-sim announced every server");
+        (
+            Sim {
+                proc,
+                addr: addrs[0],
+            },
+            addrs,
+        )
+    }
+
     /// Waits until the simulator is generating nothing.
     pub async fn wait_idle(&self, within: Duration) {
         wait_for("the backend to be idle", within, || async {

@@ -20,6 +20,10 @@
 //! For scheduling experiments it can also model KV capacity, a prefix cache
 //! and decode slowing down with batch size (see [`engine`]); all off by
 //! default.
+//!
+//! For scale experiments one process can be a whole fleet: `--servers N`
+//! serves N independent simulated servers on N ports, and `--report-to`
+//! reports each of them to a balancer as its agent would.
 
 mod engine;
 
@@ -55,6 +59,22 @@ struct Cli {
     /// printed as `listening on IP:PORT`)
     #[arg(long, default_value = "127.0.0.1:0")]
     listen: SocketAddr,
+    /// Simulated servers in this process, each on its own port (`--listen`'s
+    /// port and the next ones; port 0: free ports), each with its own slots,
+    /// cache and counters: a whole fleet on one machine
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    servers: u32,
+    /// Report every server to this balancer's management API
+    /// (`http://HOST:PORT`) as its agent would, so a fleet of `--servers`
+    /// needs no agent processes: slots, busy slots and waiting requests
+    #[arg(long)]
+    report_to: Option<String>,
+    /// Milliseconds between two reports of one server (`--report-to`)
+    #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(50..=60_000))]
+    report_interval_ms: u64,
+    /// Bearer token of the balancer's management API (`--report-to`)
+    #[arg(long, env = "FLOWGATE_MANAGEMENT_TOKEN", hide_env_values = true)]
+    management_token: Option<String>,
     /// Parallel request slots
     #[arg(long, default_value_t = 4)]
     slots: u32,
@@ -760,33 +780,63 @@ fn main() {
 }
 
 async fn serve(cli: Cli) {
-    let listener = match TcpListener::bind(cli.listen).await {
-        Ok(l) => l,
-        Err(e) => {
-            eprintln!("llm-sim: cannot listen on {}: {e}", cli.listen);
-            std::process::exit(1);
+    let mut sims = Vec::new();
+    for i in 0..cli.servers {
+        let mut at = cli.listen;
+        if at.port() != 0 {
+            match u16::try_from(u32::from(at.port()) + i) {
+                Ok(port) => at.set_port(port),
+                Err(_) => {
+                    eprintln!(
+                        "llm-sim: {} servers from port {} run past 65535",
+                        cli.servers,
+                        at.port()
+                    );
+                    std::process::exit(2);
+                }
+            }
         }
-    };
-    let addr = listener.local_addr().expect("local addr");
-    println!("listening on {addr}");
-    let sim = Arc::new(Sim {
-        engine: Engine::new(EngineConfig {
-            slots: cli.slots,
-            kv_capacity_tokens: cli.kv_capacity_tokens,
-            prefix_cache_tokens: cli.prefix_cache_tokens,
-            prefill_per_token: Duration::from_micros(cli.prefill_us_per_token),
-            decode_slowdown: cli.decode_slowdown,
-        }),
-        cli,
-        started: Instant::now(),
-        processing: AtomicU64::new(0),
-        deferred: AtomicU64::new(0),
-        requests_total: AtomicU64::new(0),
-        tokens_total: AtomicU64::new(0),
-        bytes_received: AtomicU64::new(0),
-        next_id: AtomicU64::new(0),
-        stats: Mutex::new(Stats::default()),
-    });
+        let listener = match TcpListener::bind(at).await {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("llm-sim: cannot listen on {at}: {e}");
+                std::process::exit(1);
+            }
+        };
+        let addr = listener.local_addr().expect("local addr");
+        println!("listening on {addr}");
+        let sim = Arc::new(Sim {
+            engine: Engine::new(EngineConfig {
+                slots: cli.slots,
+                kv_capacity_tokens: cli.kv_capacity_tokens,
+                prefix_cache_tokens: cli.prefix_cache_tokens,
+                prefill_per_token: Duration::from_micros(cli.prefill_us_per_token),
+                decode_slowdown: cli.decode_slowdown,
+            }),
+            cli: cli.clone(),
+            started: Instant::now(),
+            processing: AtomicU64::new(0),
+            deferred: AtomicU64::new(0),
+            requests_total: AtomicU64::new(0),
+            tokens_total: AtomicU64::new(0),
+            bytes_received: AtomicU64::new(0),
+            next_id: AtomicU64::new(0),
+            stats: Mutex::new(Stats::default()),
+        });
+        sims.push((addr, Arc::clone(&sim)));
+        tokio::spawn(accept_loop(listener, sim));
+    }
+    if let Some(base) = &cli.report_to {
+        tokio::spawn(report_loop(
+            base.trim_end_matches('/').to_string(),
+            cli.clone(),
+            sims,
+        ));
+    }
+    std::future::pending::<()>().await;
+}
+
+async fn accept_loop(listener: TcpListener, sim: Arc<Sim>) {
     loop {
         let (stream, _) = match listener.accept().await {
             Ok(s) => s,
@@ -804,6 +854,52 @@ async fn serve(cli: Cli) {
                 .serve_connection(TokioIo::new(stream), svc)
                 .await;
         });
+    }
+}
+
+/// Reports each server to the balancer as an agent beside it would, one
+/// report per server per interval, spread over the interval.
+async fn report_loop(base: String, cli: Cli, sims: Vec<(SocketAddr, Arc<Sim>)>) {
+    let client = reqwest::Client::new();
+    let interval = Duration::from_millis(cli.report_interval_ms);
+    let gap = interval / sims.len().max(1) as u32;
+    let mut failing = false;
+    loop {
+        for (addr, sim) in &sims {
+            let agent_id = format!("llm-sim-{}", addr.port());
+            let report = flowgate::AgentReport {
+                protocol_version: flowgate::PROTOCOL_VERSION,
+                agent_id: agent_id.clone(),
+                name: agent_id.clone(),
+                backend: flowgate::BackendKind::Llamacpp,
+                external_addr: addr.to_string(),
+                models: vec![cli.model.clone()],
+                health: flowgate::BackendHealth::Ready,
+                slots_total: cli.slots,
+                slots_busy: u32::try_from(sim.processing.load(Ordering::Relaxed))
+                    .unwrap_or(u32::MAX),
+                requests_waiting: u32::try_from(sim.deferred.load(Ordering::Relaxed))
+                    .unwrap_or(u32::MAX),
+                kv_cache_usage: None,
+                kv_capacity_tokens: (cli.kv_capacity_tokens > 0).then_some(cli.kv_capacity_tokens),
+                monitoring_interval_ms: cli.report_interval_ms,
+                draining: false,
+                last_error: None,
+            };
+            let mut req = client
+                .post(format!("{base}/api/v1/agents/{agent_id}/report"))
+                .timeout(interval)
+                .json(&report);
+            if let Some(token) = &cli.management_token {
+                req = req.bearer_auth(token);
+            }
+            let ok = matches!(req.send().await, Ok(r) if r.status().is_success());
+            if !ok && !failing {
+                eprintln!("llm-sim: reporting {addr} to {base} failed (will keep trying)");
+            }
+            failing = !ok;
+            tokio::time::sleep(gap).await;
+        }
     }
 }
 

@@ -17,9 +17,11 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use flowgate::{
-    AgentReport, BackendHealth, BackendKind, Dispatcher, DispatcherConfig, FairnessPolicy, FlowKey,
-    Lease, OrderingPolicy, RequestMeta, Route, PROTOCOL_VERSION,
+    Dispatcher, DispatcherConfig, FairnessPolicy, FlowKey, Lease, OrderingPolicy, RequestMeta,
+    Route,
 };
+
+mod support;
 use std::sync::Arc;
 
 const QUEUED: usize = 10_000;
@@ -27,26 +29,6 @@ const BATCH: usize = 1_000;
 const BATCHES: usize = 200;
 const ENDPOINTS: u32 = 8;
 const SLOTS: u32 = 8;
-
-fn report(i: u32) -> AgentReport {
-    AgentReport {
-        protocol_version: PROTOCOL_VERSION,
-        agent_id: format!("a{i}"),
-        name: format!("a{i}"),
-        backend: BackendKind::Llamacpp,
-        external_addr: format!("127.0.0.1:{}", 9000 + i),
-        models: vec!["m".into()],
-        health: BackendHealth::Ready,
-        slots_total: SLOTS,
-        slots_busy: 0,
-        requests_waiting: 0,
-        kv_cache_usage: None,
-        kv_capacity_tokens: None,
-        monitoring_interval_ms: 60_000,
-        draining: false,
-        last_error: None,
-    }
-}
 
 /// Median and p99 nanoseconds per step.
 fn run(
@@ -64,7 +46,7 @@ fn run(
     let mut d: Dispatcher<u64> = Dispatcher::new(config);
     let now = Instant::now();
     for i in 0..ENDPOINTS {
-        d.report(report(i), now).unwrap();
+        d.report(support::report(i, SLOTS), now).unwrap();
     }
     let keys: Vec<FlowKey> = (0..flows)
         .map(|f| FlowKey::new(format!("tenant-{f}"), 0))

@@ -25,9 +25,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use flowgate::{
-    Admission, AgentReport, BackendHealth, BackendKind, Dispatcher, DispatcherConfig,
-    FairnessPolicy, FlowKey, Lease, OrderingPolicy, RequestMeta, Route, PROTOCOL_VERSION,
+    Admission, Dispatcher, DispatcherConfig, FairnessPolicy, FlowKey, Lease, OrderingPolicy,
+    RequestMeta, Route,
 };
+
+mod support;
 
 /// The system allocator, counting the bytes it holds.
 struct Counting;
@@ -77,26 +79,6 @@ const BASE: Case = Case {
     prefix_blocks: 0,
 };
 
-fn report(i: u32) -> AgentReport {
-    AgentReport {
-        protocol_version: PROTOCOL_VERSION,
-        agent_id: format!("a{i}"),
-        name: format!("a{i}"),
-        backend: BackendKind::Llamacpp,
-        external_addr: format!("10.{}.{}.{}:8080", i >> 16 & 0xff, i >> 8 & 0xff, i & 0xff),
-        models: vec!["m".into()],
-        health: BackendHealth::Ready,
-        slots_total: SLOTS,
-        slots_busy: 0,
-        requests_waiting: 0,
-        kv_cache_usage: None,
-        kv_capacity_tokens: None,
-        monitoring_interval_ms: 60_000,
-        draining: false,
-        last_error: None,
-    }
-}
-
 struct Bench {
     dispatcher: Dispatcher<u64>,
     keys: Vec<FlowKey>,
@@ -118,7 +100,7 @@ impl Bench {
         let mut dispatcher: Dispatcher<u64> = Dispatcher::new(config);
         let now = Instant::now();
         for i in 0..case.endpoints {
-            dispatcher.report(report(i), now).unwrap();
+            dispatcher.report(support::report(i, SLOTS), now).unwrap();
         }
         Bench {
             dispatcher,

@@ -509,22 +509,22 @@ impl EndpointLedger {
 
     /// The endpoints that may serve `route`, busy or not: its subset, or
     /// its model's lane.
-    fn serving<'a>(&'a self, route: &'a Route) -> Box<dyn Iterator<Item = &'a Endpoint> + 'a> {
-        match &route.subset {
-            Some(subset) => Box::new(
-                subset
-                    .iter()
-                    .filter_map(|a| self.by_addr.get(a))
-                    .filter_map(|id| self.endpoints.get(id))
-                    .filter(|e| e.fits(route)),
-            ),
-            None => Box::new(
-                self.ranking
-                    .members(route.model.as_deref())
-                    .filter_map(|id| self.endpoints.get(&id))
-                    .filter(|e| Some(e.addr) != route.avoid),
-            ),
-        }
+    fn serving<'a>(&'a self, route: &'a Route) -> impl Iterator<Item = &'a Endpoint> + 'a {
+        let subset = route
+            .subset
+            .iter()
+            .flat_map(|s| s.iter())
+            .filter_map(|a| self.by_addr.get(a).copied());
+        let lane = route
+            .subset
+            .is_none()
+            .then(|| self.ranking.members(route.model.as_deref()))
+            .into_iter()
+            .flatten();
+        subset
+            .chain(lane)
+            .filter_map(|id| self.endpoints.get(&id))
+            .filter(|e| e.fits(route))
     }
 
     /// Whether an eligible endpoint fits `route` and is not `except` (it

@@ -190,11 +190,7 @@ impl Ranking {
     /// The endpoints with an agent that serve `model` (`None`: all),
     /// ranked or not.
     pub(super) fn members(&self, model: Option<&str>) -> impl Iterator<Item = EndpointId> + '_ {
-        let (a, b) = self.pair(model);
-        a.members
-            .iter()
-            .chain(b.into_iter().flat_map(|l| l.members.iter()))
-            .copied()
+        self.ids(model, |l| &l.members)
     }
 
     /// How many endpoints [`Ranking::ranked`] yields for `model`.
@@ -205,10 +201,19 @@ impl Ranking {
 
     /// The endpoints that serve `model` but are not ranked (busy).
     pub(super) fn unranked(&self, model: Option<&str>) -> impl Iterator<Item = EndpointId> + '_ {
+        self.ids(model, |l| &l.unranked)
+    }
+
+    /// One set of ids of each lane that serves `model`, one after the other.
+    fn ids(
+        &self,
+        model: Option<&str>,
+        set: fn(&Lane) -> &BTreeSet<EndpointId>,
+    ) -> impl Iterator<Item = EndpointId> + '_ {
         let (a, b) = self.pair(model);
-        a.unranked
+        set(a)
             .iter()
-            .chain(b.into_iter().flat_map(|l| l.unranked.iter()))
+            .chain(b.into_iter().flat_map(move |l| set(l).iter()))
             .copied()
     }
 

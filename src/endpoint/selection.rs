@@ -243,7 +243,7 @@ impl EndpointLedger {
             e.serves(model)
                 && e.fits_targets(route)
                 && e.eligible(now)
-                && !(e.available(now, &config) && e.fits_token_budget(&route.tokens, &config))
+                && !e.takes(route, now, &config)
         };
         let holders_to_look_at: usize = route.prefix[half - 1..depth]
             .iter()

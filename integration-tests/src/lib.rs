@@ -1,1 +1,4 @@
-//! Helpers for the black-box tests: see `tests/common/mod.rs`.
+//! Helpers for the black-box tests (most live in `tests/common/mod.rs`)
+//! and the benchmark binaries.
+
+pub mod envoy;

@@ -11,15 +11,15 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use common::*;
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+use envoy_types::pb::envoy::config::core::v3::Metadata;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     body_mutation, processing_request, processing_response, CommonResponse, HeaderMutation,
-    HttpBody, HttpHeaders, HttpTrailers, ImmediateResponse, ProcessingRequest, ProcessingResponse,
-    ProtocolConfiguration,
+    HttpTrailers, ImmediateResponse, ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value as PbValue};
+use flowgate_integration_tests::envoy::*;
 use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -114,41 +114,6 @@ impl Exchange {
     }
 }
 
-fn header_map(pairs: &[(&str, &str)]) -> HeaderMap {
-    HeaderMap {
-        headers: pairs
-            .iter()
-            .map(|(k, v)| HeaderValue {
-                key: k.to_string(),
-                value: String::new(),
-                raw_value: v.as_bytes().to_vec(),
-            })
-            .collect(),
-    }
-}
-
-fn message(r: processing_request::Request) -> ProcessingRequest {
-    ProcessingRequest {
-        request: Some(r),
-        ..ProcessingRequest::default()
-    }
-}
-
-fn request_headers(extra: &[(&str, &str)], end_of_stream: bool) -> ProcessingRequest {
-    let mut pairs = vec![
-        (":method", "POST"),
-        (":path", "/v1/chat/completions"),
-        (":authority", "llm.example"),
-        ("content-type", "application/json"),
-    ];
-    pairs.extend_from_slice(extra);
-    message(processing_request::Request::RequestHeaders(HttpHeaders {
-        headers: Some(header_map(&pairs)),
-        end_of_stream,
-        ..HttpHeaders::default()
-    }))
-}
-
 fn with_subset(mut m: ProcessingRequest, subset: &[&str]) -> ProcessingRequest {
     let list = PbValue {
         kind: Some(Kind::ListValue(ListValue {
@@ -173,44 +138,6 @@ fn with_subset(mut m: ProcessingRequest, subset: &[&str]) -> ProcessingRequest {
         ..Metadata::default()
     });
     m
-}
-
-/// A request (`RequestBody`) or response (`ResponseBody`) body message.
-fn body_of(
-    kind: fn(HttpBody) -> processing_request::Request,
-    body: Vec<u8>,
-    end_of_stream: bool,
-) -> ProcessingRequest {
-    message(kind(HttpBody {
-        body,
-        end_of_stream,
-        ..HttpBody::default()
-    }))
-}
-
-fn body_message(body: Vec<u8>, end_of_stream: bool) -> ProcessingRequest {
-    body_of(
-        processing_request::Request::RequestBody,
-        body,
-        end_of_stream,
-    )
-}
-
-fn response_headers(status: u16, end_of_stream: bool) -> ProcessingRequest {
-    let status = status.to_string();
-    message(processing_request::Request::ResponseHeaders(HttpHeaders {
-        headers: Some(header_map(&[(":status", &status)])),
-        end_of_stream,
-        ..HttpHeaders::default()
-    }))
-}
-
-fn response_body(body: Vec<u8>, end_of_stream: bool) -> ProcessingRequest {
-    body_of(
-        processing_request::Request::ResponseBody,
-        body,
-        end_of_stream,
-    )
 }
 
 /// The common part of an answer that carries the destination.

@@ -13,6 +13,10 @@
 //!   with its own prompt size and `max_tokens`, and prints tokens served
 //!   and TTFT per tenant (the token-fairness benchmark,
 //!   `scripts/bench/fairness`).
+//! - `loadgen epp`: Envoy's side of EPP mode at a fixed request rate, and
+//!   the decision latency it sees (`scripts/bench/epp`; see `epp.rs`).
+
+mod epp;
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;
@@ -56,6 +60,8 @@ enum Command {
     Hold(HoldArgs),
     /// Open-loop tenants at fixed request rates; tokens and TTFT per tenant
     Tenants(TenantsArgs),
+    /// Envoy's side of EPP mode at a fixed request rate: decision latency
+    Epp(epp::EppArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -189,6 +195,7 @@ fn main() {
         Command::Proxy(args) => rt.block_on(proxy(args)),
         Command::Hold(args) => rt.block_on(hold(args)),
         Command::Tenants(args) => rt.block_on(tenants(args)),
+        Command::Epp(args) => rt.block_on(epp::epp(args)),
     }
 }
 

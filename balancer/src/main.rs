@@ -106,6 +106,10 @@ fn main() -> ExitCode {
         threads: settings.threads,
         grace_period_seconds: Some(settings.shutdown_grace_period.as_secs()),
         graceful_shutdown_timeout_seconds: Some(1),
+        // Pingora keeps one pool of threads × this (a global LRU).
+        upstream_keepalive_pool_size: settings
+            .upstream_idle_connections
+            .div_ceil(settings.threads),
         ..ServerConf::default()
     };
     let mut server = Server::new_with_opt_and_conf(Opt::default(), conf);

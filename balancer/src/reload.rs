@@ -112,6 +112,10 @@ fn needs_restart(a: &Settings, b: &Settings) -> Vec<&'static str> {
             differ(&a.upstream_connect_timeout, &b.upstream_connect_timeout),
         ),
         (
+            "upstreamIdleConnections",
+            differ(&a.upstream_idle_connections, &b.upstream_idle_connections),
+        ),
+        (
             "client limits (maxConnections, timeouts, maxHeaderBytes)",
             differ(&a.client_limits, &b.client_limits),
         ),

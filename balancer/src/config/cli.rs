@@ -72,6 +72,15 @@ pub struct Cli {
     #[arg(long, value_name = "MS")]
     pub upstream_connect_timeout: Option<u64>,
 
+    /// Idle connections to model servers kept open for reuse, all servers
+    /// together, 1 to 1048576; past it the least recently used is closed.
+    /// Each server holds at most as many as were once busy at the same time
+    /// (the engine's own keep-alive timeout closes them too), so the total
+    /// matters for large fleets: below the number of endpoints, most
+    /// requests open a new connection [default: 4096]
+    #[arg(long, value_name = "N")]
+    pub upstream_idle_connections: Option<usize>,
+
     /// Worker threads for the proxy [default: number of CPUs]
     #[arg(long, value_name = "N")]
     pub threads: Option<usize>,

@@ -28,6 +28,7 @@ pub struct FileConfig {
     pub max_request_bytes: Option<usize>,
     pub shutdown_grace_period: Option<u64>,
     pub upstream_connect_timeout: Option<u64>,
+    pub upstream_idle_connections: Option<usize>,
     pub threads: Option<usize>,
     pub log_level: Option<String>,
     pub log_format: Option<LogFormat>,

@@ -56,6 +56,10 @@ pub const DEFAULT_BUFFERED_REQUEST_TIMEOUT_MS: u64 = 10_000;
 pub const DEFAULT_MAX_REQUEST_BYTES: usize = 16 * 1024 * 1024;
 pub const DEFAULT_SHUTDOWN_GRACE_PERIOD_S: u64 = 30;
 pub const DEFAULT_UPSTREAM_CONNECT_TIMEOUT_MS: u64 = 5_000;
+pub const DEFAULT_UPSTREAM_IDLE_CONNECTIONS: usize = 4096;
+/// Bound of `--upstream-idle-connections`: Pingora sizes its pool's maps
+/// up front.
+pub const MAX_UPSTREAM_IDLE_CONNECTIONS: usize = 1 << 20;
 pub const DEFAULT_SCALE_UP_WEBHOOK_INTERVAL: Duration = Duration::from_secs(30);
 
 /// Effective settings after merging flags, file and defaults.
@@ -84,6 +88,8 @@ pub struct Settings {
     pub max_request_bytes: usize,
     pub shutdown_grace_period: Duration,
     pub upstream_connect_timeout: Duration,
+    /// Idle upstream connections kept for reuse, all servers together.
+    pub upstream_idle_connections: usize,
     pub threads: usize,
     pub log_level: String,
     pub log_format: LogFormat,
@@ -343,6 +349,11 @@ impl Settings {
                 file.upstream_connect_timeout,
                 DEFAULT_UPSTREAM_CONNECT_TIMEOUT_MS,
             )),
+            upstream_idle_connections: layer(
+                cli.upstream_idle_connections,
+                file.upstream_idle_connections,
+                DEFAULT_UPSTREAM_IDLE_CONNECTIONS,
+            ),
             threads: cli.threads.or(file.threads).unwrap_or_else(|| {
                 std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
             }),
@@ -380,6 +391,11 @@ impl Settings {
         }
         if self.upstream_connect_timeout.is_zero() {
             return invalid("upstream_connect_timeout must be at least 1 ms");
+        }
+        if !(1..=MAX_UPSTREAM_IDLE_CONNECTIONS).contains(&self.upstream_idle_connections) {
+            return invalid(&format!(
+                "upstream_idle_connections must be 1 to {MAX_UPSTREAM_IDLE_CONNECTIONS}"
+            ));
         }
         if self.threads == 0 {
             return invalid("threads must be at least 1");

@@ -86,6 +86,7 @@ fn defaults_match_the_documentation() {
     assert_eq!(s.max_request_bytes, 16 << 20);
     assert_eq!(s.shutdown_grace_period, Duration::from_secs(30));
     assert_eq!(s.epp_addr, None, "EPP mode is off unless asked for");
+    assert_eq!(s.upstream_idle_connections, 4096);
     assert_eq!(
         s.client_limits,
         ClientLimits {
@@ -128,7 +129,10 @@ fn the_async_section_is_read_and_flags_win() {
 }
 
 #[test]
-fn client_limits_are_read_and_checked() {
+fn connection_limits_are_read_and_checked() {
+    let file = FileConfig::parse("upstreamIdleConnections: 9000\n").unwrap();
+    let s = Settings::merge(cli(&[]), file).unwrap();
+    assert_eq!(s.upstream_idle_connections, 9000);
     let file = FileConfig::parse("maxConnections: 7\nclientHeaderTimeout: 2s\n").unwrap();
     let s = Settings::merge(cli(&["--client-body-timeout", "500ms"]), file).unwrap();
     assert_eq!(s.client_limits.max_connections, 7);
@@ -136,6 +140,14 @@ fn client_limits_are_read_and_checked() {
     assert_eq!(s.client_limits.body_timeout, Duration::from_millis(500));
     for (args, want) in [
         (&["--max-connections", "0"][..], "max_connections"),
+        (
+            &["--upstream-idle-connections", "0"][..],
+            "upstream_idle_connections",
+        ),
+        (
+            &["--upstream-idle-connections", "99999999999"][..],
+            "upstream_idle_connections",
+        ),
         (&["--max-header-bytes", "100"][..], "max_header_bytes"),
         (&["--max-header-bytes", "2000000"][..], "max_header_bytes"),
         (

@@ -177,18 +177,13 @@ impl ResponseMeter {
 }
 
 fn count(haystack: &[u8], needle: &[u8]) -> usize {
-    haystack
-        .windows(needle.len())
-        .filter(|w| *w == needle)
-        .count()
+    memchr::memmem::find_iter(haystack, needle).count()
 }
 
 /// The last `"usage": {...}` (or other `key`) object in `text` that
 /// parses; `"usage": null` (stream chunks before the last) is skipped.
 fn find_usage<T: serde::de::DeserializeOwned>(text: &[u8], key: &[u8]) -> Option<T> {
-    let mut end = text.len();
-    while let Some(at) = text[..end].windows(key.len()).rposition(|w| w == key) {
-        end = at;
+    for at in memchr::memmem::rfind_iter(text, key) {
         let rest = &text[at + key.len()..];
         let Some(rest) = rest.trim_ascii_start().strip_prefix(b":") else {
             continue;

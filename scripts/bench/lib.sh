@@ -27,6 +27,29 @@ wait_eligible() {
     return 1
 }
 
+# cpu_ticks PID...: user + system time of all of them, in clock ticks
+# (getconf CLK_TCK per second); 0 for one that is gone.
+cpu_ticks() {
+    local t=0 p
+    for p in "$@"; do
+        t=$((t + $(awk '{print $14 + $15}' "/proc/$p/stat" 2>/dev/null || echo 0)))
+    done
+    echo "$t"
+}
+
+# start_reported_fleet BIN N MGMT_ADDR LOG [LLM_SIM_ARGS...]: one llm-sim on
+# core 1 serving N simulated servers (64 slots each) and reporting each to
+# the balancer's management port at MGMT_ADDR as its agent would; appends
+# its pid to `pids` and waits until all N are eligible (fails otherwise).
+start_reported_fleet() {
+    local bin=$1 n=$2 mgmt=$3 log=$4
+    shift 4
+    taskset -c 1 "$bin/llm-sim" --listen 127.0.0.1:0 --servers "$n" --slots 64 --threads 1 \
+        --report-to "http://$mgmt" "$@" >/dev/null 2>"$log" &
+    pids+=($!)
+    wait_eligible "$mgmt" "$n" 300 || { echo "$n simulated endpoints did not all become eligible" >&2; return 1; }
+}
+
 # venv_install VENV PACKAGE MODULE: pip-installs PACKAGE into VENV unless
 # MODULE imports there; succeeds when it does.
 venv_install() {

@@ -238,13 +238,27 @@ impl FleetGate {
         fallback: Option<&Fallback>,
         client_gone: impl Future<Output = ()>,
     ) -> Result<Admitted, AdmitError> {
+        match self.submit(request, fallback) {
+            Submitted::Done(result) => result,
+            Submitted::Queued(waiting) => waiting.wait(client_gone).await,
+        }
+    }
+
+    /// [`FleetGate::admit`]'s first half: a slot at once, a refusal, or a
+    /// place in the queues to [`Waiting::wait`] on, wherever the caller
+    /// chooses to wait.
+    pub fn submit(
+        self: &Arc<Self>,
+        request: RequestMeta,
+        fallback: Option<&Fallback>,
+    ) -> Submitted {
         let priority = request.flow.priority;
-        let (tx, mut rx) = oneshot::channel();
+        let (tx, rx) = oneshot::channel();
         let start = Instant::now();
         // Kept to move the request to a fallback after it waited.
-        let mut spare = fallback
+        let spare = fallback
             .filter(|f| f.after.is_some())
-            .map(|_| request.clone());
+            .map(|f| (request.clone(), f.clone()));
         let mut fell_back = None;
         let admission = self.with_dispatch(|d| {
             let mut request = request;
@@ -258,83 +272,41 @@ impl FleetGate {
             }
             d.submit(request, tx, start)
         });
-        let admitted = |lease, waited, fell_back| Admitted {
-            lease,
-            waited,
-            fell_back,
-        };
         let (ticket, deadline) = match admission {
             Admission::Ready(lease) => {
                 self.metrics.flow.outcome(priority, Ok(()), Duration::ZERO);
-                let lease = LeaseGuard::new(self, lease);
-                return Ok(admitted(lease, Duration::ZERO, fell_back));
+                return Submitted::Done(Ok(Admitted {
+                    lease: LeaseGuard::new(self, lease),
+                    waited: Duration::ZERO,
+                    fell_back,
+                }));
             }
             Admission::Rejected(r) => {
                 self.metrics
                     .flow
                     .outcome(priority, Err(r.reason()), Duration::ZERO);
-                return Err(AdmitError::Rejected(r));
+                return Submitted::Done(Err(AdmitError::Rejected(r)));
             }
             Admission::Queued { ticket, deadline } => (ticket, deadline),
         };
         self.metrics.buffered_total.inc();
-        // Leaves the queues however this future ends, dropped included.
-        let mut queued = QueuedTicket {
-            shared: self,
-            ticket,
-        };
-        let mut move_at = match (fallback, &fell_back) {
-            (Some(f), None) => f.after.map(|after| start + after),
+        let move_at = match (&spare, &fell_back) {
+            (Some((_, f)), None) => f.after.map(|after| start + after),
             _ => None,
         };
-        tokio::pin!(client_gone);
-        let outcome = loop {
-            let moving = move_at.unwrap_or(deadline);
-            tokio::select! {
-                answer = &mut rx => break answer
-                    .unwrap_or(Err(Reject::Timeout))
-                    .map_err(AdmitError::Rejected),
-                () = tokio::time::sleep_until(deadline.into()) => {
-                    let cancelled = self.lock().cancel(queued.ticket);
-                    break if cancelled {
-                        Err(AdmitError::Rejected(Reject::Timeout))
-                    } else {
-                        // Answered just before the timer fired.
-                        rx.try_recv()
-                            .unwrap_or(Err(Reject::Timeout))
-                            .map_err(AdmitError::Rejected)
-                    };
-                }
-                () = tokio::time::sleep_until(moving.into()), if move_at.is_some() => {
-                    move_at = None;
-                    let (Some(f), Some(request)) = (fallback, spare.take()) else { continue };
-                    match self.move_to_fallback(queued.ticket, request, f, deadline) {
-                        Moved::Stay => continue,
-                        Moved::Done(result, m) => {
-                            fell_back = Some(m);
-                            break result.map_err(AdmitError::Rejected);
-                        }
-                        Moved::Queued(ticket, next, m) => {
-                            fell_back = Some(m);
-                            queued.ticket = ticket;
-                            rx = next;
-                        }
-                    }
-                }
-                // A grant that raced with the disconnect is dropped with `rx`,
-                // which releases its slot.
-                () = &mut client_gone => break Err(AdmitError::ClientGone),
-            }
-        };
-        let waited = start.elapsed();
-        self.metrics.buffer_wait.observe(waited.as_secs_f64());
-        let label = match &outcome {
-            Ok(_) => Ok(()),
-            Err(AdmitError::Rejected(r)) => Err(r.reason()),
-            Err(AdmitError::ClientGone) => Err("client-gone"),
-        };
-        self.metrics.flow.outcome(priority, label, waited);
-        outcome.map(|lease| admitted(lease, waited, fell_back))
+        Submitted::Queued(Waiting {
+            queued: QueuedTicket {
+                shared: Arc::clone(self),
+                ticket,
+            },
+            rx,
+            start,
+            deadline,
+            move_at,
+            spare: spare.filter(|_| move_at.is_some()).map(Box::new),
+            fell_back,
+            priority,
+        })
     }
 
     /// A queued request waited its chain's `after`: if a fallback model
@@ -576,14 +548,124 @@ impl Drop for ActiveRequest {
     }
 }
 
+/// What [`FleetGate::submit`] did with a request.
+pub enum Submitted {
+    /// Answered at once: a slot or a refusal.
+    Done(Result<Admitted, AdmitError>),
+    /// In the queues.
+    Queued(Waiting),
+}
+
+/// A request in the queues, and everything its wait needs. Dropping it
+/// takes the request out of the queues (and gives back a slot granted
+/// meanwhile), so it may be moved and awaited anywhere: in the proxy, or
+/// parked outside it ([`crate::inference::parking`]).
+pub struct Waiting {
+    queued: QueuedTicket,
+    rx: oneshot::Receiver<Result<LeaseGuard, Reject>>,
+    start: Instant,
+    deadline: Instant,
+    /// When it moves to its fallback chain's first live model, and what
+    /// it moves with (boxed: rare, and waiting requests are many).
+    move_at: Option<Instant>,
+    spare: Option<Box<(RequestMeta, Fallback)>>,
+    fell_back: Option<Arc<str>>,
+    priority: i32,
+}
+
+impl Waiting {
+    /// Leaves the queues unanswered because the client cannot be answered
+    /// any more: counted as the client's leaving.
+    pub fn abandon(self) {
+        let shared = Arc::clone(&self.queued.shared);
+        let waited = self.start.elapsed();
+        shared.metrics.buffer_wait.observe(waited.as_secs_f64());
+        shared
+            .metrics
+            .flow
+            .outcome(self.priority, Err("client-gone"), waited);
+        shared.metrics.record_outcome(499, "client-gone");
+    }
+
+    /// Waits for the end of the wait: a slot, a refusal, an eviction, the
+    /// deadline, or `client_gone` resolving (then it leaves the queues
+    /// at once and holds nothing).
+    pub async fn wait(self, client_gone: impl Future<Output = ()>) -> Result<Admitted, AdmitError> {
+        let Waiting {
+            mut queued,
+            mut rx,
+            start,
+            deadline,
+            mut move_at,
+            mut spare,
+            mut fell_back,
+            priority,
+        } = self;
+        let shared = Arc::clone(&queued.shared);
+        tokio::pin!(client_gone);
+        let outcome = loop {
+            let moving = move_at.unwrap_or(deadline);
+            tokio::select! {
+                answer = &mut rx => break answer
+                    .unwrap_or(Err(Reject::Timeout))
+                    .map_err(AdmitError::Rejected),
+                () = tokio::time::sleep_until(deadline.into()) => {
+                    let cancelled = shared.lock().cancel(queued.ticket);
+                    break if cancelled {
+                        Err(AdmitError::Rejected(Reject::Timeout))
+                    } else {
+                        // Answered just before the timer fired.
+                        rx.try_recv()
+                            .unwrap_or(Err(Reject::Timeout))
+                            .map_err(AdmitError::Rejected)
+                    };
+                }
+                () = tokio::time::sleep_until(moving.into()), if move_at.is_some() => {
+                    move_at = None;
+                    let Some(spare) = spare.take() else { continue };
+                    let (request, f) = *spare;
+                    match shared.move_to_fallback(queued.ticket, request, &f, deadline) {
+                        Moved::Stay => continue,
+                        Moved::Done(result, m) => {
+                            fell_back = Some(m);
+                            break result.map_err(AdmitError::Rejected);
+                        }
+                        Moved::Queued(ticket, next, m) => {
+                            fell_back = Some(m);
+                            queued.ticket = ticket;
+                            rx = next;
+                        }
+                    }
+                }
+                // A grant that raced with the disconnect is dropped with `rx`,
+                // which releases its slot.
+                () = &mut client_gone => break Err(AdmitError::ClientGone),
+            }
+        };
+        let waited = start.elapsed();
+        shared.metrics.buffer_wait.observe(waited.as_secs_f64());
+        let label = match &outcome {
+            Ok(_) => Ok(()),
+            Err(AdmitError::Rejected(r)) => Err(r.reason()),
+            Err(AdmitError::ClientGone) => Err("client-gone"),
+        };
+        shared.metrics.flow.outcome(priority, label, waited);
+        outcome.map(|lease| Admitted {
+            lease,
+            waited,
+            fell_back,
+        })
+    }
+}
+
 /// Removes a queued request from the buffer when its waiter ends, however
 /// it ends (a no-op once it was granted or expired).
-struct QueuedTicket<'a> {
-    shared: &'a FleetGate,
+struct QueuedTicket {
+    shared: Arc<FleetGate>,
     ticket: flowgate::Ticket,
 }
 
-impl Drop for QueuedTicket<'_> {
+impl Drop for QueuedTicket {
     fn drop(&mut self) {
         self.shared.lock().cancel(self.ticket);
     }

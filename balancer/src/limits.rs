@@ -12,6 +12,10 @@
 //! when a head was parsed ([`head_done`]) and when the request ended
 //! ([`request_done`]), so bodies, waits in the buffer and answers are never
 //! under the header deadline, and each keep-alive request gets its own.
+//!
+//! [`Limited`] also serves an HTTP/1 connection's requests one after the
+//! other (as Pingora's own loop does), which is where a queued request that
+//! left the proxy waits and comes back ([`crate::inference::parking`]).
 
 use std::fmt;
 use std::future::Future;
@@ -23,8 +27,10 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use pingora_core::apps::ServerApp;
+use pingora_core::apps::{HttpServerApp, ServerApp};
+use pingora_core::protocols::http::ServerSession;
 use pingora_core::protocols::raw_connect::ProxyDigest;
+use pingora_core::protocols::ALPN;
 use pingora_core::protocols::{
     GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, SocketDigest, Ssl, Stream,
     TimingDigest, UniqueID, UniqueIDType,
@@ -37,6 +43,10 @@ use tokio::time::Sleep;
 use tracing::debug;
 
 use crate::gate::FleetGate;
+use crate::inference::parking;
+
+/// Keep-alive of an idle HTTP/1 client connection (Pingora's own default).
+const HTTP1_KEEPALIVE_SECS: u64 = 60;
 
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
@@ -129,8 +139,40 @@ async fn refuse_connection(mut stream: Stream, max_connections: usize) {
     .await;
 }
 
+impl<A: HttpServerApp + Send + Sync + 'static> Limited<A> {
+    /// An HTTP/1 connection's requests, one after the other, as Pingora's
+    /// own loop serves them, and the requests that parked while waiting
+    /// for a slot ([`parking`]). The loop stays here, so that the permit
+    /// covers the whole connection.
+    async fn serve_http1(&self, stream: Stream, shutdown: &ShutdownWatch) {
+        let keepalive = || (!*shutdown.borrow()).then_some(HTTP1_KEEPALIVE_SECS);
+        let mut session = ServerSession::new_http1(stream);
+        session.set_keepalive(keepalive());
+        loop {
+            let Some(reused) = self.inner.process_new_http(session, shutdown).await else {
+                return;
+            };
+            let (mut stream, mut settings) = reused.consume();
+            session = match parking::take_parked(settings.as_mut()) {
+                Some(parked) => {
+                    // Boxed: only a parked request's task holds this state.
+                    let (resumed, replay) = Box::pin(parked.wait(&mut stream)).await;
+                    resumed.into_session(stream, replay, keepalive())
+                }
+                None => {
+                    let mut next = ServerSession::new_http1(stream);
+                    if let Some(settings) = settings {
+                        settings.apply_to_session(&mut next);
+                    }
+                    next
+                }
+            };
+        }
+    }
+}
+
 #[async_trait]
-impl<A: ServerApp + Send + Sync + 'static> ServerApp for Limited<A> {
+impl<A: HttpServerApp + Send + Sync + 'static> ServerApp for Limited<A> {
     async fn process_new(
         self: &Arc<Self>,
         stream: Stream,
@@ -146,12 +188,15 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Limited<A> {
         };
         let _open = metrics.clients.opened();
         let guarded: Stream = Box::new(Guarded::new(stream, self.limits, Arc::clone(&self.shared)));
-        // Keep-alive reuse stays here, so that the permit covers the whole
-        // connection: Pingora's service loop would otherwise call us again
-        // for each request.
-        let mut next = self.inner.process_new(guarded, shutdown).await;
-        while let Some(stream) = next {
-            next = self.inner.process_new(stream, shutdown).await;
+        if matches!(guarded.selected_alpn_proto(), Some(ALPN::H2)) {
+            // HTTP/2 (by ALPN): Pingora's connection loop, its streams'
+            // requests wait in the proxy.
+            let mut next = self.inner.process_new(guarded, shutdown).await;
+            while let Some(stream) = next {
+                next = self.inner.process_new(stream, shutdown).await;
+            }
+        } else {
+            self.serve_http1(guarded, shutdown).await;
         }
         None
     }
@@ -163,7 +208,7 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Limited<A> {
 
 /// The guard of `session`'s connection, if it has one (HTTP/1 on the
 /// inference port).
-fn guard(session: &Session) -> Option<&Guarded> {
+pub(crate) fn guard(session: &Session) -> Option<&Guarded> {
     let stream = session.downstream_session.stream()?;
     (**stream).as_any().downcast_ref::<Guarded>()
 }

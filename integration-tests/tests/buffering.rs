@@ -1,5 +1,7 @@
 //! Buffering rules seen from a client: 503 when full, 504 after the timeout,
-//! FIFO order, one wake-up per freed slot, disconnects, scale from zero.
+//! FIFO order, one wake-up per freed slot, disconnects, scale from zero; and
+//! that a request which waited (outside the proxy, then replayed to it)
+//! reaches the backend byte for byte on a connection that lives on.
 
 mod common;
 
@@ -159,6 +161,95 @@ async fn a_client_that_leaves_the_buffer_takes_nothing() {
         sim.stats().await["arrivals"],
         serde_json::json!(["holder", "next"])
     );
+}
+
+/// A raw HTTP/1.1 chat completion carrying `body`, tagged `tag` for the
+/// simulator, with `extra` header lines.
+fn raw_chat(tag: &str, body: &[u8], extra: &str) -> Vec<u8> {
+    let mut req = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         x-sim-tag: {tag}\r\n{extra}content-length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    req.extend_from_slice(body);
+    req
+}
+
+#[tokio::test]
+async fn a_request_that_waited_reaches_the_backend_whole_on_a_connection_that_lives_on() {
+    let (b, sim, _agent) = fleet(&[], &["--slots", "1"]).await;
+    let holder = hold_slot(&b, "800", "holder").await;
+    let body =
+        |bytes| serde_json::to_vec(&chat_for(Some("sim-model"), &"x".repeat(bytes))).unwrap();
+    // Just under Pingora's 64 KiB retry buffer (waits outside the proxy),
+    // over it (waits inside), and small (with `Connection: close`: inside).
+    let (mid, big, small) = (body(60_000), body(100_000), body(10));
+    let mut kept = tokio::net::TcpStream::connect(b.inference).await.unwrap();
+    kept.write_all(&raw_chat("mid", &mid, "")).await.unwrap();
+    b.wait_buffered(1).await;
+    let mut closing = tokio::net::TcpStream::connect(b.inference).await.unwrap();
+    closing
+        .write_all(&raw_chat("closing", &small, "connection: close\r\n"))
+        .await
+        .unwrap();
+    b.wait_buffered(2).await;
+    let mut large = tokio::net::TcpStream::connect(b.inference).await.unwrap();
+    large.write_all(&raw_chat("big", &big, "")).await.unwrap();
+    b.wait_buffered(3).await;
+
+    assert_eq!(holder.await.unwrap(), 200);
+    let first = read_response(&mut kept).await;
+    assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+    assert!(first.contains("x-flowgate-wait-ms"), "{first}");
+    // `Connection: close` still closes, after the answer.
+    let closed = read_to_close(&mut closing).await;
+    assert!(closed.starts_with("HTTP/1.1 200"), "{closed}");
+    let large_answer = read_response(&mut large).await;
+    assert!(large_answer.starts_with("HTTP/1.1 200"), "{large_answer}");
+    // The connection serves its next request as if nothing happened.
+    kept.write_all(&raw_chat("again", &small, ""))
+        .await
+        .unwrap();
+    let again = read_response(&mut kept).await;
+    assert!(again.starts_with("HTTP/1.1 200"), "{again}");
+
+    b.wait_in_flight(0, Duration::from_secs(5)).await;
+    let stats = sim.stats().await;
+    assert_eq!(
+        stats["arrivals"],
+        serde_json::json!(["holder", "mid", "closing", "big", "again"])
+    );
+    let holder_bytes = serde_json::to_vec(&chat_body()).unwrap().len();
+    assert_eq!(
+        stats["bytes_received_total"].as_u64().unwrap() as usize,
+        holder_bytes + mid.len() + 2 * small.len() + big.len(),
+        "every body arrived once and whole"
+    );
+}
+
+#[tokio::test]
+async fn a_request_pipelined_behind_a_waiting_one_closes_the_connection_and_leaks_nothing() {
+    let (b, sim, _agent) = fleet(&[], &["--slots", "1"]).await;
+    let holder = hold_slot(&b, "800", "holder").await;
+    let small = serde_json::to_vec(&chat_body()).unwrap();
+    let mut both = raw_chat("first", &small, "");
+    both.extend_from_slice(&raw_chat("second", &small, ""));
+    let mut raw = tokio::net::TcpStream::connect(b.inference).await.unwrap();
+    raw.write_all(&both).await.unwrap();
+    // HTTP/1.1 pipelining is not served (as Pingora): the connection
+    // closes without an answer, and nothing stays buffered or held.
+    let answer = read_to_close(&mut raw).await;
+    assert!(
+        answer.is_empty() || answer.starts_with("HTTP/1.1 "),
+        "{answer}"
+    );
+    b.wait_buffered(0).await;
+    assert_eq!(holder.await.unwrap(), 200);
+    b.wait_in_flight(0, Duration::from_secs(5)).await;
+    assert_eq!(chat(&b, &[("x-sim-tag", "next")]).await.status(), 200);
+    let arrivals = sim.stats().await["arrivals"].clone();
+    assert_eq!(arrivals[arrivals.as_array().unwrap().len() - 1], "next");
 }
 
 #[tokio::test]

@@ -16,43 +16,6 @@ use tokio::net::TcpStream;
 const HEADER_TIMEOUT: Duration = Duration::from_millis(600);
 const BODY_TIMEOUT: Duration = Duration::from_millis(600);
 
-/// Reads until the server closes the connection (or 10 s pass).
-async fn read_to_close(s: &mut TcpStream) -> String {
-    let mut out = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out)).await;
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-/// Reads one response whose head says `content-length` (enough for the
-/// balancer's own answers).
-async fn read_response(s: &mut TcpStream) -> String {
-    let mut out = Vec::new();
-    let mut buf = [0u8; 4096];
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let text = String::from_utf8_lossy(&out).into_owned();
-        if let Some(end) = text.find("\r\n\r\n") {
-            let length = text[..end]
-                .lines()
-                .find_map(|l| {
-                    l.to_ascii_lowercase()
-                        .strip_prefix("content-length:")
-                        .map(|v| v.trim().parse::<usize>().unwrap())
-                })
-                .unwrap_or(0);
-            if out.len() >= end + 4 + length {
-                return text;
-            }
-        }
-        let n = tokio::time::timeout_at(deadline.into(), s.read(&mut buf))
-            .await
-            .expect("a response within 10 s")
-            .expect("read");
-        assert!(n > 0, "connection closed after {text:?}");
-        out.extend_from_slice(&buf[..n]);
-    }
-}
-
 fn assert_refused(response: &str, status: &str, code: &str) {
     assert!(
         response.starts_with(&format!("HTTP/1.1 {status}")),

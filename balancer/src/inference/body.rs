@@ -20,7 +20,7 @@ use crate::observe::metrics::Metrics;
 use crate::reply::Refusal;
 
 /// Pingora's retry buffer size (`BODY_BUF_LIMIT` in pingora-core).
-const PINGORA_RETRY_BUFFER: usize = 64 * 1024;
+pub(super) const PINGORA_RETRY_BUFFER: usize = 64 * 1024;
 
 /// How much of a body, and how long for it.
 #[derive(Debug, Clone, Copy)]

@@ -5,6 +5,8 @@
 //!
 //! - [`body`]: reading the body (and Pingora's replay of it).
 //! - [`local`]: what the port answers itself (health, models, 404/405).
+//! - [`parking`]: where a queued request waits (outside Pingora's request
+//!   future, to keep a waiting request small).
 //! - [`async_api`] and [`batch_api`]: the async path's and the Batch API's
 //!   routes.
 //! - [`request_id`]: the `x-request-id` of each request.
@@ -28,6 +30,7 @@ mod async_api;
 mod batch_api;
 mod body;
 mod local;
+pub(crate) mod parking;
 mod request_id;
 mod routes;
 
@@ -54,7 +57,7 @@ pub use request_id::RequestIds;
 pub(crate) use routes::RouteKind;
 
 use crate::asyncq::{self, AsyncQueue};
-use crate::gate::{ActiveRequest, AdmitError, FleetGate, LeaseGuard};
+use crate::gate::{ActiveRequest, AdmitError, Admitted, FleetGate, LeaseGuard, Submitted};
 use crate::limits;
 use crate::observe::meter::ResponseMeter;
 use crate::quotas::{Quotas, Reserved};
@@ -98,6 +101,9 @@ pub(crate) enum Step {
     Answer(Answer),
     /// Already answered (an event stream).
     Answered,
+    /// Queued, and waits outside the proxy ([`parking`]): Pingora is told
+    /// it was answered, and gets it back when its wait ends.
+    Parked,
 }
 
 /// Per-request state.
@@ -166,6 +172,11 @@ pub struct RequestCtx {
     meter: ResponseMeter,
     /// Counts the request as under way until the context is dropped.
     active: Option<ActiveRequest>,
+    /// This context only carries a parked request to the connection
+    /// (taken by `persist_connection_context`, which gets `&RequestCtx`).
+    parked: std::sync::Mutex<Option<Box<parking::Parked>>>,
+    /// A parked request is back: how its wait ended.
+    resume: Option<std::result::Result<Admitted, AdmitError>>,
 }
 
 impl Inference {
@@ -178,7 +189,6 @@ impl Inference {
         ctx: &mut RequestCtx,
         request: RequestMeta,
     ) -> Result<std::result::Result<(), Refusal>> {
-        let shared = Arc::clone(&self.shared);
         let client_gone = async {
             // Resolves when the client closes the connection (or sends bytes
             // it should not while waiting for its answer).
@@ -189,7 +199,68 @@ impl Inference {
             .model
             .as_deref()
             .and_then(|m| ctx.rules.admission.models.fallback(m));
-        match shared.admit(request, fallback, client_gone).await {
+        let outcome = self.shared.admit(request, fallback, client_gone).await;
+        self.admitted(ctx, outcome)
+    }
+
+    /// A request's first wait for a slot: as [`Inference::wait_for_slot`],
+    /// except that a queued request that can be replayed (`body` is all of
+    /// its body) parks: [`Step::Parked`].
+    async fn first_slot(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        request: RequestMeta,
+        body: &Bytes,
+    ) -> Result<std::result::Result<Step, Refusal>> {
+        let fallback = request
+            .route
+            .model
+            .as_deref()
+            .and_then(|m| ctx.rules.admission.models.fallback(m));
+        let outcome = match self.shared.submit(request, fallback) {
+            Submitted::Done(outcome) => outcome,
+            Submitted::Queued(waiting) => match parking::replay(session, body) {
+                Some(replay) => {
+                    parking::Parked::park(ctx, self.new_ctx(), waiting, replay);
+                    return Ok(Ok(Step::Parked));
+                }
+                None => {
+                    let client_gone = async {
+                        let _ = session.downstream_session.read_body_or_idle(true).await;
+                    };
+                    waiting.wait(client_gone).await
+                }
+            },
+        };
+        Ok(self.admitted(ctx, outcome)?.map(|()| Step::Proxy))
+    }
+
+    /// A parked request is back in the proxy with the outcome of its wait.
+    /// Its body is read again (from memory) so that Pingora can send it.
+    async fn resume(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        outcome: std::result::Result<Admitted, AdmitError>,
+    ) -> Result<std::result::Result<Step, Refusal>> {
+        if let Err(refusal) =
+            body::read_body(session, self.body_limits, &self.shared.metrics).await?
+        {
+            return Ok(Err(refusal));
+        }
+        Ok(self.admitted(ctx, outcome)?.map(|()| Step::Proxy))
+    }
+
+    /// What the end of a wait means for the request: `Ok(Ok(()))`, it holds
+    /// a lease for `ctx.upstream`; `Ok(Err)`, flow control refused it;
+    /// `Err`, the client left while it waited.
+    fn admitted(
+        &self,
+        ctx: &mut RequestCtx,
+        outcome: std::result::Result<Admitted, AdmitError>,
+    ) -> Result<std::result::Result<(), Refusal>> {
+        match outcome {
             Ok(admitted) => {
                 ctx.upstream = Some(admitted.lease.addr());
                 ctx.lease = Some(admitted.lease);
@@ -201,7 +272,7 @@ impl Inference {
                 Ok(Ok(()))
             }
             Err(AdmitError::Rejected(r)) => Ok(Err(Refusal::from_reject(r, &ctx.model, || {
-                shared.model_names(&ctx.rules.admission.models)
+                self.shared.model_names(&ctx.rules.admission.models)
             }))),
             Err(AdmitError::ClientGone) => {
                 ctx.reason = "client-gone";
@@ -228,7 +299,7 @@ impl Inference {
     /// The one place the balancer answers a request itself.
     async fn answer(&self, session: &mut Session, ctx: &mut RequestCtx, step: Step) -> Result<()> {
         let answer = match step {
-            Step::Proxy | Step::Answered => return Ok(()),
+            Step::Proxy | Step::Answered | Step::Parked => return Ok(()),
             Step::Answer(a) => a,
         };
         answer.write(session, &ctx.request_id).await
@@ -311,6 +382,7 @@ impl Inference {
         let may_fall_back = (facts.resolved.model.as_deref())
             .is_some_and(|m| ctx.rules.admission.models.fallback(m).is_some());
         let keep = !body.in_retry_buffer || rename_to.is_some() || may_fall_back;
+        let replay_body = body.bytes.clone();
         ctx.body = keep.then_some(body.bytes);
         if let Some(name) = rename_to {
             // The engine gets the name of the model it serves, not an alias.
@@ -344,10 +416,8 @@ impl Inference {
             Err(refusal) => return Ok(Err(refusal)),
         }
         ctx.meta = Some(facts.meta.clone());
-        Ok(self
-            .wait_for_slot(session, ctx, facts.meta)
-            .await?
-            .map(|()| Step::Proxy))
+        self.first_slot(session, ctx, facts.meta, &replay_body)
+            .await
     }
 
     /// Feeds the circuit breaker of the endpoint the request holds.
@@ -446,20 +516,33 @@ impl ProxyHttp for Inference {
             rules: self.rules.get(),
             meter: ResponseMeter::default(),
             active: None,
+            parked: std::sync::Mutex::new(None),
+            resume: None,
         }
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
         limits::head_done(session);
-        ctx.active = Some(self.shared.request_started());
-        (ctx.request_id, ctx.request_id_given) = self
-            .request_ids
-            .for_request(session.req_header().headers.get(REQUEST_ID_HEADER));
-        let step = match self.first_step(session, ctx).await? {
+        let step = match ctx.resume.take() {
+            Some(outcome) => self.resume(session, ctx, outcome).await?,
+            None => {
+                ctx.active = Some(self.shared.request_started());
+                (ctx.request_id, ctx.request_id_given) = self
+                    .request_ids
+                    .for_request(session.req_header().headers.get(REQUEST_ID_HEADER));
+                self.first_step(session, ctx).await?
+            }
+        };
+        let step = match step {
             Ok(step) => step,
             Err(refusal) => self.refusal(ctx, &refusal),
         };
         let proxy = matches!(step, Step::Proxy);
+        if matches!(step, Step::Parked) {
+            // Nothing was answered: the request waits outside the proxy
+            // and comes back on this connection.
+            return Ok(true);
+        }
         if !proxy {
             // Answered here, never served: it leaves its quotas' windows
             // before the client sees the answer.
@@ -761,7 +844,45 @@ impl ProxyHttp for Inference {
         clients
     }
 
+    fn persist_connection_context(
+        &self,
+        _session: &Session,
+        ctx: &RequestCtx,
+    ) -> Option<Box<dyn std::any::Any + Send + Sync>> {
+        let parked = ctx
+            .parked
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()?;
+        Some(parked)
+    }
+
+    fn on_connection_reuse(
+        &self,
+        _session: &mut Session,
+        ctx: &mut RequestCtx,
+        prev: Box<dyn std::any::Any + Send + Sync>,
+    ) {
+        if let Ok(resumed) = prev.downcast::<parking::Resumed>() {
+            let parking::Resumed {
+                ctx: parked,
+                outcome,
+            } = *resumed;
+            *ctx = *parked;
+            ctx.resume = Some(outcome);
+        }
+    }
+
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
+        if ctx
+            .parked
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+        {
+            // Not over: it waits outside the proxy and comes back.
+            return;
+        }
         limits::request_done(session);
         // A retry that never got an answer cannot clear its suspect.
         self.blame_suspect(ctx);

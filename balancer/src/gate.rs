@@ -811,6 +811,52 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_queued_request_waits_wherever_its_waiting_is_taken() {
+        let shared = shared_with_one_slot();
+        let first = match shared.submit(request(), None) {
+            Submitted::Done(Ok(admitted)) => admitted.lease,
+            _ => panic!("the free slot is given at once"),
+        };
+        let Submitted::Queued(waiting) = shared.submit(request(), None) else {
+            panic!("the second request queues");
+        };
+        assert_eq!(shared.snapshot().buffered, 1);
+        // Moved to another task (as a parked request is), it still gets
+        // the next free slot.
+        let elsewhere = tokio::spawn(waiting.wait(std::future::pending()));
+        first.release();
+        let admitted = elsewhere.await.unwrap().expect("granted");
+        let snap = shared.snapshot();
+        assert_eq!((snap.in_flight, snap.buffered), (1, 0));
+        admitted.lease.release();
+        assert_eq!(shared.snapshot().in_flight, 0);
+    }
+
+    #[tokio::test]
+    async fn an_abandoned_waiting_request_leaves_the_queue_counted_as_gone() {
+        let shared = shared_with_one_slot();
+        let first = shared
+            .admit(request(), None, std::future::pending())
+            .await
+            .unwrap()
+            .lease;
+        let Submitted::Queued(waiting) = shared.submit(request(), None) else {
+            panic!("the second request queues");
+        };
+        waiting.abandon();
+        assert_eq!(shared.snapshot().buffered, 0);
+        let gone = shared
+            .metrics
+            .requests
+            .with_label_values(&["499", "client-gone"])
+            .get();
+        assert_eq!(gone, 1, "counted as the client's leaving");
+        first.release();
+        let snap = shared.snapshot();
+        assert_eq!((snap.in_flight, snap.buffered), (0, 0));
+    }
+
+    #[tokio::test]
     async fn a_client_gone_while_queued_takes_nothing() {
         let shared = shared_with_one_slot();
         let first = shared

@@ -249,7 +249,8 @@ impl EndpointLedger {
             .iter()
             .map(|h| self.holders.of(*h).len())
             .sum();
-        let busy = if holders_to_look_at <= self.ranking.unranked_len(model) {
+        let endpoints_of_model = self.ranking.ranked_len(model) + self.ranking.unranked_len(model);
+        let busy = if holders_to_look_at <= endpoints_of_model {
             // Deepest first: the first busy holder found holds the most.
             (half - 1..depth)
                 .rev()
@@ -263,10 +264,13 @@ impl EndpointLedger {
                 })
                 .unwrap_or(0)
         } else {
-            // Few busy endpoints (those ranked but stale are not
-            // counted: nothing is known of them to wait for).
+            // Fewer endpoints than holders: look at each. Not only the
+            // unranked ones (no free slot): a ranked endpoint may not take
+            // this route either (its token budget, say).
             self.ranking
-                .unranked(model)
+                .ranked(model)
+                .map(|r| r.id)
+                .chain(self.ranking.unranked(model))
                 .filter_map(|id| self.endpoints.get(&id))
                 .filter(|e| busy_here(e))
                 .map(|e| e.prefix.matched(&route.prefix))

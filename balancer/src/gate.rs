@@ -767,6 +767,15 @@ mod tests {
         }
     }
 
+    /// Takes the only slot of [`shared_with_one_slot`].
+    async fn take_the_slot(shared: &Arc<FleetGate>) -> LeaseGuard {
+        shared
+            .admit(request(), None, std::future::pending())
+            .await
+            .expect("the free slot is given at once")
+            .lease
+    }
+
     /// Polls `fut` briefly so it enqueues itself, leaving it pending.
     async fn enqueue<F: Future>(fut: &mut std::pin::Pin<Box<F>>) {
         assert!(
@@ -779,11 +788,7 @@ mod tests {
     #[tokio::test]
     async fn a_waiter_dropped_after_its_grant_gives_the_slot_back() {
         let shared = shared_with_one_slot();
-        let first = shared
-            .admit(request(), None, std::future::pending())
-            .await
-            .unwrap()
-            .lease;
+        let first = take_the_slot(&shared).await;
         let mut waiting = Box::pin(shared.admit(request(), None, std::future::pending()));
         enqueue(&mut waiting).await;
         assert_eq!(shared.snapshot().buffered, 1);
@@ -797,11 +802,7 @@ mod tests {
     #[tokio::test]
     async fn a_waiter_dropped_while_queued_leaves_the_buffer() {
         let shared = shared_with_one_slot();
-        let first = shared
-            .admit(request(), None, std::future::pending())
-            .await
-            .unwrap()
-            .lease;
+        let first = take_the_slot(&shared).await;
         let mut waiting = Box::pin(shared.admit(request(), None, std::future::pending()));
         enqueue(&mut waiting).await;
         drop(waiting);
@@ -835,11 +836,7 @@ mod tests {
     #[tokio::test]
     async fn an_abandoned_waiting_request_leaves_the_queue_counted_as_gone() {
         let shared = shared_with_one_slot();
-        let first = shared
-            .admit(request(), None, std::future::pending())
-            .await
-            .unwrap()
-            .lease;
+        let first = take_the_slot(&shared).await;
         let Submitted::Queued(waiting) = shared.submit(request(), None) else {
             panic!("the second request queues");
         };
@@ -859,11 +856,7 @@ mod tests {
     #[tokio::test]
     async fn a_client_gone_while_queued_takes_nothing() {
         let shared = shared_with_one_slot();
-        let first = shared
-            .admit(request(), None, std::future::pending())
-            .await
-            .unwrap()
-            .lease;
+        let first = take_the_slot(&shared).await;
         let gone = shared.admit(request(), None, async {}).await;
         assert_eq!(gone.err(), Some(AdmitError::ClientGone));
         let snap = shared.snapshot();

@@ -42,6 +42,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use flowgate::admission::{renamed, Caller, FlowHeaders, Grant};
 use flowgate::blame::{self, Verdict};
+use flowgate::models::Fallback;
 use flowgate::tokens::TokenEstimate;
 use flowgate::{EndpointId, RequestMeta};
 use http::StatusCode;
@@ -189,17 +190,11 @@ impl Inference {
         ctx: &mut RequestCtx,
         request: RequestMeta,
     ) -> Result<std::result::Result<(), Refusal>> {
-        let client_gone = async {
-            // Resolves when the client closes the connection (or sends bytes
-            // it should not while waiting for its answer).
-            let _ = session.downstream_session.read_body_or_idle(true).await;
-        };
-        let fallback = request
-            .route
-            .model
-            .as_deref()
-            .and_then(|m| ctx.rules.admission.models.fallback(m));
-        let outcome = self.shared.admit(request, fallback, client_gone).await;
+        let fallback = fallback_of(ctx, &request);
+        let outcome = self
+            .shared
+            .admit(request, fallback, client_gone(session))
+            .await;
         self.admitted(ctx, outcome)
     }
 
@@ -213,11 +208,7 @@ impl Inference {
         request: RequestMeta,
         body: &Bytes,
     ) -> Result<std::result::Result<Step, Refusal>> {
-        let fallback = request
-            .route
-            .model
-            .as_deref()
-            .and_then(|m| ctx.rules.admission.models.fallback(m));
+        let fallback = fallback_of(ctx, &request);
         let outcome = match self.shared.submit(request, fallback) {
             Submitted::Done(outcome) => outcome,
             Submitted::Queued(waiting) => match parking::replay(session, body) {
@@ -225,12 +216,7 @@ impl Inference {
                     parking::Parked::park(ctx, self.new_ctx(), waiting, replay);
                     return Ok(Ok(Step::Parked));
                 }
-                None => {
-                    let client_gone = async {
-                        let _ = session.downstream_session.read_body_or_idle(true).await;
-                    };
-                    waiting.wait(client_gone).await
-                }
+                None => waiting.wait(client_gone(session)).await,
             },
         };
         Ok(self.admitted(ctx, outcome)?.map(|()| Step::Proxy))
@@ -455,6 +441,18 @@ impl Inference {
         self.shared.metrics.upstream_retry(reason);
         true
     }
+}
+
+/// The fallback chain of the model `request` asks for, if it has one.
+fn fallback_of<'a>(ctx: &'a RequestCtx, request: &RequestMeta) -> Option<&'a Fallback> {
+    let model = request.route.model.as_deref()?;
+    ctx.rules.admission.models.fallback(model)
+}
+
+/// Resolves when the client closes the connection (or sends bytes it
+/// should not while waiting for its answer).
+async fn client_gone(session: &mut Session) {
+    let _ = session.downstream_session.read_body_or_idle(true).await;
 }
 
 /// Renames the model in the request's kept body to `model` (the engine

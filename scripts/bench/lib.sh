@@ -59,3 +59,10 @@ venv_install() {
     fi
     "$1/bin/python" -c "import $3" 2>/dev/null
 }
+
+# target_dir: where cargo puts its builds (CARGO_TARGET_DIR, a
+# build.target-dir setting, or ./target), asked of cargo itself.
+target_dir() {
+    cargo metadata --format-version 1 --no-deps |
+        python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])'
+}

@@ -6,19 +6,16 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use common::*;
-use envoy_types::pb::envoy::config::core::v3::Metadata;
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    body_mutation, processing_request, processing_response, CommonResponse, HeaderMutation,
-    HttpTrailers, ImmediateResponse, ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
+    body_mutation, processing_request, processing_response, HttpTrailers, ProcessingRequest,
+    ProcessingResponse, ProtocolConfiguration,
 };
-use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value as PbValue};
 use flowgate_integration_tests::envoy::*;
 use serde_json::Value;
 use tokio::sync::mpsc;
@@ -29,7 +26,6 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
-const DESTINATION: &str = "x-gateway-destination-endpoint";
 /// How long a test waits for an answer Envoy would get at once.
 const PROMPTLY: Duration = Duration::from_secs(10);
 
@@ -112,102 +108,6 @@ impl Exchange {
             processing_response::Response::ResponseBody(_)
         ));
     }
-}
-
-fn with_subset(mut m: ProcessingRequest, subset: &[&str]) -> ProcessingRequest {
-    let list = PbValue {
-        kind: Some(Kind::ListValue(ListValue {
-            values: subset
-                .iter()
-                .map(|s| PbValue {
-                    kind: Some(Kind::StringValue(s.to_string())),
-                })
-                .collect(),
-        })),
-    };
-    m.metadata_context = Some(Metadata {
-        filter_metadata: HashMap::from([(
-            "envoy.lb.subset_hint".to_string(),
-            Struct {
-                fields: HashMap::from([(
-                    "x-gateway-destination-endpoint-subset".to_string(),
-                    list,
-                )]),
-            },
-        )]),
-        ..Metadata::default()
-    });
-    m
-}
-
-/// The common part of an answer that carries the destination.
-fn common_of(r: &ProcessingResponse) -> &CommonResponse {
-    match r.response.as_ref() {
-        Some(processing_response::Response::RequestBody(b)) => b.response.as_ref(),
-        Some(processing_response::Response::RequestHeaders(h)) => h.response.as_ref(),
-        other => panic!("expected a destination, got {other:?}"),
-    }
-    .expect("a common response")
-}
-
-/// The destination of an answer: the header and the metadata must agree.
-fn destination(r: &ProcessingResponse) -> SocketAddr {
-    let common = common_of(r);
-    let set = &common
-        .header_mutation
-        .as_ref()
-        .expect("a header mutation")
-        .set_headers;
-    let values: Vec<&[u8]> = set
-        .iter()
-        .filter_map(|h| h.header.as_ref())
-        .filter(|h| h.key == DESTINATION)
-        .map(|h| h.raw_value.as_slice())
-        .collect();
-    assert_eq!(values.len(), 1, "one destination header: {set:?}");
-    let header = std::str::from_utf8(values[0]).unwrap();
-    let lb = match &r
-        .dynamic_metadata
-        .as_ref()
-        .expect("dynamic metadata")
-        .fields["envoy.lb"]
-        .kind
-    {
-        Some(Kind::StructValue(s)) => s,
-        other => panic!("envoy.lb is not a struct: {other:?}"),
-    };
-    let Some(Kind::StringValue(meta)) = &lb.fields[DESTINATION].kind else {
-        panic!("envoy.lb/{DESTINATION} is not a string");
-    };
-    assert_eq!(header, meta, "header and metadata name the same endpoint");
-    assert!(
-        common.clear_route_cache,
-        "Envoy must re-route on the header"
-    );
-    header.parse().expect("ip:port")
-}
-
-/// An immediate response: status, headers, JSON body.
-fn immediate(r: processing_response::Response) -> (u16, HashMap<String, String>, Value) {
-    let processing_response::Response::ImmediateResponse(ImmediateResponse {
-        status,
-        headers,
-        body,
-        ..
-    }) = r
-    else {
-        panic!("expected an immediate response, got {r:?}");
-    };
-    let headers = headers
-        .unwrap_or_default()
-        .set_headers
-        .into_iter()
-        .filter_map(|h| h.header)
-        .map(|h| (h.key, String::from_utf8(h.raw_value).unwrap()))
-        .collect();
-    let body: Value = serde_json::from_slice(&body).expect("a JSON error body");
-    assert!(body["error"]["message"].is_string(), "{body}");
-    (status.unwrap().code as u16, headers, body)
 }
 
 /// Sends the request to where the EPP pointed, as Envoy would.
@@ -672,16 +572,6 @@ async fn with_api_keys_envoy_requests_need_a_key_as_at_the_proxy() {
         .await;
     assert_eq!(destination(&placed), sim.addr);
     x.respond(200, b"{}").await;
-}
-
-/// The set headers of a header mutation, by name.
-fn set_headers(m: Option<&HeaderMutation>) -> HashMap<String, String> {
-    m.map(|m| m.set_headers.clone())
-        .unwrap_or_default()
-        .into_iter()
-        .filter_map(|h| h.header)
-        .map(|h| (h.key, String::from_utf8(h.raw_value).unwrap()))
-        .collect()
 }
 
 /// The model rules hold behind Envoy as at the proxy: an alias reaches an

@@ -4,6 +4,11 @@
 //! Pingora's hooks; each room of the door is its own file:
 //!
 //! - [`body`]: reading the body (and Pingora's replay of it).
+//! - [`context`]: a request's state between the hooks.
+//! - [`retry`]: which failure goes to another endpoint, and whose fault
+//!   it is.
+//! - [`finish`]: the end of a request: settled in the one right order, then
+//!   logged.
 //! - [`local`]: what the port answers itself (health, models, 404/405).
 //! - [`parking`]: where a queued request waits (outside Pingora's request
 //!   future, to keep a waiting request small).
@@ -29,41 +34,42 @@
 mod async_api;
 mod batch_api;
 mod body;
+mod context;
+mod finish;
 mod local;
 pub(crate) mod parking;
 mod request_id;
+mod retry;
 mod routes;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use flowgate::admission::{renamed, Caller, FlowHeaders, Grant};
+use flowgate::admission::{renamed, Caller, FlowHeaders};
 use flowgate::blame::{self, Verdict};
 use flowgate::models::Fallback;
-use flowgate::tokens::TokenEstimate;
-use flowgate::{EndpointId, RequestMeta};
+use flowgate::RequestMeta;
 use http::StatusCode;
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_core::upstreams::peer::Peer;
 use pingora_core::{Error, ErrorSource, ErrorType, Result};
 use pingora_http::ResponseHeader;
 use pingora_proxy::{FailToProxy, ProxyHttp, Session};
-use tracing::{debug, info};
+use tracing::debug;
 
 pub use body::BodyLimits;
+pub use context::RequestCtx;
 pub use request_id::RequestIds;
 pub(crate) use routes::RouteKind;
 
 use crate::asyncq::{self, AsyncQueue};
-use crate::gate::{ActiveRequest, AdmitError, Admitted, FleetGate, LeaseGuard, Submitted};
+use crate::gate::{AdmitError, Admitted, FleetGate, Submitted};
 use crate::limits;
-use crate::observe::meter::ResponseMeter;
-use crate::quotas::{Quotas, Reserved};
+use crate::quotas::Quotas;
 use crate::reply::{Answer, Refusal, REQUEST_ID_HEADER};
-use crate::rules::{DoorRules, LiveRules};
+use crate::rules::LiveRules;
 
 /// Response header: milliseconds the request waited for an endpoint.
 const WAIT_HEADER: &str = "x-flowgate-wait-ms";
@@ -105,79 +111,6 @@ pub(crate) enum Step {
     /// Queued, and waits outside the proxy ([`parking`]): Pingora is told
     /// it was answered, and gets it back when its wait ends.
     Parked,
-}
-
-/// Per-request state.
-pub struct RequestCtx {
-    start: Instant,
-    /// The whole request body when it is longer than Pingora's retry buffer
-    /// (which then holds only its tail), sent by `request_body_filter`.
-    body: Option<Bytes>,
-    lease: Option<LeaseGuard>,
-    upstream: Option<SocketAddr>,
-    waited: Duration,
-    /// Set for requests that count as inference outcomes in metrics.
-    inference: bool,
-    /// Why the balancer answered itself, for metrics and the access log.
-    pub(crate) reason: &'static str,
-    /// The request's `model` field, for the access log.
-    model: String,
-    /// The model it was sent for after the model rules (`None`: any
-    /// endpoint's), told to the client in [`SERVED_MODEL_HEADER`].
-    served_model: Option<Arc<str>>,
-    /// The body was rewritten (its `model`): its length changed.
-    body_rewritten: bool,
-    /// The body's `multipart/form-data` content type, when it is a form.
-    form: Option<String>,
-    /// The fallback model it went to instead of its own, if it did.
-    fallback: Option<Arc<str>>,
-    /// The request asked for a streamed answer.
-    stream: bool,
-    /// Its token estimate, and its prompt text's length (learned from
-    /// against the answer's usage).
-    tokens: TokenEstimate,
-    prompt_bytes: u64,
-    /// The request's flow, for the access log.
-    fairness_id: Option<Arc<str>>,
-    priority: i32,
-    /// What it asked of flow control, kept to ask again on a retry.
-    meta: Option<RequestMeta>,
-    /// Retries done so far.
-    retries: u32,
-    /// The endpoint failed and the request goes to another one.
-    retry_pending: bool,
-    /// A stale pooled connection was retried on a fresh one.
-    stale_retried: bool,
-    /// Status of the upstream response header, once it arrived.
-    upstream_status: Option<u16>,
-    /// An endpoint whose 5xx awaits a second endpoint's answer to the same
-    /// request before it counts against it ([`flowgate::blame`]).
-    suspect: Option<(EndpointId, SocketAddr)>,
-    /// This answer is an engine's refusal of the request, passed on
-    /// uncounted; its body (the first [`MAX_ERROR_BODY`] bytes) is checked
-    /// once it has arrived.
-    rejected: bool,
-    error_body: Vec<u8>,
-    /// `x-request-id`, and whether the client sent it.
-    pub(crate) request_id: String,
-    request_id_given: bool,
-    /// What the request's API key grants, when keys are required.
-    pub(crate) grant: Option<Grant>,
-    /// What its quotas reserved, settled when it ends, and their state for
-    /// the `x-ratelimit-*` headers.
-    quota: Option<Reserved>,
-    rate_headers: Vec<(&'static str, String)>,
-    /// The rules as they were when the request arrived.
-    pub(crate) rules: Arc<DoorRules>,
-    /// Timing and usage of the answer as it passes.
-    meter: ResponseMeter,
-    /// Counts the request as under way until the context is dropped.
-    active: Option<ActiveRequest>,
-    /// This context only carries a parked request to the connection
-    /// (taken by `persist_connection_context`, which gets `&RequestCtx`).
-    parked: std::sync::Mutex<Option<Box<parking::Parked>>>,
-    /// A parked request is back: how its wait ended.
-    resume: Option<std::result::Result<Admitted, AdmitError>>,
 }
 
 impl Inference {
@@ -342,7 +275,8 @@ impl Inference {
             (None, _) => Caller::Anonymous,
         };
         let headers = &session.req_header().headers;
-        let flow_headers = FlowHeaders::read(|name| headers.get(name).map(|v| v.as_bytes()));
+        let flow_headers =
+            FlowHeaders::from_pairs(headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())));
         ctx.form = flow_headers.form().map(str::to_string);
         let facts =
             ctx.rules
@@ -405,42 +339,6 @@ impl Inference {
         self.first_slot(session, ctx, facts.meta, &replay_body)
             .await
     }
-
-    /// Feeds the circuit breaker of the endpoint the request holds.
-    fn record_outcome(&self, ctx: &RequestCtx, ok: bool) {
-        if let Some(lease) = &ctx.lease {
-            self.shared.record_outcome(lease, ok);
-        }
-    }
-
-    /// A suspect 5xx that no second endpoint repeated counts against the
-    /// endpoint that gave it.
-    fn blame_suspect(&self, ctx: &mut RequestCtx) {
-        if let Some((endpoint, addr)) = ctx.suspect.take() {
-            self.shared.record_endpoint_outcome(endpoint, addr, false);
-        }
-    }
-
-    /// After a failed attempt: if the request may go again to another
-    /// endpoint, gives its slot back, counts the retry (`reason` labels the
-    /// metric) and returns `true`; `upstream_peer` then waits for the next
-    /// slot.
-    fn begin_retry(&self, ctx: &mut RequestCtx, reason: &str) -> bool {
-        if ctx.retries >= self.retries {
-            return false;
-        }
-        let Some(meta) = &ctx.meta else { return false };
-        if !self.shared.has_alternative(&meta.route, ctx.upstream) {
-            return false;
-        }
-        ctx.retries += 1;
-        ctx.retry_pending = true;
-        if let Some(lease) = ctx.lease.take() {
-            lease.release();
-        }
-        self.shared.metrics.upstream_retry(reason);
-        true
-    }
 }
 
 /// The fallback chain of the model `request` asks for, if it has one.
@@ -465,58 +363,12 @@ fn rename_body(ctx: &mut RequestCtx, model: &str) {
     }
 }
 
-/// Whether `e` is what a reused upstream connection that the server had
-/// already closed gives: an upstream error before any response byte, of the
-/// kind Pingora marks retryable on reused connections only.
-fn reused_connection_went_stale(e: &Error, before_answer: bool, reused: bool) -> bool {
-    reused
-        && before_answer
-        && e.esource() == &ErrorSource::Upstream
-        && e.retry == pingora_core::RetryType::ReusedOnly
-}
-
 #[async_trait]
 impl ProxyHttp for Inference {
     type CTX = RequestCtx;
 
     fn new_ctx(&self) -> RequestCtx {
-        RequestCtx {
-            start: Instant::now(),
-            body: None,
-            lease: None,
-            upstream: None,
-            waited: Duration::ZERO,
-            inference: false,
-            reason: "",
-            model: String::new(),
-            served_model: None,
-            body_rewritten: false,
-            form: None,
-            fallback: None,
-            stream: false,
-            tokens: TokenEstimate::default(),
-            prompt_bytes: 0,
-            fairness_id: None,
-            priority: 0,
-            meta: None,
-            retries: 0,
-            retry_pending: false,
-            stale_retried: false,
-            upstream_status: None,
-            suspect: None,
-            rejected: false,
-            error_body: Vec::new(),
-            request_id: String::new(),
-            request_id_given: false,
-            grant: None,
-            quota: None,
-            rate_headers: Vec::new(),
-            rules: self.rules.get(),
-            meter: ResponseMeter::default(),
-            active: None,
-            parked: std::sync::Mutex::new(None),
-            resume: None,
-        }
+        RequestCtx::new(self.rules.get())
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
@@ -705,7 +557,9 @@ impl ProxyHttp for Inference {
         // An upstream failure before any response header: the endpoint
         // failed; after it, the client already has part of the answer.
         let before_answer = ctx.upstream_status.is_none() && session.response_written().is_none();
-        if reused_connection_went_stale(&e, before_answer, upstream_reused) && !ctx.stale_retried {
+        if retry::reused_connection_went_stale(&e, before_answer, upstream_reused)
+            && !ctx.stale_retried
+        {
             // A pooled connection the server had already closed (its
             // keep-alive ran out: llama-server's after 5 s idle). Not the
             // endpoint's failure: once more on a fresh connection to the
@@ -747,16 +601,15 @@ impl ProxyHttp for Inference {
         for (name, value) in &ctx.rate_headers {
             upstream_response.insert_header(*name, value.as_str())?;
         }
+        // A name the header cannot carry is left out, not an error.
         let served = match (&ctx.served_model, &ctx.lease) {
-            (Some(m), _) => Some(m.to_string()),
-            (None, Some(lease)) => self.shared.served_model(lease.endpoint()),
+            (Some(m), _) => http::HeaderValue::from_str(m).ok(),
+            (None, Some(lease)) => (self.shared.served_model(lease.endpoint()))
+                .and_then(|m| http::HeaderValue::try_from(m).ok()),
             (None, None) => None,
         };
         if let Some(served) = served {
-            // A name the header cannot carry is left out, not an error.
-            if let Ok(v) = http::HeaderValue::from_str(&served) {
-                upstream_response.insert_header(SERVED_MODEL_HEADER, v)?;
-            }
+            upstream_response.insert_header(SERVED_MODEL_HEADER, served)?;
         }
         Ok(())
     }
@@ -872,105 +725,6 @@ impl ProxyHttp for Inference {
     }
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
-        if ctx
-            .parked
-            .get_mut()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
-        {
-            // Not over: it waits outside the proxy and comes back.
-            return;
-        }
-        limits::request_done(session);
-        // A retry that never got an answer cannot clear its suspect.
-        self.blame_suspect(ctx);
-        if ctx.rejected && e.is_none() && !blame::is_engine_error(&ctx.error_body) {
-            // JSON, but not an engine's error object: the endpoint's.
-            self.record_outcome(ctx, false);
-        }
-        let usage = ctx.meter.usage();
-        // What the answer spent (a stream cut short: what was sent).
-        let spent = ctx
-            .meter
-            .spent(usage, ctx.tokens.prompt, ctx.upstream_status);
-        // Accounted before the slot is given back: once a request no longer
-        // counts in flight, its usage and quotas are up to date.
-        if let (Some(tenant), Some(spent), Some(_)) = (&ctx.fairness_id, spent, ctx.upstream_status)
-        {
-            let key = ctx.grant.as_ref().map(|g| &g.key_id);
-            self.shared.record_usage(tenant, key, spent);
-        }
-        if let Some(reserved) = ctx.quota.take() {
-            // Served: its quotas count what it spent (the estimate when the
-            // answer does not say); never served: it leaves their windows.
-            let used = ctx
-                .upstream_status
-                .map(|_| spent.unwrap_or(ctx.tokens.as_used()));
-            reserved.settle(used);
-        }
-        if let Some(mut lease) = ctx.lease.take() {
-            // Its flow's token-fair charge becomes what was spent.
-            if let Some(spent) = spent {
-                lease.settle(spent.total());
-            }
-            // The client left before its answer ended: the engine may still
-            // be working on it, so its slot is not free yet.
-            let client_left = e.is_some_and(|e| e.esource() == &ErrorSource::Downstream);
-            if client_left {
-                lease.orphan(ctx.stream || ctx.meter.streaming);
-            } else {
-                lease.release();
-            }
-        }
-        let status = session
-            .response_written()
-            .map(|h| h.status.as_u16())
-            .unwrap_or(if ctx.reason == "client-gone" || e.is_some() {
-                499
-            } else {
-                0
-            });
-        let reason = if ctx.reason.is_empty() && e.is_some() {
-            "client-gone"
-        } else {
-            ctx.reason
-        };
-        let ttft = ctx.meter.time_to_first_token(ctx.start);
-        if ctx.inference {
-            self.shared.metrics.record_outcome(status, reason);
-            if ctx.upstream_status.is_some_and(|s| s < 400) {
-                if let (Some(u), Some(model)) = (usage, ctx.served_model.as_deref()) {
-                    self.shared.learn_tokens(model, ctx.prompt_bytes, u.prompt);
-                }
-                let tpot = ctx.meter.time_per_output_token(usage);
-                let model = self
-                    .shared
-                    .model_label(ctx.served_model.as_deref().unwrap_or(&ctx.model));
-                self.shared.metrics.answer(model, ttft, tpot, usage);
-            }
-        }
-        info!(
-            target: "access",
-            request_id = ctx.request_id.as_str(),
-            method = %session.req_header().method,
-            path = session.req_header().uri.path(),
-            model = ctx.model.as_str(),
-            served_model = ctx.served_model.as_deref().unwrap_or(""),
-            fallback = ctx.fallback.as_deref().unwrap_or(""),
-            fairness_id = ctx.fairness_id.as_deref().unwrap_or(""),
-            priority = ctx.priority,
-            status,
-            reason,
-            upstream = ctx.upstream.map(|a| a.to_string()).unwrap_or_default(),
-            retries = ctx.retries,
-            wait_ms = ctx.waited.as_millis() as u64,
-            ttft_ms = ttft.map(|t| t.as_millis() as u64),
-            estimated_prompt_tokens = ctx.tokens.prompt,
-            estimated_output_tokens = ctx.tokens.output,
-            prompt_tokens = usage.map(|u| u.prompt),
-            completion_tokens = usage.map(|u| u.completion),
-            duration_ms = ctx.start.elapsed().as_millis() as u64,
-            error = e.map(|e| e.to_string()).unwrap_or_default(),
-        );
+        self.finish(session, e, ctx);
     }
 }

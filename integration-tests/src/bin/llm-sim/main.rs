@@ -25,7 +25,9 @@
 //! serves N independent simulated servers on N ports, and `--report-to`
 //! reports each of them to a balancer as its agent would.
 
+mod answer;
 mod engine;
+mod report;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -46,7 +48,9 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
 
+use crate::answer::{final_body, pause, stream_response};
 use crate::engine::{Engine, EngineConfig, Running};
+use crate::report::report_loop;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type Body = http_body_util::combinators::BoxBody<Bytes, BoxError>;
@@ -534,9 +538,16 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
         );
     }
 
+    // The prompt as the balancer reads it (its hash is the prefix cache's key).
+    let prompt_json = |name| {
+        use serde::Deserialize;
+        let v = parsed.get(name)?;
+        flowgate::openai::PromptJson::deserialize(v).ok()
+    };
+    let (messages, prompt) = (prompt_json("messages"), prompt_json("prompt"));
     let fields = flowgate::openai::PromptFields {
-        messages: parsed.get("messages"),
-        prompt: parsed.get("prompt"),
+        messages: messages.as_ref(),
+        prompt: prompt.as_ref(),
         ..Default::default()
     };
     let prompt = flowgate::openai::prompt_text(&fields, usize::MAX);
@@ -646,124 +657,6 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn text(tokens: u32) -> String {
-    (0..tokens).map(|i| format!("tok{i} ")).collect()
-}
-
-fn final_body(path: &str, id: u64, model: &str, tokens: u32) -> serde_json::Value {
-    let usage =
-        json!({"prompt_tokens": 10, "completion_tokens": tokens, "total_tokens": 10 + tokens});
-    match path {
-        "/v1/chat/completions" => json!({
-            "id": format!("chatcmpl-sim-{id}"), "object": "chat.completion", "created": 0, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text(tokens)}, "finish_reason": "length"}],
-            "usage": usage,
-        }),
-        "/v1/embeddings" => json!({
-            "object": "list", "model": model,
-            "data": [{"object": "embedding", "index": 0, "embedding": [0.1, -0.2, 0.3, 0.0]}],
-            "usage": {"prompt_tokens": 10, "total_tokens": 10},
-        }),
-        "/completion" => {
-            json!({"content": text(tokens), "tokens_predicted": tokens, "stop": true, "model": model})
-        }
-        _ => json!({
-            "id": format!("cmpl-sim-{id}"), "object": "text_completion", "created": 0, "model": model,
-            "choices": [{"index": 0, "text": text(tokens), "finish_reason": "length"}],
-            "usage": usage,
-        }),
-    }
-}
-
-fn chunk(path: &str, id: u64, model: &str, i: u32) -> String {
-    let v = match path {
-        "/v1/chat/completions" => json!({
-            "id": format!("chatcmpl-sim-{id}"), "object": "chat.completion.chunk", "created": 0, "model": model,
-            "choices": [{"index": 0, "delta": {"content": format!("tok{i} ")}, "finish_reason": null}],
-        }),
-        "/completion" => json!({"content": format!("tok{i} "), "stop": false}),
-        _ => json!({
-            "id": format!("cmpl-sim-{id}"), "object": "text_completion", "created": 0, "model": model,
-            "choices": [{"index": 0, "text": format!("tok{i} "), "finish_reason": null}],
-        }),
-    };
-    format!("data: {v}\n\n")
-}
-
-/// Sleeps for `d`; a zero delay returns at once (tokio's timer would round
-/// it up to its next millisecond tick).
-async fn pause(d: Duration) {
-    if !d.is_zero() {
-        tokio::time::sleep(d).await;
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn stream_response(
-    sim: Arc<Sim>,
-    processing: Processing,
-    path: String,
-    id: u64,
-    model: String,
-    tokens: u32,
-    ttft: Duration,
-    tpot: Duration,
-    fault: Option<Fault>,
-    // Prompt tokens, when the client asked for a final usage chunk.
-    usage: Option<u64>,
-) -> Response<Body> {
-    let tpot = if fault == Some(Fault::SlowStream) {
-        tpot.max(Duration::from_millis(200))
-    } else {
-        tpot
-    };
-    // State: (next token index, slot guard). The guard lives as long as the
-    // body: a client that goes away drops it and frees the slot.
-    let frames = futures_util::stream::unfold((0u32, Some(processing)), move |(i, guard)| {
-        let sim = Arc::clone(&sim);
-        let path = path.clone();
-        let model = model.clone();
-        let fault = fault.clone();
-        async move {
-            let guard = guard?;
-            if i > tokens {
-                return None;
-            }
-            if i == tokens {
-                sim.tokens_total
-                    .fetch_add(u64::from(tokens), Ordering::Relaxed);
-                drop(guard);
-                let mut last = String::new();
-                if let Some(prompt_tokens) = usage {
-                    let chunk = json!({
-                        "id": format!("chatcmpl-sim-{id}"), "object": "chat.completion.chunk",
-                        "created": 0, "model": model, "choices": [],
-                        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens,
-                            "total_tokens": prompt_tokens + u64::from(tokens)},
-                    });
-                    last = format!("data: {chunk}\n\n");
-                }
-                last.push_str("data: [DONE]\n\n");
-                let done: Result<Frame<Bytes>, BoxError> = Ok(Frame::data(Bytes::from(last)));
-                return Some((done, (i + 1, None)));
-            }
-            pause(if i == 0 { ttft } else { sim.engine.tpot(tpot) }).await;
-            if fault == Some(Fault::DropMidStream) && i == tokens / 2 {
-                let err: BoxError = "simulated connection drop".into();
-                return Some((Err(err), (tokens + 1, None)));
-            }
-            let frame = Ok(Frame::data(Bytes::from(chunk(&path, id, &model, i))));
-            Some((frame, (i + 1, Some(guard))))
-        }
-    });
-    let mut r = Response::new(BodyExt::boxed(StreamBody::new(frames)));
-    r.headers_mut().insert(
-        "content-type",
-        HeaderValue::from_static("text/event-stream"),
-    );
-    r
-}
-
 fn main() {
     let cli = Cli::parse();
     let runtime = if cli.threads <= 1 {
@@ -854,52 +747,6 @@ async fn accept_loop(listener: TcpListener, sim: Arc<Sim>) {
                 .serve_connection(TokioIo::new(stream), svc)
                 .await;
         });
-    }
-}
-
-/// Reports each server to the balancer as an agent beside it would, one
-/// report per server per interval, spread over the interval.
-async fn report_loop(base: String, cli: Cli, sims: Vec<(SocketAddr, Arc<Sim>)>) {
-    let client = reqwest::Client::new();
-    let interval = Duration::from_millis(cli.report_interval_ms);
-    let gap = interval / sims.len().max(1) as u32;
-    let mut failing = false;
-    loop {
-        for (addr, sim) in &sims {
-            let agent_id = format!("llm-sim-{}", addr.port());
-            let report = flowgate::AgentReport {
-                protocol_version: flowgate::PROTOCOL_VERSION,
-                agent_id: agent_id.clone(),
-                name: agent_id.clone(),
-                backend: flowgate::BackendKind::Llamacpp,
-                external_addr: addr.to_string(),
-                models: vec![cli.model.clone()],
-                health: flowgate::BackendHealth::Ready,
-                slots_total: cli.slots,
-                slots_busy: u32::try_from(sim.processing.load(Ordering::Relaxed))
-                    .unwrap_or(u32::MAX),
-                requests_waiting: u32::try_from(sim.deferred.load(Ordering::Relaxed))
-                    .unwrap_or(u32::MAX),
-                kv_cache_usage: None,
-                kv_capacity_tokens: (cli.kv_capacity_tokens > 0).then_some(cli.kv_capacity_tokens),
-                monitoring_interval_ms: cli.report_interval_ms,
-                draining: false,
-                last_error: None,
-            };
-            let mut req = client
-                .post(format!("{base}/api/v1/agents/{agent_id}/report"))
-                .timeout(interval)
-                .json(&report);
-            if let Some(token) = &cli.management_token {
-                req = req.bearer_auth(token);
-            }
-            let ok = matches!(req.send().await, Ok(r) if r.status().is_success());
-            if !ok && !failing {
-                eprintln!("llm-sim: reporting {addr} to {base} failed (will keep trying)");
-            }
-            failing = !ok;
-            tokio::time::sleep(gap).await;
-        }
     }
 }
 

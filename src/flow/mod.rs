@@ -43,124 +43,21 @@
 //! [`Reject::BufferFull`]: crate::Reject::BufferFull
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
-use std::fmt;
 use std::sync::Arc;
 use std::time::Instant;
 
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
-/// Fairness id of requests that name none.
-pub const DEFAULT_FAIRNESS_ID: &str = "default";
-/// Longest accepted fairness id, in bytes.
-pub const MAX_FAIRNESS_ID_LEN: usize = 128;
+mod capacity;
+mod policy;
+mod token_fair;
 
-/// Identifies a flow: who sent the request and how urgent it is.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct FlowKey {
-    pub fairness_id: Arc<str>,
-    pub priority: i32,
-}
-
-impl FlowKey {
-    pub fn new(fairness_id: impl Into<Arc<str>>, priority: i32) -> Self {
-        FlowKey {
-            fairness_id: fairness_id.into(),
-            priority,
-        }
-    }
-}
-
-/// Whether `id` may be used as a fairness id: 1..=128 visible ASCII bytes.
-pub fn valid_fairness_id(id: &str) -> bool {
-    !id.is_empty() && id.len() <= MAX_FAIRNESS_ID_LEN && id.bytes().all(|b| b.is_ascii_graphic())
-}
-
-/// How a band shares dispatch turns between its flows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum FairnessPolicy {
-    /// One order across all flows of the band (GIE's default).
-    #[serde(rename = "global-strict", alias = "global-strict-fairness-policy")]
-    GlobalStrict,
-    /// Flows with queued work take turns, one request each.
-    #[serde(rename = "round-robin", alias = "round-robin-fairness-policy")]
-    RoundRobin,
-    /// The flow served the fewest weighted tokens goes next.
-    #[serde(rename = "token-fair", alias = "vtc")]
-    TokenFair,
-}
-
-/// How a flow orders its own requests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum OrderingPolicy {
-    /// First come, first served.
-    #[serde(rename = "fcfs", alias = "fcfs-ordering-policy")]
-    Fcfs,
-    /// Earliest deadline first.
-    #[serde(rename = "edf", alias = "edf-ordering-policy")]
-    Edf,
-}
-
-/// Limits and policies of one priority band.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BandConfig {
-    /// Most requests the band may hold; `None`: only the global limit.
-    pub max_requests: Option<usize>,
-    /// Most body bytes the band may hold; `None`: only the global limit.
-    pub max_bytes: Option<u64>,
-    /// Most estimated tokens the band may hold; `None`: only the global
-    /// limit.
-    pub max_tokens: Option<u64>,
-    pub fairness: FairnessPolicy,
-    pub ordering: OrderingPolicy,
-}
-
-impl Default for BandConfig {
-    fn default() -> Self {
-        BandConfig {
-            max_requests: None,
-            max_bytes: None,
-            max_tokens: None,
-            fairness: FairnessPolicy::TokenFair,
-            ordering: OrderingPolicy::Fcfs,
-        }
-    }
-}
-
-/// Flow control settings.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FlowControlConfig {
-    /// Most requests that may wait in all bands; 0 disables buffering.
-    pub max_requests: usize,
-    /// Most body bytes that may wait in all bands.
-    pub max_bytes: u64,
-    /// Most estimated tokens that may wait in all bands; `None`: no limit.
-    pub max_tokens: Option<u64>,
-    /// Bands with their own limits or policies, by priority.
-    pub bands: BTreeMap<i32, BandConfig>,
-    /// Policies of any priority not listed in `bands` (no band limits).
-    pub default_band: BandConfig,
-}
-
-impl Default for FlowControlConfig {
-    fn default() -> Self {
-        FlowControlConfig {
-            max_requests: 30,
-            max_bytes: 256 << 20,
-            max_tokens: None,
-            bands: BTreeMap::new(),
-            default_band: BandConfig::default(),
-        }
-    }
-}
-
-impl FlowControlConfig {
-    pub fn band(&self, priority: i32) -> BandConfig {
-        self.bands
-            .get(&priority)
-            .copied()
-            .unwrap_or(self.default_band)
-    }
-}
+pub use policy::{
+    valid_fairness_id, BandConfig, FairnessPolicy, FlowControlConfig, FlowKey, OrderingPolicy,
+    DEFAULT_FAIRNESS_ID, MAX_FAIRNESS_ID_LEN,
+};
+use token_fair::{virtual_tokens, MAX_IDLE_COUNTERS};
+pub use token_fair::{Charge, MAX_WEIGHT};
 
 /// Why a request could not be queued.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -228,30 +125,6 @@ struct Item<T> {
     weight: u32,
     enqueued_at: Instant,
     deadline: Instant,
-}
-
-/// What a request dispatched from the queues was charged, to settle once
-/// its answer ended ([`FlowQueues::settle`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Charge {
-    pub flow: FlowKey,
-    pub lane: Lane,
-    pub weight: u32,
-    /// Its estimated tokens.
-    pub tokens: u64,
-}
-
-/// Largest fairness weight: a flow's share against a weight-1 flow.
-pub const MAX_WEIGHT: u32 = 1000;
-/// Virtual units per token served at weight 1 (so small weights divide
-/// without losing a token to rounding).
-const VIRTUAL_SCALE: u64 = 1000;
-/// Idle flows whose token-fair counters a band remembers at most.
-const MAX_IDLE_COUNTERS: usize = 65_536;
-
-/// `tokens` served at `weight`, in virtual units.
-fn virtual_tokens(tokens: u64, weight: u32) -> u64 {
-    tokens.saturating_mul(VIRTUAL_SCALE) / u64::from(weight.max(1))
 }
 
 /// The flow a request joins (its key and lane), and the weight it is
@@ -660,52 +533,6 @@ impl<T> FlowQueues<T> {
         Some(removed)
     }
 
-    /// Settles a token-fair flow's counter once its request's answer ended:
-    /// it was charged as `charge` says at dispatch and used `actual`
-    /// tokens. Flows of other policies, and flows forgotten meanwhile (idle
-    /// at or below the floor), are left alone.
-    pub fn settle(&mut self, charge: &Charge, actual: u64) {
-        let Charge {
-            flow: key,
-            lane,
-            weight,
-            tokens: estimated,
-        } = charge;
-        let (weight, estimated) = (*weight, *estimated);
-        let Some(band) = self.bands.get_mut(&key.priority) else {
-            return;
-        };
-        let Turns::Ordered {
-            heads,
-            by_tokens: true,
-            idle,
-            ..
-        } = &mut band.turns
-        else {
-            return;
-        };
-        let weight = weight.clamp(1, MAX_WEIGHT);
-        let settle = |served: u64| {
-            served
-                .saturating_sub(virtual_tokens(estimated, weight))
-                .saturating_add(virtual_tokens(actual, weight))
-        };
-        let index_key = (key.clone(), lane.clone());
-        if let Some(&idx) = self.flow_index.get(&index_key) {
-            let flow = self.flows[idx.0 as usize]
-                .as_mut()
-                .expect("indexed flow exists");
-            let settled = settle(flow.served);
-            if let Some(&head) = flow.items.keys().next() {
-                heads.remove(&(flow.served, head, idx));
-                heads.insert((settled, head, idx));
-            }
-            flow.served = settled;
-        } else if let Some(served) = idle.get_mut(&index_key) {
-            *served = settle(*served);
-        }
-    }
-
     /// Removes a request (its client left); `None` if it is not queued.
     pub fn cancel(&mut self, ticket: Ticket) -> Option<Removed<T>> {
         let removed = self.take(ticket)?;
@@ -899,70 +726,6 @@ impl<T> FlowQueues<T> {
             self.bands.remove(&priority);
         }
     }
-
-    /// Makes room for a request of `priority` and `size` under the global
-    /// limits, evicting work of strictly lower priority when that suffices.
-    /// `None` (and nothing evicted) when it cannot.
-    fn make_room(&mut self, priority: i32, size: Size) -> Option<Vec<Removed<T>>> {
-        let Size { bytes, tokens } = size;
-        let max_requests = self.config.max_requests;
-        let max_bytes = self.config.max_bytes;
-        let max_tokens = self.config.max_tokens.unwrap_or(u64::MAX);
-        if max_requests == 0 || bytes > max_bytes || tokens > max_tokens {
-            return None;
-        }
-        let excess_requests = (self.requests + 1).saturating_sub(max_requests);
-        let excess_bytes = (self.bytes + bytes).saturating_sub(max_bytes);
-        let excess_tokens = self
-            .tokens
-            .saturating_add(tokens)
-            .saturating_sub(max_tokens);
-        if excess_requests == 0 && excess_bytes == 0 && excess_tokens == 0 {
-            return Some(Vec::new());
-        }
-        let (lower_requests, lower_bytes, lower_tokens) = self
-            .bands
-            .range(..priority)
-            .fold((0, 0, 0), |(r, b, t), (_, band)| {
-                (r + band.requests, b + band.bytes, t + band.tokens)
-            });
-        if lower_requests < excess_requests
-            || lower_bytes < excess_bytes
-            || lower_tokens < excess_tokens
-        {
-            return None;
-        }
-        let mut evicted = Vec::new();
-        while self.requests + 1 > max_requests
-            || self.bytes + bytes > max_bytes
-            || self.tokens.saturating_add(tokens) > max_tokens
-        {
-            let victim = self.eviction_victim(priority)?;
-            evicted.push(self.cancel(victim).expect("victim is queued"));
-        }
-        Some(evicted)
-    }
-
-    /// The newest request (last in its flow's order) of the largest flow of
-    /// the lowest band below `priority`.
-    fn eviction_victim(&self, priority: i32) -> Option<Ticket> {
-        let (&lowest, _) = self
-            .bands
-            .range(..priority)
-            .find(|(_, band)| band.requests > 0)?;
-        let (idx, flow) = self
-            .flows
-            .iter()
-            .enumerate()
-            .filter_map(|(i, f)| Some((i, f.as_ref()?)))
-            .filter(|(_, f)| f.key.priority == lowest && !f.items.is_empty())
-            .max_by_key(|(i, f)| (f.items.len(), std::cmp::Reverse(*i)))?;
-        let (&key, _) = flow.items.last_key_value()?;
-        Some(Ticket {
-            flow: FlowIdx(u32::try_from(idx).expect("under 2^32 flows")),
-            key,
-        })
-    }
 }
 
 /// The head of flow `idx` if `token` is its live ring entry.
@@ -972,23 +735,4 @@ fn live_head<T>(flows: &[Option<Flow<T>>], idx: FlowIdx, token: u64) -> Option<O
         return None;
     }
     flow.items.keys().next().copied()
-}
-
-impl fmt::Display for FairnessPolicy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            FairnessPolicy::GlobalStrict => "global-strict",
-            FairnessPolicy::RoundRobin => "round-robin",
-            FairnessPolicy::TokenFair => "token-fair",
-        })
-    }
-}
-
-impl fmt::Display for OrderingPolicy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            OrderingPolicy::Fcfs => "fcfs",
-            OrderingPolicy::Edf => "edf",
-        })
-    }
 }

@@ -1,0 +1,132 @@
+//! A request's state as it passes the proxy's hooks.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use flowgate::admission::Grant;
+use flowgate::tokens::TokenEstimate;
+use flowgate::{EndpointId, RequestMeta};
+
+use super::parking;
+use crate::gate::{ActiveRequest, AdmitError, Admitted, LeaseGuard};
+use crate::observe::meter::ResponseMeter;
+use crate::quotas::Reserved;
+use crate::rules::DoorRules;
+
+/// Per-request state.
+pub struct RequestCtx {
+    pub(super) start: Instant,
+    /// The whole request body when it is longer than Pingora's retry buffer
+    /// (which then holds only its tail), sent by `request_body_filter`.
+    pub(super) body: Option<Bytes>,
+    pub(super) lease: Option<LeaseGuard>,
+    pub(super) upstream: Option<SocketAddr>,
+    pub(super) waited: Duration,
+    /// Set for requests that count as inference outcomes in metrics.
+    pub(super) inference: bool,
+    /// Why the balancer answered itself, for metrics and the access log.
+    pub(crate) reason: &'static str,
+    /// The request's `model` field, for the access log.
+    pub(super) model: String,
+    /// The model it was sent for after the model rules (`None`: any
+    /// endpoint's), told to the client in [`super::SERVED_MODEL_HEADER`].
+    pub(super) served_model: Option<Arc<str>>,
+    /// The body was rewritten (its `model`): its length changed.
+    pub(super) body_rewritten: bool,
+    /// The body's `multipart/form-data` content type, when it is a form.
+    pub(super) form: Option<String>,
+    /// The fallback model it went to instead of its own, if it did.
+    pub(super) fallback: Option<Arc<str>>,
+    /// The request asked for a streamed answer.
+    pub(super) stream: bool,
+    /// Its token estimate, and its prompt text's length (learned from
+    /// against the answer's usage).
+    pub(super) tokens: TokenEstimate,
+    pub(super) prompt_bytes: u64,
+    /// The request's flow, for the access log.
+    pub(super) fairness_id: Option<Arc<str>>,
+    pub(super) priority: i32,
+    /// What it asked of flow control, kept to ask again on a retry.
+    pub(super) meta: Option<RequestMeta>,
+    /// Retries done so far.
+    pub(super) retries: u32,
+    /// The endpoint failed and the request goes to another one.
+    pub(super) retry_pending: bool,
+    /// A stale pooled connection was retried on a fresh one.
+    pub(super) stale_retried: bool,
+    /// Status of the upstream response header, once it arrived.
+    pub(super) upstream_status: Option<u16>,
+    /// An endpoint whose 5xx awaits a second endpoint's answer to the same
+    /// request before it counts against it ([`flowgate::blame`]).
+    pub(super) suspect: Option<(EndpointId, SocketAddr)>,
+    /// This answer is an engine's refusal of the request, passed on
+    /// uncounted; its body (the first [`super::MAX_ERROR_BODY`] bytes) is checked
+    /// once it has arrived.
+    pub(super) rejected: bool,
+    pub(super) error_body: Vec<u8>,
+    /// `x-request-id`, and whether the client sent it.
+    pub(crate) request_id: String,
+    pub(super) request_id_given: bool,
+    /// What the request's API key grants, when keys are required.
+    pub(crate) grant: Option<Grant>,
+    /// What its quotas reserved, settled when it ends, and their state for
+    /// the `x-ratelimit-*` headers.
+    pub(super) quota: Option<Reserved>,
+    pub(super) rate_headers: Vec<(&'static str, String)>,
+    /// The rules as they were when the request arrived.
+    pub(crate) rules: Arc<DoorRules>,
+    /// Timing and usage of the answer as it passes.
+    pub(super) meter: ResponseMeter,
+    /// Counts the request as under way until the context is dropped.
+    pub(super) active: Option<ActiveRequest>,
+    /// This context only carries a parked request to the connection
+    /// (taken by `persist_connection_context`, which gets `&RequestCtx`).
+    pub(super) parked: std::sync::Mutex<Option<Box<parking::Parked>>>,
+    /// A parked request is back: how its wait ended.
+    pub(super) resume: Option<std::result::Result<Admitted, AdmitError>>,
+}
+
+impl RequestCtx {
+    /// A new request's context under `rules` (the rules as it arrives).
+    pub(super) fn new(rules: Arc<DoorRules>) -> RequestCtx {
+        RequestCtx {
+            start: Instant::now(),
+            body: None,
+            lease: None,
+            upstream: None,
+            waited: Duration::ZERO,
+            inference: false,
+            reason: "",
+            model: String::new(),
+            served_model: None,
+            body_rewritten: false,
+            form: None,
+            fallback: None,
+            stream: false,
+            tokens: TokenEstimate::default(),
+            prompt_bytes: 0,
+            fairness_id: None,
+            priority: 0,
+            meta: None,
+            retries: 0,
+            retry_pending: false,
+            stale_retried: false,
+            upstream_status: None,
+            suspect: None,
+            rejected: false,
+            error_body: Vec::new(),
+            request_id: String::new(),
+            request_id_given: false,
+            grant: None,
+            quota: None,
+            rate_headers: Vec::new(),
+            rules,
+            meter: ResponseMeter::default(),
+            active: None,
+            parked: std::sync::Mutex::new(None),
+            resume: None,
+        }
+    }
+}

@@ -1,0 +1,119 @@
+//! The end of a request: what it spent is settled in the one right order
+//! (usage accounting, then its quotas, then its flow's token-fair charge,
+//! then its slot released or orphaned), its outcome counted, and its access
+//! log line written.
+
+use flowgate::blame;
+use pingora_core::{Error, ErrorSource};
+use pingora_proxy::Session;
+use tracing::info;
+
+use super::{Inference, RequestCtx};
+use crate::limits;
+
+impl Inference {
+    /// A request is over (Pingora's `logging` hook): settles what it
+    /// spent and logs it.
+    pub(super) fn finish(&self, session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
+        if ctx
+            .parked
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+        {
+            // Not over: it waits outside the proxy and comes back.
+            return;
+        }
+        limits::request_done(session);
+        // A retry that never got an answer cannot clear its suspect.
+        self.blame_suspect(ctx);
+        if ctx.rejected && e.is_none() && !blame::is_engine_error(&ctx.error_body) {
+            // JSON, but not an engine's error object: the endpoint's.
+            self.record_outcome(ctx, false);
+        }
+        let usage = ctx.meter.usage();
+        // What the answer spent (a stream cut short: what was sent).
+        let spent = ctx
+            .meter
+            .spent(usage, ctx.tokens.prompt, ctx.upstream_status);
+        // Accounted before the slot is given back: once a request no longer
+        // counts in flight, its usage and quotas are up to date.
+        if let (Some(tenant), Some(spent), Some(_)) = (&ctx.fairness_id, spent, ctx.upstream_status)
+        {
+            let key = ctx.grant.as_ref().map(|g| &g.key_id);
+            self.shared.record_usage(tenant, key, spent);
+        }
+        if let Some(reserved) = ctx.quota.take() {
+            // Served: its quotas count what it spent (the estimate when the
+            // answer does not say); never served: it leaves their windows.
+            let used = ctx
+                .upstream_status
+                .map(|_| spent.unwrap_or(ctx.tokens.as_used()));
+            reserved.settle(used);
+        }
+        if let Some(mut lease) = ctx.lease.take() {
+            // Its flow's token-fair charge becomes what was spent.
+            if let Some(spent) = spent {
+                lease.settle(spent.total());
+            }
+            // The client left before its answer ended: the engine may still
+            // be working on it, so its slot is not free yet.
+            let client_left = e.is_some_and(|e| e.esource() == &ErrorSource::Downstream);
+            if client_left {
+                lease.orphan(ctx.stream || ctx.meter.streaming);
+            } else {
+                lease.release();
+            }
+        }
+        let status = session
+            .response_written()
+            .map(|h| h.status.as_u16())
+            .unwrap_or(if ctx.reason == "client-gone" || e.is_some() {
+                499
+            } else {
+                0
+            });
+        let reason = if ctx.reason.is_empty() && e.is_some() {
+            "client-gone"
+        } else {
+            ctx.reason
+        };
+        let ttft = ctx.meter.time_to_first_token(ctx.start);
+        if ctx.inference {
+            self.shared.metrics.record_outcome(status, reason);
+            if ctx.upstream_status.is_some_and(|s| s < 400) {
+                if let (Some(u), Some(model)) = (usage, ctx.served_model.as_deref()) {
+                    self.shared.learn_tokens(model, ctx.prompt_bytes, u.prompt);
+                }
+                let tpot = ctx.meter.time_per_output_token(usage);
+                let model = self
+                    .shared
+                    .model_label(ctx.served_model.as_deref().unwrap_or(&ctx.model));
+                self.shared.metrics.answer(model, ttft, tpot, usage);
+            }
+        }
+        info!(
+            target: "access",
+            request_id = ctx.request_id.as_str(),
+            method = %session.req_header().method,
+            path = session.req_header().uri.path(),
+            model = ctx.model.as_str(),
+            served_model = ctx.served_model.as_deref().unwrap_or(""),
+            fallback = ctx.fallback.as_deref().unwrap_or(""),
+            fairness_id = ctx.fairness_id.as_deref().unwrap_or(""),
+            priority = ctx.priority,
+            status,
+            reason,
+            upstream = ctx.upstream.map(|a| a.to_string()).unwrap_or_default(),
+            retries = ctx.retries,
+            wait_ms = ctx.waited.as_millis() as u64,
+            ttft_ms = ttft.map(|t| t.as_millis() as u64),
+            estimated_prompt_tokens = ctx.tokens.prompt,
+            estimated_output_tokens = ctx.tokens.output,
+            prompt_tokens = usage.map(|u| u.prompt),
+            completion_tokens = usage.map(|u| u.completion),
+            duration_ms = ctx.start.elapsed().as_millis() as u64,
+            error = e.map(|e| e.to_string()).unwrap_or_default(),
+        );
+    }
+}

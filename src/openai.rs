@@ -1,8 +1,173 @@
 //! OpenAI-compatible request and error bodies: the prompt text of a
 //! request, and `{"error":{"message","type","code"}}`.
 
+use std::borrow::Cow;
+use std::fmt;
+
+use serde::de::{self, Deserialize, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Serialize;
-use serde_json::Value;
+
+/// A JSON value as the prompt walk sees it, borrowed from the body where it
+/// can be: a string (borrowed unless it has escapes), a list, `true`, and of
+/// an object only the keys the walk reads (`role`, `content`, `text`);
+/// anything else is [`PromptJson::Other`]. Reading a request into these
+/// instead of `serde_json::Value`s builds no maps and copies no plain
+/// string: it is done once per request, on the request path.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub enum PromptJson<'a> {
+    Str(Cow<'a, str>),
+    List(Vec<PromptJson<'a>>),
+    Object(Box<PromptObject<'a>>),
+    True,
+    #[default]
+    Other,
+}
+
+/// The keys of a JSON object the prompt walk reads (the last of a
+/// repeated key, as `serde_json::Value` keeps it).
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct PromptObject<'a> {
+    pub role: Option<PromptJson<'a>>,
+    pub content: Option<PromptJson<'a>>,
+    pub text: Option<PromptJson<'a>>,
+}
+
+impl<'a> PromptJson<'a> {
+    /// The same value, owning its strings.
+    pub fn into_owned(self) -> PromptJson<'static> {
+        let owned = |v: Option<PromptJson<'a>>| v.map(PromptJson::into_owned);
+        match self {
+            PromptJson::Str(s) => PromptJson::Str(Cow::Owned(s.into_owned())),
+            PromptJson::List(items) => {
+                PromptJson::List(items.into_iter().map(PromptJson::into_owned).collect())
+            }
+            PromptJson::Object(o) => PromptJson::Object(Box::new(PromptObject {
+                role: owned(o.role),
+                content: owned(o.content),
+                text: owned(o.text),
+            })),
+            PromptJson::True => PromptJson::True,
+            PromptJson::Other => PromptJson::Other,
+        }
+    }
+
+    /// The string, if this is one.
+    pub fn as_str(&self) -> Option<&str> {
+        match self {
+            PromptJson::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    fn object(&self) -> Option<&PromptObject<'a>> {
+        match self {
+            PromptJson::Object(o) => Some(o),
+            _ => None,
+        }
+    }
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for PromptJson<'a> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(PromptJsonVisitor)
+    }
+}
+
+struct PromptJsonVisitor;
+
+impl<'de> Visitor<'de> for PromptJsonVisitor {
+    type Value = PromptJson<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<Self::Value, E> {
+        Ok(if v {
+            PromptJson::True
+        } else {
+            PromptJson::Other
+        })
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(PromptJson::Other)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(PromptJson::Other)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(PromptJson::Other)
+    }
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(PromptJson::Other)
+    }
+    fn visit_none<E>(self) -> Result<Self::Value, E> {
+        Ok(PromptJson::Other)
+    }
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        PromptJson::deserialize(d)
+    }
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(PromptJson::Str(Cow::Borrowed(v)))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(PromptJson::Str(Cow::Owned(v.to_owned())))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+        Ok(PromptJson::Str(Cow::Owned(v)))
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(64));
+        while let Some(item) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(PromptJson::List(items))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut object = PromptObject::default();
+        while let Some(key) = map.next_key::<PromptKey>()? {
+            let slot = match key {
+                PromptKey::Role => &mut object.role,
+                PromptKey::Content => &mut object.content,
+                PromptKey::Text => &mut object.text,
+                PromptKey::Other => {
+                    map.next_value::<IgnoredAny>()?;
+                    continue;
+                }
+            };
+            *slot = Some(map.next_value()?);
+        }
+        Ok(PromptJson::Object(Box::new(object)))
+    }
+}
+
+/// An object key, read without copying it.
+enum PromptKey {
+    Role,
+    Content,
+    Text,
+    Other,
+}
+
+impl<'de> Deserialize<'de> for PromptKey {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct KeyVisitor;
+        impl Visitor<'_> for KeyVisitor {
+            type Value = PromptKey;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an object key")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<PromptKey, E> {
+                Ok(match v {
+                    "role" => PromptKey::Role,
+                    "content" => PromptKey::Content,
+                    "text" => PromptKey::Text,
+                    _ => PromptKey::Other,
+                })
+            }
+        }
+        deserializer.deserialize_identifier(KeyVisitor)
+    }
+}
 
 /// The fields of a request body that carry its prompt, whatever the route:
 /// chat (`messages`), completions and infill (`prompt`), Responses
@@ -11,15 +176,15 @@ use serde_json::Value;
 /// `content`), score (`text_1`).
 #[derive(Debug, Default, Clone, Copy)]
 pub struct PromptFields<'a> {
-    pub system: Option<&'a Value>,
-    pub instructions: Option<&'a Value>,
-    pub messages: Option<&'a Value>,
-    pub input: Option<&'a Value>,
-    pub prompt: Option<&'a Value>,
-    pub query: Option<&'a Value>,
-    pub documents: Option<&'a Value>,
-    pub content: Option<&'a Value>,
-    pub text_1: Option<&'a Value>,
+    pub system: Option<&'a PromptJson<'a>>,
+    pub instructions: Option<&'a PromptJson<'a>>,
+    pub messages: Option<&'a PromptJson<'a>>,
+    pub input: Option<&'a PromptJson<'a>>,
+    pub prompt: Option<&'a PromptJson<'a>>,
+    pub query: Option<&'a PromptJson<'a>>,
+    pub documents: Option<&'a PromptJson<'a>>,
+    pub content: Option<&'a PromptJson<'a>>,
+    pub text_1: Option<&'a PromptJson<'a>>,
 }
 
 /// The prompt as the model server will see it, near enough for prefix
@@ -82,43 +247,47 @@ impl Sink for Count {
 }
 
 fn walk_prompt(fields: &PromptFields<'_>, out: &mut impl Sink) {
-    fn push_text(out: &mut impl Sink, v: &Value) {
+    fn push_text(out: &mut impl Sink, v: &PromptJson<'_>) {
         match v {
-            Value::String(t) => out.put(t.as_bytes()),
+            PromptJson::Str(t) => out.put(t.as_bytes()),
             // Content parts: [{"type": "text", "text": "..."}, ...].
-            Value::Array(parts) => {
+            PromptJson::List(parts) => {
                 for part in parts {
                     if out.full() {
                         return;
                     }
-                    push_text(out, part.get("text").unwrap_or(part));
+                    let text = part.object().and_then(|o| o.text.as_ref());
+                    push_text(out, text.unwrap_or(part));
                 }
             }
             _ => {}
         }
     }
     /// Messages: `[{"role": …, "content": …}, …]`.
-    fn push_messages(out: &mut impl Sink, messages: &[Value]) {
+    fn push_messages(out: &mut impl Sink, messages: &[PromptJson<'_>]) {
         for m in messages {
             if out.full() {
                 break;
             }
-            if let Some(Value::String(role)) = m.get("role") {
+            let m = m.object();
+            if let Some(role) = m.and_then(|m| m.role.as_ref()?.as_str()) {
                 out.put(role.as_bytes());
             }
             out.put(&[0x1f]);
-            if let Some(content) = m.get("content") {
+            if let Some(content) = m.and_then(|m| m.content.as_ref()) {
                 push_text(out, content);
             }
             out.put(&[0x1e]);
         }
     }
-    let is_messages = |v: &Value| matches!(v, Value::Array(items) if items.first().is_some_and(|m| m.get("role").is_some()));
+    let is_messages = |items: &[PromptJson<'_>]| {
+        (items.first().and_then(PromptJson::object)).is_some_and(|m| m.role.is_some())
+    };
     let ordered = [
         fields.system,
         fields.instructions,
         // A conversation is a list; anything else there is not one.
-        fields.messages.filter(|m| m.is_array()),
+        fields.messages.filter(|m| matches!(m, PromptJson::List(_))),
         fields.input,
         fields.prompt,
         fields.query,
@@ -131,7 +300,7 @@ fn walk_prompt(fields: &PromptFields<'_>, out: &mut impl Sink) {
             break;
         }
         match v {
-            Value::Array(items) if is_messages(v) => push_messages(out, items),
+            PromptJson::List(items) if is_messages(items) => push_messages(out, items),
             _ => push_text(out, v),
         }
     }
@@ -165,8 +334,19 @@ pub fn error_body(message: &str, kind: &str, code: &str) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
-    use super::{prompt_text, PromptFields};
-    use serde_json::json;
+    use super::{prompt_text, PromptFields, PromptJson};
+
+    /// The prompt walk's view of a JSON value.
+    fn pj(v: serde_json::Value) -> PromptJson<'static> {
+        use serde::Deserialize;
+        PromptJson::deserialize(&v).unwrap().into_owned()
+    }
+
+    macro_rules! json {
+        ($($t:tt)+) => {
+            pj(serde_json::json!($($t)+))
+        };
+    }
 
     #[test]
     fn prompt_text_stops_at_the_limit() {

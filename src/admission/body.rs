@@ -5,39 +5,41 @@ use std::sync::Arc;
 use serde::Deserialize;
 
 use crate::endpoint::Route;
+use crate::openai::PromptJson;
 use crate::prefix::{block_hashes, PrefixConfig};
 
-/// Fields read from an inference request body. Deserialising into it also
-/// checks that the body is one JSON object.
+/// Fields read from an inference request body, borrowed from it where they
+/// can be ([`PromptJson`]). Deserialising into it also checks that the body
+/// is one JSON object; the fields it does not name are skipped unbuilt.
 #[derive(Debug, Deserialize)]
-struct InferenceFields {
-    #[serde(default)]
-    model: Option<serde_json::Value>,
+struct InferenceFields<'a> {
+    #[serde(default, borrow)]
+    model: Option<PromptJson<'a>>,
     /// Chat and Anthropic Messages: the conversation, whose text is hashed
     /// for prefix affinity.
-    #[serde(default)]
-    messages: Option<serde_json::Value>,
+    #[serde(default, borrow)]
+    messages: Option<PromptJson<'a>>,
     /// Completions: the prompt (a string or a list of strings).
-    #[serde(default)]
-    prompt: Option<serde_json::Value>,
+    #[serde(default, borrow)]
+    prompt: Option<PromptJson<'a>>,
     /// Whether the answer is streamed (any other value than `true`: not).
-    #[serde(default)]
-    stream: Option<serde_json::Value>,
+    #[serde(default, borrow)]
+    stream: Option<PromptJson<'a>>,
     /// The other routes' prompt fields ([`crate::openai::PromptFields`]).
-    #[serde(default)]
-    system: Option<serde_json::Value>,
-    #[serde(default)]
-    instructions: Option<serde_json::Value>,
-    #[serde(default)]
-    input: Option<serde_json::Value>,
-    #[serde(default)]
-    query: Option<serde_json::Value>,
-    #[serde(default)]
-    documents: Option<serde_json::Value>,
-    #[serde(default)]
-    content: Option<serde_json::Value>,
-    #[serde(default)]
-    text_1: Option<serde_json::Value>,
+    #[serde(default, borrow)]
+    system: Option<PromptJson<'a>>,
+    #[serde(default, borrow)]
+    instructions: Option<PromptJson<'a>>,
+    #[serde(default, borrow)]
+    input: Option<PromptJson<'a>>,
+    #[serde(default, borrow)]
+    query: Option<PromptJson<'a>>,
+    #[serde(default, borrow)]
+    documents: Option<PromptJson<'a>>,
+    #[serde(default, borrow)]
+    content: Option<PromptJson<'a>>,
+    #[serde(default, borrow)]
+    text_1: Option<PromptJson<'a>>,
     /// The output bound, by route: chat and completions, OpenAI's newer
     /// chat name, Responses ([`crate::tokens::output_bound`]).
     #[serde(default)]
@@ -48,13 +50,11 @@ struct InferenceFields {
     max_output_tokens: Option<serde_json::Value>,
 }
 
-impl InferenceFields {
+impl InferenceFields<'_> {
     /// The requested model, if the body names one.
     fn model(&self) -> Option<&str> {
-        match &self.model {
-            Some(serde_json::Value::String(m)) if !m.trim().is_empty() => Some(m),
-            _ => None,
-        }
+        let m = self.model.as_ref()?.as_str()?;
+        (!m.trim().is_empty()).then_some(m)
     }
 
     /// The beginning of the prompt text, as much as prefix hashing uses.
@@ -78,7 +78,7 @@ impl InferenceFields {
     }
 }
 
-fn parse_fields(body: &[u8]) -> Result<InferenceFields, String> {
+fn parse_fields(body: &[u8]) -> Result<InferenceFields<'_>, String> {
     let first = body.iter().find(|b| !b.is_ascii_whitespace());
     if first != Some(&b'{') {
         return Err("request body must be a JSON object".into());
@@ -112,7 +112,7 @@ pub fn body_facts(body: &[u8], prefix: &PrefixConfig) -> Result<BodyFacts, Strin
             prefix: block_hashes(&fields.prompt_text(prefix), prefix),
             ..Route::default()
         },
-        stream: fields.stream == Some(serde_json::Value::Bool(true)),
+        stream: fields.stream == Some(PromptJson::True),
         prompt_bytes: crate::openai::prompt_bytes(&fields.prompt_fields()),
         output_bound: crate::tokens::output_bound([
             fields.max_tokens.as_ref(),

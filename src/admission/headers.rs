@@ -57,6 +57,27 @@ impl<'a> FlowHeaders<'a> {
             content_type: get(CONTENT_TYPE_HEADER),
         }
     }
+
+    /// Reads the flow headers in one pass over a request's headers, given
+    /// as (lower-case name, value) pairs as `http::HeaderMap::iter` gives
+    /// them; of a repeated header the first counts, as a lookup by name
+    /// gives it. Cheaper on the request path than [`Self::read`]'s five
+    /// lookups, each of which parses and hashes its name.
+    pub fn from_pairs(pairs: impl IntoIterator<Item = (&'a str, &'a [u8])>) -> Self {
+        let mut h = FlowHeaders::default();
+        for (name, value) in pairs {
+            let slot = match name {
+                FAIRNESS_ID_HEADER => &mut h.fairness_id,
+                OBJECTIVE_HEADER => &mut h.objective,
+                PRIORITY_HEADER => &mut h.priority,
+                TTL_HEADER => &mut h.ttl,
+                CONTENT_TYPE_HEADER => &mut h.content_type,
+                _ => continue,
+            };
+            slot.get_or_insert(value);
+        }
+        h
+    }
 }
 
 #[cfg(test)]
@@ -82,5 +103,34 @@ mod tests {
             assert_eq!(value, Some(name.as_bytes()));
             assert_eq!(*name, name.to_ascii_lowercase());
         }
+    }
+    #[test]
+    fn one_pass_reads_what_lookups_read() {
+        let pairs = [
+            ("accept", &b"*/*"[..]),
+            (TTL_HEADER, b"5s"),
+            (FAIRNESS_ID_HEADER, b"acme"),
+            (FAIRNESS_ID_HEADER, b"second"),
+            (CONTENT_TYPE_HEADER, b"application/json"),
+        ];
+        let one_pass = FlowHeaders::from_pairs(pairs);
+        let looked_up =
+            FlowHeaders::read(|name| pairs.iter().find(|(n, _)| *n == name).map(|(_, v)| *v));
+        fn fields<'a>(h: &FlowHeaders<'a>) -> [Option<&'a [u8]>; 5] {
+            [
+                h.fairness_id,
+                h.objective,
+                h.priority,
+                h.ttl,
+                h.content_type,
+            ]
+        }
+        assert_eq!(fields(&one_pass), fields(&looked_up));
+        assert_eq!(
+            one_pass.fairness_id,
+            Some(&b"acme"[..]),
+            "the first of a repeated header"
+        );
+        assert_eq!(one_pass.objective, None);
     }
 }

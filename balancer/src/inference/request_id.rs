@@ -27,9 +27,16 @@ impl RequestIds {
         }
     }
 
+    /// The prefix in 16 hex digits, then the counter in at least 8 (as
+    /// `format!("{:016x}{:08x}")` writes them, without its machinery: this
+    /// runs for every request).
     fn next(&self) -> String {
         let n = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        format!("{:016x}{n:08x}", self.prefix)
+        let counter_digits = (16 - n.leading_zeros() as usize / 4).max(8);
+        let mut id = String::with_capacity(16 + counter_digits);
+        push_hex(&mut id, self.prefix, 16);
+        push_hex(&mut id, n, counter_digits);
+        id
     }
 
     /// The client's id when it is 1-128 visible ASCII characters, else a
@@ -44,6 +51,28 @@ impl RequestIds {
                 (String::from_utf8_lossy(id).into_owned(), true)
             }
             _ => (self.next(), false),
+        }
+    }
+}
+
+/// Appends the `digits` lowest hex digits of `n`, lower case.
+fn push_hex(out: &mut String, n: u64, digits: usize) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    for i in (0..digits).rev() {
+        out.push(char::from(HEX[((n >> (4 * i)) & 0xf) as usize]));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_the_prefix_and_the_counter_in_hex() {
+        let ids = RequestIds::new();
+        for n in [0, 1, 0xabc, 0xffff_ffff, 0x1_0000_0000, u64::MAX - 1] {
+            ids.next.store(n, std::sync::atomic::Ordering::Relaxed);
+            assert_eq!(ids.next(), format!("{:016x}{n:08x}", ids.prefix));
         }
     }
 }

@@ -6,10 +6,12 @@
 //! `stream_options.include_usage`.
 
 use std::collections::VecDeque;
+use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use flowgate::tokens::TokenUsage;
+use memchr::memmem::Finder;
 use serde::Deserialize;
 
 /// Bytes kept from the end of a body to find `usage` in: it sits in the
@@ -98,9 +100,16 @@ impl ResponseMeter {
         self.first.get_or_insert(now);
         self.last = Some(now);
         if self.streaming {
-            let events = count(chunk, b"data:");
-            let done = count(chunk, b"data: [DONE]");
-            self.events = self.events.saturating_add((events - done) as u32);
+            let events = DATA.find_iter(chunk).count();
+            // `[DONE]` ends a stream: one chunk of many holds it.
+            let done = if DONE.find(chunk).is_some() {
+                DATA_DONE.find_iter(chunk).count()
+            } else {
+                0
+            };
+            self.events = self
+                .events
+                .saturating_add(events.saturating_sub(done) as u32);
         }
         self.tail.push_back(chunk.clone());
         self.tail_len += chunk.len();
@@ -176,9 +185,11 @@ impl ResponseMeter {
     }
 }
 
-fn count(haystack: &[u8], needle: &[u8]) -> usize {
-    memchr::memmem::find_iter(haystack, needle).count()
-}
+/// The searchers of every chunk of a stream, built once (building one
+/// costs more than searching a chunk).
+static DATA: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"data:"));
+static DONE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"[DONE]"));
+static DATA_DONE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"data: [DONE]"));
 
 /// The last `"usage": {...}` (or other `key`) object in `text` that
 /// parses; `"usage": null` (stream chunks before the last) is skipped.

@@ -4,12 +4,14 @@
 //! that describe current state (buffer, endpoints) are filled from a
 //! snapshot at scrape time, so a departed endpoint leaves no stale series.
 
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use prometheus::core::Collector;
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
-    TextEncoder,
+    Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts,
+    Registry, TextEncoder,
 };
 
 use super::clients::ClientMetrics;
@@ -56,6 +58,22 @@ pub struct Metrics {
     pub clients: ClientMetrics,
     /// Tokens and requests per tenant.
     pub tenants: super::tenants::TenantMetrics,
+    /// The series an answer of each model updates, found with one look-up
+    /// per answer instead of one per series (the labels are bounded by the
+    /// callers: reported models, or `other`).
+    models: Mutex<HashMap<Box<str>, ModelSeries>>,
+    /// `requests{code="200",reason=""}`, the outcome of nearly every request.
+    served: OnceLock<IntCounter>,
+}
+
+/// One model's series, each made when first used (as a labelled series is).
+#[derive(Default)]
+struct ModelSeries {
+    ttft: OnceLock<Histogram>,
+    tpot: OnceLock<Histogram>,
+    prompt_tokens: OnceLock<IntCounter>,
+    completion_tokens: OnceLock<IntCounter>,
+    bytes_per_token: OnceLock<Gauge>,
 }
 
 pub(super) const WAIT_BUCKETS: [f64; 14] = [
@@ -195,7 +213,21 @@ impl Metrics {
             clients: ClientMetrics::new(&registry),
             tenants: super::tenants::TenantMetrics::new(&registry),
             registry,
+            models: Mutex::new(HashMap::new()),
+            served: OnceLock::new(),
         }
+    }
+
+    /// Runs `f` on `model`'s series.
+    fn with_model<R>(&self, model: &str, f: impl FnOnce(&ModelSeries) -> R) -> R {
+        let mut models = self
+            .models
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(series) = models.get(model) {
+            return f(series);
+        }
+        f(models.entry(model.into()).or_default())
     }
 
     /// Adds another module's metric to the exposition.
@@ -240,30 +272,40 @@ impl Metrics {
         tpot: Option<Duration>,
         usage: Option<flowgate::tokens::TokenUsage>,
     ) {
-        if let Some(t) = ttft {
-            self.ttft
-                .with_label_values(&[model])
-                .observe(t.as_secs_f64());
-        }
-        if let Some(t) = tpot {
-            self.tpot
-                .with_label_values(&[model])
-                .observe(t.as_secs_f64());
-        }
-        if let Some(u) = usage {
-            self.tokens
-                .with_label_values(&[model, "prompt"])
-                .inc_by(u.prompt);
-            self.tokens
-                .with_label_values(&[model, "completion"])
+        let label = [model];
+        self.with_model(model, |series| {
+            if let Some(t) = ttft {
+                let h = series
+                    .ttft
+                    .get_or_init(|| self.ttft.with_label_values(&label));
+                h.observe(t.as_secs_f64());
+            }
+            if let Some(t) = tpot {
+                let h = series
+                    .tpot
+                    .get_or_init(|| self.tpot.with_label_values(&label));
+                h.observe(t.as_secs_f64());
+            }
+            if let Some(u) = usage {
+                let tokens = |kind| self.tokens.with_label_values(&[model, kind]);
+                (series.prompt_tokens.get_or_init(|| tokens("prompt"))).inc_by(u.prompt);
+                (series
+                    .completion_tokens
+                    .get_or_init(|| tokens("completion")))
                 .inc_by(u.completion);
-        }
+            }
+        });
     }
 
     /// The learned bytes per token of `model` (a reported model: the
     /// series are bounded by the agents' names).
     pub fn learned_bytes_per_token(&self, model: &str, ratio: f64) {
-        self.bytes_per_token.with_label_values(&[model]).set(ratio);
+        self.with_model(model, |series| {
+            let gauge = series
+                .bytes_per_token
+                .get_or_init(|| self.bytes_per_token.with_label_values(&[model]));
+            gauge.set(ratio);
+        });
     }
 
     /// Counts a request sent to `fallback` instead of `model`. Both names
@@ -280,6 +322,13 @@ impl Metrics {
 
     /// Counts a finished inference request.
     pub fn record_outcome(&self, code: u16, reason: &str) {
+        if code == 200 && reason.is_empty() {
+            let served = self
+                .served
+                .get_or_init(|| self.requests.with_label_values(&["200", ""]));
+            served.inc();
+            return;
+        }
         self.requests
             .with_label_values(&[&code.to_string(), reason])
             .inc();

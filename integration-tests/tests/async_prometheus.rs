@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use serde_json::Value;
@@ -50,20 +50,49 @@ async fn the_prometheus_gate_reads_d_by_promql_and_closes_when_it_cannot() {
                 .to_string(),
         );
     }
-    // No Prometheus yet: D = 0. Watch for two seconds (several readings):
-    // nothing may leave the queue.
-    let watch_until = Instant::now() + Duration::from_secs(2);
-    while Instant::now() < watch_until {
-        assert_eq!(
-            metric(&b, "flowgate_async_budget_spare_ratio", &[]).await,
-            0.0
-        );
-        assert_eq!(
-            metric(&b, "flowgate_async_deliveries_total", &[]).await,
-            0.0
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    // No Prometheus yet: D = 0. Once the gate has failed to read it a few
+    // more times and the dispatcher has gone round after those readings,
+    // nothing may have left the queue.
+    let failed = || async {
+        metric(
+            &b,
+            "flowgate_async_gate_readings_total",
+            &[("result", "error")],
+        )
+        .await
+    };
+    let rounds = || async { metric(&b, "flowgate_async_dispatcher_rounds_total", &[]).await };
+    let (failed_before, rounds_before) = (failed().await, rounds().await);
+    wait_for(
+        "three more failed readings of Prometheus",
+        Duration::from_secs(30),
+        || async { (failed().await >= failed_before + 3.0).then_some(()) },
+    )
+    .await;
+    let rounds_after_readings = rounds().await.max(rounds_before);
+    wait_for(
+        "two dispatcher rounds after those readings",
+        Duration::from_secs(30),
+        || async { (rounds().await >= rounds_after_readings + 2.0).then_some(()) },
+    )
+    .await;
+    assert_eq!(
+        metric(&b, "flowgate_async_budget_spare_ratio", &[]).await,
+        0.0
+    );
+    assert_eq!(
+        metric(&b, "flowgate_async_deliveries_total", &[]).await,
+        0.0
+    );
+    assert_eq!(
+        metric(
+            &b,
+            "flowgate_async_gate_readings_total",
+            &[("result", "ok")]
+        )
+        .await,
+        0.0
+    );
 
     let _prom = Prometheus::start(prom_port, &b.management.to_string());
     // Prometheus scrapes the balancer; D becomes the query's value (all 4

@@ -409,13 +409,18 @@ async fn a_full_result_store_holds_dispatching_until_results_age_out() {
     )
     .await;
     let held = [accepted(&b, "c", &[]).await, accepted(&b, "d", &[]).await];
-    // The store is full: nothing is taken for a second (several rounds).
-    let watch_until = Instant::now() + Duration::from_secs(1);
-    while Instant::now() < watch_until {
-        for id in &held {
-            assert_eq!(status(&b, id, "0").await["status"], "queued");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    // The store is full: once the dispatcher has gone round three times
+    // with both held requests queued, it has taken neither.
+    let rounds = || async { metric(&b, "flowgate_async_dispatcher_rounds_total", &[]).await };
+    let rounds_before = rounds().await;
+    wait_for(
+        "three dispatcher rounds with the store full",
+        Duration::from_secs(30),
+        || async { (rounds().await >= rounds_before + 3.0).then_some(()) },
+    )
+    .await;
+    for id in &held {
+        assert_eq!(status(&b, id, "0").await["status"], "queued");
     }
     // The first two age out after 4 s; then the others are served.
     let views = wait_final(&b, &held, Duration::from_secs(15)).await;

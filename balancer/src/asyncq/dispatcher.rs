@@ -252,6 +252,8 @@ impl AsyncDispatcher {
                     None
                 }
             };
+            let result = if read.is_some() { "ok" } else { "error" };
+            queue.metrics.readings.with_label_values(&[result]).inc();
             gate.prometheus_reading(read, now);
         }
         gate.round(local, slots, now);
@@ -364,9 +366,11 @@ impl BackgroundService for AsyncDispatcher {
                 }
                 if leased_any && n < available as usize {
                     // More may fit: look again at once.
+                    queue.metrics.rounds.inc();
                     continue;
                 }
             }
+            queue.metrics.rounds.inc();
             tokio::select! {
                 () = queue.submitted.notified() => {}
                 () = tokio::time::sleep(Duration::from_millis(100)) => {}

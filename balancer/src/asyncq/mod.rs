@@ -129,6 +129,8 @@ struct AsyncMetrics {
     allowed: Gauge,
     deliveries: IntCounterVec,
     outcomes: IntCounterVec,
+    rounds: prometheus::IntCounter,
+    readings: IntCounterVec,
 }
 
 impl AsyncMetrics {
@@ -184,9 +186,26 @@ impl AsyncMetrics {
                 &["queue", "status"],
             )
             .expect("metric"),
+            rounds: prometheus::IntCounter::new(
+                "flowgate_async_dispatcher_rounds_total",
+                "Rounds of the async dispatcher (each reads the gate and takes what it \
+                 allows): a dispatcher that stalls stops counting",
+            )
+            .expect("metric"),
+            readings: IntCounterVec::new(
+                Opts::new(
+                    "flowgate_async_gate_readings_total",
+                    "Readings of D from Prometheus by the async gate (--async-gate prometheus), \
+                     by result: ok, or error (D = 0 until the next good one)",
+                ),
+                &["result"],
+            )
+            .expect("metric"),
         };
         for c in [
             Box::new(m.requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(m.rounds.clone()),
+            Box::new(m.readings.clone()),
             Box::new(m.results.clone()),
             Box::new(m.interactive_spare.clone()),
             Box::new(m.oldest_age.clone()),

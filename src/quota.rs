@@ -183,6 +183,25 @@ pub struct RateStatus {
     pub tokens: Option<LimitStatus>,
 }
 
+impl RateStatus {
+    /// OpenAI's `x-ratelimit-*` headers of this state, names and formats
+    /// (every door answers them the same).
+    pub fn headers(&self) -> Vec<(&'static str, String)> {
+        let mut out = Vec::new();
+        if let Some(r) = self.requests {
+            out.push(("x-ratelimit-limit-requests", r.limit.to_string()));
+            out.push(("x-ratelimit-remaining-requests", r.remaining.to_string()));
+            out.push(("x-ratelimit-reset-requests", reset_header(r.reset)));
+        }
+        if let Some(t) = self.tokens {
+            out.push(("x-ratelimit-limit-tokens", t.limit.to_string()));
+            out.push(("x-ratelimit-remaining-tokens", t.remaining.to_string()));
+            out.push(("x-ratelimit-reset-tokens", reset_header(t.reset)));
+        }
+        out
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LimitStatus {
     pub limit: u64,

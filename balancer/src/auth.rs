@@ -28,6 +28,8 @@ use flowgate::flow::valid_fairness_id;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
+use crate::reply::Refusal;
+
 /// Why a request was refused 401.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AuthError {
@@ -110,7 +112,7 @@ struct KeyEntry {
     /// hex digits).
     name: Option<String>,
     /// The key's own quota, besides its tenant's.
-    quota: Option<crate::config::quotas::LimitsSpec>,
+    quota: Option<crate::quotas::LimitsSpec>,
 }
 
 fn sha256(bytes: &[u8]) -> [u8; 32] {
@@ -222,6 +224,22 @@ impl ApiKeys {
             }
         }
         found.ok_or(AuthError::Invalid)
+    }
+}
+
+/// 401, the code saying whether the key was missing or wrong.
+impl From<AuthError> for Refusal {
+    fn from(e: AuthError) -> Self {
+        let code = match e {
+            AuthError::Missing => "missing_api_key",
+            AuthError::Invalid => "invalid_api_key",
+        };
+        Refusal::new(
+            http::StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            code,
+            e.message().to_string(),
+        )
     }
 }
 

@@ -3,13 +3,13 @@
 mod asyncq;
 mod auth;
 mod config;
+mod connection;
 mod epp;
 #[cfg(test)]
 mod fuzz_tests;
 mod gate;
 mod housekeeping;
 mod inference;
-mod limits;
 mod management;
 mod observe;
 mod quotas;
@@ -168,7 +168,7 @@ fn main() -> ExitCode {
     );
     let mut inference = Service::new(
         "inference".to_string(),
-        limits::Limited::new(proxy, settings.client_limits, Arc::clone(&shared)),
+        connection::Limited::new(proxy, settings.client_limits, Arc::clone(&shared)),
     );
     // No L4 read buffer on the plaintext inference port: Pingora reads the
     // request head into its own header buffer and bodies into the body

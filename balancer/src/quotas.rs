@@ -21,17 +21,85 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use flowgate::quota::{Exceeded, Limit, QuotaBook, QuotaLimits, RateStatus, Reservation, Subject};
+use flowgate::quota::{
+    Exceeded, Limit, QuotaBook, QuotaLimits, RateStatus, Reservation, Subject, TokenKind,
+};
 use flowgate::tokens::{TokenEstimate, TokenUsage};
 use prometheus::{IntCounterVec, Opts};
 use redis::aio::ConnectionManager;
+use serde::Deserialize;
 use tracing::warn;
 
-use crate::config::quotas::{OnStoreError, QuotaStore};
 use crate::observe::metrics::Metrics;
 use crate::reply::Refusal;
 use flowgate::admission::Grant;
 use flowgate::quota::QuotaRules;
+
+/// One subject's limits as written in YAML.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct LimitsSpec {
+    pub requests_per_minute: Option<u64>,
+    pub tokens_per_minute: Option<u64>,
+    /// Which tokens `tokensPerMinute` counts [default: total].
+    pub tokens: Option<TokenKindSpec>,
+    pub max_concurrent: Option<u32>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TokenKindSpec {
+    Input,
+    Output,
+    Total,
+}
+
+impl LimitsSpec {
+    /// Checked: every limit given is at least 1 (`at` names the entry).
+    pub fn resolve(&self, at: &str) -> Result<QuotaLimits, String> {
+        for (name, value) in [
+            ("requestsPerMinute", self.requests_per_minute),
+            ("tokensPerMinute", self.tokens_per_minute),
+            ("maxConcurrent", self.max_concurrent.map(u64::from)),
+        ] {
+            if value == Some(0) {
+                return Err(format!(
+                    "{at}.{name} must be at least 1 (leave it out for no limit)"
+                ));
+            }
+        }
+        Ok(QuotaLimits {
+            requests_per_minute: self.requests_per_minute,
+            tokens_per_minute: self.tokens_per_minute,
+            tokens: match self.tokens {
+                None | Some(TokenKindSpec::Total) => TokenKind::Total,
+                Some(TokenKindSpec::Input) => TokenKind::Input,
+                Some(TokenKindSpec::Output) => TokenKind::Output,
+            },
+            max_concurrent: self.max_concurrent,
+        })
+    }
+}
+
+/// What a balancer does with a request whose quota it cannot check
+/// because the shared store does not answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum OnStoreError {
+    /// Admit it (logged and counted).
+    #[default]
+    Open,
+    /// Refuse it with 503 `quota_unavailable`.
+    Closed,
+}
+
+/// Where quota windows live.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct QuotaStore {
+    /// Shared between balancers in this Redis; `None`: per balancer.
+    pub redis_url: Option<String>,
+    pub on_error: OnStoreError,
+}
 
 /// Longest a quota store call may take before it counts as failed.
 pub const STORE_TIMEOUT: Duration = Duration::from_millis(250);
@@ -283,7 +351,7 @@ impl Quotas {
                     quotas: Arc::clone(self),
                     held: Some(held),
                 };
-                Ok(Some((reserved, rate_headers(&status))))
+                Ok(Some((reserved, status.headers())))
             }
             Err(QuotaRefusal::Exceeded(e)) => Err(Refusal::quota_exceeded(&e)),
             Err(QuotaRefusal::StoreUnavailable) => Err(Refusal::quota_unavailable()),
@@ -441,26 +509,4 @@ impl Quotas {
 fn keys(subject: &Subject) -> [String; 4] {
     let base = format!("{KEY_PREFIX}{}", subject.label());
     ["w", "t", "s", "c"].map(|k| format!("{base}:{k}"))
-}
-
-/// The `x-ratelimit-*` headers of `status` (OpenAI's names and formats).
-pub fn rate_headers(status: &RateStatus) -> Vec<(&'static str, String)> {
-    let mut out = Vec::new();
-    if let Some(r) = status.requests {
-        out.push(("x-ratelimit-limit-requests", r.limit.to_string()));
-        out.push(("x-ratelimit-remaining-requests", r.remaining.to_string()));
-        out.push((
-            "x-ratelimit-reset-requests",
-            flowgate::quota::reset_header(r.reset),
-        ));
-    }
-    if let Some(t) = status.tokens {
-        out.push(("x-ratelimit-limit-tokens", t.limit.to_string()));
-        out.push(("x-ratelimit-remaining-tokens", t.remaining.to_string()));
-        out.push((
-            "x-ratelimit-reset-tokens",
-            flowgate::quota::reset_header(t.reset),
-        ));
-    }
-    out
 }

@@ -13,8 +13,6 @@ use pingora_core::Result;
 use pingora_http::ResponseHeader;
 use pingora_proxy::Session;
 
-use crate::auth::AuthError;
-
 /// Request id: kept from the client when usable, else generated; sent to
 /// the model server, returned to the client, written to the access log.
 pub const REQUEST_ID_HEADER: &str = "x-request-id";
@@ -80,7 +78,7 @@ impl Refusal {
         );
         r.reason = "quota-exceeded";
         r.retry_after = Some(e.retry_after);
-        r.headers = crate::quotas::rate_headers(&e.status);
+        r.headers = e.status.headers();
         r
     }
 
@@ -95,20 +93,6 @@ impl Refusal {
         );
         r.reason = "quota-unavailable";
         r
-    }
-
-    /// 401: no API key or an unknown one.
-    pub fn unauthorized(e: AuthError) -> Self {
-        let code = match e {
-            AuthError::Missing => "missing_api_key",
-            AuthError::Invalid => "invalid_api_key",
-        };
-        Refusal::new(
-            StatusCode::UNAUTHORIZED,
-            "invalid_request_error",
-            code,
-            e.message().to_string(),
-        )
     }
 
     /// 413: a body over `max` bytes.

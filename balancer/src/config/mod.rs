@@ -34,7 +34,7 @@ use flowgate::DispatcherConfig;
 
 use crate::asyncq::AsyncConfig;
 use crate::auth::{ApiKeys, Secret};
-use crate::limits::{self, ClientLimits, MAX_MAX_HEADER_BYTES};
+use crate::connection::{self, ClientLimits, MAX_MAX_HEADER_BYTES};
 use crate::tls::TlsFiles;
 use flowgate::admission::PriorityRules;
 
@@ -291,22 +291,22 @@ impl Settings {
                 max_connections: layer(
                     cli.max_connections,
                     file.max_connections,
-                    limits::DEFAULT_MAX_CONNECTIONS,
+                    connection::DEFAULT_MAX_CONNECTIONS,
                 ),
                 header_timeout: layer(
                     cli.client_header_timeout,
                     file.client_header_timeout.map(|d| d.0),
-                    limits::DEFAULT_HEADER_TIMEOUT,
+                    connection::DEFAULT_HEADER_TIMEOUT,
                 ),
                 body_timeout: layer(
                     cli.client_body_timeout,
                     file.client_body_timeout.map(|d| d.0),
-                    limits::DEFAULT_BODY_TIMEOUT,
+                    connection::DEFAULT_BODY_TIMEOUT,
                 ),
                 max_header_bytes: layer(
                     cli.max_header_bytes,
                     file.max_header_bytes,
-                    limits::DEFAULT_MAX_HEADER_BYTES,
+                    connection::DEFAULT_MAX_HEADER_BYTES,
                 ),
             },
             api_keys,

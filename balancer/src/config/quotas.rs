@@ -13,76 +13,11 @@
 
 use std::collections::BTreeMap;
 
-use flowgate::quota::{QuotaLimits, QuotaRules, TokenKind};
+use flowgate::quota::QuotaRules;
 use serde::Deserialize;
 
 use super::Cli;
-
-/// One subject's limits as written in YAML.
-#[derive(Debug, Default, Clone, Deserialize)]
-#[serde(deny_unknown_fields, rename_all = "camelCase")]
-pub struct LimitsSpec {
-    pub requests_per_minute: Option<u64>,
-    pub tokens_per_minute: Option<u64>,
-    /// Which tokens `tokensPerMinute` counts [default: total].
-    pub tokens: Option<TokenKindSpec>,
-    pub max_concurrent: Option<u32>,
-}
-
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum TokenKindSpec {
-    Input,
-    Output,
-    Total,
-}
-
-impl LimitsSpec {
-    /// Checked: every limit given is at least 1 (`at` names the entry).
-    pub fn resolve(&self, at: &str) -> Result<QuotaLimits, String> {
-        for (name, value) in [
-            ("requestsPerMinute", self.requests_per_minute),
-            ("tokensPerMinute", self.tokens_per_minute),
-            ("maxConcurrent", self.max_concurrent.map(u64::from)),
-        ] {
-            if value == Some(0) {
-                return Err(format!(
-                    "{at}.{name} must be at least 1 (leave it out for no limit)"
-                ));
-            }
-        }
-        Ok(QuotaLimits {
-            requests_per_minute: self.requests_per_minute,
-            tokens_per_minute: self.tokens_per_minute,
-            tokens: match self.tokens {
-                None | Some(TokenKindSpec::Total) => TokenKind::Total,
-                Some(TokenKindSpec::Input) => TokenKind::Input,
-                Some(TokenKindSpec::Output) => TokenKind::Output,
-            },
-            max_concurrent: self.max_concurrent,
-        })
-    }
-}
-
-/// What a balancer does with a request whose quota it cannot check
-/// because the shared store does not answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum OnStoreError {
-    /// Admit it (logged and counted).
-    #[default]
-    Open,
-    /// Refuse it with 503 `quota_unavailable`.
-    Closed,
-}
-
-/// Where quota windows live.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct QuotaStore {
-    /// Shared between balancers in this Redis; `None`: per balancer.
-    pub redis_url: Option<String>,
-    pub on_error: OnStoreError,
-}
+pub use crate::quotas::{LimitsSpec, OnStoreError, QuotaStore};
 
 /// `quotas:` in the config file.
 #[derive(Debug, Default, Deserialize)]

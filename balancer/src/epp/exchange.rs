@@ -532,7 +532,7 @@ impl Exchange {
         let grant = match &self.rules.api_keys {
             Some(keys) => Some(
                 keys.authenticate(self.headers.get(AUTHORIZATION))
-                    .map_err(Refusal::unauthorized)?
+                    .map_err(Refusal::from)?
                     .clone(),
             ),
             None => None,

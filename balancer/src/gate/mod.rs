@@ -559,7 +559,7 @@ pub enum Submitted {
 /// A request in the queues, and everything its wait needs. Dropping it
 /// takes the request out of the queues (and gives back a slot granted
 /// meanwhile), so it may be moved and awaited anywhere: in the proxy, or
-/// parked outside it ([`crate::inference::parking`]).
+/// parked outside it ([`crate::connection::parking`]).
 pub struct Waiting {
     queued: QueuedTicket,
     rx: oneshot::Receiver<Result<LeaseGuard, Reject>>,

@@ -171,3 +171,33 @@ async fn read_all(
         in_retry_buffer: whole,
     }))
 }
+
+/// The request's bytes to replay when it may park
+/// ([`crate::connection::parking`]): an HTTP/1 request on a
+/// guarded, kept-alive connection (one [`crate::connection::Limited`] serves,
+/// which takes parked requests back), with `body` (all of it, as read) framed by
+/// `Content-Length` and no `Expect` (a second session would answer it
+/// again). The body must fit Pingora's retry buffer: replayed from memory
+/// it is read in one piece, so the buffer can only be armed for all of it
+/// (see the top of this file).
+pub fn replay(session: &Session, body: &Bytes) -> Option<BytesMut> {
+    if body.len() > PINGORA_RETRY_BUFFER {
+        return None;
+    }
+    // Pingora gives the connection back only if it is kept alive, which
+    // the client's `Connection: close` (or HTTP/1.0) rules out.
+    session.get_keepalive()?;
+    crate::connection::guard(session)?;
+    let h1 = session.downstream_session.as_http1()?;
+    let headers = &session.req_header().headers;
+    let framed_by_length = headers.get(http::header::TRANSFER_ENCODING).is_none()
+        && (body.is_empty() || headers.contains_key(http::header::CONTENT_LENGTH));
+    if !framed_by_length || headers.contains_key(http::header::EXPECT) {
+        return None;
+    }
+    let head = h1.get_headers_raw_bytes();
+    let mut replay = BytesMut::with_capacity(head.len() + body.len());
+    replay.extend_from_slice(&head);
+    replay.extend_from_slice(body);
+    Some(replay)
+}

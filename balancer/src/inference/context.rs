@@ -9,7 +9,7 @@ use flowgate::admission::Grant;
 use flowgate::tokens::TokenEstimate;
 use flowgate::{EndpointId, RequestMeta};
 
-use super::parking;
+use crate::connection::parking;
 use crate::gate::{ActiveRequest, AdmitError, Admitted, LeaseGuard};
 use crate::observe::meter::ResponseMeter;
 use crate::quotas::Reserved;

@@ -9,7 +9,7 @@ use pingora_proxy::Session;
 use tracing::info;
 
 use super::{Inference, RequestCtx};
-use crate::limits;
+use crate::connection;
 
 impl Inference {
     /// A request is over (Pingora's `logging` hook): settles what it
@@ -24,7 +24,7 @@ impl Inference {
             // Not over: it waits outside the proxy and comes back.
             return;
         }
-        limits::request_done(session);
+        connection::request_done(session);
         // A retry that never got an answer cannot clear its suspect.
         self.blame_suspect(ctx);
         if ctx.rejected && e.is_none() && !blame::is_engine_error(&ctx.error_body) {

@@ -10,8 +10,6 @@
 //! - [`finish`]: the end of a request: settled in the one right order, then
 //!   logged.
 //! - [`local`]: what the port answers itself (health, models, 404/405).
-//! - [`parking`]: where a queued request waits (outside Pingora's request
-//!   future, to keep a waiting request small).
 //! - [`async_api`] and [`batch_api`]: the async path's and the Batch API's
 //!   routes.
 //! - [`request_id`]: the `x-request-id` of each request.
@@ -37,7 +35,6 @@ mod body;
 mod context;
 mod finish;
 mod local;
-pub(crate) mod parking;
 mod request_id;
 mod retry;
 mod routes;
@@ -65,8 +62,9 @@ pub use request_id::RequestIds;
 pub(crate) use routes::RouteKind;
 
 use crate::asyncq::{self, AsyncQueue};
+use crate::connection;
+use crate::connection::parking::{Parked, Resumed};
 use crate::gate::{AdmitError, Admitted, FleetGate, Submitted};
-use crate::limits;
 use crate::quotas::Quotas;
 use crate::reply::{Answer, Refusal, REQUEST_ID_HEADER};
 use crate::rules::LiveRules;
@@ -108,7 +106,7 @@ pub(crate) enum Step {
     Answer(Answer),
     /// Already answered (an event stream).
     Answered,
-    /// Queued, and waits outside the proxy ([`parking`]): Pingora is told
+    /// Queued, and waits outside the proxy ([`crate::connection::parking`]): Pingora is told
     /// it was answered, and gets it back when its wait ends.
     Parked,
 }
@@ -144,9 +142,14 @@ impl Inference {
         let fallback = fallback_of(ctx, &request);
         let outcome = match self.shared.submit(request, fallback) {
             Submitted::Done(outcome) => outcome,
-            Submitted::Queued(waiting) => match parking::replay(session, body) {
+            Submitted::Queued(waiting) => match body::replay(session, body) {
                 Some(replay) => {
-                    parking::Parked::park(ctx, self.new_ctx(), waiting, replay);
+                    // The proxy's context now only carries the parked
+                    // request to `persist_connection_context`.
+                    let parked = std::mem::replace(ctx, self.new_ctx());
+                    let parked = Parked::new(Box::new(parked), waiting, replay);
+                    *ctx.parked.get_mut().unwrap_or_else(|e| e.into_inner()) =
+                        Some(Box::new(parked));
                     return Ok(Ok(Step::Parked));
                 }
                 None => waiting.wait(client_gone(session)).await,
@@ -255,7 +258,7 @@ impl Inference {
                     Ok(grant) => ctx.grant = Some(grant.clone()),
                     Err(e) => {
                         ctx.inference = true;
-                        return Ok(Err(Refusal::unauthorized(e)));
+                        return Ok(Err(Refusal::from(e)));
                     }
                 }
             }
@@ -372,7 +375,7 @@ impl ProxyHttp for Inference {
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
-        limits::head_done(session);
+        connection::head_done(session);
         let step = match ctx.resume.take() {
             Some(outcome) => self.resume(session, ctx, outcome).await?,
             None => {
@@ -714,13 +717,15 @@ impl ProxyHttp for Inference {
         ctx: &mut RequestCtx,
         prev: Box<dyn std::any::Any + Send + Sync>,
     ) {
-        if let Ok(resumed) = prev.downcast::<parking::Resumed>() {
-            let parking::Resumed {
+        if let Ok(resumed) = prev.downcast::<Resumed>() {
+            let Resumed {
                 ctx: parked,
                 outcome,
             } = *resumed;
-            *ctx = *parked;
-            ctx.resume = Some(outcome);
+            if let Ok(parked) = parked.downcast::<RequestCtx>() {
+                *ctx = *parked;
+                ctx.resume = Some(outcome);
+            }
         }
     }
 

@@ -1,5 +1,5 @@
 //! Client connections and requests on the inference port, and what the
-//! client limits ([`crate::limits`]) refused.
+//! client limits ([`crate::connection`]) refused.
 
 use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
 

@@ -1,3 +1,7 @@
+//! The inference port's client connections: the limits on what a client may
+//! hold, and the HTTP/1 loop that serves a connection's requests, where a
+//! queued request waits outside the proxy ([`parking`]).
+//!
 //! Limits on what clients of the inference port may hold: open connections,
 //! the time and bytes a request head may take (slow or oversized heads), and
 //! the time a request body may take (enforced by the proxy, see
@@ -15,7 +19,7 @@
 //!
 //! [`Limited`] also serves an HTTP/1 connection's requests one after the
 //! other (as Pingora's own loop does), which is where a queued request that
-//! left the proxy waits and comes back ([`crate::inference::parking`]).
+//! left the proxy waits and comes back ([`parking`]).
 
 use std::fmt;
 use std::future::Future;
@@ -43,7 +47,8 @@ use tokio::time::Sleep;
 use tracing::debug;
 
 use crate::gate::FleetGate;
-use crate::inference::parking;
+
+pub mod parking;
 
 /// Keep-alive of an idle HTTP/1 client connection (Pingora's own default).
 const HTTP1_KEEPALIVE_SECS: u64 = 60;

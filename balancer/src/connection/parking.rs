@@ -9,7 +9,7 @@
 //!    written) and keeps the connection alive; the request, as a [`Parked`]
 //!    (its context, its bytes as they came, its place in the queues),
 //!    becomes the connection's user context.
-//! 2. Pingora hands the connection back to [`crate::limits::Limited`], which
+//! 2. Pingora hands the connection back to [`super::Limited`], which
 //!    waits there ([`Parked::wait`]) in the connection's own task: the queues
 //!    are the same, only where the waiter sleeps changed.
 //! 3. When the wait ends, the request re-enters the proxy as the next
@@ -18,27 +18,30 @@
 //!    outcome, replaces the new one (`on_connection_reuse`).
 //!
 //! Only requests that can be replayed exactly park: HTTP/1 on a connection
-//! [`crate::limits::Limited`] serves and keeps alive, a body framed by
+//! [`super::Limited`] serves and keeps alive, a body framed by
 //! `Content-Length` (or none) of at most 64 KiB (Pingora's retry buffer),
 //! no `Expect`. Others (HTTP/2, `Connection: close`, chunked or larger
 //! bodies) wait in the proxy as before. Retries (a slot lost to a failed endpoint) wait in the proxy too:
 //! their request is already past the point of return.
 
+use std::any::Any;
 use std::fmt;
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use pingora_core::protocols::http::ServerSession;
 use pingora_core::protocols::Stream;
-use pingora_proxy::Session;
 use tokio::io::AsyncReadExt;
 use tracing::debug;
 
-use super::RequestCtx;
 use crate::gate::{AdmitError, Admitted, Waiting};
+
+/// A request's context, opaque to the connection (the door that parked it
+/// knows its type and takes it back).
+pub type Context = Box<dyn Any + Send + Sync>;
 
 /// A queued request waiting outside the proxy.
 pub struct Parked {
-    ctx: Box<RequestCtx>,
+    ctx: Context,
     waiting: Unresumed,
     /// The request as it came: head, then body.
     replay: BytesMut,
@@ -61,7 +64,6 @@ impl Drop for Unresumed {
 impl fmt::Debug for Parked {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Parked")
-            .field("request_id", &self.ctx.request_id)
             .field("bytes", &self.replay.len())
             .finish()
     }
@@ -69,52 +71,20 @@ impl fmt::Debug for Parked {
 
 /// A parked request whose wait ended, on its way back into the proxy.
 pub struct Resumed {
-    pub ctx: Box<RequestCtx>,
+    pub ctx: Context,
     pub outcome: Result<Admitted, AdmitError>,
 }
 
-/// The request's bytes to replay when it may park: an HTTP/1 request on a
-/// guarded, kept-alive connection (one [`crate::limits::Limited`] serves,
-/// which takes parked requests back), with `body` (all of it, as read) framed by
-/// `Content-Length` and no `Expect` (a second session would answer it
-/// again). The body must fit Pingora's retry buffer: replayed from memory
-/// it is read in one piece, so the buffer can only be armed for all of it
-/// ([`super::body`]).
-pub fn replay(session: &Session, body: &Bytes) -> Option<BytesMut> {
-    if body.len() > super::body::PINGORA_RETRY_BUFFER {
-        return None;
-    }
-    // Pingora gives the connection back only if it is kept alive, which
-    // the client's `Connection: close` (or HTTP/1.0) rules out.
-    session.get_keepalive()?;
-    crate::limits::guard(session)?;
-    let h1 = session.downstream_session.as_http1()?;
-    let headers = &session.req_header().headers;
-    let framed_by_length = headers.get(http::header::TRANSFER_ENCODING).is_none()
-        && (body.is_empty() || headers.contains_key(http::header::CONTENT_LENGTH));
-    if !framed_by_length || headers.contains_key(http::header::EXPECT) {
-        return None;
-    }
-    let head = h1.get_headers_raw_bytes();
-    let mut replay = BytesMut::with_capacity(head.len() + body.len());
-    replay.extend_from_slice(&head);
-    replay.extend_from_slice(body);
-    Some(replay)
-}
-
 impl Parked {
-    /// Parks `ctx`'s request (its connection is kept alive, see
-    /// [`replay`]): the proxy says it answered it, and `ctx` becomes a fresh context that only carries
-    /// the parked one to [`ProxyHttp::persist_connection_context`].
-    ///
-    /// [`ProxyHttp::persist_connection_context`]: pingora_proxy::ProxyHttp::persist_connection_context
-    pub fn park(ctx: &mut RequestCtx, fresh: RequestCtx, waiting: Waiting, replay: BytesMut) {
-        let ctx_parked = std::mem::replace(ctx, fresh);
-        *ctx.parked.get_mut().unwrap_or_else(|e| e.into_inner()) = Some(Box::new(Parked {
-            ctx: Box::new(ctx_parked),
+    /// A request that waits outside the proxy: its context, its place in
+    /// the queues, and its bytes as they came (head, then body), to replay
+    /// once the wait ends.
+    pub fn new(ctx: Context, waiting: Waiting, replay: BytesMut) -> Parked {
+        Parked {
+            ctx,
             waiting: Unresumed(Some(waiting)),
             replay,
-        }));
+        }
     }
 
     /// Waits outside the proxy; a byte from the client, or its close, ends

@@ -288,6 +288,9 @@ async fn fallbacks_take_requests_a_model_cannot() {
         }
     };
     assert_eq!(served(&b, Some("model-a")).await, (200, "model-a".into()));
+    // The client has its answer before the balancer gives the slot back:
+    // wait for that, so that the one in flight below is the slow request.
+    b.wait_in_flight(0, Duration::from_secs(5)).await;
 
     // model-a's one slot is busy for 3 s: the next request waits 300 ms,
     // then model-b answers it.

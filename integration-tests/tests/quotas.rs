@@ -106,6 +106,9 @@ async fn a_keys_token_quota_settles_to_what_the_answers_used() {
         (385..395).contains(&remaining),
         "7 kept + 602 reserved: {remaining}"
     );
+    // The client has its answer before the balancer gives the slot back:
+    // wait for that, so that the one in flight below is `first`.
+    b.wait_in_flight(0, Duration::from_secs(5)).await;
     // One in flight at a time: a second concurrent request waits its turn
     // at the client (429), not in the queue.
     let mut small = chat_body();

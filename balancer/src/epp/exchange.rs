@@ -19,12 +19,12 @@ use tokio::sync::mpsc;
 use tonic::Streaming;
 use tracing::{debug, info};
 
-use crate::gate::{AdmitError, LeaseGuard};
+use crate::gate::{AdmitError, LeaseGuard, RequestEnd, SlotEnd};
 use crate::inference::SERVED_MODEL_HEADER;
 use crate::reply::{Answer, Refusal};
 use crate::rules::DoorRules;
 use flowgate::blame::{self, Verdict};
-use flowgate::tokens::{TokenEstimate, TokenUsage};
+use flowgate::tokens::TokenEstimate;
 
 use crate::observe::meter::ResponseMeter;
 
@@ -173,19 +173,20 @@ impl Exchange {
                 break;
             }
         }
-        // A request that was sent counts its estimate in its quotas (the
-        // answer is not read here); one never sent leaves them (the guard).
-        if let (Some(q), true) = (self.quota.take(), self.lease.is_some() || self.answered) {
-            q.settle(Some(self.spent()));
-        }
-        if let Some(lease) = self.lease.take() {
-            if self.answered && self.response_mode == BodyMode::None {
+        // The stream ended before the response did (or Envoy sends no
+        // response body): settled as every door settles a request, with
+        // what its answer said so far. One never sent leaves its quotas.
+        if self.quota.is_some() || self.lease.is_some() {
+            let slot = if self.answered && self.response_mode == BodyMode::None {
                 // Envoy sends no response body: the stream's end is the
                 // answer's, as far as this side can tell.
-                lease.release();
+                SlotEnd::Free
             } else {
-                lease.orphan(self.streamed);
-            }
+                SlotEnd::Orphaned {
+                    streamed: self.streamed,
+                }
+            };
+            self.settle(self.lease.is_some() || self.answered, slot);
         }
     }
 
@@ -362,32 +363,26 @@ impl Exchange {
     /// The response ended: its usage is accounted and its quotas and
     /// flow settled, then the endpoint's slot is free again.
     fn finish(&mut self) {
-        let said = self.meter_spent();
-        if let (Some(said), Some(tenant)) = (said, &self.tenant) {
-            let key = self.grant.as_ref().map(|g| &g.key_id);
-            self.epp.shared.record_usage(tenant, key, said);
-        }
-        let spent = said.unwrap_or(self.tokens.as_used());
-        if let Some(q) = self.quota.take() {
-            q.settle(Some(spent));
-        }
-        if let Some(mut lease) = self.lease.take() {
-            lease.settle(spent.total());
-            lease.release();
-        }
+        self.settle(true, SlotEnd::Free);
     }
 
-    /// What the answer spent, as its body said (Envoy sent it), if it did.
-    fn meter_spent(&self) -> Option<TokenUsage> {
+    /// Settles the request ([`FleetGate::settle`]) with what its answer
+    /// said it spent (Envoy sent the response body), else its estimate.
+    ///
+    /// [`FleetGate::settle`]: crate::gate::FleetGate::settle
+    fn settle(&mut self, sent: bool, slot: SlotEnd) {
         let usage = self.meter.usage();
-        self.meter.spent(usage, self.tokens.prompt, self.status)
-    }
-
-    /// What a served request counts for: what its answer said it spent,
-    /// else its estimate (without the response body, nothing else is
-    /// known).
-    fn spent(&self) -> TokenUsage {
-        self.meter_spent().unwrap_or(self.tokens.as_used())
+        let said = self.meter.spent(usage, self.tokens.prompt, self.status);
+        self.epp.shared.settle(RequestEnd {
+            tenant: self.tenant.as_ref(),
+            key: self.grant.as_ref().map(|g| &g.key_id),
+            sent,
+            said,
+            estimate: self.tokens.as_used(),
+            quota: self.quota.take(),
+            lease: self.lease.take(),
+            slot,
+        });
     }
 
     /// Places the request (waiting in flow control as long as it must) and

@@ -29,6 +29,10 @@ use flowgate::{
 use tokio::sync::{oneshot, Notify};
 use tracing::warn;
 
+mod settle;
+
+pub use settle::{RequestEnd, SlotEnd};
+
 use crate::observe::history::History;
 use crate::observe::metrics::Metrics;
 

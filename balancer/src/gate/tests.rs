@@ -190,3 +190,53 @@ async fn a_client_gone_while_queued_takes_nothing() {
     first.release();
     assert_eq!(shared.snapshot().in_flight, 0);
 }
+
+/// A request's end is settled alike at every door: what a sent request's
+/// answer said is accounted to its tenant before its slot is free; one
+/// never sent accounts nothing; an orphaned slot stays busy.
+#[tokio::test]
+async fn a_requests_end_accounts_what_was_sent_then_frees_its_slot() {
+    let shared = shared_with_one_slot();
+    let tenant: Arc<str> = Arc::from("acme");
+    let used = TokenUsage {
+        prompt: 7,
+        completion: 3,
+        cached: 0,
+    };
+    let end = |lease, sent, slot| RequestEnd {
+        tenant: Some(&tenant),
+        key: None,
+        sent,
+        said: Some(used),
+        estimate: TokenUsage::default(),
+        quota: None,
+        lease: Some(lease),
+        slot,
+    };
+    let lease = take_the_slot(&shared).await;
+    shared.settle(end(lease, false, SlotEnd::Free));
+    assert!(
+        shared.usage(Duration::from_secs(60)).is_empty(),
+        "never sent"
+    );
+    let lease = take_the_slot(&shared).await;
+    shared.settle(end(lease, true, SlotEnd::Free));
+    let usage = shared.usage(Duration::from_secs(60));
+    assert_eq!(usage.len(), 1);
+    let spent = &usage[0].spent;
+    assert_eq!(
+        (spent.requests, spent.prompt_tokens, spent.completion_tokens),
+        (1, 7, 3),
+        "{usage:?}"
+    );
+    // Freed: the one slot is taken again at once; orphaned, it is not.
+    let lease = take_the_slot(&shared).await;
+    shared.settle(end(lease, true, SlotEnd::Orphaned { streamed: false }));
+    let waiting = shared.admit(request(), None, std::future::pending());
+    assert!(
+        tokio::time::timeout(Duration::from_millis(50), waiting)
+            .await
+            .is_err(),
+        "the engine may still be working on the orphaned request"
+    );
+}

@@ -10,6 +10,7 @@ use tracing::info;
 
 use super::{Inference, RequestCtx};
 use crate::connection;
+use crate::gate::{RequestEnd, SlotEnd};
 
 impl Inference {
     /// A request is over (Pingora's `logging` hook): settles what it
@@ -36,35 +37,25 @@ impl Inference {
         let spent = ctx
             .meter
             .spent(usage, ctx.tokens.prompt, ctx.upstream_status);
-        // Accounted before the slot is given back: once a request no longer
-        // counts in flight, its usage and quotas are up to date.
-        if let (Some(tenant), Some(spent), Some(_)) = (&ctx.fairness_id, spent, ctx.upstream_status)
-        {
-            let key = ctx.grant.as_ref().map(|g| &g.key_id);
-            self.shared.record_usage(tenant, key, spent);
-        }
-        if let Some(reserved) = ctx.quota.take() {
-            // Served: its quotas count what it spent (the estimate when the
-            // answer does not say); never served: it leaves their windows.
-            let used = ctx
-                .upstream_status
-                .map(|_| spent.unwrap_or(ctx.tokens.as_used()));
-            reserved.settle(used);
-        }
-        if let Some(mut lease) = ctx.lease.take() {
-            // Its flow's token-fair charge becomes what was spent.
-            if let Some(spent) = spent {
-                lease.settle(spent.total());
-            }
+        let client_left = e.is_some_and(|e| e.esource() == &ErrorSource::Downstream);
+        self.shared.settle(RequestEnd {
+            tenant: ctx.fairness_id.as_ref(),
+            key: ctx.grant.as_ref().map(|g| &g.key_id),
+            sent: ctx.upstream_status.is_some(),
+            said: spent,
+            estimate: ctx.tokens.as_used(),
+            quota: ctx.quota.take(),
+            lease: ctx.lease.take(),
             // The client left before its answer ended: the engine may still
             // be working on it, so its slot is not free yet.
-            let client_left = e.is_some_and(|e| e.esource() == &ErrorSource::Downstream);
-            if client_left {
-                lease.orphan(ctx.stream || ctx.meter.streaming);
+            slot: if client_left {
+                SlotEnd::Orphaned {
+                    streamed: ctx.stream || ctx.meter.streaming,
+                }
             } else {
-                lease.release();
-            }
-        }
+                SlotEnd::Free
+            },
+        });
         let status = session
             .response_written()
             .map(|h| h.status.as_u16())

@@ -1,7 +1,9 @@
-//! The end of a request: what it spent is settled in the one right order
-//! (usage accounting, then its quotas, then its flow's token-fair charge,
-//! then its slot released or orphaned), its outcome counted, and its access
-//! log line written.
+//! The end of a request at the proxy: whose fault a failure was, what it
+//! spent settled in the order every door uses ([`FleetGate::settle`]: usage,
+//! quotas, token-fair charge, then the slot), its outcome counted, and its
+//! access log line written.
+//!
+//! [`FleetGate::settle`]: crate::gate::FleetGate::settle
 
 use flowgate::blame;
 use pingora_core::{Error, ErrorSource};

@@ -136,6 +136,12 @@ impl<'de> Visitor<'de> for PromptJsonVisitor {
             };
             *slot = Some(map.next_value()?);
         }
+        // An object with none of the keys the walk reads is nothing to it:
+        // kept unboxed, so a hostile body of a million `{}` costs no more
+        // than a million numbers.
+        if object == PromptObject::default() {
+            return Ok(PromptJson::Other);
+        }
         Ok(PromptJson::Object(Box::new(object)))
     }
 }
@@ -346,6 +352,16 @@ mod tests {
         ($($t:tt)+) => {
             pj(serde_json::json!($($t)+))
         };
+    }
+
+    #[test]
+    fn objects_without_the_walks_keys_are_nothing_to_it() {
+        assert_eq!(json!({"a": 1, "type": "image_url"}), PromptJson::Other);
+        assert_eq!(
+            json!([{}, {}]),
+            PromptJson::List(vec![PromptJson::Other; 2])
+        );
+        assert!(matches!(json!({"role": null}), PromptJson::Object(_)));
     }
 
     #[test]

@@ -34,49 +34,42 @@ HOOKS = {
 }
 
 
-def annotate(dump, *flags):
-    return subprocess.run(
-        ["callgrind_annotate", *flags, dump], capture_output=True, text=True, check=True
-    ).stdout
-
-
-def total(text):
-    return int(re.search(r"([\d,]+) \(100.0%\)\s+PROGRAM TOTALS", text).group(1).replace(",", ""))
-
-
-def measured(out, name, kind):
-    """Instructions per request of NAME for KIND, and its inclusive text."""
+def profile(out, name, kind):
+    """NAME's dump for KIND, read once: instructions per request, and each
+    function's inclusive instructions per request (name, count); None if
+    there is no dump."""
     dump = os.path.join(out, f"{name}-{kind}.dump")
     if not os.path.exists(dump):
-        return None, None
+        return None
     requests = int(open(os.path.join(out, f"{name}-{kind}.requests")).read())
-    return total(annotate(dump)) / requests, (dump, requests)
-
-
-def hooks(dump, requests):
-    """Inclusive instructions per request of each hook (the largest entry
-    of its name: an async hook shows as its future's poll and callers)."""
-    text = annotate(dump, "--inclusive=yes", "--threshold=100")
-    found = {}
+    text = subprocess.run(
+        ["callgrind_annotate", "--inclusive=yes", "--threshold=100", dump],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    total = int(re.search(r"([\d,]+) \(100.0%\)\s+PROGRAM TOTALS", text).group(1).replace(",", ""))
+    functions = []
     for line in text.split("\n"):
         m = re.match(r"\s*([\d,]+) \([^)]*\)\s+\S*?:(.*)$", line)
-        if not m:
-            continue
-        n, fn = int(m.group(1).replace(",", "")), m.group(2)
+        if m:
+            name = re.sub(r"\s*\[.*$", "", m.group(2))
+            functions.append((name, int(m.group(1).replace(",", "")) / requests))
+    return total / requests, functions
+
+
+def hooks(functions):
+    """Inclusive instructions per request of each hook (the largest entry
+    of its name: an async hook shows as its future's poll and callers)."""
+    found = {}
+    for fn, n in functions:
         for hook, pattern in HOOKS.items():
             if pattern in fn and "balancer::" in fn:
-                found[hook] = max(found.get(hook, 0), n / requests)
+                found[hook] = max(found.get(hook, 0), n)
     return found
 
 
-def ours(dump, requests, top=10):
+def ours(functions, top=10):
     """The costliest of Flowgate's own functions, inclusive, per request."""
-    text = annotate(dump, "--inclusive=yes", "--threshold=100")
-    rows = []
-    for line in text.split("\n"):
-        m = re.match(r"\s*([\d,]+) \([^)]*\)\s+\S*?:(.*)$", line)
-        if m and re.search(r"\b(balancer|flowgate)::", m.group(2)):
-            rows.append((int(m.group(1).replace(",", "")) / requests, re.sub(r"\s*\[.*$", "", m.group(2))))
+    rows = [(n, fn) for fn, n in functions if re.search(r"\b(balancer|flowgate)::", fn)]
     return sorted(rows, reverse=True)[:top]
 
 
@@ -118,20 +111,21 @@ def main():
     rows, hook_rows, over = {}, {}, []
     print(f"{'kind':<8} {'Flowgate':>10} {'Pingora':>10} {'ratio':>6} {'budget':>10} {'vs budget':>9}")
     for kind in KINDS:
-        fg, where = measured(out, "flowgate", kind)
-        if fg is None:
+        measured = profile(out, "flowgate", kind)
+        if measured is None:
             print(f"budget: no measurement of {kind}", file=sys.stderr)
             sys.exit(1)
-        pg, _ = measured(out, "pingora", kind)
+        fg, functions = measured
+        pg = (profile(out, "pingora", kind) or (None, None))[0]
         rows[kind] = (round(fg), None if pg is None else round(pg))
-        for hook, n in hooks(*where).items():
+        for hook, n in hooks(functions).items():
             hook_rows[(kind, hook)] = round(n)
         b = budget.get(kind, (None, None))[0]
         vs = f"{fg / b - 1:+.1%}" if b else "new"
         ratio = f"x{fg / pg:.2f}" if pg else "-"
         print(f"{kind:<8} {fg:>10,.0f} {pg or 0:>10,.0f} {ratio:>6} {b or 0:>10,} {vs:>9}")
         if b and fg > b * (1 + TOLERANCE):
-            over.append((kind, where))
+            over.append((kind, functions))
         bp = budget.get(kind, (None, None))[1]
         if pg and bp and abs(pg / bp - 1) > TOLERANCE:
             print(f"  (bare Pingora's {kind} moved {pg / bp - 1:+.1%} from the budget's: "
@@ -143,7 +137,7 @@ def main():
     if not budget:
         print(f"budget: {path} is missing; write it with --budget --write", file=sys.stderr)
         sys.exit(1)
-    for kind, where in over:
+    for kind, functions in over:
         print(f"\n{kind}: over budget by more than {TOLERANCE:.0%}. Hooks, inclusive, per request "
               "(now / at the budget):")
         for hook in HOOKS:
@@ -154,7 +148,7 @@ def main():
             mark = "  <- grew" if grew > max(200, 0.005 * budget[kind][0]) else ""
             print(f"  {hook:<26} {now or 0:>9,} / {then or 0:>9,}  {grew:+,}{mark}")
         print("  Flowgate's costliest functions now, inclusive, per request:")
-        for n, fn in ours(*where):
+        for n, fn in ours(functions):
             print(f"    {n:>9,.0f}  {fn[:130]}")
     if over:
         print("\nbudget: over. Find what grew with `scripts/bench/proxy-profile`; if the cost buys "

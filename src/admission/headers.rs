@@ -104,6 +104,7 @@ mod tests {
             assert_eq!(*name, name.to_ascii_lowercase());
         }
     }
+
     #[test]
     fn one_pass_reads_what_lookups_read() {
         let pairs = [

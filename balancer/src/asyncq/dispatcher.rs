@@ -348,6 +348,7 @@ impl BackgroundService for AsyncDispatcher {
                 CapacityUnit::Requests => available as usize,
                 _ => usize::from(available > 0),
             };
+            let mut more_may_fit = false;
             if n > 0 && !queue.shared.is_shutting_down() {
                 let jobs = self.lease(n).await;
                 if !jobs.is_empty() {
@@ -364,13 +365,13 @@ impl BackgroundService for AsyncDispatcher {
                         under_way,
                     ));
                 }
-                if leased_any && n < available as usize {
-                    // More may fit: look again at once.
-                    queue.metrics.rounds.inc();
-                    continue;
-                }
+                more_may_fit = leased_any && n < available as usize;
             }
             queue.metrics.rounds.inc();
+            if more_may_fit {
+                // Look again at once.
+                continue;
+            }
             tokio::select! {
                 () = queue.submitted.notified() => {}
                 () = tokio::time::sleep(Duration::from_millis(100)) => {}

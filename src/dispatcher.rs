@@ -29,6 +29,10 @@
 //!   `dispatch` at [`Dispatcher::next_hold_end`] (and learns of new holds
 //!   from [`Dispatcher::take_new_holds`]), so no request waits on an idle
 //!   endpoint longer than its hold.
+//! - Sessions ([`crate::session`]): a request whose conversation was last
+//!   served by an endpoint goes back there while it can take it; while it
+//!   is saturated the request is held for it like an affinity hold (in
+//!   hard mode until its TTL), then goes elsewhere and is bound there.
 //! - A request for a model no endpoint serves (nor served lately) is refused
 //!   404 at once, unless no agent is registered at all: then it waits for
 //!   the fleet to come up.
@@ -40,7 +44,7 @@
 //!   504 first. Its owner may also remove it with [`Dispatcher::cancel`],
 //!   as when its client leaves. Neither holds a slot.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -247,7 +251,10 @@ impl<T> Dispatcher<T> {
         }
         let hold = self.config.scheduling.affinity_hold;
         if self.queues.is_empty() {
-            if let Pick::Lease(lease) = self.ledger.pick(&request.route, now, !hold.is_zero()) {
+            let hard_session =
+                self.config.scheduling.sessions.hard && request.route.session.is_some();
+            let may_hold = hard_session || !hold.is_zero();
+            if let Pick::Lease(lease) = self.ledger.pick(&request.route, now, may_hold) {
                 return Admission::Ready(lease);
             }
         }
@@ -312,7 +319,7 @@ impl<T> Dispatcher<T> {
         // Requests waiting for the endpoint that caches their prompt: the
         // requests behind them in their flows may pass them, lower
         // priorities may not (`floor`).
-        let mut held: Vec<Ticket> = Vec::new();
+        let mut held: HashSet<Ticket> = HashSet::new();
         let mut floor = i32::MIN;
         loop {
             let next = if stuck.is_empty() && held.is_empty() {
@@ -326,9 +333,14 @@ impl<T> Dispatcher<T> {
             };
             let Some(ticket) = next else { break };
             let waiting = self.queues.get(ticket).expect("peeked request is queued");
-            let may_hold = !hold.is_zero()
-                && waiting.hold_until.is_none_or(|end| now < end)
-                && held.len() < MAX_HOLDS_PER_PASS;
+            // A hard session waits for its endpoint until its TTL, however
+            // many others are held.
+            let hard_session =
+                self.config.scheduling.sessions.hard && waiting.route.session.is_some();
+            let may_hold = hard_session
+                || (!hold.is_zero()
+                    && waiting.hold_until.is_none_or(|end| now < end)
+                    && held.len() < MAX_HOLDS_PER_PASS);
             match self.ledger.pick(&waiting.route, now, may_hold) {
                 Pick::Lease(lease) => {
                     let removed = self.queues.pop(ticket).expect("peeked request is queued");
@@ -336,7 +348,7 @@ impl<T> Dispatcher<T> {
                 }
                 Pick::Hold => {
                     floor = floor.max(waiting.priority);
-                    held.push(ticket);
+                    held.insert(ticket);
                     let waiting = self
                         .queues
                         .get_mut(ticket)
@@ -356,10 +368,9 @@ impl<T> Dispatcher<T> {
                     let r = &waiting.route;
                     stuck.push(Route {
                         model: r.model.clone(),
-                        prefix: Vec::new(),
                         avoid: r.avoid,
                         subset: r.subset.clone(),
-                        tokens: Default::default(),
+                        ..Route::default()
                     });
                 }
             }
@@ -425,6 +436,18 @@ impl<T> Dispatcher<T> {
     /// waiting (it was granted a lease, evicted or expired meanwhile).
     pub fn cancel(&mut self, ticket: Ticket) -> bool {
         self.queues.cancel(ticket).is_some()
+    }
+
+    /// Binds `session` to the endpoint at `addr`: a response id whose
+    /// answer came from there ([`crate::session::response_key`]), so the
+    /// turn that continues it goes there too.
+    pub fn bind_session(&mut self, session: u64, addr: SocketAddr, now: Instant) {
+        self.ledger.bind_session(session, addr, now);
+    }
+
+    /// Sessions bound to an endpoint now.
+    pub fn sessions_bound(&self) -> usize {
+        self.ledger.sessions_bound()
     }
 
     /// Returns a slot; follow with [`Dispatcher::dispatch`].
@@ -598,6 +621,7 @@ impl<T> Dispatcher<T> {
             max_buffered_requests: self.config.flow.max_requests,
             max_buffered_bytes: self.config.flow.max_bytes,
             unserved: self.unserved_demand(now),
+            sessions: self.sessions_bound(),
         }
     }
 }
@@ -616,6 +640,8 @@ pub struct Snapshot {
     pub max_buffered_bytes: u64,
     /// Queued requests per model that no live endpoint serves.
     pub unserved: Vec<(Option<Arc<str>>, usize)>,
+    /// Sessions bound to an endpoint ([`crate::session`]).
+    pub sessions: usize,
 }
 
 fn done<T>(r: Removed<Waiting<T>>, result: Result<Lease, Reject>, now: Instant) -> Done<T> {

@@ -11,6 +11,8 @@
 //!   selection among the endpoints that serve a request's model.
 //! - [`scorer`]: the weighted scorers that pick an endpoint.
 //! - [`prefix`]: prompt block hashing and the per-endpoint prefix index.
+//! - [`session`]: session keys clients send and the endpoint each
+//!   conversation was last served by.
 //! - [`flow`]: flow-controlled queues (priority bands, tenant fairness,
 //!   ordering, capacity limits, deadlines).
 //! - [`blame`]: whose fault a failed answer is (the endpoint's or the
@@ -36,6 +38,7 @@ pub mod dispatcher;
 pub mod duration;
 pub mod endpoint;
 pub mod flow;
+pub(crate) mod lru;
 pub mod models;
 pub mod multipart;
 pub mod openai;
@@ -43,6 +46,7 @@ pub mod prefix;
 pub mod protocol;
 pub mod quota;
 pub mod scorer;
+pub mod session;
 pub mod tokens;
 pub mod usage;
 
@@ -59,3 +63,4 @@ pub use flow::{
 pub use prefix::PrefixConfig;
 pub use protocol::{AgentReport, BackendHealth, BackendKind, PROTOCOL_VERSION};
 pub use scorer::ScorerWeights;
+pub use session::{SessionConfig, SessionRules, SessionSource};

@@ -59,6 +59,14 @@ impl<'a> PromptJson<'a> {
         }
     }
 
+    /// The string, if this is one, as it was read.
+    pub fn as_cow(self) -> Option<Cow<'a, str>> {
+        match self {
+            PromptJson::Str(s) => Some(s),
+            _ => None,
+        }
+    }
+
     fn object(&self) -> Option<&PromptObject<'a>> {
         match self {
             PromptJson::Object(o) => Some(o),

@@ -24,8 +24,9 @@
 //! default costs about 160 KiB per endpoint and stands for 1 MiB of prompt
 //! text (roughly 250,000 tokens, more than most servers' KV caches hold).
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, DefaultHasher, Hash, Hasher};
+use std::hash::{DefaultHasher, Hash, Hasher};
+
+use crate::lru::{HashIndex, LruMap};
 
 /// How prompts are cut into blocks and how much each endpoint remembers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,84 +68,34 @@ pub fn block_hashes(text: &[u8], config: &PrefixConfig) -> Vec<u64> {
         .collect()
 }
 
-/// Keys are already hashes: one multiply-xorshift spreads them over the
-/// high bits (the hash table's tags) and the low bits (its buckets) even if
-/// a caller hands in poorly mixed values.
-#[derive(Default)]
-struct PassThrough(u64);
-
-impl Hasher for PassThrough {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        // Only `write_u64` is used by `u64` keys; fold anything else in.
-        for &b in bytes {
-            self.write_u64(self.0.rotate_left(8) ^ u64::from(b));
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        let x = n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        self.0 = x ^ (x >> 29);
-    }
-}
-
 /// The block hashes one endpoint was sent, least recently used forgotten
-/// first: a hash index over an intrusive doubly linked list kept in a
-/// vector, so every operation is O(1) per block and nothing is allocated
-/// once the list is full (the oldest node is reused).
+/// first ([`LruMap`]: O(1) per block, nothing allocated once full).
 #[derive(Debug, Clone)]
 pub struct PrefixLru {
-    capacity: usize,
-    index: HashMap<u64, u32, BuildHasherDefault<PassThrough>>,
-    nodes: Vec<Node>,
-    /// Most recently used node, or `NIL`.
-    head: u32,
-    /// Least recently used node, or `NIL`.
-    tail: u32,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Node {
-    hash: u64,
-    prev: u32,
-    next: u32,
-}
-
-const NIL: u32 = u32::MAX;
-
-impl std::fmt::Debug for PassThrough {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("PassThrough")
-    }
+    blocks: LruMap<()>,
 }
 
 impl PrefixLru {
     pub fn new(capacity: usize) -> Self {
         PrefixLru {
-            // Node indices are u32 (with one value reserved).
-            capacity: capacity.min(NIL as usize - 1),
-            index: HashMap::default(),
-            nodes: Vec::new(),
-            head: NIL,
-            tail: NIL,
+            blocks: LruMap::new(capacity),
         }
     }
 
     /// Blocks remembered.
     pub fn len(&self) -> usize {
-        self.index.len()
+        self.blocks.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.index.is_empty()
+        self.blocks.is_empty()
     }
 
     /// How many of `blocks`, from the first, are remembered.
     pub fn matched(&self, blocks: &[u64]) -> usize {
         blocks
             .iter()
-            .take_while(|h| self.index.contains_key(h))
+            .take_while(|h| self.blocks.contains(**h))
             .count()
     }
 
@@ -158,64 +109,33 @@ impl PrefixLru {
     /// (`true`) or stops (`false`) remembering, so a [`PrefixHolders`]
     /// can follow.
     pub fn insert_tracked(&mut self, blocks: &[u64], mut changed: impl FnMut(u64, bool)) {
-        if self.capacity == 0 {
+        if self.blocks.capacity() == 0 {
             return;
         }
         for &h in blocks.iter().rev() {
-            if let Some(&i) = self.index.get(&h) {
-                self.unlink(i);
-                self.push_front(i);
-            } else if self.nodes.len() < self.capacity {
-                let i = self.nodes.len() as u32;
-                self.nodes.push(Node {
-                    hash: h,
-                    prev: NIL,
-                    next: NIL,
-                });
-                self.push_front(i);
-                self.index.insert(h, i);
-                changed(h, true);
-            } else {
-                // Full: the least recently used node takes the new hash.
-                let i = self.tail;
-                let old = self.nodes[i as usize].hash;
-                self.index.remove(&old);
+            let new = !self.blocks.contains(h);
+            if let Some((old, ())) = self.blocks.insert(h, ()) {
                 changed(old, false);
-                self.unlink(i);
-                self.nodes[i as usize].hash = h;
-                self.push_front(i);
-                self.index.insert(h, i);
+            }
+            if new {
                 changed(h, true);
+            }
+        }
+    }
+
+    /// Forgets `blocks` (the engine showed it does not hold them), telling
+    /// `changed` of each hash it stops remembering.
+    pub fn remove_tracked(&mut self, blocks: &[u64], mut changed: impl FnMut(u64, bool)) {
+        for &h in blocks {
+            if self.blocks.remove(h).is_some() {
+                changed(h, false);
             }
         }
     }
 
     /// Every hash remembered, in no particular order.
     pub fn hashes(&self) -> impl Iterator<Item = u64> + '_ {
-        self.index.keys().copied()
-    }
-
-    fn unlink(&mut self, i: u32) {
-        let Node { prev, next, .. } = self.nodes[i as usize];
-        match prev {
-            NIL => self.head = next,
-            p => self.nodes[p as usize].next = next,
-        }
-        match next {
-            NIL => self.tail = prev,
-            n => self.nodes[n as usize].prev = prev,
-        }
-    }
-
-    fn push_front(&mut self, i: u32) {
-        let old = self.head;
-        self.nodes[i as usize].prev = NIL;
-        self.nodes[i as usize].next = old;
-        match old {
-            NIL => self.tail = i,
-            o => self.nodes[o as usize].prev = i,
-        }
-        self.head = i;
+        self.blocks.keys()
     }
 }
 
@@ -227,7 +147,7 @@ impl PrefixLru {
 /// so one holder is stored inline.
 #[derive(Debug)]
 pub struct PrefixHolders<K> {
-    map: HashMap<u64, Holders<K>, BuildHasherDefault<PassThrough>>,
+    map: HashIndex<Holders<K>>,
 }
 
 #[derive(Debug)]
@@ -239,7 +159,7 @@ enum Holders<K> {
 impl<K> Default for PrefixHolders<K> {
     fn default() -> Self {
         PrefixHolders {
-            map: HashMap::default(),
+            map: HashIndex::default(),
         }
     }
 }
@@ -376,12 +296,12 @@ mod tests {
             lru.insert(&prompt);
         }
         assert_eq!(lru.len(), 8);
-        assert_eq!(lru.nodes.len(), 8);
+        assert_eq!(lru.blocks.allocated(), 8);
         assert_eq!(lru.matched(&prompt), 8);
         for round in 0..1_000u64 {
             lru.insert(&[round * 2 + 1_000, round * 2 + 1_001]);
         }
-        assert_eq!((lru.len(), lru.nodes.len()), (8, 8));
+        assert_eq!((lru.len(), lru.blocks.allocated()), (8, 8));
     }
 
     #[test]

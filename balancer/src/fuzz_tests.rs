@@ -166,6 +166,7 @@ proptest! {
             priority: priority.as_deref(),
             ttl: ttl.as_deref(),
             content_type: None,
+            sessions: Default::default(),
         };
         if let Ok((flow, _)) = settings.admission().flow(headers, &model, Caller::Anonymous) {
             prop_assert!(flowgate::flow::valid_fairness_id(&flow.fairness_id));

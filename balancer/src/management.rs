@@ -206,6 +206,7 @@ impl Management {
             "max_buffered_bytes": snap.max_buffered_bytes,
             "flows": snap.flows,
             "in_flight_requests": snap.in_flight,
+            "sessions": snap.sessions,
             "unserved_demand": snap.unserved.iter()
                 .map(|(model, n)| json!({"model": model.as_deref(), "requests": n}))
                 .collect::<Vec<_>>(),

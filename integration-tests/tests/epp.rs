@@ -697,3 +697,46 @@ async fn quotas_hold_behind_envoy() {
     .await;
     assert_eq!(usage["tenants"][0]["prompt_tokens"], 7, "{usage}");
 }
+
+/// A session key read from Envoy's headers (Codex's `session_id` here) or
+/// the body keeps a conversation on one endpoint as at the proxy, although
+/// its prompts share nothing; without one, equal endpoints take turns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_hold_behind_envoy_too() {
+    let epp = Epp::start(&[]).await;
+    let sims: Vec<Sim> = (0..3)
+        .map(|_| Sim::start(&["--model", "m", "--slots", "4"]))
+        .collect();
+    let _agents: Vec<_> = sims.iter().map(|s| agent(s, &epp.b)).collect();
+    epp.b.wait_eligible(3).await;
+    let destinations = |headers: &'static [(&'static str, &'static str)], cache_key: bool| {
+        let epp = &epp;
+        async move {
+            let mut seen = Vec::new();
+            for turn in 0..5 {
+                let mut body =
+                    chat_for(Some("m"), &format!("turn {turn} {}", turn * 31).repeat(30));
+                if cache_key {
+                    body["prompt_cache_key"] = "conv-7".into();
+                }
+                let mut x = epp.open().await;
+                let to = destination(&x.request(headers, &body).await);
+                x.respond(200, b"{}").await;
+                seen.push(to);
+            }
+            seen.dedup();
+            seen
+        }
+    };
+    assert_eq!(
+        destinations(&[("session_id", "codex-1")], false)
+            .await
+            .len(),
+        1
+    );
+    assert_eq!(destinations(&[], true).await.len(), 1);
+    assert!(
+        destinations(&[], false).await.len() > 1,
+        "no key: turns spread"
+    );
+}

@@ -2,11 +2,15 @@
 
 use std::sync::Arc;
 
+use std::borrow::Cow;
+
+use serde::de::{Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 
 use crate::endpoint::Route;
 use crate::openai::PromptJson;
 use crate::prefix::{block_hashes, PrefixConfig};
+use crate::session::{SessionKeys, SessionSource};
 
 /// Fields read from an inference request body, borrowed from it where they
 /// can be ([`PromptJson`]). Deserialising into it also checks that the body
@@ -48,6 +52,72 @@ struct InferenceFields<'a> {
     max_completion_tokens: Option<serde_json::Value>,
     #[serde(default)]
     max_output_tokens: Option<serde_json::Value>,
+    /// Session keys ([`crate::session::SessionSource`]): OpenAI's cache
+    /// key, the Responses API's conversation (an id, or an object with
+    /// one) and the response a turn continues.
+    #[serde(default, borrow)]
+    prompt_cache_key: Option<PromptJson<'a>>,
+    #[serde(default, borrow)]
+    conversation: Option<ConversationRef<'a>>,
+    #[serde(default, borrow)]
+    previous_response_id: Option<PromptJson<'a>>,
+}
+
+/// The Responses API's `conversation`: a string id, or an object whose
+/// `id` is one; anything else names no conversation.
+#[derive(Debug)]
+struct ConversationRef<'a>(Option<Cow<'a, str>>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for ConversationRef<'a> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        deserializer.deserialize_any(ConversationVisitor)
+    }
+}
+
+struct ConversationVisitor;
+
+impl<'de> Visitor<'de> for ConversationVisitor {
+    type Value = ConversationRef<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a conversation id, or an object with one")
+    }
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Self::Value, E> {
+        Ok(ConversationRef(Some(Cow::Borrowed(v))))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(ConversationRef(Some(Cow::Owned(v.to_owned()))))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut id = None;
+        while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+            if key == "id" {
+                id = map.next_value::<PromptJson<'de>>()?.as_cow();
+            } else {
+                map.next_value::<IgnoredAny>()?;
+            }
+        }
+        Ok(ConversationRef(id))
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(ConversationRef(None))
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+        Ok(ConversationRef(None))
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+        Ok(ConversationRef(None))
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+        Ok(ConversationRef(None))
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+        Ok(ConversationRef(None))
+    }
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(ConversationRef(None))
+    }
 }
 
 impl InferenceFields<'_> {
@@ -61,6 +131,24 @@ impl InferenceFields<'_> {
     fn prompt_text(&self, prefix: &PrefixConfig) -> Vec<u8> {
         let limit = prefix.block_bytes.saturating_mul(prefix.max_blocks);
         crate::openai::prompt_text(&self.prompt_fields(), limit)
+    }
+
+    fn sessions(&self) -> SessionKeys {
+        let mut keys = SessionKeys::default();
+        if let Some(k) = self.prompt_cache_key.as_ref().and_then(PromptJson::as_str) {
+            keys.set(SessionSource::PromptCacheKey, k.as_bytes());
+        }
+        if let Some(ConversationRef(Some(c))) = &self.conversation {
+            keys.set(SessionSource::Conversation, c.as_bytes());
+        }
+        if let Some(r) = self
+            .previous_response_id
+            .as_ref()
+            .and_then(PromptJson::as_str)
+        {
+            keys.set(SessionSource::PreviousResponseId, r.as_bytes());
+        }
+        keys
     }
 
     fn prompt_fields(&self) -> crate::openai::PromptFields<'_> {
@@ -99,6 +187,8 @@ pub struct BodyFacts {
     pub prompt_bytes: u64,
     /// The output tokens the request asks for at most, if it says.
     pub output_bound: Option<u64>,
+    /// The session keys of the body, hashed.
+    pub sessions: SessionKeys,
 }
 
 /// The facts of an inference request body; the reason if it is not one
@@ -119,6 +209,7 @@ pub fn body_facts(body: &[u8], prefix: &PrefixConfig) -> Result<BodyFacts, Strin
             fields.max_completion_tokens.as_ref(),
             fields.max_output_tokens.as_ref(),
         ]),
+        sessions: fields.sessions(),
     })
 }
 
@@ -151,6 +242,7 @@ pub fn form_facts(
         stream: field("stream") == Some("true"),
         prompt_bytes: prompt.len() as u64,
         output_bound: None,
+        sessions: SessionKeys::default(),
     })
 }
 

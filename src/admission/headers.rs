@@ -1,5 +1,8 @@
 //! The request headers flow control reads, under one set of names for
-//! every front door.
+//! every front door: the flow's, and the session keys clients send
+//! ([`crate::session::SessionSource`]).
+
+use crate::session::{SessionKeys, SessionSource};
 
 /// Header naming the tenant a request belongs to (its fairness id).
 pub const FAIRNESS_ID_HEADER: &str = "x-gateway-inference-fairness-id";
@@ -23,17 +26,27 @@ pub struct FlowHeaders<'a> {
     pub priority: Option<&'a [u8]>,
     pub ttl: Option<&'a [u8]>,
     pub content_type: Option<&'a [u8]>,
+    /// The session keys of the headers, hashed.
+    pub sessions: SessionKeys,
 }
 
 impl<'a> FlowHeaders<'a> {
     /// Every header name this reads, lower case: a door that collects
     /// headers itself (EPP mode gets them as a list) keeps these.
-    pub const NAMES: [&'static str; 5] = [
+    pub const NAMES: [&'static str; 13] = [
         FAIRNESS_ID_HEADER,
         OBJECTIVE_HEADER,
         PRIORITY_HEADER,
         TTL_HEADER,
         CONTENT_TYPE_HEADER,
+        SessionSource::HEADER_NAMES[0],
+        SessionSource::HEADER_NAMES[1],
+        SessionSource::HEADER_NAMES[2],
+        SessionSource::HEADER_NAMES[3],
+        SessionSource::HEADER_NAMES[4],
+        SessionSource::HEADER_NAMES[5],
+        SessionSource::HEADER_NAMES[6],
+        SessionSource::HEADER_NAMES[7],
     ];
 
     /// The body's `multipart/form-data` content type, if it is a form.
@@ -49,12 +62,19 @@ impl<'a> FlowHeaders<'a> {
     /// one header's value. A new header rule is one field here and one
     /// name in [`Self::NAMES`].
     pub fn read(get: impl Fn(&str) -> Option<&'a [u8]>) -> Self {
+        let mut sessions = SessionKeys::default();
+        for name in SessionSource::HEADER_NAMES {
+            if let (Some(value), Some(source)) = (get(name), SessionSource::of_header(name)) {
+                sessions.set(source, value);
+            }
+        }
         FlowHeaders {
             fairness_id: get(FAIRNESS_ID_HEADER),
             objective: get(OBJECTIVE_HEADER),
             priority: get(PRIORITY_HEADER),
             ttl: get(TTL_HEADER),
             content_type: get(CONTENT_TYPE_HEADER),
+            sessions,
         }
     }
 
@@ -72,7 +92,12 @@ impl<'a> FlowHeaders<'a> {
                 PRIORITY_HEADER => &mut h.priority,
                 TTL_HEADER => &mut h.ttl,
                 CONTENT_TYPE_HEADER => &mut h.content_type,
-                _ => continue,
+                _ => {
+                    if let Some(source) = SessionSource::of_header(name) {
+                        h.sessions.set(source, value);
+                    }
+                    continue;
+                }
             };
             slot.get_or_insert(value);
         }
@@ -113,6 +138,8 @@ mod tests {
             (FAIRNESS_ID_HEADER, b"acme"),
             (FAIRNESS_ID_HEADER, b"second"),
             (CONTENT_TYPE_HEADER, b"application/json"),
+            ("session_id", b"codex-1"),
+            ("x-smg-routing-key", b"k"),
         ];
         let one_pass = FlowHeaders::from_pairs(pairs);
         let looked_up =
@@ -127,6 +154,7 @@ mod tests {
             ]
         }
         assert_eq!(fields(&one_pass), fields(&looked_up));
+        assert_eq!(one_pass.sessions, looked_up.sessions);
         assert_eq!(
             one_pass.fairness_id,
             Some(&b"acme"[..]),

@@ -29,6 +29,7 @@ use crate::dispatcher::RequestMeta;
 use crate::flow::FlowKey;
 use crate::models::{ModelRules, Resolved};
 use crate::prefix::PrefixConfig;
+use crate::session::SessionRules;
 use crate::tokens::TokenEstimate;
 
 /// What admission needs to know of the fleet: which model names are
@@ -85,6 +86,8 @@ pub struct AdmissionRules {
     /// Token-fairness weights by fairness id (1 when not listed); an API
     /// key's own weight wins.
     pub weights: HashMap<String, u32>,
+    /// Which session keys name a request's conversation.
+    pub sessions: SessionRules,
 }
 
 impl Default for AdmissionRules {
@@ -95,6 +98,7 @@ impl Default for AdmissionRules {
             models: ModelRules::default(),
             default_output_tokens: crate::tokens::DEFAULT_OUTPUT_TOKENS,
             weights: HashMap::new(),
+            sessions: SessionRules::default(),
         }
     }
 }
@@ -130,6 +134,9 @@ impl AdmissionRules {
             output_asked: facts.output_bound.is_some(),
         };
         facts.route.tokens = tokens;
+        let mut keys = facts.sessions;
+        keys.merge(&headers.sessions);
+        facts.route.session = self.sessions.session(&keys, &flow.fairness_id);
         Ok(RequestFacts {
             model: facts.model,
             resolved,
@@ -221,6 +228,7 @@ mod tests {
                 .unwrap(),
             weights: HashMap::new(),
             default_output_tokens: 100,
+            sessions: SessionRules::default(),
         }
     }
 
@@ -346,6 +354,88 @@ mod tests {
         assert_eq!((none.model.as_str(), none.meta.bytes), ("", 0));
     }
 
+    #[test]
+    fn a_session_key_is_scoped_to_its_tenant_from_any_source() {
+        let r = rules();
+        let session = |headers: FlowHeaders<'_>, body: &[u8], caller: Caller<'_>| {
+            r.inference(headers, Some(body), caller, &Fleet)
+                .unwrap()
+                .meta
+                .route
+                .session
+        };
+        let plain = br#"{"model":"m"}"#;
+        let cache_key = br#"{"model":"m","prompt_cache_key":"conv-1"}"#;
+        let header = FlowHeaders::from_pairs([("x-session-id", &b"conv-1"[..])]);
+        let anonymous = session(FlowHeaders::default(), cache_key, Caller::Anonymous);
+        assert!(anonymous.is_some());
+        assert_eq!(
+            session(FlowHeaders::default(), plain, Caller::Anonymous),
+            None
+        );
+        assert_eq!(
+            session(header, plain, Caller::Anonymous),
+            anonymous,
+            "the same key in a header names the same session"
+        );
+        let grant = |tenant: &str| Grant {
+            tenant: Arc::from(tenant),
+            max_priority: None,
+            weight: None,
+            key_id: Arc::from("k"),
+            quota: None,
+        };
+        let (alpha, beta) = (grant("alpha"), grant("beta"));
+        let a = session(FlowHeaders::default(), cache_key, Caller::Key(&alpha));
+        let b = session(FlowHeaders::default(), cache_key, Caller::Key(&beta));
+        assert!(a.is_some() && b.is_some());
+        assert_ne!(a, b, "another tenant's key steers nothing of alpha's");
+        assert_ne!(a, anonymous);
+        for body in [
+            &br#"{"conversation":"conv-1"}"#[..],
+            br#"{"conversation":{"id":"conv-1","x":[1]}}"#,
+        ] {
+            assert_eq!(
+                session(FlowHeaders::default(), body, Caller::Anonymous),
+                anonymous
+            );
+        }
+        let continued = session(
+            FlowHeaders::default(),
+            br#"{"previous_response_id":"resp_1"}"#,
+            Caller::Anonymous,
+        );
+        assert_eq!(
+            continued,
+            crate::session::response_key("default", b"resp_1"),
+            "a response id names where that response was served"
+        );
+        for odd in [
+            &br#"{"prompt_cache_key":7}"#[..],
+            br#"{"prompt_cache_key":""}"#,
+            br#"{"conversation":[1,2]}"#,
+            br#"{"conversation":{"id":{"no":1}}}"#,
+        ] {
+            assert_eq!(
+                session(FlowHeaders::default(), odd, Caller::Anonymous),
+                None
+            );
+        }
+        let off = AdmissionRules {
+            sessions: SessionRules { order: Vec::new() },
+            ..rules()
+        };
+        let f = off
+            .inference(
+                FlowHeaders::default(),
+                Some(cache_key),
+                Caller::Anonymous,
+                &Fleet,
+            )
+            .unwrap();
+        assert_eq!(f.meta.route.session, None, "no source: sessions off");
+    }
+
     proptest! {
         /// Whatever a client sends, admission answers (never panics), and a
         /// key's tenant and ceiling always hold.
@@ -365,6 +455,7 @@ mod tests {
                 priority: Some(&priority),
                 ttl: Some(&ttl),
                 content_type: None,
+                sessions: Default::default(),
             };
             let grant = Grant { tenant: Arc::from("alpha"), max_priority: Some(ceiling), weight: None, key_id: Arc::from("k"), quota: None };
             let form = FlowHeaders { content_type: Some(&b"multipart/form-data; boundary=x"[..]), ..h };

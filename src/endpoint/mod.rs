@@ -52,6 +52,7 @@ use serde::Serialize;
 use crate::prefix::{PrefixHolders, PrefixLru};
 use crate::protocol::{AgentReport, BackendHealth, ReportError};
 use crate::scorer::TieBreaker;
+use crate::session::SessionTable;
 
 /// Reports older than this many monitoring intervals make an agent stale.
 pub const STALE_AFTER_INTERVALS: u32 = 3;
@@ -233,6 +234,8 @@ pub(crate) struct EndpointLedger {
     reranks: u64,
     /// Which endpoints' prefix indexes hold each prompt block.
     holders: PrefixHolders<EndpointId>,
+    /// The endpoint each session's last turn went to.
+    sessions: SessionTable,
 }
 
 impl Default for EndpointLedger {
@@ -255,6 +258,7 @@ impl EndpointLedger {
             ranking: Ranking::default(),
             reranks: 0,
             holders: PrefixHolders::default(),
+            sessions: SessionTable::new(&scheduling.sessions),
         }
     }
 
@@ -267,6 +271,7 @@ impl EndpointLedger {
         scheduling: SchedulingConfig,
     ) {
         self.saturation = saturation;
+        self.sessions.reconfigure(&scheduling.sessions);
         self.scheduling = SchedulingConfig {
             seed: self.scheduling.seed,
             ..scheduling
@@ -490,6 +495,9 @@ impl EndpointLedger {
         let holders = &mut self.holders;
         ep.prefix
             .insert_tracked(&route.prefix, |h, holds| holders.change(h, chosen, holds));
+        if let Some(session) = route.session {
+            self.sessions.bind(session, ep.addr, now);
+        }
         let lease = Lease {
             endpoint: ep.id,
             addr: ep.addr,
@@ -497,6 +505,19 @@ impl EndpointLedger {
         };
         self.rerank(chosen);
         Pick::Lease(lease)
+    }
+
+    /// Binds `session` to the endpoint at `addr` (a response id whose
+    /// answer came from there, for the turn that continues it).
+    pub(crate) fn bind_session(&mut self, session: u64, addr: SocketAddr, now: Instant) {
+        if self.by_addr.contains_key(&addr) {
+            self.sessions.bind(session, addr, now);
+        }
+    }
+
+    /// Sessions bound now (idle ones not yet swept included).
+    pub(crate) fn sessions_bound(&self) -> usize {
+        self.sessions.len()
     }
 
     /// Whether some endpoint could take work now, for any model.

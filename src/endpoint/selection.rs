@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use super::{BreakerConfig, Endpoint, EndpointId, EndpointLedger, Lease, SaturationConfig};
 use crate::prefix::PrefixConfig;
 use crate::scorer::{Candidate, ScorerWeights};
+use crate::session::SessionConfig;
 use crate::tokens::TokenEstimate;
 
 /// Where a request may go.
@@ -31,6 +32,8 @@ pub struct Route {
     /// What the request will cost, estimated: endpoints whose token budget
     /// it does not fit in are saturated for it.
     pub tokens: TokenEstimate,
+    /// Its session, hashed and scoped to its tenant ([`crate::session`]).
+    pub session: Option<u64>,
 }
 
 impl Route {
@@ -50,6 +53,8 @@ pub struct SchedulingConfig {
     /// holds most of its prompt, rather than go to a free one that does not
     /// (see [`EndpointLedger::pick`]); zero: never.
     pub affinity_hold: Duration,
+    /// How sessions are kept and honoured.
+    pub sessions: SessionConfig,
     /// Seed of the tie-breaking random source.
     pub seed: u64,
 }
@@ -61,6 +66,7 @@ impl Default for SchedulingConfig {
             prefix: PrefixConfig::default(),
             breaker: BreakerConfig::default(),
             affinity_hold: Duration::from_millis(200),
+            sessions: SessionConfig::default(),
             seed: 0x5eed,
         }
     }
@@ -74,6 +80,17 @@ pub(super) enum Choice {
     Hold,
     /// No endpoint can take it now.
     Busy,
+}
+
+/// Where a request's session stands.
+enum SessionPlace {
+    /// Its endpoint can take the request.
+    Takes(EndpointId),
+    /// Its endpoint is live but cannot take it now.
+    Saturated,
+    /// No endpoint to go back to (none bound, gone, or not for this
+    /// request).
+    None,
 }
 
 /// What [`EndpointLedger::pick`] found for a request.
@@ -143,7 +160,9 @@ impl EndpointLedger {
     /// least half of the request's prompt blocks and more than any
     /// candidate does. Waiting a little for the server that already has the
     /// prompt beats prefilling it again elsewhere; the caller bounds the
-    /// wait.
+    /// wait. A request of a session goes back to the endpoint its last
+    /// turn went to while that can take it; while that is saturated,
+    /// `may_hold` holds it for it (see [`crate::session`]).
     ///
     /// The cost does not grow with the fleet: the best candidate by its
     /// static score is the first of its model's ranked lane that can take
@@ -152,6 +171,49 @@ impl EndpointLedger {
     /// their prefix term, and they are looked at deepest match first until
     /// none could.
     pub(super) fn choose(&mut self, route: &Route, now: Instant, may_hold: bool) -> Choice {
+        let Some(session) = route.session else {
+            return self.choose_by_score(route, now, may_hold);
+        };
+        match self.session_endpoint(route, session, now) {
+            SessionPlace::Takes(id) => Choice::Endpoint(id),
+            SessionPlace::Saturated => match self.choose_by_score(route, now, may_hold) {
+                // Nothing else is free either: no reason to hold yet.
+                Choice::Busy => Choice::Busy,
+                _ if may_hold => Choice::Hold,
+                other => other,
+            },
+            SessionPlace::None => self.choose_by_score(route, now, may_hold),
+        }
+    }
+
+    /// Where `session`'s last turn went, as its next turn sees it; a
+    /// binding to an endpoint that is gone, draining or otherwise not
+    /// eligible is released (the turn goes elsewhere and is bound there).
+    fn session_endpoint(&mut self, route: &Route, session: u64, now: Instant) -> SessionPlace {
+        let Some(addr) = self.sessions.endpoint(session, now) else {
+            return SessionPlace::None;
+        };
+        let Some(e) = self
+            .by_addr
+            .get(&addr)
+            .and_then(|id| self.endpoints.get(id))
+            .filter(|e| e.eligible(now))
+        else {
+            self.sessions.release(session);
+            return SessionPlace::None;
+        };
+        if !e.fits(route) {
+            // Another model, or the endpoint a retry avoids.
+            SessionPlace::None
+        } else if e.takes(route, now, &self.saturation) {
+            SessionPlace::Takes(e.id)
+        } else {
+            SessionPlace::Saturated
+        }
+    }
+
+    /// [`EndpointLedger::choose`] by the scorers alone (no session).
+    fn choose_by_score(&mut self, route: &Route, now: Instant, may_hold: bool) -> Choice {
         if let Some(subset) = &route.subset {
             return self.choose_in_subset(route, &Arc::clone(subset), now, may_hold);
         }

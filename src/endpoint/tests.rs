@@ -668,6 +668,7 @@ proptest::proptest! {
                         avoid: avoid.map(port_addr),
                         subset: None,
                         tokens: TokenEstimate { prompt: tokens, output: tokens / 2, output_asked: true },
+                        session: None,
                     };
                     let want = expected(&r, &route, now, may_hold);
                     match r.choose(&route, now, may_hold) {

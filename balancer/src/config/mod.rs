@@ -75,6 +75,8 @@ pub struct Settings {
     pub priorities: PriorityRules,
     /// Token-fairness weights by fairness id.
     pub weights: std::collections::HashMap<String, u32>,
+    /// Which session keys name a conversation, in order.
+    pub sessions: flowgate::SessionRules,
     /// Quotas per tenant (keys carry their own).
     pub quotas: flowgate::quota::QuotaRules,
     /// Where quota windows are kept.
@@ -132,6 +134,7 @@ impl Settings {
             models: self.models.clone(),
             default_output_tokens: self.default_output_tokens,
             weights: self.weights.clone(),
+            sessions: self.sessions.clone(),
         }
     }
 
@@ -228,8 +231,9 @@ impl Settings {
         let seed = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
-        let (sched, retries) = scheduling::build(&file.scheduling.unwrap_or_default(), seed)
-            .map_err(SettingsError::Invalid)?;
+        let (sched, retries, sessions) =
+            scheduling::build(&file.scheduling.unwrap_or_default(), seed)
+                .map_err(SettingsError::Invalid)?;
         dispatcher.scheduling = sched;
         let (quota_rules, quota_store) =
             quotas::build(&cli, &file.quotas.take().unwrap_or_default())
@@ -325,6 +329,7 @@ impl Settings {
             dispatcher,
             priorities,
             weights,
+            sessions,
             quotas: quota_rules,
             quota_store,
             models,

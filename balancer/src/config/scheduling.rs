@@ -1,7 +1,10 @@
 //! `scheduling:` in the config file: scorer weights, the prefix index,
-//! upstream retries, the circuit breaker and the affinity hold.
+//! upstream retries, the circuit breaker, the affinity hold and sessions.
 
-use flowgate::{BreakerConfig, PrefixConfig, SchedulingConfig, ScorerWeights};
+use flowgate::{
+    BreakerConfig, PrefixConfig, SchedulingConfig, ScorerWeights, SessionConfig, SessionRules,
+    SessionSource,
+};
 use serde::Deserialize;
 
 use super::flow::ConfigDuration;
@@ -24,7 +27,32 @@ pub struct SchedulingSection {
     /// How long a queued request may wait for a busy server that caches
     /// most of its prompt instead of going to a free one (0s: never).
     pub affinity_hold: Option<ConfigDuration>,
+    pub sessions: Option<SessionsSection>,
 }
+
+/// `scheduling.sessions`: which session keys are read, in what order, and
+/// how sessions are kept.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct SessionsSection {
+    /// Header and body field names, first present wins; `[]`: off.
+    pub keys: Option<Vec<String>>,
+    /// `soft` (default): wait at most `affinityHold` for the session's
+    /// saturated endpoint; `hard`: until the request's TTL.
+    pub mode: Option<SessionMode>,
+    pub idle_timeout: Option<ConfigDuration>,
+    pub max_sessions: Option<usize>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SessionMode {
+    Soft,
+    Hard,
+}
+
+/// The most sessions one balancer may keep (about 96 MiB of memory).
+pub const MAX_SESSIONS: usize = 1_000_000;
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "camelCase")]
@@ -42,8 +70,12 @@ pub struct BreakerSection {
     pub max_backoff: Option<ConfigDuration>,
 }
 
-/// The checked scheduling settings and the retry count.
-pub fn build(section: &SchedulingSection, seed: u64) -> Result<(SchedulingConfig, u32), String> {
+/// The checked scheduling settings, the retry count and which session keys
+/// admission reads.
+pub fn build(
+    section: &SchedulingSection,
+    seed: u64,
+) -> Result<(SchedulingConfig, u32, SessionRules), String> {
     let scorers = section.scorers.unwrap_or_default();
     if let Some((name, w)) = scorers.invalid() {
         return Err(format!(
@@ -91,14 +123,61 @@ pub fn build(section: &SchedulingSection, seed: u64) -> Result<(SchedulingConfig
     let affinity_hold = section
         .affinity_hold
         .map_or(SchedulingConfig::default().affinity_hold, |d| d.0);
+    let (sessions, session_rules) = sessions(section.sessions.as_ref())?;
     Ok((
         SchedulingConfig {
             scorers,
             prefix,
             breaker,
             affinity_hold,
+            sessions,
             seed,
         },
         retries,
+        session_rules,
+    ))
+}
+
+/// The checked `scheduling.sessions`.
+fn sessions(section: Option<&SessionsSection>) -> Result<(SessionConfig, SessionRules), String> {
+    let d = SessionConfig::default();
+    let Some(s) = section else {
+        return Ok((d, SessionRules::default()));
+    };
+    let rules = match &s.keys {
+        None => SessionRules::default(),
+        Some(keys) => {
+            let mut order: Vec<SessionSource> = Vec::with_capacity(keys.len());
+            for k in keys {
+                let source: SessionSource = k
+                    .parse()
+                    .map_err(|e| format!("scheduling.sessions.keys: {e}"))?;
+                if order.contains(&source) {
+                    return Err(format!(
+                        "scheduling.sessions.keys names {k:?} twice (session_id and session-id are one source)"
+                    ));
+                }
+                order.push(source);
+            }
+            SessionRules { order }
+        }
+    };
+    let max_sessions = s.max_sessions.unwrap_or(d.max_sessions);
+    if max_sessions > MAX_SESSIONS {
+        return Err(format!(
+            "scheduling.sessions.maxSessions must be at most {MAX_SESSIONS}, not {max_sessions}"
+        ));
+    }
+    let idle_timeout = s.idle_timeout.map_or(d.idle_timeout, |t| t.0);
+    if idle_timeout.is_zero() {
+        return Err("scheduling.sessions.idleTimeout must be at least 1ms".into());
+    }
+    Ok((
+        SessionConfig {
+            max_sessions,
+            idle_timeout,
+            hard: s.mode == Some(SessionMode::Hard),
+        },
+        rules,
     ))
 }

@@ -349,6 +349,48 @@ fn scheduling_section_is_read() {
 }
 
 #[test]
+fn sessions_section_is_read_and_checked() {
+    let file = FileConfig::parse(
+        "scheduling:\n  sessions:\n    keys: [X-Session-Id, session_id, prompt_cache_key]\n    \
+         mode: hard\n    idleTimeout: 5m\n    maxSessions: 10\n",
+    )
+    .unwrap();
+    let s = Settings::merge(cli(&[]), file).unwrap();
+    let sessions = &s.dispatcher.scheduling.sessions;
+    assert!(sessions.hard);
+    assert_eq!(sessions.idle_timeout, Duration::from_secs(300));
+    assert_eq!(sessions.max_sessions, 10);
+    assert_eq!(
+        s.admission().sessions.order,
+        [
+            flowgate::SessionSource::SessionIdHeader,
+            flowgate::SessionSource::CodexHeader,
+            flowgate::SessionSource::PromptCacheKey
+        ]
+    );
+    let d = Settings::merge(cli(&[]), FileConfig::default()).unwrap();
+    assert_eq!(d.admission().sessions, flowgate::SessionRules::default());
+    assert!(!d.dispatcher.scheduling.sessions.hard);
+    let off = FileConfig::parse("scheduling:\n  sessions:\n    keys: []\n").unwrap();
+    let off = Settings::merge(cli(&[]), off).unwrap();
+    assert!(off.admission().sessions.order.is_empty());
+    for (yaml, says) in [
+        ("keys: [x-nope]", "x-nope"),
+        ("keys: [session-id, session_id]", "twice"),
+        ("maxSessions: 1000001", "at most 1000000"),
+        ("idleTimeout: 0s", "idleTimeout"),
+        ("mode: sticky", "mode"),
+    ] {
+        let text = format!("scheduling:\n  sessions:\n    {yaml}\n");
+        let err = match FileConfig::parse(&text) {
+            Err(e) => e.to_string(),
+            Ok(f) => Settings::merge(cli(&[]), f).unwrap_err().to_string(),
+        };
+        assert!(err.contains(says), "{yaml}: {err}");
+    }
+}
+
+#[test]
 fn example_configs_load() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config");
     let mut n = 0;

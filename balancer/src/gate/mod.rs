@@ -402,6 +402,12 @@ impl FleetGate {
             .window(window, Instant::now())
     }
 
+    /// Binds `session` to the endpoint at `addr` (see
+    /// [`flowgate::Dispatcher::bind_session`]).
+    pub fn bind_session(&self, session: u64, addr: SocketAddr) {
+        self.lock().bind_session(session, addr, Instant::now());
+    }
+
     /// The model that answered a request sent to any endpoint: the first
     /// model the endpoint's agent reports (the engine's own id).
     pub fn served_model(&self, endpoint: EndpointId) -> Option<String> {

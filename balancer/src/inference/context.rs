@@ -48,6 +48,8 @@ pub struct RequestCtx {
     /// The request's flow, for the access log.
     pub(super) fairness_id: Option<Arc<str>>,
     pub(super) priority: i32,
+    /// Its session, hashed ([`flowgate::session`]), for the access log.
+    pub(super) session: Option<u64>,
     /// What it asked of flow control, kept to ask again on a retry.
     pub(super) meta: Option<RequestMeta>,
     /// Retries done so far.
@@ -109,6 +111,7 @@ impl RequestCtx {
             prompt_bytes: 0,
             fairness_id: None,
             priority: 0,
+            session: None,
             meta: None,
             retries: 0,
             retry_pending: false,

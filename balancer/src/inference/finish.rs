@@ -6,6 +6,7 @@
 //! [`FleetGate::settle`]: crate::gate::FleetGate::settle
 
 use flowgate::blame;
+use flowgate::session::{self, SessionLabel};
 use pingora_core::{Error, ErrorSource};
 use pingora_proxy::Session;
 use tracing::info;
@@ -58,6 +59,9 @@ impl Inference {
                 SlotEnd::Free
             },
         });
+        if ctx.upstream_status.is_some_and(|s| s < 400) {
+            self.bind_response(ctx);
+        }
         let status = session
             .response_written()
             .map(|h| h.status.as_u16())
@@ -95,6 +99,7 @@ impl Inference {
             fallback = ctx.fallback.as_deref().unwrap_or(""),
             fairness_id = ctx.fairness_id.as_deref().unwrap_or(""),
             priority = ctx.priority,
+            session = %SessionLabel(ctx.session),
             status,
             reason,
             upstream = ctx.upstream.map(|a| a.to_string()).unwrap_or_default(),
@@ -105,8 +110,24 @@ impl Inference {
             estimated_output_tokens = ctx.tokens.output,
             prompt_tokens = usage.map(|u| u.prompt),
             completion_tokens = usage.map(|u| u.completion),
+            cached_tokens = usage.map(|u| u.cached),
             duration_ms = ctx.start.elapsed().as_millis() as u64,
             error = e.map(|e| e.to_string()).unwrap_or_default(),
         );
+    }
+
+    /// A Responses answer's id goes with the endpoint that gave it, so the
+    /// turn that continues it (`previous_response_id`) goes there too.
+    fn bind_response(&self, ctx: &RequestCtx) {
+        let (Some(id), Some(addr), Some(tenant)) = (
+            ctx.meter.response_id(),
+            ctx.upstream,
+            ctx.fairness_id.as_deref(),
+        ) else {
+            return;
+        };
+        if let Some(key) = session::response_key(tenant, id) {
+            self.shared.bind_session(key, addr);
+        }
     }
 }

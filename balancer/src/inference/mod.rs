@@ -48,6 +48,7 @@ use flowgate::admission::{renamed, Caller, FlowHeaders};
 use flowgate::blame::{self, Verdict};
 use flowgate::models::Fallback;
 use flowgate::RequestMeta;
+use flowgate::SessionSource;
 use http::StatusCode;
 use pingora_core::upstreams::peer::HttpPeer;
 use pingora_core::upstreams::peer::Peer;
@@ -299,6 +300,11 @@ impl Inference {
         ctx.prompt_bytes = facts.prompt_bytes;
         ctx.fairness_id = Some(Arc::clone(&facts.meta.flow.fairness_id));
         ctx.priority = facts.meta.flow.priority;
+        ctx.session = facts.meta.route.session;
+        // A Responses answer's id names where a later turn continuing it
+        // (`previous_response_id`) should go.
+        ctx.meter.want_id = session.req_header().uri.path() == "/v1/responses"
+            && (ctx.rules.admission.sessions).reads(SessionSource::PreviousResponseId);
         // Keep a second copy only when the retry buffer cannot replay it
         // all, or the model in it is (or may be, by a fallback) renamed.
         let rename_to = facts.resolved.rewritten_name(&ctx.model);

@@ -18,6 +18,7 @@ pub struct FleetMetrics {
     buffered_bytes: IntGauge,
     buffered_tokens: IntGauge,
     in_flight: IntGauge,
+    sessions: IntGauge,
     unserved_demand: IntGaugeVec,
     flow_queue_size: IntGaugeVec,
     flow_queue_bytes: IntGaugeVec,
@@ -74,6 +75,13 @@ impl FleetMetrics {
                 IntGauge::new(
                     "flowgate_in_flight_requests",
                     "Requests sent to model servers and not finished",
+                ),
+            ),
+            sessions: register(
+                registry,
+                IntGauge::new(
+                    "flowgate_sessions",
+                    "Sessions bound to the endpoint of their last turn (scheduling.sessions)",
                 ),
             ),
             unserved_demand: register(
@@ -163,6 +171,7 @@ impl FleetMetrics {
             saturated as f64 / eligible as f64
         });
         self.in_flight.set(snap.in_flight as i64);
+        self.sessions.set(snap.sessions as i64);
         self.unserved_demand.reset();
         for (model, n) in &snap.unserved {
             self.unserved_demand

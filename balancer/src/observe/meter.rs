@@ -89,6 +89,10 @@ pub struct ResponseMeter {
     /// long: shared with the body, not copied.
     tail: VecDeque<Bytes>,
     tail_len: usize,
+    /// Keep the answer's id (a Responses API answer, for the turn that
+    /// continues it with `previous_response_id`).
+    pub want_id: bool,
+    response_id: Option<Box<[u8]>>,
 }
 
 impl ResponseMeter {
@@ -96,6 +100,11 @@ impl ResponseMeter {
     pub fn on_chunk(&mut self, chunk: &Bytes, now: Instant) {
         if chunk.is_empty() {
             return;
+        }
+        if self.want_id && self.first.is_none() {
+            // The id comes first: the answer object's first key, or in a
+            // stream the `response.created` event's response.
+            self.response_id = first_id(chunk);
         }
         self.first.get_or_insert(now);
         self.last = Some(now);
@@ -115,6 +124,12 @@ impl ResponseMeter {
             self.tail_len -= front.len();
             self.tail.pop_front();
         }
+    }
+
+    /// The answer's id, when [`ResponseMeter::want_id`] asked for it and
+    /// its first chunk had one.
+    pub fn response_id(&self) -> Option<&[u8]> {
+        self.response_id.as_deref()
     }
 
     /// From `start` to the first byte of a stream.
@@ -194,6 +209,20 @@ static DATA: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"data:"))
 
 static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\""));
 static TIMINGS: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"timings\""));
+static ID: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"id\""));
+
+/// The string value of the first `"id"` key in `text` (at most
+/// [`flowgate::session::MAX_KEY_BYTES`] bytes, no escapes), if it has one.
+fn first_id(text: &[u8]) -> Option<Box<[u8]>> {
+    let at = ID.find(text)? + 4;
+    let rest = text[at..].trim_ascii_start().strip_prefix(b":")?;
+    let rest = rest.trim_ascii_start().strip_prefix(b"\"")?;
+    let end = rest
+        .iter()
+        .take(flowgate::session::MAX_KEY_BYTES + 1)
+        .position(|&b| b == b'"' || b == b'\\')?;
+    (end > 0 && rest[end] == b'"').then(|| rest[..end].into())
+}
 
 /// The last `"usage": {...}` (or other `key`) object in `text` that
 /// parses; `"usage": null` (stream chunks before the last) is skipped.
@@ -453,5 +482,43 @@ mod tests {
             m.tail.len() <= 3,
             "only the chunks of the last {TAIL} bytes are kept"
         );
+    }
+
+    #[test]
+    fn a_responses_answer_gives_its_id_from_its_first_chunk() {
+        let now = Instant::now();
+        let id_of = |chunks: &[&[u8]]| {
+            let mut m = ResponseMeter {
+                want_id: true,
+                ..ResponseMeter::default()
+            };
+            for c in chunks {
+                m.on_chunk(&Bytes::copy_from_slice(c), now);
+            }
+            m.response_id().map(<[u8]>::to_vec)
+        };
+        assert_eq!(
+            id_of(&[br#"{"id": "resp_1","object":"response","output":[{"id":"msg_2"}]}"#]),
+            Some(b"resp_1".to_vec())
+        );
+        let stream: &[u8] = b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_9\"}}\n\n";
+        assert_eq!(
+            id_of(&[stream, br#"{"id":"later"}"#]),
+            Some(b"resp_9".to_vec())
+        );
+        for odd in [
+            &br#"{"object":"response"}"#[..],
+            br#"{"id":7}"#,
+            br#"{"id":"a\"b"}"#,
+            br#"{"id":""}"#,
+            br#"{"id":"unterminated"#,
+        ] {
+            assert_eq!(id_of(&[odd]), None, "{}", String::from_utf8_lossy(odd));
+        }
+        let long = format!(r#"{{"id":"{}"}}"#, "x".repeat(300));
+        assert_eq!(id_of(&[long.as_bytes()]), None, "too long to be a key");
+        let mut off = ResponseMeter::default();
+        off.on_chunk(&Bytes::from_static(br#"{"id":"resp_1"}"#), now);
+        assert_eq!(off.response_id(), None, "only when asked");
     }
 }

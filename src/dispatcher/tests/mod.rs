@@ -768,3 +768,4 @@ fn round_robin_shares_are_equal_between_greedy_flows() {
 }
 
 mod properties;
+mod sessions;

@@ -8,10 +8,33 @@ pub(crate) fn text(tokens: u32) -> String {
     (0..tokens).map(|i| format!("tok{i} ")).collect()
 }
 
-pub(crate) fn final_body(path: &str, id: u64, model: &str, tokens: u32) -> serde_json::Value {
-    let usage =
-        json!({"prompt_tokens": 10, "completion_tokens": tokens, "total_tokens": 10 + tokens});
+/// Ids of Responses answers: unique across every simulated server of every
+/// process, as a client chaining turns by `previous_response_id` needs.
+static RESPONSES: AtomicU64 = AtomicU64::new(0);
+
+/// The whole answer; its usage says `prompt` tokens of which `cached` came
+/// from the prefix cache (OpenAI's `prompt_tokens_details`, which vLLM and
+/// recent llama-server send too).
+pub(crate) fn final_body(
+    path: &str,
+    id: u64,
+    model: &str,
+    tokens: u32,
+    (prompt, cached): (u64, u64),
+) -> serde_json::Value {
+    let usage = json!({"prompt_tokens": prompt, "completion_tokens": tokens,
+        "total_tokens": prompt + u64::from(tokens),
+        "prompt_tokens_details": {"cached_tokens": cached}});
     match path {
+        "/v1/responses" => json!({
+            "id": format!("resp_{}_{}", std::process::id(), RESPONSES.fetch_add(1, Ordering::Relaxed)),
+            "object": "response", "created_at": 0, "status": "completed", "model": model,
+            "output": [{"type": "message", "id": format!("msg_sim_{id}"), "role": "assistant",
+                "content": [{"type": "output_text", "text": text(tokens)}]}],
+            "usage": {"input_tokens": prompt, "output_tokens": tokens,
+                "total_tokens": prompt + u64::from(tokens),
+                "input_tokens_details": {"cached_tokens": cached}},
+        }),
         "/v1/chat/completions" => json!({
             "id": format!("chatcmpl-sim-{id}"), "object": "chat.completion", "created": 0, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text(tokens)}, "finish_reason": "length"}],
@@ -20,7 +43,7 @@ pub(crate) fn final_body(path: &str, id: u64, model: &str, tokens: u32) -> serde
         "/v1/embeddings" => json!({
             "object": "list", "model": model,
             "data": [{"object": "embedding", "index": 0, "embedding": [0.1, -0.2, 0.3, 0.0]}],
-            "usage": {"prompt_tokens": 10, "total_tokens": 10},
+            "usage": {"prompt_tokens": prompt, "total_tokens": prompt},
         }),
         "/completion" => {
             json!({"content": text(tokens), "tokens_predicted": tokens, "stop": true, "model": model})
@@ -67,8 +90,9 @@ pub(crate) fn stream_response(
     ttft: Duration,
     tpot: Duration,
     fault: Option<Fault>,
-    // Prompt tokens, when the client asked for a final usage chunk.
-    usage: Option<u64>,
+    // Prompt tokens and the cached ones, when the client asked for a final
+    // usage chunk.
+    usage: Option<(u64, u64)>,
 ) -> Response<Body> {
     let tpot = if fault == Some(Fault::SlowStream) {
         tpot.max(Duration::from_millis(200))
@@ -92,12 +116,13 @@ pub(crate) fn stream_response(
                     .fetch_add(u64::from(tokens), Ordering::Relaxed);
                 drop(guard);
                 let mut last = String::new();
-                if let Some(prompt_tokens) = usage {
+                if let Some((prompt_tokens, cached)) = usage {
                     let chunk = json!({
                         "id": format!("chatcmpl-sim-{id}"), "object": "chat.completion.chunk",
                         "created": 0, "model": model, "choices": [],
                         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens,
-                            "total_tokens": prompt_tokens + u64::from(tokens)},
+                            "total_tokens": prompt_tokens + u64::from(tokens),
+                            "prompt_tokens_details": {"cached_tokens": cached}},
                     });
                     last = format!("data: {chunk}\n\n");
                 }

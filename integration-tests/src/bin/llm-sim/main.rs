@@ -544,10 +544,15 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
         let v = parsed.get(name)?;
         flowgate::openai::PromptJson::deserialize(v).ok()
     };
-    let (messages, prompt) = (prompt_json("messages"), prompt_json("prompt"));
+    let (messages, prompt, input) = (
+        prompt_json("messages"),
+        prompt_json("prompt"),
+        prompt_json("input"),
+    );
     let fields = flowgate::openai::PromptFields {
         messages: messages.as_ref(),
         prompt: prompt.as_ref(),
+        input: input.as_ref(),
         ..Default::default()
     };
     let prompt = flowgate::openai::prompt_text(&fields, usize::MAX);
@@ -611,7 +616,7 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
             .pointer("/stream_options/include_usage")
             .and_then(|v| v.as_bool())
             .unwrap_or(false)
-            .then_some(prompt_tokens);
+            .then_some((prompt_tokens, cached_tokens));
         stream_response(
             sim, processing, path, id, model, tokens, ttft, tpot, fault, usage,
         )
@@ -639,11 +644,7 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
         } else {
             generate.await;
         }
-        let mut body = final_body(&path, id, &model, tokens);
-        if body.get("usage").is_some() {
-            body["usage"]["prompt_tokens"] = json!(prompt_tokens);
-            body["usage"]["total_tokens"] = json!(prompt_tokens + u64::from(tokens));
-        }
+        let body = final_body(&path, id, &model, tokens, (prompt_tokens, cached_tokens));
         json_resp(StatusCode::OK, body)
     };
     let h = resp.headers_mut();

@@ -1,0 +1,221 @@
+//! Sessions under a controlled clock: a conversation goes back to the
+//! endpoint of its last turn, yields to saturation after the affinity hold
+//! (or waits until its TTL in hard mode), and lets go of an endpoint that
+//! is gone or of a session idle too long.
+
+use super::*;
+use crate::session::SessionConfig;
+
+fn in_session(tenant: &str, session: u64) -> RequestMeta {
+    RequestMeta {
+        route: Route {
+            session: Some(session),
+            ..Route::default()
+        },
+        ..req(tenant, 0)
+    }
+}
+
+fn with_sessions(sessions: SessionConfig) -> Dispatcher<&'static str> {
+    let mut c = config(1_000);
+    c.scheduling.sessions = sessions;
+    Dispatcher::new(c)
+}
+
+/// Two one-slot endpoints; the session's first turn took `a` and still
+/// runs; `b` is free.
+fn first_turn_running(d: &mut Dispatcher<&'static str>, t0: Instant) -> Lease {
+    d.report(model_server("a", 1, 1, &[]), t0).unwrap();
+    let first = ready(d.submit(in_session("t", 7), "turn-1", t0));
+    d.report(model_server("b", 2, 1, &[]), t0).unwrap();
+    assert_eq!(first.addr.port(), 1);
+    first
+}
+
+#[test]
+fn a_session_goes_back_to_the_endpoint_of_its_last_turn() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    for (id, port) in [("a", 1), ("b", 2), ("c", 3)] {
+        d.report(model_server(id, port, 4, &[]), t0).unwrap();
+    }
+    let mut ports_of = |session: u64| -> Vec<u16> {
+        (0..6)
+            .map(|_| {
+                let l = ready(d.submit(in_session("t", session), "turn", t0));
+                let port = l.addr.port();
+                d.release(l);
+                port
+            })
+            .collect()
+    };
+    let one = ports_of(1);
+    assert!(one.iter().all(|p| *p == one[0]), "{one:?}");
+    // Without a session, equal endpoints take turns.
+    let mut anonymous: Vec<u16> = (0..6)
+        .map(|_| {
+            let l = ready(d.submit(anon(), "x", t0));
+            let port = l.addr.port();
+            d.release(l);
+            port
+        })
+        .collect();
+    anonymous.dedup();
+    assert!(anonymous.len() > 1, "{anonymous:?}");
+    assert_eq!(d.sessions_bound(), 1);
+}
+
+#[test]
+fn a_session_waits_for_its_saturated_endpoint_at_most_the_hold_then_moves() {
+    let t0 = Instant::now();
+    let mut d = with_sessions(SessionConfig::default());
+    let first = first_turn_running(&mut d, t0);
+    queued(d.submit(in_session("t", 7), "turn-2", t0));
+    assert!(d.dispatch(t0).is_empty(), "held for a");
+    assert_eq!(d.next_hold_end(), Some(t0 + 200 * MS));
+    assert!(d.dispatch(t0 + 199 * MS).is_empty());
+    let done = d.dispatch(t0 + 200 * MS);
+    assert_eq!(granted(&done), ["turn-2"]);
+    let second = done.into_iter().next().unwrap().result.unwrap();
+    assert_eq!(second.addr.port(), 2, "the hold is over: the free server");
+    d.release(first);
+    d.release(second);
+    // Re-bound where it went: the third turn follows it to b.
+    let third = ready(d.submit(in_session("t", 7), "turn-3", t0 + 300 * MS));
+    assert_eq!(third.addr.port(), 2);
+}
+
+#[test]
+fn a_session_goes_back_as_soon_as_its_endpoint_frees() {
+    let t0 = Instant::now();
+    let mut d = with_sessions(SessionConfig::default());
+    let first = first_turn_running(&mut d, t0);
+    queued(d.submit(in_session("t", 7), "turn-2", t0));
+    queued(d.submit(anon(), "other", t0));
+    assert_eq!(granted(&d.dispatch(t0)), ["other"], "others pass it");
+    d.release(first);
+    let done = d.dispatch(t0 + 50 * MS);
+    assert_eq!(granted(&done), ["turn-2"]);
+    assert_eq!(done[0].result.as_ref().unwrap().addr.port(), 1);
+}
+
+#[test]
+fn a_hard_session_waits_for_its_endpoint_until_its_ttl() {
+    let t0 = Instant::now();
+    let mut d = with_sessions(SessionConfig {
+        hard: true,
+        ..SessionConfig::default()
+    });
+    let first = first_turn_running(&mut d, t0);
+    let mut late = in_session("t", 7);
+    late.ttl = Some(Duration::from_secs(5));
+    queued(d.submit(late, "turn-2", t0));
+    queued(d.submit(in_session("t", 7), "turn-2b", t0));
+    for ms in [0, 200, 1_000, 2_000, 3_000, 4_000, 4_999] {
+        // The agents report every second.
+        d.report(model_server("a", 1, 1, &[]), t0 + ms * MS)
+            .unwrap();
+        d.report(model_server("b", 2, 1, &[]), t0 + ms * MS)
+            .unwrap();
+        let done = d.dispatch(t0 + ms * MS);
+        assert!(done.is_empty(), "still waiting for a at {ms} ms");
+    }
+    let done = d.dispatch(t0 + 5_000 * MS);
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].result.as_ref().unwrap_err(), &Reject::Timeout);
+    d.release(first);
+    let done = d.dispatch(t0 + 5_001 * MS);
+    assert_eq!(granted(&done), ["turn-2b"]);
+    assert_eq!(done[0].result.as_ref().unwrap().addr.port(), 1);
+}
+
+#[test]
+fn a_zero_hold_sends_a_soft_session_elsewhere_at_once() {
+    let t0 = Instant::now();
+    let mut c = config(30);
+    c.scheduling.affinity_hold = Duration::ZERO;
+    let mut d = Dispatcher::new(c);
+    let _first = first_turn_running(&mut d, t0);
+    let second = ready(d.submit(in_session("t", 7), "turn-2", t0));
+    assert_eq!(second.addr.port(), 2);
+}
+
+#[test]
+fn a_gone_endpoint_releases_its_sessions() {
+    let t0 = Instant::now();
+    let mut d = with_sessions(SessionConfig::default());
+    let first = first_turn_running(&mut d, t0);
+    d.release(first);
+    assert!(d.deregister("a"));
+    let second = ready(d.submit(in_session("t", 7), "turn-2", t0));
+    assert_eq!(second.addr.port(), 2, "not held for a server that is gone");
+    d.release(second);
+    // a comes back: the session stays where it was re-bound.
+    d.report(model_server("a", 1, 1, &[]), t0).unwrap();
+    let third = ready(d.submit(in_session("t", 7), "turn-3", t0));
+    assert_eq!(third.addr.port(), 2);
+}
+
+#[test]
+fn an_idle_session_is_forgotten() {
+    let t0 = Instant::now();
+    let mut d = with_sessions(SessionConfig {
+        idle_timeout: Duration::from_secs(60),
+        ..SessionConfig::default()
+    });
+    let first = first_turn_running(&mut d, t0);
+    d.release(first);
+    let at = |s: u64| t0 + Duration::from_secs(s);
+    // Reports at `now`; a's KV cache is half full from now on, so a
+    // scores lower than b: only the session sends turns to a.
+    let report = |d: &mut Dispatcher<&'static str>, now: Instant| {
+        let mut a = model_server("a", 1, 2, &[]);
+        a.kv_cache_usage = Some(0.5);
+        d.report(a, now).unwrap();
+        d.report(model_server("b", 2, 2, &[]), now).unwrap();
+    };
+    report(&mut d, at(59));
+    let second = ready(d.submit(in_session("t", 7), "turn-2", at(59)));
+    assert_eq!(second.addr.port(), 1, "still bound");
+    d.release(second);
+    report(&mut d, at(119));
+    let third = ready(d.submit(in_session("t", 7), "turn-3", at(119)));
+    assert_eq!(third.addr.port(), 2, "idle: placed by score");
+    d.release(third);
+    let fourth = ready(d.submit(in_session("t", 7), "turn-4", at(120)));
+    assert_eq!(fourth.addr.port(), 2, "and bound there");
+}
+
+#[test]
+fn sessions_stay_bounded_whatever_clients_send() {
+    let t0 = Instant::now();
+    let mut d = with_sessions(SessionConfig {
+        max_sessions: 1_000,
+        ..SessionConfig::default()
+    });
+    d.report(model_server("a", 1, 4, &[]), t0).unwrap();
+    for session in 0..20_000u64 {
+        let l = ready(d.submit(in_session("t", session), "x", t0));
+        d.release(l);
+    }
+    assert_eq!(d.sessions_bound(), 1_000);
+}
+
+#[test]
+fn a_response_id_binds_the_turn_that_continues_it() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    for (id, port) in [("a", 1), ("b", 2), ("c", 3)] {
+        d.report(model_server(id, port, 4, &[]), t0).unwrap();
+    }
+    let key = crate::session::response_key("t", b"resp_1").unwrap();
+    for port in [3, 1, 2] {
+        d.bind_session(key, SocketAddr::from(([127, 0, 0, 1], port)), t0);
+        let l = ready(d.submit(in_session("t", key), "next", t0));
+        assert_eq!(l.addr.port(), port);
+        d.release(l);
+    }
+    // An address no agent reports is not bound.
+    d.bind_session(99, SocketAddr::from(([127, 0, 0, 1], 9)), t0);
+    assert_eq!(d.sessions_bound(), 1);
+}

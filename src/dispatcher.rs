@@ -462,6 +462,13 @@ impl<T> Dispatcher<T> {
         self.ledger.orphan(lease, streamed, now);
     }
 
+    /// Records what the answer to `lease`'s request said of its engine's
+    /// prefix cache (see [`crate::endpoint::CacheTruth`]); before the lease
+    /// is given back.
+    pub fn observe_cache(&mut self, lease: &Lease, seen: crate::endpoint::CacheSeen) {
+        self.ledger.observe_cache(lease, seen);
+    }
+
     /// Records how a request to `endpoint` ended for its circuit breaker:
     /// `ok` is `false` for a connection failure or a 5xx answer only.
     /// Returns `true` when this failure opened the circuit.

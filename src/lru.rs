@@ -125,23 +125,35 @@ impl<V: Copy> LruMap<V> {
             prev: NIL,
             next: NIL,
         };
-        let (i, evicted) = if let Some(i) = self.free.pop() {
-            self.nodes[i as usize] = node;
-            (i, None)
-        } else if self.nodes.len() < self.capacity {
-            self.nodes.push(node);
-            ((self.nodes.len() - 1) as u32, None)
-        } else {
+        let (i, evicted) = if self.index.len() >= self.capacity {
             // Full: the least recently used node takes the new entry.
             let i = self.tail;
             self.unlink(i);
             let old = std::mem::replace(&mut self.nodes[i as usize], node);
             self.index.remove(&old.key);
             (i, Some((old.key, old.value)))
+        } else if let Some(i) = self.free.pop() {
+            self.nodes[i as usize] = node;
+            (i, None)
+        } else {
+            self.nodes.push(node);
+            ((self.nodes.len() - 1) as u32, None)
         };
         self.push_front(i);
         self.index.insert(key, i);
         evicted
+    }
+
+    /// Holds at most `capacity` entries from now on, forgetting the least
+    /// recently used beyond it (each told to `evicted`). Memory already
+    /// allocated is kept for reuse.
+    pub fn set_capacity(&mut self, capacity: usize, mut evicted: impl FnMut(u64, V)) {
+        self.capacity = capacity.min(NIL as usize - 1);
+        while self.index.len() > self.capacity {
+            let (key, &value) = self.oldest().expect("not empty");
+            self.remove(key);
+            evicted(key, value);
+        }
     }
 
     /// Forgets `key`; its value if it was held.
@@ -215,9 +227,10 @@ mod tests {
         /// more nodes than the capacity.
         #[test]
         fn behaves_as_a_list_ordered_by_use(
-            ops in proptest::collection::vec((0u8..3, 0u64..12), 0..300),
-            capacity in 0usize..6,
+            ops in proptest::collection::vec((0u8..4, 0u64..12), 0..300),
+            max_capacity in 0usize..6,
         ) {
+            let mut capacity = max_capacity;
             let mut m = LruMap::new(capacity);
             let mut model: VecDeque<(u64, u64)> = VecDeque::new();
             for (step, (op, key)) in ops.into_iter().enumerate() {
@@ -237,14 +250,26 @@ mod tests {
                         };
                         prop_assert_eq!(evicted, want);
                     }
-                    _ => {
+                    2 => {
                         let want = model.iter().position(|(k, _)| *k == key)
                             .map(|p| model.remove(p).unwrap().1);
                         prop_assert_eq!(m.remove(key), want);
                     }
+                    _ => {
+                        let new = (key as usize) % (max_capacity + 1);
+                        let mut gone = Vec::new();
+                        m.set_capacity(new, |k, v| gone.push((k, v)));
+                        let mut want = Vec::new();
+                        while model.len() > new {
+                            want.push(model.pop_back().unwrap());
+                        }
+                        prop_assert_eq!(gone, want);
+                        capacity = new;
+                    }
                 }
                 prop_assert_eq!(m.len(), model.len());
-                prop_assert!(m.allocated() <= capacity);
+                prop_assert!(m.allocated() <= max_capacity);
+                prop_assert!(m.len() <= capacity);
                 prop_assert_eq!(m.oldest().map(|(k, v)| (k, *v)), model.back().copied());
             }
         }

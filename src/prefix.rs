@@ -73,13 +73,45 @@ pub fn block_hashes(text: &[u8], config: &PrefixConfig) -> Vec<u64> {
 #[derive(Debug, Clone)]
 pub struct PrefixLru {
     blocks: LruMap<()>,
+    /// The configured size; the map's own capacity is what the engine
+    /// showed it keeps ([`PrefixLru::shrink_tracked`]).
+    limit: usize,
 }
 
 impl PrefixLru {
     pub fn new(capacity: usize) -> Self {
         PrefixLru {
             blocks: LruMap::new(capacity),
+            limit: capacity,
         }
+    }
+
+    /// Blocks remembered at most now.
+    pub fn capacity(&self) -> usize {
+        self.blocks.capacity()
+    }
+
+    /// The engine did not have blocks this index said it had: it keeps
+    /// less than the index assumed, and an LRU cache that lost them lost
+    /// every block used less recently too. The index shrinks by a quarter
+    /// (not below `floor`), forgetting its least recently used blocks
+    /// first, each told to `changed`.
+    pub fn shrink_tracked(&mut self, floor: usize, mut changed: impl FnMut(u64, bool)) {
+        let to = (self.blocks.len() * 3 / 4).max(floor.min(self.limit));
+        if to < self.blocks.capacity() {
+            self.blocks.set_capacity(to, |h, ()| changed(h, false));
+        }
+    }
+
+    /// The engine had what the index predicted: the index may grow back
+    /// by `blocks` toward its configured size.
+    pub fn grow(&mut self, blocks: usize) {
+        let to = self
+            .blocks
+            .capacity()
+            .saturating_add(blocks)
+            .min(self.limit);
+        self.blocks.set_capacity(to, |_, ()| {});
     }
 
     /// Blocks remembered.
@@ -119,16 +151,6 @@ impl PrefixLru {
             }
             if new {
                 changed(h, true);
-            }
-        }
-    }
-
-    /// Forgets `blocks` (the engine showed it does not hold them), telling
-    /// `changed` of each hash it stops remembering.
-    pub fn remove_tracked(&mut self, blocks: &[u64], mut changed: impl FnMut(u64, bool)) {
-        for &h in blocks {
-            if self.blocks.remove(h).is_some() {
-                changed(h, false);
             }
         }
     }
@@ -302,6 +324,28 @@ mod tests {
             lru.insert(&[round * 2 + 1_000, round * 2 + 1_001]);
         }
         assert_eq!((lru.len(), lru.blocks.allocated()), (8, 8));
+    }
+
+    #[test]
+    fn a_missed_prediction_shrinks_the_index_and_hits_grow_it_back() {
+        let mut lru = PrefixLru::new(100);
+        let mut holders: PrefixHolders<u8> = PrefixHolders::default();
+        let blocks: Vec<u64> = (0..80).collect();
+        lru.insert_tracked(&blocks, |h, holds| holders.change(h, 0, holds));
+        lru.shrink_tracked(8, |h, holds| holders.change(h, 0, holds));
+        assert_eq!((lru.len(), lru.capacity()), (60, 60));
+        assert_eq!(holders.len(), 60, "the holders follow");
+        assert_eq!(lru.matched(&blocks), 60, "the most recent blocks stay");
+        for _ in 0..20 {
+            lru.shrink_tracked(8, |h, holds| holders.change(h, 0, holds));
+        }
+        assert_eq!(lru.capacity(), 8, "never below the floor");
+        lru.insert(&(100..120).collect::<Vec<u64>>());
+        assert_eq!(lru.len(), 8, "new blocks fit the smaller index");
+        for _ in 0..10 {
+            lru.grow(20);
+        }
+        assert_eq!(lru.capacity(), 100, "back to the configured size, no more");
     }
 
     #[test]

@@ -79,6 +79,7 @@ impl TokenEstimate {
             prompt: self.prompt,
             completion: self.output,
             cached: 0,
+            cache_said: false,
         }
     }
 }
@@ -91,6 +92,9 @@ pub struct TokenUsage {
     pub completion: u64,
     /// Of `prompt`: tokens the engine found in its prefix cache.
     pub cached: u64,
+    /// The engine said how many it found (`cached` is its word, not a
+    /// default): only then does it count as cache truth.
+    pub cache_said: bool,
 }
 
 impl TokenUsage {

@@ -185,6 +185,7 @@ mod tests {
             prompt,
             completion,
             cached,
+            cache_said: true,
         }
     }
 

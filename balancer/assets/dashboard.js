@@ -78,6 +78,15 @@ function renderAgents(endpoints) {
     } else {
       cell(row, "slots", "–"); cell(row, "kv", "–"); cell(row, "queue", "–");
     }
+    // What the engine said it reused: Σcached / Σprompt of its answers.
+    const c = ep.cache;
+    const hits = c && c.prompt_tokens > 0 ? c.cached_tokens / c.prompt_tokens : null;
+    const hitCell = cell(row, "cache_hits", hits === null ? "–" : Math.round(hits * 100) + " %");
+    if (hits !== null) {
+      hitCell.appendChild(bar(hits));
+      hitCell.title = c.cached_tokens + " of " + c.prompt_tokens + " prompt tokens; expected hits: " +
+        c.predicted_hits + " confirmed, " + c.predicted_misses + " missed";
+    }
     cell(row, "in_flight", ep.in_flight);
     cell(row, "report_age", age(ep.report_age_ms), ep.stale ? "bad" : "");
     const [state, cls] = endpointState(ep);

@@ -203,7 +203,18 @@ fn row(agent: &str, field: &str) -> String {
 
 #[tokio::test]
 async fn the_dashboard_shows_agents_and_traffic_live_in_a_real_browser() {
-    let (b, _sim, _agent) = fleet(&[], &["--ttft-ms", "20", "--tpot-ms", "2"]).await;
+    let (b, sim, _agent) = fleet(
+        &[],
+        &[
+            "--ttft-ms",
+            "20",
+            "--tpot-ms",
+            "2",
+            "--prefix-cache-tokens",
+            "100000",
+        ],
+    )
+    .await;
     report(&b, 3, 2, 0.42).await;
     b.wait_eligible(2).await;
     assert_eq!(
@@ -228,6 +239,31 @@ async fn the_dashboard_shows_agents_and_traffic_live_in_a_real_browser() {
         assert_eq!(resp.status(), 200);
         resp.bytes().await.expect("the whole stream");
     }
+    // A long prompt twice: the engine finds it cached the second time.
+    let long = "a prompt the engine caches ".repeat(40);
+    for _ in 0..2 {
+        let r = chat_with(&c, &b, &[], chat_for(Some("sim-model"), &long)).await;
+        assert_eq!(r.status(), 200);
+        r.bytes().await.unwrap();
+    }
+    let sim_endpoint = wait_for("the answers settled", Duration::from_secs(5), || async {
+        let agents = b.agents().await;
+        let e = agents["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["addr"] == sim.addr.to_string())
+            .cloned()
+            .unwrap();
+        (e["cache"]["predicted_hits"] == 1).then_some(e)
+    })
+    .await;
+    let cache = &sim_endpoint["cache"];
+    let hits = cache["cached_tokens"].as_f64().unwrap() / cache["prompt_tokens"].as_f64().unwrap();
+    let sim_agent = sim_endpoint["agent"]["agent_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
 
     let driver = ChromeDriver::start().await;
     let browser = driver.session().await;
@@ -254,6 +290,14 @@ async fn the_dashboard_shows_agents_and_traffic_live_in_a_real_browser() {
         "one row per agent"
     );
     browser.wait_text("#tile-agents", "2 / 2").await;
+    // What the engine said it reused, per endpoint.
+    let percent = format!("{} %", (hits * 100.0).round());
+    browser
+        .wait_text(&row(&sim_agent, "cache_hits"), &percent)
+        .await;
+    browser
+        .wait_text(&row("dash-fake", "cache_hits"), "–")
+        .await;
 
     // The page follows new reports without a reload.
     report(&b, 7, 5, 0.93).await;
@@ -263,7 +307,7 @@ async fn the_dashboard_shows_agents_and_traffic_live_in_a_real_browser() {
 
     // Outcomes counted over the window, and the TTFT chart drawn.
     browser
-        .wait_text("#legend-outcomes [data-outcome=\"200\"]", "200 (7)")
+        .wait_text("#legend-outcomes [data-outcome=\"200\"]", "200 (9)")
         .await;
     assert!(
         browser
@@ -273,12 +317,12 @@ async fn the_dashboard_shows_agents_and_traffic_live_in_a_real_browser() {
         "the TTFT chart has a line"
     );
 
-    // The tenants that spent the most: the seven answers above, sent with
+    // The tenants that spent the most: the nine answers above, sent with
     // no fairness id.
     browser
         .wait_text(
             "tr[data-tenant=\"default\"] td[data-field=\"requests\"]",
-            "7",
+            "9",
         )
         .await;
 

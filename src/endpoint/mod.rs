@@ -29,6 +29,7 @@
 //! endpoints out for a while; this file keeps the ledger.
 
 mod breaker;
+mod cache_truth;
 mod ranking;
 mod saturation;
 mod selection;
@@ -40,6 +41,7 @@ pub(crate) use selection::Pick;
 pub use selection::{Route, SchedulingConfig};
 
 use breaker::Breaker;
+pub use cache_truth::{CacheSeen, CacheTruth};
 use ranking::{Rank, Ranking};
 
 use std::collections::HashMap;
@@ -87,6 +89,9 @@ pub struct Lease {
     /// Tokens counted in flight on the endpoint for this request (its
     /// estimate, see [`Endpoint::token_need`]), given back with the slot.
     pub tokens: u64,
+    /// Leading prompt blocks the endpoint's prefix index held when it was
+    /// chosen: the cache hit the balancer expected ([`CacheTruth`]).
+    pub predicted_blocks: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -118,6 +123,8 @@ pub(crate) struct Endpoint {
     breaker: Breaker,
     /// Prompt blocks recently sent here.
     prefix: PrefixLru,
+    /// What its engine said it reused.
+    cache: CacheTruth,
 }
 
 impl Endpoint {
@@ -199,6 +206,11 @@ pub struct EndpointSnapshot {
     pub consecutive_failures: u32,
     /// Prompt blocks the prefix index remembers for this endpoint.
     pub prefix_blocks: usize,
+    /// Blocks it may remember now: `capacityBlocks`, less what the
+    /// engine's answers showed it does not keep ([`CacheTruth`]).
+    pub prefix_capacity: usize,
+    /// What the engine said it reused.
+    pub cache: CacheTruth,
 }
 
 /// What happened to a report.
@@ -352,6 +364,7 @@ impl EndpointLedger {
                         orphans: Default::default(),
                         breaker: Breaker::default(),
                         prefix: PrefixLru::new(self.scheduling.prefix.capacity_blocks),
+                        cache: CacheTruth::default(),
                     },
                 );
                 self.by_addr.insert(addr, id);
@@ -492,6 +505,7 @@ impl EndpointLedger {
         ep.in_flight += 1;
         ep.in_flight_tokens = ep.in_flight_tokens.saturating_add(tokens);
         ep.in_flight_peak = ep.in_flight_peak.max(ep.in_flight);
+        let predicted_blocks = ep.prefix.matched(&route.prefix) as u32;
         let holders = &mut self.holders;
         ep.prefix
             .insert_tracked(&route.prefix, |h, holds| holders.change(h, chosen, holds));
@@ -502,6 +516,7 @@ impl EndpointLedger {
             endpoint: ep.id,
             addr: ep.addr,
             tokens,
+            predicted_blocks,
         };
         self.rerank(chosen);
         Pick::Lease(lease)
@@ -726,6 +741,8 @@ impl EndpointLedger {
                 }),
                 consecutive_failures: e.breaker.consecutive_failures,
                 prefix_blocks: e.prefix.len(),
+                prefix_capacity: e.prefix.capacity(),
+                cache: e.cache,
             })
             .collect();
         out.sort_by_key(|s| s.id);

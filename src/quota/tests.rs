@@ -31,6 +31,7 @@ fn used(prompt: u64, completion: u64) -> TokenUsage {
         prompt,
         completion,
         cached: 0,
+        cache_said: false,
     }
 }
 

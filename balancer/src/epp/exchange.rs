@@ -112,8 +112,9 @@ pub(super) struct Exchange {
     streamed: bool,
     /// The response headers came through.
     answered: bool,
-    /// Its token estimate.
+    /// Its token estimate, and its prompt text's length.
     tokens: TokenEstimate,
+    prompt_bytes: u64,
     /// What its quotas reserved, and the `x-ratelimit-*` headers for the
     /// response.
     quota: Option<crate::quotas::Reserved>,
@@ -147,6 +148,7 @@ impl Exchange {
             streamed: false,
             answered: false,
             tokens: TokenEstimate::default(),
+            prompt_bytes: 0,
             quota: None,
             rate_headers: Vec::new(),
             grant: None,
@@ -379,6 +381,7 @@ impl Exchange {
             sent,
             said,
             estimate: self.tokens.as_used(),
+            prompt_bytes: self.prompt_bytes,
             quota: self.quota.take(),
             lease: self.lease.take(),
             slot,
@@ -544,6 +547,7 @@ impl Exchange {
         )?;
         self.streamed = facts.stream;
         self.tokens = facts.tokens;
+        self.prompt_bytes = facts.prompt_bytes;
         self.tenant = Some(Arc::clone(&facts.meta.flow.fairness_id));
         self.served_model.clone_from(&facts.resolved.model);
         if let Some(name) = facts.resolved.rewritten_name(&facts.model) {

@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use flowgate::endpoint::CacheSeen;
 use flowgate::flow::Charge;
 use flowgate::models::Fallback;
 use flowgate::tokens::{TokenRatios, TokenUsage};
@@ -106,6 +107,9 @@ pub struct LeaseGuard {
     lease: Option<Lease>,
     /// What its flow was charged when it left the queues (token fairness).
     charge: Option<Charge>,
+    /// What the answer said of the engine's prefix cache, recorded when
+    /// the slot is given back (under the same lock).
+    seen: Option<CacheSeen>,
 }
 
 impl LeaseGuard {
@@ -114,7 +118,13 @@ impl LeaseGuard {
             shared: Arc::clone(shared),
             lease: Some(lease),
             charge: None,
+            seen: None,
         }
+    }
+
+    /// What the answer said of the engine's prefix cache.
+    pub fn saw(&mut self, seen: CacheSeen) {
+        self.seen = Some(seen);
     }
 
     /// Settles the token-fair charge of its flow to the tokens the answer
@@ -146,14 +156,25 @@ impl LeaseGuard {
     /// [`flowgate::endpoint`]'s accounting rules).
     pub fn orphan(mut self, streamed: bool) {
         if let Some(lease) = self.lease.take() {
-            self.shared
-                .with_dispatch(|d| d.orphan(lease, streamed, Instant::now()));
+            let seen = self.seen.take();
+            self.shared.with_dispatch(|d| {
+                if let Some(seen) = seen {
+                    d.observe_cache(&lease, seen);
+                }
+                d.orphan(lease, streamed, Instant::now());
+            });
         }
     }
 
     fn release_inner(&mut self) {
         if let Some(lease) = self.lease.take() {
-            self.shared.release(lease);
+            let seen = self.seen.take();
+            self.shared.with_dispatch(|d| {
+                if let Some(seen) = seen {
+                    d.observe_cache(&lease, seen);
+                }
+                d.release(lease);
+            });
         }
     }
 }
@@ -224,10 +245,6 @@ impl FleetGate {
                 }
             }
         }
-    }
-
-    fn release(self: &Arc<Self>, lease: Lease) {
-        self.with_dispatch(|d| d.release(lease));
     }
 
     /// Waits for a slot. Resolves when a slot is granted, flow control

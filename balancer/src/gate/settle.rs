@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use flowgate::endpoint::CacheSeen;
 use flowgate::tokens::TokenUsage;
 
 use super::{FleetGate, LeaseGuard};
@@ -20,6 +21,9 @@ pub struct RequestEnd<'a> {
     pub said: Option<TokenUsage>,
     /// What a sent request counts for when its answer did not say.
     pub estimate: TokenUsage,
+    /// Its prompt text's length (to place the engine's cached tokens in
+    /// the prompt: cache truth).
+    pub prompt_bytes: u64,
     pub quota: Option<Reserved>,
     pub lease: Option<LeaseGuard>,
     /// How its slot comes back.
@@ -51,6 +55,7 @@ impl FleetGate {
             sent,
             said,
             estimate,
+            prompt_bytes,
             quota,
             lease,
             slot,
@@ -66,6 +71,13 @@ impl FleetGate {
         if let Some(mut lease) = lease {
             if let Some(spent) = spent {
                 lease.settle(spent.total());
+            }
+            if let Some(said) = said.filter(|s| s.cache_said) {
+                lease.saw(CacheSeen {
+                    prompt_tokens: said.prompt,
+                    cached_tokens: said.cached,
+                    prompt_bytes,
+                });
             }
             match slot {
                 SlotEnd::Free => lease.release(),

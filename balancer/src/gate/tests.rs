@@ -202,6 +202,7 @@ async fn a_requests_end_accounts_what_was_sent_then_frees_its_slot() {
         prompt: 7,
         completion: 3,
         cached: 0,
+        cache_said: false,
     };
     let end = |lease, sent, slot| RequestEnd {
         tenant: Some(&tenant),
@@ -209,6 +210,7 @@ async fn a_requests_end_accounts_what_was_sent_then_frees_its_slot() {
         sent,
         said: Some(used),
         estimate: TokenUsage::default(),
+        prompt_bytes: 28,
         quota: None,
         lease: Some(lease),
         slot,

@@ -47,6 +47,7 @@ impl Inference {
             sent: ctx.upstream_status.is_some(),
             said: spent,
             estimate: ctx.tokens.as_used(),
+            prompt_bytes: ctx.prompt_bytes,
             quota: ctx.quota.take(),
             lease: ctx.lease.take(),
             // The client left before its answer ended: the engine may still

@@ -7,6 +7,7 @@ use prometheus::{
     Gauge, GaugeVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
 };
 
+use super::cache::CacheMetrics;
 use super::metrics::register;
 use flowgate::{EndpointSnapshot, Snapshot};
 
@@ -29,6 +30,8 @@ pub struct FleetMetrics {
     pub affinity_holds: IntCounter,
     /// Every endpoint's slots and state.
     endpoints: EndpointGauges,
+    /// What every endpoint's engine said it reused.
+    cache: CacheMetrics,
 }
 
 impl FleetMetrics {
@@ -138,6 +141,7 @@ impl FleetMetrics {
                 ),
             ),
             endpoints: EndpointGauges::new(registry),
+            cache: CacheMetrics::new(registry),
         }
     }
 
@@ -179,6 +183,7 @@ impl FleetMetrics {
                 .set(*n as i64);
         }
         self.endpoints.refresh(&snap.endpoints);
+        self.cache.refresh(&snap.endpoints);
     }
 }
 

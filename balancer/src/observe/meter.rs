@@ -31,7 +31,7 @@ struct WireUsage {
     #[serde(default, alias = "input_tokens_details")]
     prompt_tokens_details: Option<CachedDetails>,
     #[serde(default)]
-    cache_read_input_tokens: u64,
+    cache_read_input_tokens: Option<u64>,
 }
 
 /// llama.cpp's `timings`: `prompt_n` prompt tokens evaluated beyond the
@@ -43,15 +43,16 @@ struct Timings {
     #[serde(default)]
     predicted_n: u64,
     #[serde(default)]
-    cache_n: u64,
+    cache_n: Option<u64>,
 }
 
 impl From<Timings> for TokenUsage {
     fn from(t: Timings) -> Self {
         TokenUsage {
-            prompt: t.prompt_n.saturating_add(t.cache_n),
+            prompt: t.prompt_n.saturating_add(t.cache_n.unwrap_or(0)),
             completion: t.predicted_n,
-            cached: t.cache_n,
+            cached: t.cache_n.unwrap_or(0),
+            cache_said: t.cache_n.is_some(),
         }
     }
 }
@@ -65,12 +66,12 @@ struct CachedDetails {
 impl From<WireUsage> for TokenUsage {
     fn from(w: WireUsage) -> Self {
         let details = w.prompt_tokens_details.and_then(|d| d.cached_tokens);
+        let said = details.or(w.cache_read_input_tokens);
         TokenUsage {
             prompt: w.prompt_tokens,
             completion: w.completion_tokens,
-            cached: details
-                .unwrap_or(w.cache_read_input_tokens)
-                .min(w.prompt_tokens),
+            cached: said.unwrap_or(0).min(w.prompt_tokens),
+            cache_said: said.is_some(),
         }
     }
 }
@@ -187,6 +188,7 @@ impl ResponseMeter {
             prompt: prompt_estimate,
             completion: u64::from(self.events),
             cached: 0,
+            cache_said: false,
         })
     }
 
@@ -300,7 +302,8 @@ mod tests {
             Some(TokenUsage {
                 prompt: 30,
                 completion: 12,
-                cached: 0
+                cached: 0,
+                cache_said: false,
             })
         );
         assert_eq!(m.time_to_first_token(t0), None, "not a stream");
@@ -354,7 +357,7 @@ mod tests {
             m.on_chunk(&Bytes::copy_from_slice(body), Instant::now());
             assert_eq!(
                 m.usage(),
-                Some(TokenUsage { prompt: 9, completion: 4, cached: 0 })
+                Some(TokenUsage { prompt: 9, completion: 4, cached: 0, cache_said: false })
             );
         }
     }
@@ -420,7 +423,17 @@ mod tests {
             m.on_chunk(&Bytes::copy_from_slice(body), Instant::now());
             let u = m.usage().unwrap();
             assert_eq!((u.prompt, u.completion, u.cached), want);
+            assert!(u.cache_said, "the engine said");
         }
+        let mut m = ResponseMeter::default();
+        m.on_chunk(
+            &Bytes::from_static(br#"{"usage":{"prompt_tokens":50,"completion_tokens":5}}"#),
+            Instant::now(),
+        );
+        assert!(
+            !m.usage().unwrap().cache_said,
+            "an engine that does not say"
+        );
     }
 
     #[test]
@@ -443,6 +456,7 @@ mod tests {
             prompt: 90,
             completion: 7,
             cached: 0,
+            cache_said: false,
         };
         assert_eq!(spent(&m, Some(usage), Some(200)), Some(97));
         let plain = ResponseMeter::default();

@@ -6,6 +6,7 @@
 //! usage of an answer as it passes ([`meter`]), and the dashboard's last
 //! minutes of traffic ([`history`]).
 
+pub mod cache;
 pub mod clients;
 pub mod fleet;
 pub mod flow;

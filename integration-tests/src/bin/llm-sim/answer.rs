@@ -14,17 +14,19 @@ static RESPONSES: AtomicU64 = AtomicU64::new(0);
 
 /// The whole answer; its usage says `prompt` tokens of which `cached` came
 /// from the prefix cache (OpenAI's `prompt_tokens_details`, which vLLM and
-/// recent llama-server send too).
+/// recent llama-server send too; only with a cache, `--prefix-cache-tokens`).
 pub(crate) fn final_body(
     path: &str,
     id: u64,
     model: &str,
     tokens: u32,
-    (prompt, cached): (u64, u64),
+    (prompt, cached): (u64, Option<u64>),
 ) -> serde_json::Value {
-    let usage = json!({"prompt_tokens": prompt, "completion_tokens": tokens,
-        "total_tokens": prompt + u64::from(tokens),
-        "prompt_tokens_details": {"cached_tokens": cached}});
+    let mut usage = json!({"prompt_tokens": prompt, "completion_tokens": tokens,
+        "total_tokens": prompt + u64::from(tokens)});
+    if let Some(cached) = cached {
+        usage["prompt_tokens_details"] = json!({"cached_tokens": cached});
+    }
     match path {
         "/v1/responses" => json!({
             "id": format!("resp_{}_{}", std::process::id(), RESPONSES.fetch_add(1, Ordering::Relaxed)),
@@ -33,7 +35,7 @@ pub(crate) fn final_body(
                 "content": [{"type": "output_text", "text": text(tokens)}]}],
             "usage": {"input_tokens": prompt, "output_tokens": tokens,
                 "total_tokens": prompt + u64::from(tokens),
-                "input_tokens_details": {"cached_tokens": cached}},
+                "input_tokens_details": {"cached_tokens": cached.unwrap_or(0)}},
         }),
         "/v1/chat/completions" => json!({
             "id": format!("chatcmpl-sim-{id}"), "object": "chat.completion", "created": 0, "model": model,
@@ -90,9 +92,9 @@ pub(crate) fn stream_response(
     ttft: Duration,
     tpot: Duration,
     fault: Option<Fault>,
-    // Prompt tokens and the cached ones, when the client asked for a final
-    // usage chunk.
-    usage: Option<(u64, u64)>,
+    // Prompt tokens and the cached ones (with a cache), when the client
+    // asked for a final usage chunk.
+    usage: Option<(u64, Option<u64>)>,
 ) -> Response<Body> {
     let tpot = if fault == Some(Fault::SlowStream) {
         tpot.max(Duration::from_millis(200))
@@ -117,13 +119,15 @@ pub(crate) fn stream_response(
                 drop(guard);
                 let mut last = String::new();
                 if let Some((prompt_tokens, cached)) = usage {
-                    let chunk = json!({
+                    let mut chunk = json!({
                         "id": format!("chatcmpl-sim-{id}"), "object": "chat.completion.chunk",
                         "created": 0, "model": model, "choices": [],
                         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens,
-                            "total_tokens": prompt_tokens + u64::from(tokens),
-                            "prompt_tokens_details": {"cached_tokens": cached}},
+                            "total_tokens": prompt_tokens + u64::from(tokens)},
                     });
+                    if let Some(cached) = cached {
+                        chunk["usage"]["prompt_tokens_details"] = json!({"cached_tokens": cached});
+                    }
                     last = format!("data: {chunk}\n\n");
                 }
                 last.push_str("data: [DONE]\n\n");

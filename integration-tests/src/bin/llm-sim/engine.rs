@@ -206,6 +206,12 @@ impl Engine {
         (cap > 0).then(|| self.state.lock().unwrap().kv_used as f64 / cap as f64)
     }
 
+    /// Forgets every cached prompt (a restarted engine).
+    pub fn clear_cache(&self) {
+        let mut cache = self.cache.lock().unwrap();
+        *cache = PrefixLru::new(cache.capacity());
+    }
+
     /// Looks the prompt up in the prefix cache, then caches it. Returns the
     /// prompt tokens, the cached ones, and the extra prefill time.
     pub fn prefill(&self, prompt: &[u8]) -> (u64, u64, Duration) {

@@ -397,6 +397,7 @@ impl Sim {
         self.bytes_received.store(0, Ordering::SeqCst);
         self.engine.prompt_tokens_total.store(0, Ordering::Relaxed);
         self.engine.cached_tokens_total.store(0, Ordering::Relaxed);
+        self.engine.clear_cache();
     }
 }
 
@@ -610,13 +611,15 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
 
     let id = sim.next_id.fetch_add(1, Ordering::Relaxed);
     let model = sim.cli.model.clone();
+    // An engine with a prefix cache says what it reused.
+    let said_cached = (sim.cli.prefix_cache_tokens > 0).then_some(cached_tokens);
     let mut resp = if stream {
         // OpenAI's `stream_options.include_usage`: a last chunk with usage.
         let usage = parsed
             .pointer("/stream_options/include_usage")
             .and_then(|v| v.as_bool())
             .unwrap_or(false)
-            .then_some((prompt_tokens, cached_tokens));
+            .then_some((prompt_tokens, said_cached));
         stream_response(
             sim, processing, path, id, model, tokens, ttft, tpot, fault, usage,
         )
@@ -644,7 +647,7 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
         } else {
             generate.await;
         }
-        let body = final_body(&path, id, &model, tokens, (prompt_tokens, cached_tokens));
+        let body = final_body(&path, id, &model, tokens, (prompt_tokens, said_cached));
         json_resp(StatusCode::OK, body)
     };
     let h = resp.headers_mut();

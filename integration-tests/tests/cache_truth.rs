@@ -1,0 +1,80 @@
+//! Cache truth as an operator sees it: what the engine said it reused is
+//! summed per endpoint (Σcached / Σprompt), the balancer's expected hits
+//! are counted by whether the engine had them, and an engine that lost its
+//! cache (restarted) shrinks the balancer's prefix index for it.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::json;
+
+/// Sends one chat of `prompt`; returns the cached tokens the answer said.
+async fn ask(b: &Balancer, prompt: &str) -> u64 {
+    let r = client()
+        .post(b.url("/v1/chat/completions"))
+        .json(&json!({"model": "sim-model", "messages": [{"role": "user", "content": prompt}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let answer: serde_json::Value = r.json().await.unwrap();
+    answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .expect("the engine says what it reused")
+}
+
+/// Waits until the balancer counted `n` expected hits with `outcome`
+/// (it settles an answer just after the client read its last byte).
+async fn predictions(b: &Balancer, outcome: &str, n: f64) {
+    wait_for("the answers settled", Duration::from_secs(5), || async {
+        let seen = metric(
+            b,
+            "flowgate_endpoint_cache_predictions_total",
+            &[("outcome", outcome)],
+        )
+        .await;
+        (seen == n).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engines_word_is_counted_and_a_lost_cache_corrects_the_index() {
+    let (b, sim, _agent) = fleet(&[], &["--slots", "4", "--prefix-cache-tokens", "100000"]).await;
+    let prompt = "A long shared system prompt for cache truth. ".repeat(100);
+    assert_eq!(ask(&b, &prompt).await, 0, "cold");
+    let warm = ask(&b, &prompt).await;
+    assert!(warm > 0, "the second time the engine has it");
+    // The second request was expected to hit, and did.
+    predictions(&b, "hit", 1.0).await;
+    let cached = metric(&b, "flowgate_endpoint_cached_tokens_total", &[]).await;
+    let prompted = metric(&b, "flowgate_endpoint_prompt_tokens_total", &[]).await;
+    assert_eq!(cached, warm as f64);
+    let ratio = metric(
+        &b,
+        "flowgate_endpoint_cache_hit_ratio",
+        &[("model", "sim-model")],
+    )
+    .await;
+    assert!(
+        (ratio - cached / prompted).abs() < 1e-9,
+        "Σcached / Σprompt"
+    );
+    let capacity = |agents: serde_json::Value| agents["endpoints"][0]["prefix_capacity"].as_u64();
+    assert_eq!(capacity(b.agents().await), Some(4096));
+
+    // The engine restarts and forgets everything: the balancer still
+    // expects a hit, the engine says otherwise.
+    client()
+        .post(format!("http://{}/sim/reset", sim.addr))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ask(&b, &prompt).await, 0);
+    predictions(&b, "miss", 1.0).await;
+    let agents = b.agents().await;
+    assert!(capacity(agents.clone()).unwrap() < 4096, "{agents}");
+    assert!(agents["endpoints"][0]["cache"]["predicted_misses"] == 1);
+}

@@ -1,0 +1,188 @@
+//! Cache truth: what each endpoint's engine said it reused, against what
+//! the balancer predicted, and the prefix index corrected by it.
+//!
+//! The engine's answer is the only witness of its cache (its usage's
+//! `cached_tokens`, llama.cpp's `timings.cache_n`). Per endpoint the
+//! ledger sums the prompt tokens and the cached ones (a hit ratio is
+//! Σcached / Σprompt, as the engine saw it, not a mean of per-request
+//! ratios), and counts the requests the balancer sent expecting a hit (the
+//! endpoint's prefix index held some of the prompt's leading blocks) by
+//! whether the engine had at least half of those blocks.
+//!
+//! A predicted hit the engine did not have means the engine keeps less than
+//! the index assumed (it evicted that prompt, and with an LRU cache every
+//! prompt used less recently): the endpoint's index shrinks by a quarter,
+//! least recently used blocks first (see
+//! [`crate::prefix::PrefixLru::shrink_tracked`]); every confirmed hit lets
+//! it grow back by the request's blocks toward `capacityBlocks`. So the
+//! index follows the engine's real cache size instead of a configured
+//! guess, and stops steering requests toward prompts the engine no longer
+//! has.
+
+use serde::Serialize;
+
+use super::{EndpointLedger, Lease};
+
+/// What an engine's answer said of its prefix cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheSeen {
+    /// Prompt tokens, as the engine counted them.
+    pub prompt_tokens: u64,
+    /// Of them, found in its cache.
+    pub cached_tokens: u64,
+    /// The prompt text's length in bytes (to turn cached tokens into
+    /// prompt blocks).
+    pub prompt_bytes: u64,
+}
+
+/// One endpoint's cache, as its engine told it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct CacheTruth {
+    /// Prompt tokens of the answers that said what they reused.
+    pub prompt_tokens: u64,
+    /// Of them, found in the engine's cache.
+    pub cached_tokens: u64,
+    /// Requests sent expecting a hit that the engine confirmed.
+    pub predicted_hits: u64,
+    /// Requests sent expecting a hit that the engine did not have.
+    pub predicted_misses: u64,
+}
+
+impl CacheTruth {
+    /// Σcached / Σprompt; `None` before any answer said.
+    pub fn hit_ratio(&self) -> Option<f64> {
+        (self.prompt_tokens > 0).then(|| self.cached_tokens as f64 / self.prompt_tokens as f64)
+    }
+}
+
+impl EndpointLedger {
+    /// Records what the answer to `lease`'s request said of the engine's
+    /// cache, and corrects the endpoint's prefix index by it (see the
+    /// module docs). Call before the lease is given back.
+    pub(crate) fn observe_cache(&mut self, lease: &Lease, seen: CacheSeen) {
+        let block_bytes = self.scheduling.prefix.block_bytes.max(1) as u64;
+        let floor = self.scheduling.prefix.max_blocks;
+        let Some(ep) = self.endpoints.get_mut(&lease.endpoint) else {
+            return;
+        };
+        let cached = seen.cached_tokens.min(seen.prompt_tokens);
+        let truth = &mut ep.cache;
+        truth.prompt_tokens = truth.prompt_tokens.saturating_add(seen.prompt_tokens);
+        truth.cached_tokens = truth.cached_tokens.saturating_add(cached);
+        let predicted = u64::from(lease.predicted_blocks);
+        if predicted == 0 || seen.prompt_tokens == 0 {
+            return;
+        }
+        // The cached share of the prompt, in blocks of its text.
+        let cached_bytes = (u128::from(seen.prompt_bytes) * u128::from(cached)
+            / u128::from(seen.prompt_tokens)) as u64;
+        let cached_blocks = cached_bytes / block_bytes;
+        if cached_blocks * 2 >= predicted {
+            truth.predicted_hits += 1;
+            ep.prefix.grow(predicted as usize);
+        } else {
+            truth.predicted_misses += 1;
+            let (id, holders) = (ep.id, &mut self.holders);
+            ep.prefix
+                .shrink_tracked(floor, |h, holds| holders.change(h, id, holds));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoint::{Pick, Route};
+    use crate::prefix::PrefixConfig;
+    use crate::protocol::tests::report;
+    use crate::{SaturationConfig, SchedulingConfig};
+    use std::time::Instant;
+
+    fn take(ledger: &mut EndpointLedger, prefix: &[u64], now: Instant) -> Lease {
+        let route = Route {
+            prefix: prefix.to_vec(),
+            ..Route::default()
+        };
+        match ledger.pick(&route, now, false) {
+            Pick::Lease(l) => l,
+            other => panic!("expected a lease, got {other:?}"),
+        }
+    }
+
+    /// Four-byte blocks; `blocks` of them, each worth one token.
+    fn seen(blocks: u64, cached_blocks: u64) -> CacheSeen {
+        CacheSeen {
+            prompt_tokens: blocks,
+            cached_tokens: cached_blocks,
+            prompt_bytes: blocks * 4,
+        }
+    }
+
+    #[test]
+    fn the_engines_word_counts_and_a_missed_prediction_shrinks_the_index() {
+        let now = Instant::now();
+        let scheduling = SchedulingConfig {
+            prefix: PrefixConfig {
+                block_bytes: 4,
+                max_blocks: 4,
+                capacity_blocks: 100,
+            },
+            ..SchedulingConfig::default()
+        };
+        let mut ledger = EndpointLedger::new(SaturationConfig::default(), scheduling);
+        let addr = "127.0.0.1:1".parse().unwrap();
+        ledger.apply_report(report("a", "127.0.0.1:1", 4), addr, now);
+        let prompt: Vec<u64> = (1..=40).collect();
+
+        // First time: nothing expected, only the tokens count.
+        let first = take(&mut ledger, &prompt, now);
+        assert_eq!(first.predicted_blocks, 0);
+        ledger.observe_cache(&first, seen(40, 0));
+        ledger.release(first);
+        // Again: the whole prompt expected, and the engine had it.
+        let second = take(&mut ledger, &prompt, now);
+        assert_eq!(second.predicted_blocks, 40);
+        ledger.observe_cache(&second, seen(40, 38));
+        ledger.release(second);
+        // The engine lost it: a miss, and the index shrinks.
+        let third = take(&mut ledger, &prompt, now);
+        ledger.observe_cache(&third, seen(40, 4));
+        ledger.release(third);
+        let snap = &ledger.snapshot(now)[0];
+        assert_eq!(
+            snap.cache,
+            CacheTruth {
+                prompt_tokens: 120,
+                cached_tokens: 42,
+                predicted_hits: 1,
+                predicted_misses: 1,
+            }
+        );
+        assert_eq!(
+            snap.cache.hit_ratio(),
+            Some(42.0 / 120.0),
+            "Σcached / Σprompt"
+        );
+        assert_eq!((snap.prefix_blocks, snap.prefix_capacity), (30, 30));
+        // Misses keep shrinking it, never below one request's blocks...
+        for _ in 0..20 {
+            let l = take(&mut ledger, &prompt, now);
+            ledger.observe_cache(&l, seen(40, 0));
+            ledger.release(l);
+        }
+        assert_eq!(ledger.snapshot(now)[0].prefix_capacity, 4);
+        // ...and confirmed hits let it grow back to the configured size.
+        for _ in 0..40 {
+            let l = take(&mut ledger, &prompt[..4], now);
+            ledger.observe_cache(&l, seen(4, 4));
+            ledger.release(l);
+        }
+        assert_eq!(ledger.snapshot(now)[0].prefix_capacity, 100);
+        // A cached count beyond the prompt is not believed.
+        let l = take(&mut ledger, &prompt, now);
+        ledger.observe_cache(&l, seen(40, 1_000));
+        ledger.release(l);
+        let c = ledger.snapshot(now)[0].cache;
+        assert!(c.cached_tokens <= c.prompt_tokens);
+    }
+}

@@ -462,6 +462,12 @@ impl<T> Dispatcher<T> {
         self.ledger.orphan(lease, streamed, now);
     }
 
+    /// How `route` is scored against the fleet now, booking nothing (see
+    /// [`crate::endpoint::Explanation`]).
+    pub fn explain(&self, route: &Route, now: Instant) -> crate::endpoint::Explanation {
+        self.ledger.explain(route, now)
+    }
+
     /// Records what the answer to `lease`'s request said of its engine's
     /// prefix cache (see [`crate::endpoint::CacheTruth`]); before the lease
     /// is given back.

@@ -83,9 +83,29 @@ pub struct Candidate {
     pub queue_depth_threshold: u32,
 }
 
+/// Each scorer's weighted part of a candidate's score.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct ScoreTerms {
+    pub prefix_cache: f64,
+    pub free_slots: f64,
+    pub kv_cache: f64,
+    pub queue: f64,
+}
+
+impl ScoreTerms {
+    pub fn total(&self) -> f64 {
+        self.prefix_cache + self.free_slots + self.kv_cache + self.queue
+    }
+}
+
 impl ScorerWeights {
     /// The weighted score of a candidate.
     pub fn score(&self, c: &Candidate) -> f64 {
+        self.terms(c).total()
+    }
+
+    /// Each scorer's weighted part of a candidate's score.
+    pub fn terms(&self, c: &Candidate) -> ScoreTerms {
         let prefix = if c.prefix_blocks == 0 {
             0.0
         } else {
@@ -99,10 +119,12 @@ impl ScorerWeights {
         let kv = 1.0 - c.kv_cache_usage.unwrap_or(0.0).clamp(0.0, 1.0);
         let threshold = c.queue_depth_threshold.max(1);
         let queue = 1.0 - f64::from(c.requests_waiting.min(threshold)) / f64::from(threshold);
-        self.prefix_cache * prefix
-            + self.free_slots * free
-            + self.kv_cache * kv
-            + self.queue * queue
+        ScoreTerms {
+            prefix_cache: self.prefix_cache * prefix,
+            free_slots: self.free_slots * free,
+            kv_cache: self.kv_cache * kv,
+            queue: self.queue * queue,
+        }
     }
 }
 

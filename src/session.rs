@@ -435,4 +435,42 @@ mod tests {
         table.release(5_000);
         assert!(table.is_empty());
     }
+
+    proptest::proptest! {
+        /// Against a plain model: a session is found exactly when it was
+        /// bound within the idle timeout and is among the `max_sessions`
+        /// most recently bound, and the table never holds more.
+        #[test]
+        fn the_table_is_a_bounded_idle_expiring_map(
+            ops in proptest::collection::vec((0u64..8, 0u16..3, 0u64..40), 1..200),
+            max_sessions in 1usize..5,
+        ) {
+            let config = SessionConfig {
+                max_sessions,
+                idle_timeout: Duration::from_secs(60),
+                hard: false,
+            };
+            let mut table = SessionTable::new(&config);
+            let t0 = Instant::now();
+            let mut now = t0;
+            // (key, port, bound at), most recent last.
+            let mut model: Vec<(u64, u16, Instant)> = Vec::new();
+            for (key, port, wait) in ops {
+                now += Duration::from_secs(wait);
+                table.bind(key, addr(port), now);
+                model.retain(|(k, _, _)| *k != key);
+                model.push((key, port, now));
+                let first = model.len().saturating_sub(max_sessions);
+                model.drain(..first);
+                proptest::prop_assert!(table.len() <= max_sessions);
+                for probe in 0..8u64 {
+                    let want = model
+                        .iter()
+                        .find(|(k, _, at)| *k == probe && now.duration_since(*at) < Duration::from_secs(60))
+                        .map(|(_, p, _)| addr(*p));
+                    proptest::prop_assert_eq!(table.endpoint(probe, now), want);
+                }
+            }
+        }
+    }
 }

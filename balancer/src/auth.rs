@@ -13,6 +13,7 @@
 //!     weight: 2           # optional: token-fairness weight (else the tenant's)
 //!     name: acme-prod     # optional: the key's name in usage accounting
 //!     quota: {requestsPerMinute: 60, tokensPerMinute: 10000}  # optional, see quotas
+//!     debug: true         # optional: may ask `x-flowgate-debug: scores`
 //!   - key: sk-test-only   # the key itself; prefer sha256 so nothing secret is at rest
 //!     tenant: tests
 //! ```
@@ -113,6 +114,10 @@ struct KeyEntry {
     name: Option<String>,
     /// The key's own quota, besides its tenant's.
     quota: Option<crate::quotas::LimitsSpec>,
+    /// Its requests may ask why their endpoint was chosen
+    /// (`x-flowgate-debug: scores`).
+    #[serde(default)]
+    debug: bool,
 }
 
 fn sha256(bytes: &[u8]) -> [u8; 32] {
@@ -197,6 +202,7 @@ impl ApiKeys {
                     weight: k.weight,
                     key_id: key_id.into(),
                     quota,
+                    debug: k.debug,
                 },
             });
         }

@@ -167,6 +167,7 @@ proptest! {
             ttl: ttl.as_deref(),
             content_type: None,
             sessions: Default::default(),
+            debug: None,
         };
         if let Ok((flow, _)) = settings.admission().flow(headers, &model, Caller::Anonymous) {
             prop_assert!(flowgate::flow::valid_fairness_id(&flow.fairness_id));

@@ -195,6 +195,7 @@ fn main() -> ExitCode {
             pingora_core::apps::http_app::HttpServer::new_app(management::Management {
                 shared: Arc::clone(&shared),
                 token: settings.management_token.clone(),
+                rules: Arc::clone(&rules),
             }),
             management_listener,
         ),

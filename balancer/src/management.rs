@@ -11,18 +11,22 @@
 //! - `GET    /api/v1/usage`               tokens and requests per tenant and API
 //!   key over a window (`?window=15m`, default and longest `1h`; `&tenant=`;
 //!   `&limit=`, default 100)
+//! - `POST   /api/v1/route/probe`         scores an inference request body
+//!   against the live fleet, booking nothing: where it would go and why
 //! - `GET    /metrics`                    Prometheus text exposition
 //! - `GET    /health`                     liveness
 //!
-//! With a management token, the two writes and the usage read (what each
-//! tenant spent) need `Authorization: Bearer <token>` (401 otherwise);
-//! other reads stay open.
+//! With a management token, the writes, the probe and the usage read (what
+//! each tenant spent) need `Authorization: Bearer <token>` (401
+//! otherwise); other reads stay open.
 
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use flowgate::admission::{Caller, FlowHeaders};
 use flowgate::openai::error_body;
 use flowgate::protocol::{valid_agent_id, ReportError};
+use flowgate::session::SessionLabel;
 use flowgate::{AgentReport, ReportOutcome};
 use http::{Method, Response, StatusCode};
 use pingora_core::apps::http_app::ServeHttp;
@@ -33,14 +37,19 @@ use tracing::{info, warn};
 use crate::auth::{bearer_token, Secret};
 use crate::gate::FleetGate;
 use crate::observe::history;
+use crate::rules::LiveRules;
 
 /// Largest accepted report body.
 const MAX_REPORT_BYTES: usize = 64 * 1024;
+/// Largest request body the route probe scores.
+const MAX_PROBE_BYTES: usize = 4 * 1024 * 1024;
 
 pub struct Management {
     pub shared: Arc<FleetGate>,
     /// Required for registering, reporting and deregistering, when set.
     pub token: Option<Secret>,
+    /// The doors' rules, for the route probe's admission step.
+    pub rules: Arc<LiveRules>,
 }
 
 fn json_response(status: StatusCode, body: Vec<u8>) -> Response<Vec<u8>> {
@@ -79,17 +88,20 @@ fn error(status: StatusCode, code: &str, message: &str) -> Response<Vec<u8>> {
     json_response(status, error_body(message, "invalid_request_error", code))
 }
 
-async fn read_body(session: &mut ServerSession) -> Result<Vec<u8>, Response<Vec<u8>>> {
+async fn read_body(
+    session: &mut ServerSession,
+    limit: usize,
+) -> Result<Vec<u8>, Response<Vec<u8>>> {
     let mut body = Vec::new();
     loop {
         match session.read_request_body().await {
             Ok(Some(chunk)) => {
-                if body.len() + chunk.len() > MAX_REPORT_BYTES {
-                    warn!(path = %session.req_header().uri.path(), "refused a body over {MAX_REPORT_BYTES} bytes");
+                if body.len() + chunk.len() > limit {
+                    warn!(path = %session.req_header().uri.path(), "refused a body over {limit} bytes");
                     return Err(error(
                         StatusCode::PAYLOAD_TOO_LARGE,
                         "request_too_large",
-                        &format!("body exceeds {MAX_REPORT_BYTES} bytes"),
+                        &format!("body exceeds {limit} bytes"),
                     ));
                 }
                 body.extend_from_slice(&chunk);
@@ -131,8 +143,48 @@ impl Management {
         Some(resp)
     }
 
+    /// Scores an inference request body (with the session and tenant
+    /// headers sent along) against the live fleet as the inference port
+    /// would, booking nothing: no slot, no session bound, no queue.
+    async fn probe(&self, session: &mut ServerSession) -> Response<Vec<u8>> {
+        let body = match read_body(session, MAX_PROBE_BYTES).await {
+            Ok(b) => b,
+            Err(resp) => return resp,
+        };
+        let rules = self.rules.get();
+        let headers = &session.req_header().headers;
+        let flow_headers =
+            FlowHeaders::from_pairs(headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())));
+        let facts = match (rules.admission).inference(
+            flow_headers,
+            Some(&body),
+            Caller::Anonymous,
+            &*self.shared,
+        ) {
+            Ok(facts) => facts,
+            Err(refused) => {
+                return error(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request",
+                    &refused.to_string(),
+                )
+            }
+        };
+        let route = &facts.meta.route;
+        let x = self.shared.explain(route);
+        let body = json!({
+            "model": facts.model,
+            "served_model": route.model.as_deref(),
+            "tenant": &*facts.meta.flow.fairness_id,
+            "session": route.session.map(|s| SessionLabel(Some(s)).to_string()),
+            "estimated_prompt_tokens": facts.tokens.prompt,
+            "explanation": x,
+        });
+        json_response(StatusCode::OK, body.to_string().into_bytes())
+    }
+
     async fn report(&self, session: &mut ServerSession, agent_id: &str) -> Response<Vec<u8>> {
-        let body = match read_body(session).await {
+        let body = match read_body(session, MAX_REPORT_BYTES).await {
             Ok(b) => b,
             Err(resp) => return resp,
         };
@@ -314,6 +366,7 @@ impl ServeHttp for Management {
                 "bad_agent_id",
                 "agent id must be 1..=128 bytes of [A-Za-z0-9._-]",
             ),
+            (&Method::POST, ["api", "v1", "route", "probe"]) => self.probe(session).await,
             (&Method::POST, ["api", "v1", "agents", id, "report"]) => {
                 let id = id.to_string();
                 self.report(session, &id).await

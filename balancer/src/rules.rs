@@ -18,6 +18,33 @@ pub struct DoorRules {
     pub api_keys: Option<Arc<ApiKeys>>,
     /// Quotas per tenant (keys carry their own).
     pub quotas: flowgate::quota::QuotaRules,
+    /// Who is told why their endpoint was chosen.
+    pub explain: ExplainScores,
+}
+
+/// Who gets the `x-flowgate-scores` answer header (`scheduling.explain`):
+/// a key whose grant says `debug: true` may always ask.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ExplainScores {
+    /// Only requests with such a key that ask (`x-flowgate-debug: scores`).
+    #[default]
+    Off,
+    /// Any request that asks: for a trusted network only.
+    Request,
+    /// Every inference answer, asked or not.
+    Always,
+}
+
+impl ExplainScores {
+    /// Whether a request that `asked`, sent with `grant`, gets the scores.
+    pub fn allows(self, asked: bool, grant: Option<&flowgate::admission::Grant>) -> bool {
+        match self {
+            ExplainScores::Always => true,
+            ExplainScores::Request => asked,
+            ExplainScores::Off => asked && grant.is_some_and(|g| g.debug),
+        }
+    }
 }
 
 /// The current [`DoorRules`].
@@ -46,5 +73,36 @@ impl LiveRules {
             .0
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::new(rules);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flowgate::admission::Grant;
+
+    #[test]
+    fn scores_are_told_by_config_or_by_a_keys_grant_only() {
+        let grant = |debug| Grant {
+            tenant: Arc::from("t"),
+            max_priority: None,
+            weight: None,
+            key_id: Arc::from("k"),
+            quota: None,
+            debug,
+        };
+        let (plain, debug) = (grant(false), grant(true));
+        for (mode, asked, g, want) in [
+            (ExplainScores::Off, true, None, false),
+            (ExplainScores::Off, true, Some(&plain), false),
+            (ExplainScores::Off, true, Some(&debug), true),
+            (ExplainScores::Off, false, Some(&debug), false),
+            (ExplainScores::Request, true, None, true),
+            (ExplainScores::Request, false, None, false),
+            (ExplainScores::Always, false, None, true),
+        ] {
+            assert_eq!(mode.allows(asked, g), want, "{mode:?} asked={asked}");
+        }
+        assert_eq!(ExplainScores::default(), ExplainScores::Off);
     }
 }

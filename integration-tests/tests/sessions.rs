@@ -217,3 +217,96 @@ async fn ten_thousand_distinct_keys_keep_the_table_at_its_bound() {
     }
     sim.wait_idle(Duration::from_secs(5)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn why_this_endpoint_is_told_only_to_whom_it_is_allowed() {
+    let keys = ConfigFile::new(
+        "keys:\n  - key: sk-debug\n    tenant: ops\n    debug: true\n  - key: sk-plain\n    tenant: app\n",
+    );
+    let b = Balancer::start(&["--api-keys-file", keys.arg()]).await;
+    let sims: Vec<Sim> = (0..2).map(|_| Sim::start(&["--slots", "2"])).collect();
+    let _agents: Vec<_> = sims.iter().map(|s| agent(s, &b)).collect();
+    b.wait_eligible(2).await;
+    let c = client();
+    let ask = |key: &'static str, debug: Option<&'static str>| {
+        let c = c.clone();
+        let url = b.url("/v1/chat/completions");
+        async move {
+            let mut req = c
+                .post(url)
+                .header("authorization", format!("Bearer {key}"))
+                .header("x-session-id", "conv-1")
+                .json(&chat_for(Some("sim-model"), &"why here? ".repeat(80)));
+            if let Some(d) = debug {
+                req = req.header("x-flowgate-debug", d);
+            }
+            let r = req.send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            let scores = r
+                .headers()
+                .get("x-flowgate-scores")
+                .map(|v| v.to_str().unwrap().to_string());
+            r.bytes().await.unwrap();
+            scores
+        }
+    };
+    // A key without the grant that asks is told no, and served.
+    assert_eq!(
+        ask("sk-plain", Some("scores")).await.as_deref(),
+        Some("denied")
+    );
+    assert_eq!(ask("sk-debug", None).await, None, "only when asked");
+    let told: Value =
+        serde_json::from_str(&ask("sk-debug", Some("scores")).await.unwrap()).unwrap();
+    let endpoint = told["endpoint"].as_str().unwrap();
+    assert!(
+        sims.iter().any(|s| s.addr.to_string() == endpoint),
+        "{told}"
+    );
+    let x = &told["explanation"];
+    assert_eq!(x["candidates"].as_array().unwrap().len(), 2, "{told}");
+    for c in x["candidates"].as_array().unwrap() {
+        let terms = &c["terms"];
+        let sum: f64 = ["prefix_cache", "free_slots", "kv_cache", "queue"]
+            .iter()
+            .map(|t| terms[t].as_f64().unwrap())
+            .sum();
+        assert!((sum - c["score"].as_f64().unwrap()).abs() < 1e-9, "{c}");
+    }
+    assert!(told["session"].as_str().is_some_and(|s| s.len() == 16));
+    assert!(
+        !told.to_string().contains("conv-1"),
+        "the key is never told"
+    );
+
+    // The probe scores a body against the live fleet and books nothing.
+    let before = b.agents().await;
+    let probe = |body: String| {
+        let c = c.clone();
+        let url = b.mgmt("/api/v1/route/probe");
+        async move {
+            let r = c
+                .post(url)
+                .header("x-session-id", "conv-1")
+                .header("x-gateway-inference-fairness-id", "ops")
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    let (status, p) =
+        probe(chat_for(Some("sim-model"), &"why here? ".repeat(80)).to_string()).await;
+    assert_eq!(status, 200, "{p}");
+    let x = &p["explanation"];
+    assert_eq!(x["candidates"].as_array().unwrap().len(), 2);
+    assert!(x["prompt_blocks"].as_u64().unwrap() > 0);
+    assert!(x["choice"].is_string());
+    assert_eq!(p["served_model"], "sim-model");
+    let after = b.agents().await;
+    assert_eq!(after["sessions"], before["sessions"], "no session bound");
+    assert_eq!(after["in_flight_requests"], 0, "no slot taken");
+    let (status, refused) = probe("[not an object".into()).await;
+    assert_eq!(status, 400, "{refused}");
+}

@@ -16,6 +16,9 @@ pub struct Grant {
     pub key_id: Arc<str>,
     /// The key's own quota (besides its tenant's).
     pub quota: Option<crate::quota::QuotaLimits>,
+    /// Its requests may ask why their endpoint was chosen
+    /// (`x-flowgate-debug: scores`).
+    pub debug: bool,
 }
 
 impl Grant {

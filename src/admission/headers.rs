@@ -13,6 +13,9 @@ pub const PRIORITY_HEADER: &str = "x-flowgate-priority";
 /// Header with the longest time the request may wait (`500ms`, `5s`, or
 /// milliseconds), cut to `maxRequestTTL`.
 pub const TTL_HEADER: &str = "x-flowgate-request-ttl";
+/// Header asking why the request's endpoint was chosen (`scores`),
+/// answered only where the operator allows it.
+pub const DEBUG_HEADER: &str = "x-flowgate-debug";
 /// The body's type: a `multipart/form-data` body (the audio routes) is read
 /// as a form, anything else as JSON.
 pub const CONTENT_TYPE_HEADER: &str = "content-type";
@@ -28,6 +31,8 @@ pub struct FlowHeaders<'a> {
     pub content_type: Option<&'a [u8]>,
     /// The session keys of the headers, hashed.
     pub sessions: SessionKeys,
+    /// What the request asks to be told ([`DEBUG_HEADER`]).
+    pub debug: Option<&'a [u8]>,
 }
 
 impl<'a> FlowHeaders<'a> {
@@ -48,6 +53,15 @@ impl<'a> FlowHeaders<'a> {
         SessionSource::HEADER_NAMES[6],
         SessionSource::HEADER_NAMES[7],
     ];
+
+    /// Whether the request asks why its endpoint was chosen
+    /// (`x-flowgate-debug: scores`, one of a comma-separated list).
+    pub fn asks_scores(&self) -> bool {
+        self.debug.is_some_and(|v| {
+            v.split(|&b| b == b',')
+                .any(|item| item.trim_ascii().eq_ignore_ascii_case(b"scores"))
+        })
+    }
 
     /// The body's `multipart/form-data` content type, if it is a form.
     pub fn form(&self) -> Option<&'a str> {
@@ -75,6 +89,7 @@ impl<'a> FlowHeaders<'a> {
             ttl: get(TTL_HEADER),
             content_type: get(CONTENT_TYPE_HEADER),
             sessions,
+            debug: get(DEBUG_HEADER),
         }
     }
 
@@ -92,6 +107,7 @@ impl<'a> FlowHeaders<'a> {
                 PRIORITY_HEADER => &mut h.priority,
                 TTL_HEADER => &mut h.ttl,
                 CONTENT_TYPE_HEADER => &mut h.content_type,
+                DEBUG_HEADER => &mut h.debug,
                 _ => {
                     if let Some(source) = SessionSource::of_header(name) {
                         h.sessions.set(source, value);
@@ -155,6 +171,9 @@ mod tests {
         }
         assert_eq!(fields(&one_pass), fields(&looked_up));
         assert_eq!(one_pass.sessions, looked_up.sessions);
+        assert_ne!(one_pass.sessions, SessionKeys::default());
+        let asks = |v: &'static [u8]| FlowHeaders::from_pairs([(DEBUG_HEADER, v)]).asks_scores();
+        assert!(asks(b"scores") && asks(b"timing, Scores ") && !asks(b"score") && !asks(b""));
         assert_eq!(
             one_pass.fairness_id,
             Some(&b"acme"[..]),

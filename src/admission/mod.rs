@@ -22,7 +22,9 @@ use std::time::Duration;
 
 pub use body::{body_facts, form_facts, renamed, with_model, BodyFacts};
 pub use caller::{Caller, Grant};
-pub use headers::{FlowHeaders, FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER, TTL_HEADER};
+pub use headers::{
+    FlowHeaders, DEBUG_HEADER, FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER, TTL_HEADER,
+};
 pub use priority::{BadHeader, PriorityRules};
 
 use crate::dispatcher::RequestMeta;
@@ -309,6 +311,7 @@ mod tests {
             weight: None,
             key_id: Arc::from("k"),
             quota: None,
+            debug: false,
         };
         let keyed = r
             .inference(h, Some(body), Caller::Key(&grant), &Fleet)
@@ -342,6 +345,7 @@ mod tests {
             weight: None,
             key_id: Arc::from("k"),
             quota: None,
+            debug: false,
         };
         // A malformed header is refused even when a key fixes the tenant.
         assert!(matches!(
@@ -384,6 +388,7 @@ mod tests {
             weight: None,
             key_id: Arc::from("k"),
             quota: None,
+            debug: false,
         };
         let (alpha, beta) = (grant("alpha"), grant("beta"));
         let a = session(FlowHeaders::default(), cache_key, Caller::Key(&alpha));
@@ -456,8 +461,9 @@ mod tests {
                 ttl: Some(&ttl),
                 content_type: None,
                 sessions: Default::default(),
+                debug: None,
             };
-            let grant = Grant { tenant: Arc::from("alpha"), max_priority: Some(ceiling), weight: None, key_id: Arc::from("k"), quota: None };
+            let grant = Grant { tenant: Arc::from("alpha"), max_priority: Some(ceiling), weight: None, key_id: Arc::from("k"), quota: None, debug: false };
             let form = FlowHeaders { content_type: Some(&b"multipart/form-data; boundary=x"[..]), ..h };
             let _ = r.inference(if as_form { form } else { h }, Some(&body), Caller::Anonymous, &Fleet);
             if let Ok(f) = r.inference(h, Some(br#"{"model":"m"}"#), Caller::Key(&grant), &Fleet) {

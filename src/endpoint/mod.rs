@@ -30,6 +30,7 @@
 
 mod breaker;
 mod cache_truth;
+mod explain;
 mod ranking;
 mod saturation;
 mod selection;
@@ -42,6 +43,7 @@ pub use selection::{Route, SchedulingConfig};
 
 use breaker::Breaker;
 pub use cache_truth::{CacheSeen, CacheTruth};
+pub use explain::{CandidateScore, Explanation, MAX_EXPLAINED};
 use ranking::{Rank, Ranking};
 
 use std::collections::HashMap;

@@ -124,7 +124,7 @@ impl Endpoint {
     /// Can take this request now: fits its targets, eligible, not
     /// saturated, room in its token budget (the model is the caller's to
     /// check).
-    fn takes(&self, route: &Route, now: Instant, config: &SaturationConfig) -> bool {
+    pub(super) fn takes(&self, route: &Route, now: Instant, config: &SaturationConfig) -> bool {
         self.fits_targets(route)
             && self.available(now, config)
             && self.fits_token_budget(&route.tokens, config)

@@ -77,6 +77,8 @@ pub struct Settings {
     pub weights: std::collections::HashMap<String, u32>,
     /// Which session keys name a conversation, in order.
     pub sessions: flowgate::SessionRules,
+    /// Who gets the `x-flowgate-scores` answer header.
+    pub explain: crate::rules::ExplainScores,
     /// Quotas per tenant (keys carry their own).
     pub quotas: flowgate::quota::QuotaRules,
     /// Where quota windows are kept.
@@ -144,6 +146,7 @@ impl Settings {
             admission: self.admission(),
             api_keys: self.api_keys.clone(),
             quotas: self.quotas.clone(),
+            explain: self.explain,
         }
     }
 
@@ -231,9 +234,10 @@ impl Settings {
         let seed = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64);
+        let scheduling_section = file.scheduling.unwrap_or_default();
+        let explain = scheduling_section.explain.unwrap_or_default();
         let (sched, retries, sessions) =
-            scheduling::build(&file.scheduling.unwrap_or_default(), seed)
-                .map_err(SettingsError::Invalid)?;
+            scheduling::build(&scheduling_section, seed).map_err(SettingsError::Invalid)?;
         dispatcher.scheduling = sched;
         let (quota_rules, quota_store) =
             quotas::build(&cli, &file.quotas.take().unwrap_or_default())
@@ -330,6 +334,7 @@ impl Settings {
             priorities,
             weights,
             sessions,
+            explain,
             quotas: quota_rules,
             quota_store,
             models,

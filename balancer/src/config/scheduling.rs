@@ -28,6 +28,8 @@ pub struct SchedulingSection {
     /// most of its prompt instead of going to a free one (0s: never).
     pub affinity_hold: Option<ConfigDuration>,
     pub sessions: Option<SessionsSection>,
+    /// Who gets the `x-flowgate-scores` answer header.
+    pub explain: Option<crate::rules::ExplainScores>,
 }
 
 /// `scheduling.sessions`: which session keys are read, in what order, and

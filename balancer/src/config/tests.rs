@@ -370,6 +370,14 @@ fn sessions_section_is_read_and_checked() {
     );
     let d = Settings::merge(cli(&[]), FileConfig::default()).unwrap();
     assert_eq!(d.admission().sessions, flowgate::SessionRules::default());
+    assert_eq!(d.door_rules().explain, crate::rules::ExplainScores::Off);
+    let always = FileConfig::parse("scheduling:\n  explain: always\n").unwrap();
+    let always = Settings::merge(cli(&[]), always).unwrap();
+    assert_eq!(
+        always.door_rules().explain,
+        crate::rules::ExplainScores::Always
+    );
+    assert!(FileConfig::parse("scheduling:\n  explain: yes\n").is_err());
     assert!(!d.dispatcher.scheduling.sessions.hard);
     let off = FileConfig::parse("scheduling:\n  sessions:\n    keys: []\n").unwrap();
     let off = Settings::merge(cli(&[]), off).unwrap();

@@ -419,6 +419,11 @@ impl FleetGate {
             .window(window, Instant::now())
     }
 
+    /// How `route` is scored against the fleet now, booking nothing.
+    pub fn explain(&self, route: &Route) -> flowgate::endpoint::Explanation {
+        self.lock().explain(route, Instant::now())
+    }
+
     /// Binds `session` to the endpoint at `addr` (see
     /// [`flowgate::Dispatcher::bind_session`]).
     pub fn bind_session(&self, session: u64, addr: SocketAddr) {

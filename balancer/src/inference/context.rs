@@ -15,6 +15,16 @@ use crate::observe::meter::ResponseMeter;
 use crate::quotas::Reserved;
 use crate::rules::DoorRules;
 
+/// Whether an answer carries the scoring of its endpoint
+/// ([`super::SCORES_HEADER`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Explain {
+    No,
+    Yes,
+    /// It asked and may not know.
+    Denied,
+}
+
 /// Per-request state.
 pub struct RequestCtx {
     pub(super) start: Instant,
@@ -50,6 +60,8 @@ pub struct RequestCtx {
     pub(super) priority: i32,
     /// Its session, hashed ([`flowgate::session`]), for the access log.
     pub(super) session: Option<u64>,
+    /// Whether its answer tells why its endpoint was chosen.
+    pub(super) explain: Explain,
     /// What it asked of flow control, kept to ask again on a retry.
     pub(super) meta: Option<RequestMeta>,
     /// Retries done so far.
@@ -112,6 +124,7 @@ impl RequestCtx {
             fairness_id: None,
             priority: 0,
             session: None,
+            explain: Explain::No,
             meta: None,
             retries: 0,
             retry_pending: false,

@@ -47,6 +47,7 @@ use bytes::Bytes;
 use flowgate::admission::{renamed, Caller, FlowHeaders};
 use flowgate::blame::{self, Verdict};
 use flowgate::models::Fallback;
+use flowgate::session::SessionLabel;
 use flowgate::RequestMeta;
 use flowgate::SessionSource;
 use http::StatusCode;
@@ -58,6 +59,7 @@ use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 use tracing::debug;
 
 pub use body::BodyLimits;
+use context::Explain;
 pub use context::RequestCtx;
 pub use request_id::RequestIds;
 pub(crate) use routes::RouteKind;
@@ -76,6 +78,9 @@ const WAIT_HEADER: &str = "x-flowgate-wait-ms";
 /// Response header: the model that answered (after aliases, rewrites,
 /// the default model and fallbacks).
 pub(crate) const SERVED_MODEL_HEADER: &str = "x-flowgate-served-model";
+/// Answer header with the scoring of the request's endpoint (JSON), when
+/// asked and allowed ([`crate::rules::ExplainScores`]).
+pub(crate) const SCORES_HEADER: &str = "x-flowgate-scores";
 
 /// Bytes of an engine's error answer kept to check its shape.
 const MAX_ERROR_BODY: usize = 16 * 1024;
@@ -282,6 +287,14 @@ impl Inference {
         let flow_headers =
             FlowHeaders::from_pairs(headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())));
         ctx.form = flow_headers.form().map(str::to_string);
+        let asked = flow_headers.asks_scores();
+        ctx.explain = if ctx.rules.explain.allows(asked, ctx.grant.as_ref()) {
+            Explain::Yes
+        } else if asked {
+            Explain::Denied
+        } else {
+            Explain::No
+        };
         let facts =
             ctx.rules
                 .admission
@@ -619,6 +632,21 @@ impl ProxyHttp for Inference {
         };
         if let Some(served) = served {
             upstream_response.insert_header(SERVED_MODEL_HEADER, served)?;
+        }
+        match ctx.explain {
+            Explain::No => {}
+            Explain::Denied => upstream_response.insert_header(SCORES_HEADER, "denied")?,
+            Explain::Yes => {
+                if let Some(meta) = &ctx.meta {
+                    let x = self.shared.explain(&meta.route);
+                    let scores = serde_json::json!({
+                        "endpoint": ctx.upstream,
+                        "session": ctx.session.map(|s| SessionLabel(Some(s)).to_string()),
+                        "explanation": x,
+                    });
+                    upstream_response.insert_header(SCORES_HEADER, scores.to_string())?;
+                }
+            }
         }
         Ok(())
     }

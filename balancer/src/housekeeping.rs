@@ -12,6 +12,7 @@ use pingora_core::services::background::BackgroundService;
 use tracing::{info, warn};
 
 use crate::gate::FleetGate;
+use crate::observe::traces::Traces;
 use crate::scaleup::ScaleUpWebhook;
 
 /// Longest pause between two rounds.
@@ -62,7 +63,12 @@ impl BackgroundService for Housekeeping {
 /// under way (from its head on: one still sending its body counts), buffered
 /// or in flight, so a drained balancer stops at once and a busy one gets up
 /// to the grace period.
-pub fn exit_when_drained(server: &Server, shared: Arc<FleetGate>, grace: Duration) {
+pub fn exit_when_drained(
+    server: &Server,
+    shared: Arc<FleetGate>,
+    grace: Duration,
+    traces: Option<Arc<Traces>>,
+) {
     let mut phases = server.watch_execution_phase();
     std::thread::Builder::new()
         .name("shutdown-watch".into())
@@ -77,6 +83,10 @@ pub fn exit_when_drained(server: &Server, shared: Arc<FleetGate>, grace: Duratio
                     loop {
                         if shared.is_drained() {
                             info!("drained: exiting");
+                            if let Some(traces) = &traces {
+                                // The last spans go before the process.
+                                traces.shutdown();
+                            }
                             std::process::exit(0);
                         }
                         std::thread::sleep(Duration::from_millis(20));

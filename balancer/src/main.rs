@@ -35,6 +35,7 @@ use tracing::{error, info};
 
 use crate::config::{Cli, Settings};
 use crate::gate::FleetGate;
+use crate::observe::traces::Traces;
 
 /// Pingora reports a busy port only deep in its start-up; check first so the
 /// operator gets one clear line.
@@ -149,6 +150,14 @@ fn main() -> ExitCode {
         }
     };
 
+    let traces = match settings.traces.as_ref().map(Traces::start).transpose() {
+        Ok(t) => t.map(Arc::new),
+        Err(e) => {
+            error!("{e}");
+            return ExitCode::from(1);
+        }
+    };
+
     let proxy = pingora_proxy::http_proxy(
         &server.configuration,
         inference::Inference {
@@ -164,6 +173,7 @@ fn main() -> ExitCode {
             request_ids: inference::RequestIds::new(),
             quotas: Arc::clone(&quotas),
             async_queue: async_queue.clone(),
+            traces: traces.clone(),
         },
     );
     let mut inference = Service::new(
@@ -244,7 +254,7 @@ fn main() -> ExitCode {
         server.add_service(service);
     }
 
-    housekeeping::exit_when_drained(&server, shared, settings.shutdown_grace_period);
+    housekeeping::exit_when_drained(&server, shared, settings.shutdown_grace_period, traces);
     info!(
         inference = %settings.inference_addr,
         management = %settings.management_addr,

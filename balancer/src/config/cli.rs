@@ -196,6 +196,19 @@ pub struct Cli {
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     pub tls_key: Option<PathBuf>,
 
+    /// Send OpenTelemetry traces of the inference port to this OTLP/HTTP
+    /// collector (protobuf): a base URL gets `/v1/traces`
+    /// (`http://127.0.0.1:4318`), a URL with a path is used as it is.
+    /// OTEL_EXPORTER_OTLP_TRACES_ENDPOINT wins over it [default: off]
+    #[arg(long, value_name = "URL", env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+
+    /// Share (0 to 1) of the traces the balancer starts that are kept; a
+    /// client's own sampling decision (its traceparent) always holds
+    /// [default: 1]
+    #[arg(long, value_name = "RATIO", env = "OTEL_TRACES_SAMPLER_ARG")]
+    pub trace_sample_ratio: Option<f64>,
+
     /// Directory of the async queue's embedded store; turns the async path
     /// on (`POST /v1/async/...`, see the README) [default: off]
     #[arg(long, value_name = "DIR")]

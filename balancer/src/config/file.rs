@@ -45,6 +45,8 @@ pub struct FileConfig {
     pub default_output_tokens: Option<u64>,
     pub tls_cert: Option<PathBuf>,
     pub tls_key: Option<PathBuf>,
+    /// OpenTelemetry traces (README "Traces").
+    pub traces: Option<TracesSection>,
     /// The async path (README "Async path").
     #[serde(rename = "async")]
     pub async_queue: Option<AsyncSection>,
@@ -109,4 +111,14 @@ impl FileConfig {
             source: Box::new(source),
         })
     }
+}
+
+/// `traces:` in the config file (flags and the `OTEL_*` environment win).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct TracesSection {
+    /// The OTLP/HTTP collector (see `--otlp-endpoint`).
+    pub endpoint: Option<String>,
+    /// Share of the traces the balancer starts that are kept.
+    pub sample_ratio: Option<f64>,
 }

@@ -109,6 +109,8 @@ pub struct Settings {
     pub tls: Option<TlsFiles>,
     /// The async path, when on.
     pub async_queue: Option<AsyncConfig>,
+    /// OpenTelemetry traces, when on.
+    pub traces: Option<crate::observe::traces::TraceSettings>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -265,6 +267,12 @@ impl Settings {
             file.scale_up_webhook_interval.map(|d| d.0),
             DEFAULT_SCALE_UP_WEBHOOK_INTERVAL,
         );
+        let traces = traces(
+            cli.otlp_endpoint.clone(),
+            cli.trace_sample_ratio,
+            file.traces.take().unwrap_or_default(),
+        )
+        .map_err(SettingsError::Invalid)?;
         let scale_up_webhook = match cli.scale_up_webhook.or(file.scale_up_webhook) {
             Some(url) => {
                 let url = url.trim().to_string();
@@ -286,6 +294,7 @@ impl Settings {
         let s = Settings {
             scale_up_webhook,
             async_queue,
+            traces,
             tls: match (cli.tls_cert.or(file.tls_cert), cli.tls_key.or(file.tls_key)) {
                 (Some(cert), Some(key)) => Some(TlsFiles { cert, key }),
                 (None, None) => None,
@@ -448,4 +457,69 @@ impl Settings {
         }
         Ok(())
     }
+}
+
+/// The checked trace settings: an endpoint from the signal's own
+/// `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, else the flag (or
+/// `OTEL_EXPORTER_OTLP_ENDPOINT`), else the file; off without one. Only
+/// `http/protobuf` is spoken: another `OTEL_EXPORTER_OTLP_PROTOCOL` is an
+/// error rather than traces silently lost.
+fn traces(
+    endpoint_flag: Option<String>,
+    ratio_flag: Option<f64>,
+    file: file::TracesSection,
+) -> Result<Option<crate::observe::traces::TraceSettings>, String> {
+    use crate::observe::traces::TraceSettings;
+    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+    let endpoint = match env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") {
+        Some(url) => Some(url),
+        None => endpoint_flag.or(file.endpoint),
+    };
+    let Some(endpoint) = endpoint.filter(|e| !e.trim().is_empty()) else {
+        return Ok(None);
+    };
+    for name in [
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+    ] {
+        if let Some(p) = env(name) {
+            if p.trim() != "http/protobuf" {
+                return Err(format!(
+                    "{name}={p}: the balancer sends traces over http/protobuf only"
+                ));
+            }
+            break;
+        }
+    }
+    // OTEL_TRACES_SAMPLER: always_on / always_off / traceidratio, each
+    // also parentbased_ (the default: a client's decision holds).
+    let sampler = env("OTEL_TRACES_SAMPLER").map(|s| s.trim().to_ascii_lowercase());
+    let (parent_based, fixed) = match sampler.as_deref() {
+        None | Some("parentbased_traceidratio") => (true, None),
+        Some("traceidratio") => (false, None),
+        Some("parentbased_always_on") => (true, Some(1.0)),
+        Some("always_on") => (false, Some(1.0)),
+        Some("parentbased_always_off") => (true, Some(0.0)),
+        Some("always_off") => (false, Some(0.0)),
+        Some(other) => {
+            return Err(format!(
+                "OTEL_TRACES_SAMPLER={other}: the balancer knows always_on, always_off, \
+                 traceidratio and their parentbased_ forms"
+            ))
+        }
+    };
+    let sample_ratio = match fixed {
+        Some(r) => r,
+        None => ratio_flag.or(file.sample_ratio).unwrap_or(1.0),
+    };
+    if !(0.0..=1.0).contains(&sample_ratio) {
+        return Err(format!(
+            "the trace sample ratio must be between 0 and 1, not {sample_ratio}"
+        ));
+    }
+    Ok(Some(TraceSettings {
+        endpoint: TraceSettings::traces_url(endpoint.trim())?,
+        sample_ratio,
+        parent_based,
+    }))
 }

@@ -399,6 +399,40 @@ fn sessions_section_is_read_and_checked() {
 }
 
 #[test]
+fn traces_need_an_endpoint_and_a_ratio_between_0_and_1() {
+    use super::file::TracesSection;
+    let none = super::traces(None, None, TracesSection::default()).unwrap();
+    if std::env::var_os("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").is_none() {
+        assert_eq!(none, None, "off without an endpoint");
+    }
+    let file = TracesSection {
+        endpoint: Some("http://127.0.0.1:4318".into()),
+        sample_ratio: Some(0.25),
+    };
+    let on = super::traces(None, None, file).unwrap().unwrap();
+    if std::env::var_os("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").is_none() {
+        assert_eq!(on.endpoint, "http://127.0.0.1:4318/v1/traces");
+    }
+    if std::env::var_os("OTEL_TRACES_SAMPLER").is_none() {
+        assert_eq!(on.sample_ratio, 0.25);
+        assert!(on.parent_based);
+        let flag = super::traces(
+            Some("http://c:1/x".into()),
+            Some(1.0),
+            TracesSection::default(),
+        );
+        assert_eq!(flag.unwrap().unwrap().sample_ratio, 1.0, "the flag wins");
+        let bad = super::traces(
+            Some("http://c:1".into()),
+            Some(1.5),
+            TracesSection::default(),
+        );
+        assert!(bad.unwrap_err().contains("between 0 and 1"));
+    }
+    assert!(super::traces(Some("c:4318".into()), None, TracesSection::default()).is_err());
+}
+
+#[test]
 fn example_configs_load() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config");
     let mut n = 0;

@@ -419,6 +419,11 @@ impl FleetGate {
             .window(window, Instant::now())
     }
 
+    /// Requests waiting in the buffer now.
+    pub fn buffered(&self) -> usize {
+        self.lock().buffered()
+    }
+
     /// How `route` is scored against the fleet now, booking nothing.
     pub fn explain(&self, route: &Route) -> flowgate::endpoint::Explanation {
         self.lock().explain(route, Instant::now())

@@ -12,6 +12,7 @@ use flowgate::{EndpointId, RequestMeta};
 use crate::connection::parking;
 use crate::gate::{ActiveRequest, AdmitError, Admitted, LeaseGuard};
 use crate::observe::meter::ResponseMeter;
+use crate::observe::traces::RequestTrace;
 use crate::quotas::Reserved;
 use crate::rules::DoorRules;
 
@@ -62,6 +63,10 @@ pub struct RequestCtx {
     pub(super) session: Option<u64>,
     /// Whether its answer tells why its endpoint was chosen.
     pub(super) explain: Explain,
+    /// Its trace, when traces are on ([`crate::observe::traces`]).
+    pub(super) trace: Option<RequestTrace>,
+    /// Requests waiting in the buffer when it was admitted (traced ones).
+    pub(super) waiting_ahead: usize,
     /// What it asked of flow control, kept to ask again on a retry.
     pub(super) meta: Option<RequestMeta>,
     /// Retries done so far.
@@ -125,6 +130,8 @@ impl RequestCtx {
             priority: 0,
             session: None,
             explain: Explain::No,
+            trace: None,
+            waiting_ahead: 0,
             meta: None,
             retries: 0,
             retry_pending: false,

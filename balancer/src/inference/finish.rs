@@ -76,6 +76,7 @@ impl Inference {
         } else {
             ctx.reason
         };
+        self.trace_end(ctx, status, reason);
         let ttft = ctx.meter.time_to_first_token(ctx.start);
         if ctx.inference {
             self.shared.metrics.record_outcome(status, reason);

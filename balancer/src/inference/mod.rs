@@ -38,6 +38,7 @@ mod local;
 mod request_id;
 mod retry;
 mod routes;
+mod trace;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -68,6 +69,7 @@ use crate::asyncq::{self, AsyncQueue};
 use crate::connection;
 use crate::connection::parking::{Parked, Resumed};
 use crate::gate::{AdmitError, Admitted, FleetGate, Submitted};
+use crate::observe::traces::Traces;
 use crate::quotas::Quotas;
 use crate::reply::{Answer, Refusal, REQUEST_ID_HEADER};
 use crate::rules::LiveRules;
@@ -102,6 +104,8 @@ pub struct Inference {
     pub request_ids: RequestIds,
     /// Quotas per tenant and key.
     pub quotas: Arc<Quotas>,
+    /// OpenTelemetry traces, when on.
+    pub traces: Option<Arc<Traces>>,
 }
 
 /// What a request's first step decided.
@@ -197,6 +201,7 @@ impl Inference {
                 if let Some(m) = admitted.fell_back {
                     self.fell_back(ctx, m);
                 }
+                self.trace_bound(ctx, admitted.waited);
                 Ok(Ok(()))
             }
             Err(AdmitError::Rejected(r)) => Ok(Err(Refusal::from_reject(r, &ctx.model, || {
@@ -358,6 +363,7 @@ impl Inference {
             Err(refusal) => return Ok(Err(refusal)),
         }
         ctx.meta = Some(facts.meta.clone());
+        self.trace_admitted(ctx);
         self.first_slot(session, ctx, facts.meta, &replay_body)
             .await
     }
@@ -402,6 +408,7 @@ impl ProxyHttp for Inference {
                 (ctx.request_id, ctx.request_id_given) = self
                     .request_ids
                     .for_request(session.req_header().headers.get(REQUEST_ID_HEADER));
+                self.trace_begin(session, ctx);
                 self.first_step(session, ctx).await?
             }
         };
@@ -482,6 +489,7 @@ impl ProxyHttp for Inference {
         if !ctx.request_id_given {
             upstream_request.insert_header(REQUEST_ID_HEADER, ctx.request_id.as_str())?;
         }
+        self.trace_upstream(upstream_request, ctx)?;
         if let (true, Some(body)) = (ctx.body_rewritten, &ctx.body) {
             // A chunked body stays chunked; a sized one has a new size.
             if upstream_request

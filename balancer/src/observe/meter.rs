@@ -133,6 +133,11 @@ impl ResponseMeter {
         self.response_id.as_deref()
     }
 
+    /// When the answer's first byte passed.
+    pub fn first_byte_at(&self) -> Option<Instant> {
+        self.first
+    }
+
     /// From `start` to the first byte of a stream.
     pub fn time_to_first_token(&self, start: Instant) -> Option<Duration> {
         self.streaming

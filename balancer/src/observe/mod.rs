@@ -14,3 +14,4 @@ pub mod history;
 pub mod meter;
 pub mod metrics;
 pub mod tenants;
+pub mod traces;

@@ -12,6 +12,7 @@
 //! | `x-sim-output-tokens`| tokens to generate                              |
 //! | `x-sim-fault`        | `status=CODE` (a broken server: plain text), `reject=CODE` (the engine's JSON error object, as llama-server answers a malformed request), `hang`, `drop-mid-stream`, `slow-stream` |
 //! | `x-sim-tag`          | recorded in arrival order at `GET /sim/stats`   |
+//! | `traceparent`        | recorded at `GET /sim/stats` (`traceparents`)   |
 //!
 //! Responses carry `x-sim-body-bytes` and `x-sim-body-sha256` of the request
 //! body received, so tests can check that bodies arrive intact, and
@@ -180,6 +181,8 @@ fn parse_fault(s: &str) -> Option<Fault> {
 #[derive(Default)]
 struct Stats {
     arrivals: Vec<String>,
+    /// The W3C `traceparent` of each request that carried one.
+    traceparents: Vec<String>,
     max_processing: u64,
     max_deferred: u64,
 }
@@ -387,6 +390,7 @@ impl Sim {
             "prompt_tokens_total": self.engine.prompt_tokens_total.load(Ordering::Relaxed),
             "cached_prompt_tokens_total": self.engine.cached_tokens_total.load(Ordering::Relaxed),
             "arrivals": st.arrivals,
+            "traceparents": st.traceparents,
         })
     }
 
@@ -501,6 +505,12 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
         let mut st = sim.stats.lock().unwrap();
         if st.arrivals.len() < 100_000 {
             st.arrivals.push(tag);
+        }
+    }
+    if let Some(parent) = header(&req, "traceparent") {
+        let mut st = sim.stats.lock().unwrap();
+        if st.traceparents.len() < 10_000 {
+            st.traceparents.push(parent.to_string());
         }
     }
     sim.requests_total.fetch_add(1, Ordering::SeqCst);

@@ -64,7 +64,8 @@ pub struct RequestCtx {
     /// Whether its answer tells why its endpoint was chosen.
     pub(super) explain: Explain,
     /// Its trace, when traces are on ([`crate::observe::traces`]).
-    pub(super) trace: Option<RequestTrace>,
+    /// Boxed: a request without one (traces off) carries only a pointer.
+    pub(super) trace: Option<Box<RequestTrace>>,
     /// Requests waiting in the buffer when it was admitted (traced ones).
     pub(super) waiting_ahead: usize,
     /// What it asked of flow control, kept to ask again on a retry.

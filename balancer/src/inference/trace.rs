@@ -17,7 +17,11 @@ impl Inference {
     pub(super) fn trace_begin(&self, session: &Session, ctx: &mut RequestCtx) {
         if let Some(traces) = &self.traces {
             let req = session.req_header();
-            ctx.trace = Some(traces.begin(&req.headers, req.method.as_str(), req.uri.path()));
+            ctx.trace = Some(Box::new(traces.begin(
+                &req.headers,
+                req.method.as_str(),
+                req.uri.path(),
+            )));
         }
     }
 
@@ -122,7 +126,7 @@ impl Inference {
         ctx: &'a RequestCtx,
     ) -> Option<(&'a Traces, &'a crate::observe::traces::RequestTrace)> {
         let traces = self.traces.as_deref()?;
-        let trace = ctx.trace.as_ref().filter(|t| t.is_recording())?;
+        let trace = ctx.trace.as_deref().filter(|t| t.is_recording())?;
         Some((traces, trace))
     }
 }

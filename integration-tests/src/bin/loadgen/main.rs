@@ -114,6 +114,12 @@ enum Workload {
     Random,
     /// One short fixed prompt: what a proxy adds, nothing else
     Fixed,
+    /// Coding-agent sessions: each client is a conversation over a ~4 KB
+    /// system prompt shared by groups of 8, a ~1 KB first message of its
+    /// own, and 8-12 turns, each appending the answer and 1-2 KB of tool
+    /// output; then it starts a new conversation. Sends its session key in
+    /// `--session-header` when one is named
+    Agentic,
 }
 
 #[derive(Debug, clap::Args)]
@@ -141,6 +147,10 @@ struct RunArgs {
     /// Size of each system prompt, in repetitions of a 52-byte rule
     #[arg(long, default_value_t = 70)]
     system_repeat: usize,
+    /// `agentic` and `chat`: the header that carries each conversation's
+    /// key (e.g. x-session-id); none when empty
+    #[arg(long, default_value = "")]
+    session_header: String,
 }
 
 #[derive(Debug, clap::Args)]
@@ -426,6 +436,7 @@ async fn run(args: RunArgs) {
         let (client, url, samples) = (client.clone(), url.clone(), Arc::clone(&samples));
         let workload = args.workload;
         let (model, max_tokens, repeat) = (args.model.clone(), args.max_tokens, args.system_repeat);
+        let session_header = args.session_header.clone();
         let mut rng = Rng((args.seed << 16) ^ ((i as u64 + 1) * 0x9E37_79B9));
         tasks.push(tokio::spawn(async move {
             let tenant = if batch {
@@ -435,9 +446,25 @@ async fn run(args: RunArgs) {
             };
             let mut messages: Vec<serde_json::Value> = Vec::new();
             let mut n = 0u64;
+            // Agentic: this conversation's number, turns left, key.
+            let (mut conversation, mut turns_left, mut key) = (0u64, 0u64, String::new());
             while Instant::now() < until {
                 n += 1;
-                let prompt = if workload == Workload::Fixed {
+                let prompt = if workload == Workload::Agentic {
+                    if turns_left == 0 {
+                        conversation += 1;
+                        turns_left = 8 + rng.below(5);
+                        key = format!("agent-{i}-{conversation}-{}", rng.below(1 << 32));
+                        let first =
+                            format!("Task {key}: {}", "fix the failing build step. ".repeat(37));
+                        messages = vec![
+                            json!({"role": "system", "content": system_prompt(i / 8, 80)}),
+                            json!({"role": "user", "content": first}),
+                        ];
+                    }
+                    turns_left -= 1;
+                    messages.clone()
+                } else if workload == Workload::Fixed {
                     vec![json!({"role": "user", "content": "hi"})]
                 } else if batch || workload == Workload::Random {
                     let len = 500 + rng.below(3_500) as usize;
@@ -446,6 +473,8 @@ async fn run(args: RunArgs) {
                         "content": format!("{unique}{}", "lorem ipsum dolor ".repeat(len / 18))})]
                 } else {
                     if messages.is_empty() || messages.len() > 2 * TURNS {
+                        conversation += 1;
+                        key = format!("chat-{i}-{conversation}-{}", rng.below(1 << 32));
                         let k = (i + rng.below(2) as usize) % SYSTEM_PROMPTS;
                         messages =
                             vec![json!({"role": "system", "content": system_prompt(k, repeat)})];
@@ -467,6 +496,9 @@ async fn run(args: RunArgs) {
                     .json(&body);
                 if batch {
                     req = req.header("x-gateway-inference-objective", "batch");
+                }
+                if !key.is_empty() && !session_header.is_empty() {
+                    req = req.header(session_header.as_str(), key.as_str());
                 }
                 let sent = Instant::now();
                 let outcome = match req.send().await {
@@ -506,6 +538,15 @@ async fn run(args: RunArgs) {
                 drop(s);
                 if !batch && matches!(workload, Workload::Chat | Workload::ChatBatch) {
                     messages.push(json!({"role": "assistant", "content": "Noted."}));
+                }
+                if workload == Workload::Agentic {
+                    // The answer, then what the tool said: 1-2 KB.
+                    let tool = format!(
+                        "$ make test # {n}\n{}",
+                        "ok test_case passed in 3ms\n".repeat(40 + rng.below(40) as usize)
+                    );
+                    messages.push(json!({"role": "assistant", "content": "Running the tests."}));
+                    messages.push(json!({"role": "user", "content": tool}));
                 }
             }
         }));

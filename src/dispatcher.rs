@@ -475,6 +475,13 @@ impl<T> Dispatcher<T> {
         self.ledger.observe_cache(lease, seen);
     }
 
+    /// Learns the engine's costs from the timing of the answer to
+    /// `lease`'s request (see [`crate::endpoint::CostModel`]); before the
+    /// lease is given back.
+    pub fn observe_timing(&mut self, lease: &Lease, timing: &crate::endpoint::Timing) {
+        self.ledger.observe_timing(lease, timing);
+    }
+
     /// Records how a request to `endpoint` ended for its circuit breaker:
     /// `ok` is `false` for a connection failure or a 5xx answer only.
     /// Returns `true` when this failure opened the circuit.

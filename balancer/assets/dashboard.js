@@ -87,6 +87,11 @@ function renderAgents(endpoints) {
       hitCell.title = c.cached_tokens + " of " + c.prompt_tokens + " prompt tokens; expected hits: " +
         c.predicted_hits + " confirmed, " + c.predicted_misses + " missed";
     }
+    const cost = ep.cost;
+    const costCell = cell(row, "cost", cost && cost.samples > 0
+      ? cost.prefill_ms_per_token.toFixed(2) + " ms/tok · " + Math.round(cost.service_ms) + " ms"
+      : "–");
+    if (cost) costCell.title = "decode " + cost.decode_ms_per_token.toFixed(1) + " ms/token; from the last " + cost.samples + " answers";
     cell(row, "in_flight", ep.in_flight);
     cell(row, "report_age", age(ep.report_age_ms), ep.stale ? "bad" : "");
     const [state, cls] = endpointState(ep);

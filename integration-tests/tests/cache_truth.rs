@@ -77,4 +77,62 @@ async fn the_engines_word_is_counted_and_a_lost_cache_corrects_the_index() {
     let agents = b.agents().await;
     assert!(capacity(agents.clone()).unwrap() < 4096, "{agents}");
     assert!(agents["endpoints"][0]["cache"]["predicted_misses"] == 1);
+    // Every answer taught the endpoint's service time.
+    let cost = &agents["endpoints"][0]["cost"];
+    assert_eq!(cost["samples"], 3, "{cost}");
+    assert!(cost["service_ms"].as_f64().unwrap() > 0.0);
+    assert!(metric(&b, "flowgate_endpoint_service_seconds", &[]).await > 0.0);
+}
+
+/// Two engines, one prefilling ten times slower than the other: the
+/// balancer learns each one's rate from its streams.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_engines_prefill_rate_is_learned_from_its_answers() {
+    let b = Balancer::start(&[]).await;
+    let slow = Sim::start(&["--slots", "2", "--prefill-us-per-token", "2000"]);
+    let fast = Sim::start(&["--slots", "2", "--prefill-us-per-token", "200"]);
+    let _agents = (agent(&slow, &b), agent(&fast, &b));
+    b.wait_eligible(2).await;
+    let c = client();
+    for i in 0..8 {
+        let body = json!({"model": "sim-model", "stream": true,
+            "stream_options": {"include_usage": true},
+            "messages": [{"role": "user", "content": format!("{i} unrelated ").repeat(40)}]});
+        let r = c
+            .post(b.url("/v1/chat/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        r.bytes().await.unwrap();
+    }
+    let rate = |agents: &serde_json::Value, sim: &Sim| {
+        let e = agents["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["addr"] == sim.addr.to_string())
+            .unwrap()
+            .clone();
+        (
+            e["cost"]["samples"].as_u64().unwrap(),
+            e["cost"]["prefill_ms_per_token"].as_f64().unwrap(),
+        )
+    };
+    let (slow_rate, fast_rate) = wait_for("both learned", Duration::from_secs(5), || async {
+        let agents = b.agents().await;
+        let (s, f) = (rate(&agents, &slow), rate(&agents, &fast));
+        (s.0 >= 2 && f.0 >= 2).then_some((s.1, f.1))
+    })
+    .await;
+    let ratio = slow_rate / fast_rate;
+    assert!(
+        ratio > 4.0,
+        "slow {slow_rate} ms/token, fast {fast_rate} ms/token"
+    );
+    assert!(
+        (1.0..4.0).contains(&slow_rate),
+        "about 2 ms per token: {slow_rate}"
+    );
 }

@@ -30,6 +30,7 @@
 
 mod breaker;
 mod cache_truth;
+mod cost;
 mod explain;
 mod ranking;
 mod saturation;
@@ -43,6 +44,7 @@ pub use selection::{Route, SchedulingConfig};
 
 use breaker::Breaker;
 pub use cache_truth::{CacheSeen, CacheTruth};
+pub use cost::{CostModel, CostSnapshot, Estimate, Timing};
 pub use explain::{CandidateScore, Explanation, MAX_EXPLAINED};
 use ranking::{Rank, Ranking};
 
@@ -127,6 +129,8 @@ pub(crate) struct Endpoint {
     prefix: PrefixLru,
     /// What its engine said it reused.
     cache: CacheTruth,
+    /// What its engine costs, learned from its answers.
+    cost: CostModel,
 }
 
 impl Endpoint {
@@ -213,6 +217,8 @@ pub struct EndpointSnapshot {
     pub prefix_capacity: usize,
     /// What the engine said it reused.
     pub cache: CacheTruth,
+    /// What the engine costs, learned from its answers.
+    pub cost: CostSnapshot,
 }
 
 /// What happened to a report.
@@ -367,6 +373,7 @@ impl EndpointLedger {
                         breaker: Breaker::default(),
                         prefix: PrefixLru::new(self.scheduling.prefix.capacity_blocks),
                         cache: CacheTruth::default(),
+                        cost: CostModel::default(),
                     },
                 );
                 self.by_addr.insert(addr, id);
@@ -745,6 +752,7 @@ impl EndpointLedger {
                 prefix_blocks: e.prefix.len(),
                 prefix_capacity: e.prefix.capacity(),
                 cache: e.cache,
+                cost: e.cost.snapshot(),
             })
             .collect();
         out.sort_by_key(|s| s.id);

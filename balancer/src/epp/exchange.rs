@@ -382,6 +382,8 @@ impl Exchange {
             said,
             estimate: self.tokens.as_used(),
             prompt_bytes: self.prompt_bytes,
+            // Envoy sends the request: when it did is not seen here.
+            timing: None,
             quota: self.quota.take(),
             lease: self.lease.take(),
             slot,

@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use flowgate::endpoint::CacheSeen;
+use flowgate::endpoint::{CacheSeen, Timing};
 use flowgate::flow::Charge;
 use flowgate::models::Fallback;
 use flowgate::tokens::{TokenRatios, TokenUsage};
@@ -107,9 +107,30 @@ pub struct LeaseGuard {
     lease: Option<Lease>,
     /// What its flow was charged when it left the queues (token fairness).
     charge: Option<Charge>,
-    /// What the answer said of the engine's prefix cache, recorded when
-    /// the slot is given back (under the same lock).
-    seen: Option<CacheSeen>,
+    /// What the answer showed of the engine (its cache, its speed),
+    /// recorded when the slot is given back, under the same lock.
+    seen: AnswerSeen,
+}
+
+/// What an answer showed of its engine.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AnswerSeen {
+    /// What it said it found in its prefix cache, when it said.
+    pub cache: Option<CacheSeen>,
+    /// How long its parts took.
+    pub timing: Option<Timing>,
+}
+
+impl AnswerSeen {
+    /// Records it in the ledger (before `lease` is given back).
+    fn record(self, d: &mut Dispatcher<Waker>, lease: &Lease) {
+        if let Some(cache) = self.cache {
+            d.observe_cache(lease, cache);
+        }
+        if let Some(timing) = &self.timing {
+            d.observe_timing(lease, timing);
+        }
+    }
 }
 
 impl LeaseGuard {
@@ -118,13 +139,13 @@ impl LeaseGuard {
             shared: Arc::clone(shared),
             lease: Some(lease),
             charge: None,
-            seen: None,
+            seen: AnswerSeen::default(),
         }
     }
 
-    /// What the answer said of the engine's prefix cache.
-    pub fn saw(&mut self, seen: CacheSeen) {
-        self.seen = Some(seen);
+    /// What the answer showed of the engine.
+    pub fn saw(&mut self, seen: AnswerSeen) {
+        self.seen = seen;
     }
 
     /// Settles the token-fair charge of its flow to the tokens the answer
@@ -156,11 +177,9 @@ impl LeaseGuard {
     /// [`flowgate::endpoint`]'s accounting rules).
     pub fn orphan(mut self, streamed: bool) {
         if let Some(lease) = self.lease.take() {
-            let seen = self.seen.take();
+            let seen = std::mem::take(&mut self.seen);
             self.shared.with_dispatch(|d| {
-                if let Some(seen) = seen {
-                    d.observe_cache(&lease, seen);
-                }
+                seen.record(d, &lease);
                 d.orphan(lease, streamed, Instant::now());
             });
         }
@@ -168,11 +187,9 @@ impl LeaseGuard {
 
     fn release_inner(&mut self) {
         if let Some(lease) = self.lease.take() {
-            let seen = self.seen.take();
+            let seen = std::mem::take(&mut self.seen);
             self.shared.with_dispatch(|d| {
-                if let Some(seen) = seen {
-                    d.observe_cache(&lease, seen);
-                }
+                seen.record(d, &lease);
                 d.release(lease);
             });
         }

@@ -3,10 +3,10 @@
 
 use std::sync::Arc;
 
-use flowgate::endpoint::CacheSeen;
+use flowgate::endpoint::{CacheSeen, Timing};
 use flowgate::tokens::TokenUsage;
 
-use super::{FleetGate, LeaseGuard};
+use super::{AnswerSeen, FleetGate, LeaseGuard};
 use crate::quotas::Reserved;
 
 /// What a request that was admitted leaves to settle when it ends.
@@ -24,6 +24,8 @@ pub struct RequestEnd<'a> {
     /// Its prompt text's length (to place the engine's cached tokens in
     /// the prompt: cache truth).
     pub prompt_bytes: u64,
+    /// How long the engine took, as the answer showed it.
+    pub timing: Option<Timing>,
     pub quota: Option<Reserved>,
     pub lease: Option<LeaseGuard>,
     /// How its slot comes back.
@@ -56,6 +58,7 @@ impl FleetGate {
             said,
             estimate,
             prompt_bytes,
+            timing,
             quota,
             lease,
             slot,
@@ -72,13 +75,14 @@ impl FleetGate {
             if let Some(spent) = spent {
                 lease.settle(spent.total());
             }
-            if let Some(said) = said.filter(|s| s.cache_said) {
-                lease.saw(CacheSeen {
+            lease.saw(AnswerSeen {
+                cache: said.filter(|s| s.cache_said).map(|said| CacheSeen {
                     prompt_tokens: said.prompt,
                     cached_tokens: said.cached,
                     prompt_bytes,
-                });
-            }
+                }),
+                timing,
+            });
             match slot {
                 SlotEnd::Free => lease.release(),
                 SlotEnd::Orphaned { streamed } => lease.orphan(streamed),

@@ -211,6 +211,7 @@ async fn a_requests_end_accounts_what_was_sent_then_frees_its_slot() {
         said: Some(used),
         estimate: TokenUsage::default(),
         prompt_bytes: 28,
+        timing: None,
         quota: None,
         lease: Some(lease),
         slot,

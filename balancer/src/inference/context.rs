@@ -76,6 +76,8 @@ pub struct RequestCtx {
     pub(super) retry_pending: bool,
     /// A stale pooled connection was retried on a fresh one.
     pub(super) stale_retried: bool,
+    /// When the request (its last attempt) went to the engine.
+    pub(super) sent_at: Option<Instant>,
     /// Status of the upstream response header, once it arrived.
     pub(super) upstream_status: Option<u16>,
     /// An endpoint whose 5xx awaits a second endpoint's answer to the same
@@ -137,6 +139,7 @@ impl RequestCtx {
             retries: 0,
             retry_pending: false,
             stale_retried: false,
+            sent_at: None,
             upstream_status: None,
             suspect: None,
             rejected: false,

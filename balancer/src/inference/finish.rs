@@ -48,6 +48,9 @@ impl Inference {
             said: spent,
             estimate: ctx.tokens.as_used(),
             prompt_bytes: ctx.prompt_bytes,
+            timing: ctx
+                .meter
+                .timing(ctx.sent_at, std::time::Instant::now(), usage),
             quota: ctx.quota.take(),
             lease: ctx.lease.take(),
             // The client left before its answer ended: the engine may still

@@ -489,6 +489,7 @@ impl ProxyHttp for Inference {
         if !ctx.request_id_given {
             upstream_request.insert_header(REQUEST_ID_HEADER, ctx.request_id.as_str())?;
         }
+        ctx.sent_at = Some(Instant::now());
         self.trace_upstream(upstream_request, ctx)?;
         if let (true, Some(body)) = (ctx.body_rewritten, &ctx.body) {
             // A chunked body stays chunked; a sized one has a new size.

@@ -8,6 +8,7 @@ use prometheus::{
 };
 
 use super::cache::CacheMetrics;
+use super::cost::CostMetrics;
 use super::metrics::register;
 use flowgate::{EndpointSnapshot, Snapshot};
 
@@ -32,6 +33,8 @@ pub struct FleetMetrics {
     endpoints: EndpointGauges,
     /// What every endpoint's engine said it reused.
     cache: CacheMetrics,
+    /// What every endpoint's engine costs, as learned.
+    cost: CostMetrics,
 }
 
 impl FleetMetrics {
@@ -142,6 +145,7 @@ impl FleetMetrics {
             ),
             endpoints: EndpointGauges::new(registry),
             cache: CacheMetrics::new(registry),
+            cost: CostMetrics::new(registry),
         }
     }
 
@@ -184,6 +188,7 @@ impl FleetMetrics {
         }
         self.endpoints.refresh(&snap.endpoints);
         self.cache.refresh(&snap.endpoints);
+        self.cost.refresh(&snap.endpoints);
     }
 }
 

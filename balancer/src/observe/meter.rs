@@ -10,6 +10,7 @@ use std::sync::LazyLock;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use flowgate::endpoint::Timing;
 use flowgate::tokens::TokenUsage;
 use memchr::memmem::Finder;
 use serde::Deserialize;
@@ -55,6 +56,27 @@ impl From<Timings> for TokenUsage {
             cache_said: t.cache_n.is_some(),
         }
     }
+}
+
+/// llama.cpp's `timings` as durations: how long its prompt (`prompt_n`
+/// uncached tokens) and its generation (`predicted_n` tokens) took.
+#[derive(Deserialize)]
+struct EngineTimings {
+    #[serde(default)]
+    prompt_n: u64,
+    #[serde(default)]
+    prompt_ms: Option<f64>,
+    #[serde(default)]
+    predicted_n: u64,
+    #[serde(default)]
+    predicted_ms: Option<f64>,
+}
+
+/// A duration from an engine's milliseconds; nothing for a value that is
+/// not one (negative, not finite, over a day).
+fn engine_ms(ms: Option<f64>) -> Option<Duration> {
+    ms.filter(|m| m.is_finite() && (0.0..86_400_000.0).contains(m))
+        .map(|m| Duration::from_secs_f64(m / 1_000.0))
 }
 
 #[derive(Deserialize)]
@@ -170,6 +192,63 @@ impl ResponseMeter {
                 find(&joined[joined.len().saturating_sub(TAIL)..])
             }
         }
+    }
+
+    /// What the answer showed of its engine's speed ([`Timing`]): the
+    /// engine's own `timings` when it sent them (llama.cpp), else what the
+    /// stream showed: prefill up to the first byte over the prompt tokens
+    /// not cached, decode from the first byte to the last over the tokens
+    /// after the first. `sent_at`: when the request went to the engine;
+    /// `ended`: now.
+    pub fn timing(
+        &self,
+        sent_at: Option<Instant>,
+        ended: Instant,
+        usage: Option<TokenUsage>,
+    ) -> Option<Timing> {
+        let sent_at = sent_at?;
+        let service = Some(ended.saturating_duration_since(sent_at));
+        if let Some(t) = self.last_object::<EngineTimings>(&TIMINGS) {
+            return Some(Timing {
+                prefilled_tokens: t.prompt_n,
+                prefill: engine_ms(t.prompt_ms),
+                output_tokens: t.predicted_n,
+                decode: engine_ms(t.predicted_ms),
+                service,
+            });
+        }
+        let (first, last) = (self.first?, self.last?);
+        if !self.streaming {
+            // A whole answer's first byte comes after its last token.
+            return Some(Timing {
+                service,
+                ..Timing::default()
+            });
+        }
+        let usage = usage?;
+        Some(Timing {
+            prefilled_tokens: usage.prompt.saturating_sub(usage.cached),
+            prefill: Some(first.saturating_duration_since(sent_at)),
+            output_tokens: usage.completion.saturating_sub(1),
+            decode: Some(last.saturating_duration_since(first)),
+            service,
+        })
+    }
+
+    /// The last `key` object of the body's tail that parses: the last
+    /// chunk's alone when it holds one, else the joined tail's.
+    fn last_object<T: serde::de::DeserializeOwned>(&self, key: &Finder<'_>) -> Option<T> {
+        let last = self.tail.back()?;
+        let last = &last[last.len().saturating_sub(TAIL)..];
+        if let Some(found) = find_usage::<T>(last, key) {
+            return Some(found);
+        }
+        if self.tail.len() == 1 {
+            return None;
+        }
+        let mut joined = Vec::with_capacity(self.tail_len);
+        self.tail.iter().for_each(|c| joined.extend_from_slice(c));
+        find_usage(&joined[joined.len().saturating_sub(TAIL)..], key)
     }
 
     /// The tokens an answer spent, to settle its estimate and account its
@@ -539,5 +618,61 @@ mod tests {
         let mut off = ResponseMeter::default();
         off.on_chunk(&Bytes::from_static(br#"{"id":"resp_1"}"#), now);
         assert_eq!(off.response_id(), None, "only when asked");
+    }
+
+    #[test]
+    fn an_answer_shows_its_engines_speed() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        // llama.cpp says it itself.
+        let mut m = ResponseMeter::default();
+        m.on_chunk(
+            &Bytes::from_static(
+                br#"{"content":"x","timings":{"prompt_n":100,"prompt_ms":50.5,"predicted_n":8,"predicted_ms":80,"cache_n":20}}"#,
+            ),
+            t0 + ms(200),
+        );
+        let t = m.timing(Some(t0), t0 + ms(210), m.usage()).unwrap();
+        assert_eq!((t.prefilled_tokens, t.output_tokens), (100, 8));
+        assert_eq!(t.prefill, Some(Duration::from_micros(50_500)));
+        assert_eq!(t.decode, Some(ms(80)));
+        assert_eq!(t.service, Some(ms(210)));
+        // A stream without timings: measured at the proxy.
+        let mut m = ResponseMeter {
+            streaming: true,
+            ..ResponseMeter::default()
+        };
+        m.on_chunk(
+            &Bytes::from_static(b"data: {\"choices\":[]}\n\n"),
+            t0 + ms(300),
+        );
+        m.on_chunk(
+            &Bytes::from_static(
+                b"data: {\"usage\":{\"prompt_tokens\":500,\"completion_tokens\":11,\"prompt_tokens_details\":{\"cached_tokens\":100}}}\n\n",
+            ),
+            t0 + ms(400),
+        );
+        let t = m.timing(Some(t0), t0 + ms(401), m.usage()).unwrap();
+        assert_eq!((t.prefilled_tokens, t.prefill), (400, Some(ms(300))));
+        assert_eq!((t.output_tokens, t.decode), (10, Some(ms(100))));
+        // A whole answer without timings: only the service time.
+        let mut m = ResponseMeter::default();
+        m.on_chunk(
+            &Bytes::from_static(br#"{"usage":{"prompt_tokens":5}}"#),
+            t0 + ms(90),
+        );
+        let t = m.timing(Some(t0), t0 + ms(95), m.usage()).unwrap();
+        assert_eq!((t.prefill, t.decode, t.service), (None, None, Some(ms(95))));
+        assert_eq!(m.timing(None, t0, None), None, "never sent");
+        // Nonsense from an engine teaches nothing.
+        let mut m = ResponseMeter::default();
+        m.on_chunk(
+            &Bytes::from_static(
+                br#"{"timings":{"prompt_n":100,"prompt_ms":-5,"predicted_ms":1e300}}"#,
+            ),
+            t0,
+        );
+        let t = m.timing(Some(t0), t0, None).unwrap();
+        assert_eq!((t.prefill, t.decode), (None, None));
     }
 }

@@ -8,6 +8,7 @@
 
 pub mod cache;
 pub mod clients;
+pub mod cost;
 pub mod fleet;
 pub mod flow;
 pub mod history;

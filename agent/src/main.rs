@@ -2,6 +2,7 @@
 //! balancer every monitoring interval. See the README for flags.
 
 mod backend;
+mod balancers;
 mod engines;
 mod http;
 mod llamacpp;
@@ -19,6 +20,7 @@ use reqwest::Client;
 use tracing::{error, info, warn};
 
 use crate::backend::Backend;
+use crate::balancers::Balancers;
 use crate::engines::EngineMetrics;
 use crate::http::BackendHttp;
 
@@ -66,9 +68,18 @@ struct Cli {
     #[arg(long, value_name = "IP:PORT")]
     external_addr: Option<SocketAddr>,
 
-    /// The balancer's management address: `host:port` or `http://host:port`
-    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8060")]
-    management_addr: String,
+    /// A balancer's management address: `host:port` or `http://host:port`.
+    /// Repeatable, or a comma-separated list: the agent reports to every
+    /// one. A name that resolves to several addresses (a Kubernetes
+    /// headless Service) is one balancer per address, resolved again every
+    /// 5 s. A slow or dead balancer never delays the reports to the others
+    #[arg(
+        long,
+        value_name = "ADDR",
+        default_value = "127.0.0.1:8060",
+        num_args = 1
+    )]
+    management_addr: Vec<String>,
 
     /// Name shown in the balancer's agent list [default: the backend address]
     #[arg(long)]
@@ -165,54 +176,6 @@ async fn resolve(base: &str) -> Result<SocketAddr, String> {
         .ok_or_else(|| format!("{hostport} resolves to no address"))
 }
 
-struct Reporter {
-    client: Client,
-    url: String,
-    agent_id: String,
-    token: Option<String>,
-}
-
-impl Reporter {
-    fn authorized(&self, req: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
-        match &self.token {
-            Some(token) => req.bearer_auth(token),
-            None => req,
-        }
-    }
-
-    /// Sends a report; returns the balancer's in-flight count for the
-    /// endpoint (0 from a balancer that does not say).
-    async fn send(&self, report: &AgentReport) -> Result<u64, String> {
-        let resp = self
-            .authorized(self.client.post(format!("{}/report", self.url)))
-            .json(report)
-            .send()
-            .await
-            .map_err(|e| format!("balancer unreachable: {e}"))?;
-        let status = resp.status();
-        let body = resp.text().await.unwrap_or_default();
-        if status.is_success() {
-            let in_flight = serde_json::from_str::<serde_json::Value>(&body)
-                .ok()
-                .and_then(|v| v["in_flight"].as_u64())
-                .unwrap_or(0);
-            Ok(in_flight)
-        } else {
-            Err(format!(
-                "balancer refused the report: HTTP {status}: {body}"
-            ))
-        }
-    }
-
-    async fn deregister(&self) {
-        match self.authorized(self.client.delete(&self.url)).send().await {
-            Ok(r) if r.status().is_success() => info!(agent = self.agent_id, "deregistered"),
-            Ok(r) => warn!("deregistration answered HTTP {}", r.status()),
-            Err(e) => warn!("could not deregister: {e}"),
-        }
-    }
-}
-
 async fn shutdown_signal() {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .expect("install SIGTERM handler");
@@ -275,7 +238,7 @@ fn log_problem_change(problem: Option<&str>, report: &AgentReport) {
 
 async fn run(cli: Cli) -> Result<(), String> {
     let backend_base = base_url(&cli.backend_addr)?;
-    let management_base = base_url(&cli.management_addr)?;
+    let balancer_names = balancers::names(&cli.management_addr)?;
     let external_addr = match cli.external_addr {
         Some(a) => a,
         None => resolve(&backend_base).await?,
@@ -301,28 +264,34 @@ async fn run(cli: Cli) -> Result<(), String> {
     };
     let agent_id = format!("agent-{}", uuid::Uuid::new_v4().simple());
     let name = cli.name.clone().unwrap_or_else(|| backend_base.clone());
-    let reporter = Reporter {
+    let mut balancers = Balancers::new(
+        balancer_names.clone(),
         client,
-        url: format!("{management_base}/api/v1/agents/{agent_id}"),
-        agent_id: agent_id.clone(),
-        token: cli.management_token.clone(),
-    };
+        agent_id.clone(),
+        cli.management_token.clone(),
+    );
     info!(
         agent = agent_id,
         backend = backend_base,
         external = %external_addr,
-        balancer = management_base,
+        balancers = balancer_names.join(","),
         interval_ms = cli.monitoring_interval.as_millis() as u64,
         "agent starting"
     );
+    balancers.resolve().await;
+    let mut resolve = tokio::time::interval(balancers::RESOLVE_EVERY);
+    resolve.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    resolve.reset();
 
     let mut ticker = tokio::time::interval(cli.monitoring_interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let shutdown = shutdown_signal();
     tokio::pin!(shutdown);
     let mut last_problem: Option<String> = None;
-    // Set by the first signal: stop taking work, leave by this deadline.
+    // Set by the first signal: stop taking work, leave by this deadline;
+    // and the first report that said so.
     let mut drain_until: Option<tokio::time::Instant> = None;
+    let mut drain_report: Option<u64> = None;
     loop {
         let drain_deadline = async {
             match drain_until {
@@ -347,7 +316,15 @@ async fn run(cli: Cli) -> Result<(), String> {
                 warn!("drain timeout: leaving with requests still in flight");
                 break;
             }
+            _ = resolve.tick() => {
+                balancers.resolve().await;
+                continue;
+            }
             _ = ticker.tick() => {}
+        }
+        if drain_report.is_some_and(|n| balancers.all_idle_since(n)) {
+            info!("drained: no request in flight");
+            break;
         }
         let status = backend.poll().await;
         let report = report_of(
@@ -358,24 +335,21 @@ async fn run(cli: Cli) -> Result<(), String> {
             status,
             drain_until.is_some(),
         );
-        let sent = reporter.send(&report).await;
-        if drain_until.is_some() && sent == Ok(0) {
-            info!("drained: no request in flight");
-            break;
+        let problem = report
+            .last_error
+            .as_ref()
+            .map(|e| format!("backend not ready: {e}"));
+        let draining = report.draining;
+        let published = balancers.publish(report.clone());
+        if draining && drain_report.is_none() {
+            drain_report = Some(published);
         }
-        let problem = match sent {
-            Ok(_) => report
-                .last_error
-                .as_ref()
-                .map(|e| format!("backend not ready: {e}")),
-            Err(e) => Some(e),
-        };
         if problem != last_problem {
             log_problem_change(problem.as_deref(), &report);
             last_problem = problem;
         }
     }
-    reporter.deregister().await;
+    balancers.deregister(Duration::from_secs(2)).await;
     Ok(())
 }
 

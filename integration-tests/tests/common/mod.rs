@@ -240,6 +240,15 @@ impl Balancer {
     pub async fn start(args: &[&str]) -> Balancer {
         let inference: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
         let management: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        Balancer::start_on(inference, management, args).await
+    }
+
+    /// A balancer on the ports given (one restarted where it was).
+    pub async fn start_on(
+        inference: SocketAddr,
+        management: SocketAddr,
+        args: &[&str],
+    ) -> Balancer {
         let mut all: Vec<String> = vec![
             "--inference-addr".into(),
             inference.to_string(),

@@ -1,0 +1,280 @@
+//! The balancers an agent reports to.
+//!
+//! `--management-addr` names one or more balancers (repeatable, or a
+//! comma-separated list). A DNS name counts as one balancer per address it
+//! resolves to and is resolved again every [`RESOLVE_EVERY`], so a
+//! Kubernetes headless Service (one address per balancer pod) just works: a
+//! new pod gets reports within one interval of appearing in DNS, a pod that
+//! left stops getting them. A name that fails to resolve keeps the
+//! addresses it had.
+//!
+//! Each balancer has a task of its own that sends it the latest report
+//! (with the client's timeout), so a slow or dead balancer never delays the
+//! others: while one is stuck, the reports it missed are skipped, not
+//! queued. The main loop publishes one report per interval and reads back
+//! what each balancer answered.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use flowgate::AgentReport;
+use reqwest::Client;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tracing::{info, warn};
+
+/// How often the balancers' names are resolved again.
+pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
+
+/// A report, numbered in the order it was published.
+type Published = Option<(u64, Arc<AgentReport>)>;
+
+/// What one balancer answered to the last report it got: the report's
+/// number, and its in-flight count for the endpoint or why it failed.
+type Answer = Option<(u64, Result<u64, String>)>;
+
+/// The names given (`host:port`), split from every `--management-addr`.
+pub fn names(args: &[String]) -> Result<Vec<String>, String> {
+    let mut out = Vec::new();
+    for arg in args {
+        for part in arg.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let trimmed = part.trim_end_matches('/');
+            if trimmed.starts_with("https://") {
+                return Err(format!("{part}: https is not supported yet; use http"));
+            }
+            let hostport = trimmed.strip_prefix("http://").unwrap_or(trimmed);
+            if hostport.is_empty() || hostport.contains('/') || !hostport.contains(':') {
+                return Err(format!("{part:?} is not host:port or http://host:port"));
+            }
+            if !out.iter().any(|n| n == hostport) {
+                out.push(hostport.to_string());
+            }
+        }
+    }
+    if out.is_empty() {
+        return Err("--management-addr names no balancer".into());
+    }
+    Ok(out)
+}
+
+/// One balancer's reporting task and what it last heard.
+struct Balancer {
+    task: JoinHandle<()>,
+    answer: Arc<Mutex<Answer>>,
+}
+
+/// Every balancer reported to, by address.
+pub struct Balancers {
+    names: Vec<String>,
+    /// The addresses each name resolved to last.
+    resolved: BTreeMap<String, BTreeSet<SocketAddr>>,
+    by_addr: BTreeMap<SocketAddr, Balancer>,
+    client: Client,
+    agent_id: String,
+    token: Option<String>,
+    latest: watch::Sender<Published>,
+    published: u64,
+}
+
+impl Balancers {
+    pub fn new(
+        names: Vec<String>,
+        client: Client,
+        agent_id: String,
+        token: Option<String>,
+    ) -> Self {
+        Balancers {
+            names,
+            resolved: BTreeMap::new(),
+            by_addr: BTreeMap::new(),
+            client,
+            agent_id,
+            token,
+            latest: watch::channel(None).0,
+            published: 0,
+        }
+    }
+
+    /// Resolves every name and starts or stops balancers to match.
+    pub async fn resolve(&mut self) {
+        for name in self.names.clone() {
+            let looked_up = tokio::net::lookup_host(name.as_str())
+                .await
+                .map(|addrs| addrs.collect::<BTreeSet<SocketAddr>>());
+            match looked_up {
+                Ok(addrs) => {
+                    if addrs.is_empty() {
+                        warn!(
+                            balancer = name,
+                            "resolves to no address; keeping the last ones"
+                        );
+                    } else {
+                        self.resolved.insert(name, addrs);
+                    }
+                }
+                Err(e) => warn!(
+                    balancer = name,
+                    "cannot resolve ({e}); keeping the last addresses"
+                ),
+            }
+        }
+        let wanted: BTreeSet<SocketAddr> = self.resolved.values().flatten().copied().collect();
+        let gone: Vec<SocketAddr> = (self.by_addr.keys())
+            .filter(|a| !wanted.contains(a))
+            .copied()
+            .collect();
+        for addr in gone {
+            if let Some(b) = self.by_addr.remove(&addr) {
+                b.task.abort();
+                info!(balancer = %addr, "no longer named: not reported to any more");
+            }
+        }
+        for addr in wanted {
+            if !self.by_addr.contains_key(&addr) {
+                info!(balancer = %addr, "reporting to it");
+                let answer = Arc::new(Mutex::new(None));
+                let task = tokio::spawn(report_to(
+                    addr,
+                    self.client.clone(),
+                    self.url(addr),
+                    self.token.clone(),
+                    self.latest.subscribe(),
+                    Arc::clone(&answer),
+                ));
+                self.by_addr.insert(addr, Balancer { task, answer });
+            }
+        }
+    }
+
+    fn url(&self, addr: SocketAddr) -> String {
+        format!("http://{addr}/api/v1/agents/{}", self.agent_id)
+    }
+
+    /// Hands `report` to every balancer's task; returns its number.
+    pub fn publish(&mut self, report: AgentReport) -> u64 {
+        self.published += 1;
+        self.latest
+            .send_replace(Some((self.published, Arc::new(report))));
+        self.published
+    }
+
+    /// Whether every balancer answered a report numbered `since` or later
+    /// with no request in flight to the endpoint, or failed to answer it
+    /// (a balancer that cannot be reached sends the server nothing).
+    pub fn all_idle_since(&self, since: u64) -> bool {
+        self.by_addr.values().all(
+            |b| match &*b.answer.lock().unwrap_or_else(|e| e.into_inner()) {
+                Some((n, Ok(in_flight))) => *n >= since && *in_flight == 0,
+                Some((n, Err(_))) => *n >= since,
+                None => false,
+            },
+        )
+    }
+
+    /// Deregisters from every balancer at once, each within `timeout`.
+    pub async fn deregister(&self, timeout: Duration) {
+        let calls = self.by_addr.keys().map(|addr| {
+            let req = authorized(self.client.delete(self.url(*addr)), &self.token);
+            let addr = *addr;
+            async move {
+                match tokio::time::timeout(timeout, req.send()).await {
+                    Ok(Ok(r)) if r.status().is_success() => info!(balancer = %addr, "deregistered"),
+                    Ok(Ok(r)) => {
+                        warn!(balancer = %addr, "deregistration answered HTTP {}", r.status())
+                    }
+                    Ok(Err(e)) => warn!(balancer = %addr, "could not deregister: {e}"),
+                    Err(_) => warn!(balancer = %addr, "could not deregister: no answer in time"),
+                }
+            }
+        });
+        futures_util::future::join_all(calls).await;
+    }
+}
+
+impl Drop for Balancers {
+    fn drop(&mut self) {
+        for b in self.by_addr.values() {
+            b.task.abort();
+        }
+    }
+}
+
+fn authorized(req: reqwest::RequestBuilder, token: &Option<String>) -> reqwest::RequestBuilder {
+    match token {
+        Some(token) => req.bearer_auth(token),
+        None => req,
+    }
+}
+
+/// Sends each newly published report to the balancer at `addr`, the
+/// latest one when several came while it was busy.
+async fn report_to(
+    addr: SocketAddr,
+    client: Client,
+    url: String,
+    token: Option<String>,
+    mut latest: watch::Receiver<Published>,
+    answer: Arc<Mutex<Answer>>,
+) {
+    let mut failing = false;
+    while latest.changed().await.is_ok() {
+        let Some((n, report)) = latest.borrow_and_update().clone() else {
+            continue;
+        };
+        let result = send(&client, &url, &token, &report).await;
+        match (&result, failing) {
+            (Err(e), false) => warn!(balancer = %addr, "{e}"),
+            (Ok(_), true) => info!(balancer = %addr, "reports accepted again"),
+            _ => {}
+        }
+        failing = result.is_err();
+        *answer.lock().unwrap_or_else(|e| e.into_inner()) = Some((n, result));
+    }
+}
+
+/// Sends a report; returns the balancer's in-flight count for the
+/// endpoint (0 from a balancer that does not say).
+async fn send(
+    client: &Client,
+    url: &str,
+    token: &Option<String>,
+    report: &AgentReport,
+) -> Result<u64, String> {
+    let resp = authorized(client.post(format!("{url}/report")), token)
+        .json(report)
+        .send()
+        .await
+        .map_err(|e| format!("balancer unreachable: {e}"))?;
+    let status = resp.status();
+    let body = resp.text().await.unwrap_or_default();
+    if status.is_success() {
+        Ok(serde_json::from_str::<serde_json::Value>(&body)
+            .ok()
+            .and_then(|v| v["in_flight"].as_u64())
+            .unwrap_or(0))
+    } else {
+        Err(format!(
+            "balancer refused the report: HTTP {status}: {body}"
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_split_checked_and_deduplicated() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            names(&args(&["127.0.0.1:8060", "http://b:1/, c:2", "b:1"])),
+            Ok(vec!["127.0.0.1:8060".into(), "b:1".into(), "c:2".into()])
+        );
+        assert!(names(&args(&["https://b:1"])).is_err());
+        assert!(names(&args(&["b"])).is_err());
+        assert!(names(&args(&["http://b:1/x"])).is_err());
+        assert!(names(&args(&[" , "])).is_err());
+    }
+}

@@ -1,0 +1,95 @@
+//! Several balancers, one fleet, as an operator runs them: one agent
+//! reports to every balancer it is given (a list, or the flag repeated), a
+//! balancer stopped with SIGSTOP delays none of the others' reports, a
+//! balancer restarted on its port is re-populated within a report
+//! interval, and a draining agent leaves every balancer.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// The report age of the only endpoint `b` knows, in milliseconds.
+async fn report_age_ms(b: &Balancer) -> Option<u64> {
+    b.agents().await["endpoints"][0]["report_age_ms"].as_u64()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_agent_reports_to_every_balancer_and_a_stopped_one_delays_none() {
+    let one = Balancer::start(&[]).await;
+    let two = Balancer::start(&[]).await;
+    let sim = Sim::start(&["--slots", "2"]);
+    // A comma-separated list.
+    let list = format!("{},{}", one.management, two.management);
+    let _agent = agent_at(&sim.addr.to_string(), &one, &["--management-addr", &list]);
+    one.wait_eligible(1).await;
+    two.wait_eligible(1).await;
+    for b in [&one, &two] {
+        assert_eq!(chat(b, &[]).await.status(), 200);
+    }
+
+    // The second balancer stops answering (its reports hang until the
+    // agent's timeout); the first keeps getting every report.
+    two.proc.signal("STOP");
+    let until = Instant::now() + Duration::from_secs(3);
+    let mut oldest = 0;
+    while Instant::now() < until {
+        oldest = oldest.max(report_age_ms(&one).await.unwrap_or(u64::MAX));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        oldest < 500,
+        "a report to the live balancer waited {oldest} ms"
+    );
+    assert_eq!(chat(&one, &[]).await.status(), 200);
+    two.proc.signal("CONT");
+    wait_for(
+        "the stopped balancer's reports again",
+        Duration::from_secs(10),
+        || async { (report_age_ms(&two).await? < 500).then_some(()) },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_balancer_is_repopulated_and_a_draining_agent_leaves_them_all() {
+    let one = Balancer::start(&[]).await;
+    let two = Balancer::start(&[]).await;
+    let sim = Sim::start(&["--slots", "2"]);
+    // The flag repeated.
+    let agent = agent_at(
+        &sim.addr.to_string(),
+        &one,
+        &["--management-addr", &two.management.to_string()],
+    );
+    one.wait_eligible(1).await;
+    two.wait_eligible(1).await;
+
+    // kill -9 the second balancer and start a new one where it was.
+    let (inference, management): (SocketAddr, SocketAddr) = (two.inference, two.management);
+    drop(two);
+    let started = Instant::now();
+    let two = Balancer::start_on(inference, management, &[]).await;
+    two.wait_eligible(1).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "re-populated {:?} after the restart",
+        started.elapsed()
+    );
+    assert_eq!(chat(&two, &[]).await.status(), 200);
+
+    // SIGTERM: the agent drains, then deregisters from both.
+    agent.signal("TERM");
+    for b in [&one, &two] {
+        wait_for("the agent gone", Duration::from_secs(10), || async {
+            b.agents().await["endpoints"]
+                .as_array()
+                .unwrap()
+                .is_empty()
+                .then_some(())
+        })
+        .await;
+    }
+}

@@ -48,7 +48,18 @@ pub struct CandidateScore {
     /// Each scorer's weighted part, and their sum.
     pub terms: ScoreTerms,
     pub score: f64,
+    /// Predicted time to its first token there, from its learned costs
+    /// ([`super::CostModel`]): the wait for a slot (0 when one is free,
+    /// else its service time over its slots) plus the prefill of the
+    /// prompt tokens not cached there (its session's endpoint counts the
+    /// conversation as cached). Shown, not yet used to place.
+    pub predicted_wait_ms: f64,
+    pub predicted_prefill_ms: f64,
 }
+
+/// Bytes of prompt text per token assumed to turn cached blocks into
+/// tokens (the learned ratio is the admission's, per model).
+const BYTES_PER_TOKEN: u64 = 4;
 
 impl EndpointLedger {
     /// How `route` is scored against the fleet at `now` (see the module
@@ -57,6 +68,8 @@ impl EndpointLedger {
         let config = self.saturation;
         let weights = self.scheduling.scorers;
         let blocks = route.prefix.len();
+        let block_bytes = self.scheduling.prefix.block_bytes as u64;
+        let session_endpoint = route.session.and_then(|s| self.sessions.endpoint(s, now));
         let score = |e: &Endpoint| {
             let prefix_matched = e.prefix.matched(&route.prefix);
             let agent = e.agent.as_ref();
@@ -80,6 +93,18 @@ impl EndpointLedger {
                         .map_or("token-budget", |s| s.as_str()),
                 )
             };
+            let prompt = route.tokens.prompt;
+            let cached = if session_endpoint == Some(e.addr) {
+                prompt
+            } else {
+                (prefix_matched as u64 * block_bytes / BYTES_PER_TOKEN).min(prompt)
+            };
+            let cost = e.cost.snapshot();
+            let predicted_wait_ms = if takes {
+                0.0
+            } else {
+                cost.service_ms / f64::from(e.slots_total().max(1))
+            };
             CandidateScore {
                 addr: e.addr,
                 takes,
@@ -87,6 +112,8 @@ impl EndpointLedger {
                 prefix_matched,
                 terms,
                 score: terms.total(),
+                predicted_wait_ms,
+                predicted_prefill_ms: (prompt - cached) as f64 * cost.prefill_ms_per_token,
             }
         };
         let mut candidates: Vec<CandidateScore> = self.serving(route).map(score).collect();
@@ -96,10 +123,8 @@ impl EndpointLedger {
                 .then(b.score.total_cmp(&a.score))
                 .then(a.addr.cmp(&b.addr))
         });
-        let session_endpoint = route
-            .session
-            .and_then(|s| self.sessions.endpoint(s, now))
-            .filter(|addr| candidates.iter().any(|c| c.addr == *addr));
+        let session_endpoint =
+            session_endpoint.filter(|addr| candidates.iter().any(|c| c.addr == *addr));
         let choice = session_endpoint
             .filter(|addr| candidates.iter().any(|c| c.addr == *addr && c.takes))
             .or_else(|| candidates.first().filter(|c| c.takes).map(|c| c.addr));
@@ -163,7 +188,29 @@ mod tests {
         assert!(choice.port() == 1 || choice.port() == 3);
         for c in &x.candidates {
             assert!((c.score - c.terms.total()).abs() < 1e-12);
+            // No tokens estimated: nothing to prefill.
+            assert_eq!(c.predicted_prefill_ms, 0.0);
         }
+        assert_eq!(
+            b.predicted_wait_ms, 1_000.0,
+            "the default service time, 1 slot"
+        );
+        let with_tokens = Route {
+            tokens: crate::tokens::TokenEstimate {
+                prompt: 1_000,
+                ..Default::default()
+            },
+            ..route.clone()
+        };
+        let x = ledger.explain(&with_tokens, now);
+        let b = x.candidates.iter().find(|c| c.addr.port() == 2).unwrap();
+        let other = x.candidates.iter().find(|c| c.addr.port() == 1).unwrap();
+        // b holds 2 blocks of 256 bytes: 128 of 1,000 tokens; 1 ms each.
+        assert_eq!(b.predicted_prefill_ms, 872.0);
+        assert_eq!(
+            (other.predicted_prefill_ms, other.predicted_wait_ms),
+            (1_000.0, 0.0)
+        );
         assert_eq!(
             format!("{:?}", ledger.snapshot(now)),
             format!("{before:?}"),

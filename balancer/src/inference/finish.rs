@@ -104,7 +104,8 @@ impl Inference {
             fallback = ctx.fallback.as_deref().unwrap_or(""),
             fairness_id = ctx.fairness_id.as_deref().unwrap_or(""),
             priority = ctx.priority,
-            session = %SessionLabel(ctx.session),
+            // Nothing to format for a request without a session.
+            session = ctx.session.map(|s| tracing::field::display(SessionLabel(Some(s)))),
             status,
             reason,
             upstream = ctx.upstream.map(|a| a.to_string()).unwrap_or_default(),

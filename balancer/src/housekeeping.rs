@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use pingora_core::server::{ExecutionPhase, Server, ShutdownWatch};
+use pingora_core::server::{
+    ExecutionPhase, Server, ShutdownSignal, ShutdownSignalWatch, ShutdownWatch,
+};
 use pingora_core::services::background::BackgroundService;
 use tracing::{info, warn};
 
@@ -98,4 +100,43 @@ pub fn exit_when_drained(
             }
         })
         .expect("spawn shutdown watcher thread");
+}
+
+/// SIGTERM as a front load balancer needs it: readiness answers 503 at
+/// once ([`FleetGate::begin_draining`]), requests are still accepted and
+/// served for `drain_delay` (so the front stops sending before the port
+/// closes), and only then is Pingora told to terminate gracefully (stop
+/// listening, finish what is in flight and buffered: [`exit_when_drained`]).
+/// SIGINT stops at once, also during the delay; SIGQUIT is Pingora's
+/// graceful upgrade.
+pub struct DrainFirst {
+    pub shared: Arc<FleetGate>,
+    pub drain_delay: Duration,
+}
+
+#[async_trait]
+impl ShutdownSignalWatch for DrainFirst {
+    async fn recv(&self) -> ShutdownSignal {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut quit = signal(SignalKind::quit()).expect("install SIGQUIT handler");
+        let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
+        let mut int = signal(SignalKind::interrupt()).expect("install SIGINT handler");
+        tokio::select! {
+            _ = quit.recv() => return ShutdownSignal::GracefulUpgrade,
+            _ = int.recv() => return ShutdownSignal::FastShutdown,
+            _ = term.recv() => {}
+        }
+        self.shared.begin_draining();
+        if !self.drain_delay.is_zero() {
+            info!(
+                drain_delay_ms = self.drain_delay.as_millis() as u64,
+                "SIGTERM: not ready (503) from now on; still serving during the drain delay"
+            );
+            tokio::select! {
+                () = tokio::time::sleep(self.drain_delay) => {}
+                _ = int.recv() => return ShutdownSignal::FastShutdown,
+            }
+        }
+        ShutdownSignal::GracefulTerminate
+    }
 }

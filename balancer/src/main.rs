@@ -254,6 +254,7 @@ fn main() -> ExitCode {
         server.add_service(service);
     }
 
+    let shared_for_signals = Arc::clone(&shared);
     housekeeping::exit_when_drained(&server, shared, settings.shutdown_grace_period, traces);
     info!(
         inference = %settings.inference_addr,
@@ -269,5 +270,12 @@ fn main() -> ExitCode {
         api_keys = settings.api_keys.as_ref().map_or(0, |k| k.len()),
         "flowgate balancer starting"
     );
-    server.run_forever()
+    let drain_first = housekeeping::DrainFirst {
+        shared: Arc::clone(&shared_for_signals),
+        drain_delay: settings.drain_delay,
+    };
+    server.run(pingora_core::server::RunArgs {
+        shutdown_signal: Box::new(drain_first),
+    });
+    ExitCode::SUCCESS
 }

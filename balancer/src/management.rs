@@ -15,6 +15,7 @@
 //!   against the live fleet, booking nothing: where it would go and why
 //! - `GET    /metrics`                    Prometheus text exposition
 //! - `GET    /health`                     liveness
+//! - `GET    /ready`                      readiness (503 from SIGTERM on)
 //!
 //! With a management token, the writes, the probe and the usage read (what
 //! each tenant spent) need `Authorization: Bearer <token>` (401
@@ -345,8 +346,20 @@ impl ServeHttp for Management {
         }
         let segments: Vec<&str> = path.trim_matches('/').split('/').collect();
         match (&method, segments.as_slice()) {
+            // Liveness: 200 while the process runs (it drains, then exits).
             (&Method::GET, ["health"]) => {
                 json_response(StatusCode::OK, br#"{"status":"ok"}"#.to_vec())
+            }
+            // Readiness: 503 from SIGTERM on.
+            (&Method::GET, ["ready"]) => {
+                if self.shared.is_ready() {
+                    json_response(StatusCode::OK, br#"{"status":"ok"}"#.to_vec())
+                } else {
+                    json_response(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        br#"{"status":"shutting_down"}"#.to_vec(),
+                    )
+                }
             }
             (&Method::GET, ["metrics"]) => self.metrics(),
             (&Method::GET, [""] | ["dashboard"]) => {

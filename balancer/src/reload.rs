@@ -120,6 +120,8 @@ fn needs_restart(a: &Settings, b: &Settings) -> Vec<&'static str> {
             differ(&a.client_limits, &b.client_limits),
         ),
         ("tlsCert / tlsKey", differ(&a.tls, &b.tls)),
+        ("traces", differ(&a.traces, &b.traces)),
+        ("drainDelay", differ(&a.drain_delay, &b.drain_delay)),
         ("async", differ(&a.async_queue, &b.async_queue)),
         (
             "quotas.redisUrl / onRedisError",

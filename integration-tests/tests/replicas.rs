@@ -2,7 +2,8 @@
 //! reports to every balancer it is given (a list, or the flag repeated), a
 //! balancer stopped with SIGSTOP delays none of the others' reports, a
 //! balancer restarted on its port is re-populated within a report
-//! interval, and a draining agent leaves every balancer.
+//! interval, a draining agent leaves every balancer, and a balancer told to
+//! stop turns its readiness off at once but serves through its drain delay.
 
 mod common;
 
@@ -92,4 +93,52 @@ async fn a_restarted_balancer_is_repopulated_and_a_draining_agent_leaves_them_al
         })
         .await;
     }
+}
+
+/// GET `url`'s status, or 0 when nothing answers.
+async fn status_of(url: &str) -> u16 {
+    match client().get(url).send().await {
+        Ok(r) => r.status().as_u16(),
+        Err(_) => 0,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_turns_readiness_off_at_once_and_serves_through_the_drain_delay() {
+    let (mut b, _sim, _agent) = fleet(&["--drain-delay", "1500ms"], &["--slots", "2"]).await;
+    for path in ["/health", "/health/ready", "/health/live"] {
+        assert_eq!(status_of(&b.url(path)).await, 200, "{path}");
+    }
+    assert_eq!(status_of(&b.mgmt("/ready")).await, 200);
+    b.proc.signal("TERM");
+    let sent = Instant::now();
+    wait_for("readiness off", Duration::from_millis(500), || async {
+        (status_of(&b.url("/health/ready")).await == 503).then_some(())
+    })
+    .await;
+    assert_eq!(status_of(&b.url("/health")).await, 503);
+    assert_eq!(status_of(&b.mgmt("/ready")).await, 503);
+    assert_eq!(status_of(&b.url("/health/live")).await, 200, "alive");
+    assert_eq!(status_of(&b.mgmt("/health")).await, 200, "alive");
+    // Still accepting and serving, new connections included.
+    let fresh = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+    for _ in 0..3 {
+        let r = chat_with(&fresh, &b, &[], chat_body()).await;
+        assert_eq!(r.status(), 200);
+    }
+    assert!(
+        sent.elapsed() < Duration::from_millis(1500),
+        "served within the delay"
+    );
+    // After the delay the port closes and, nothing in flight, it exits.
+    let status = tokio::task::block_in_place(|| b.proc.wait_exit(Duration::from_secs(6)))
+        .expect("exits once the delay is over and nothing is left");
+    assert!(status.success(), "{status:?}");
+    assert!(
+        sent.elapsed() >= Duration::from_millis(1500),
+        "not before the delay"
+    );
 }

@@ -67,6 +67,14 @@ pub struct Cli {
     #[arg(long, value_name = "SECONDS")]
     pub shutdown_grace_period: Option<u64>,
 
+    /// After SIGTERM, how long the balancer answers its readiness checks
+    /// 503 while it still accepts and serves new requests, so a front load
+    /// balancer or a Kubernetes Service stops sending before it stops
+    /// listening (then the grace period begins): `5s`, or milliseconds, at
+    /// most 10m [default: 0s]
+    #[arg(long, value_name = "DURATION", value_parser = flowgate::duration::parse_duration)]
+    pub drain_delay: Option<Duration>,
+
     /// Milliseconds to wait for a TCP connection to a model server
     /// [default: 5000]
     #[arg(long, value_name = "MS")]

@@ -27,6 +27,8 @@ pub struct FileConfig {
     pub buffered_request_timeout: Option<u64>,
     pub max_request_bytes: Option<usize>,
     pub shutdown_grace_period: Option<u64>,
+    /// See `--drain-delay`.
+    pub drain_delay: Option<super::flow::ConfigDuration>,
     pub upstream_connect_timeout: Option<u64>,
     pub upstream_idle_connections: Option<usize>,
     pub threads: Option<usize>,

@@ -55,6 +55,8 @@ pub const DEFAULT_MAX_BUFFERED_REQUESTS: usize = 30;
 pub const DEFAULT_BUFFERED_REQUEST_TIMEOUT_MS: u64 = 10_000;
 pub const DEFAULT_MAX_REQUEST_BYTES: usize = 16 * 1024 * 1024;
 pub const DEFAULT_SHUTDOWN_GRACE_PERIOD_S: u64 = 30;
+/// The longest `drainDelay`.
+pub const MAX_DRAIN_DELAY: Duration = Duration::from_secs(600);
 pub const DEFAULT_UPSTREAM_CONNECT_TIMEOUT_MS: u64 = 5_000;
 pub const DEFAULT_UPSTREAM_IDLE_CONNECTIONS: usize = 4096;
 /// Bound of `--upstream-idle-connections`: Pingora sizes its pool's maps
@@ -91,6 +93,8 @@ pub struct Settings {
     pub retries: u32,
     pub max_request_bytes: usize,
     pub shutdown_grace_period: Duration,
+    /// After SIGTERM: readiness 503 while still serving, this long.
+    pub drain_delay: Duration,
     pub upstream_connect_timeout: Duration,
     /// Idle upstream connections kept for reuse, all servers together.
     pub upstream_idle_connections: usize,
@@ -363,6 +367,19 @@ impl Settings {
                 file.shutdown_grace_period,
                 DEFAULT_SHUTDOWN_GRACE_PERIOD_S,
             )),
+            drain_delay: {
+                let d = cli
+                    .drain_delay
+                    .or(file.drain_delay.map(|d| d.0))
+                    .unwrap_or(Duration::ZERO);
+                if d > MAX_DRAIN_DELAY {
+                    return Err(SettingsError::Invalid(format!(
+                        "drainDelay must be at most 10m, not {}s",
+                        d.as_secs()
+                    )));
+                }
+                d
+            },
             upstream_connect_timeout: Duration::from_millis(layer(
                 cli.upstream_connect_timeout,
                 file.upstream_connect_timeout,

@@ -433,6 +433,22 @@ fn traces_need_an_endpoint_and_a_ratio_between_0_and_1() {
 }
 
 #[test]
+fn the_drain_delay_is_read_and_bounded() {
+    let d = Settings::merge(cli(&[]), FileConfig::default()).unwrap();
+    assert_eq!(d.drain_delay, Duration::ZERO, "off unless asked");
+    let file = FileConfig::parse("drainDelay: 5s\n").unwrap();
+    assert_eq!(
+        Settings::merge(cli(&[]), file).unwrap().drain_delay,
+        Duration::from_secs(5)
+    );
+    let flag = Settings::merge(cli(&["--drain-delay", "250ms"]), FileConfig::default()).unwrap();
+    assert_eq!(flag.drain_delay, Duration::from_millis(250));
+    let long = FileConfig::parse("drainDelay: 11m\n").unwrap();
+    let err = Settings::merge(cli(&[]), long).unwrap_err().to_string();
+    assert!(err.contains("drainDelay"), "{err}");
+}
+
+#[test]
 fn example_configs_load() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../config");
     let mut n = 0;

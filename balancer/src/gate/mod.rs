@@ -45,6 +45,8 @@ pub struct FleetGate {
     /// The last minutes of traffic, for the dashboard.
     pub history: History,
     shutting_down: AtomicBool,
+    /// SIGTERM arrived: readiness is 503 (requests are still served).
+    draining: AtomicBool,
     /// Woken when an affinity hold began, which may end before
     /// housekeeping's next planned wake-up.
     timers: Notify,
@@ -209,6 +211,7 @@ impl FleetGate {
             metrics: Metrics::new(),
             history: History::default(),
             shutting_down: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
             timers: Notify::new(),
             draws: AtomicU64::new(0),
             token_ratios: Mutex::new(TokenRatios::default()),
@@ -565,6 +568,18 @@ impl FleetGate {
     /// [`flowgate::Dispatcher::unserved_demand`]).
     pub fn unserved_demand(&self) -> Vec<(Option<Arc<str>>, usize)> {
         self.lock().unserved_demand(Instant::now())
+    }
+
+    /// SIGTERM arrived: readiness checks answer 503 from now on, while
+    /// requests are still accepted and served (the drain delay).
+    pub fn begin_draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether the balancer wants new traffic: not draining, not shutting
+    /// down.
+    pub fn is_ready(&self) -> bool {
+        !self.draining.load(Ordering::SeqCst) && !self.is_shutting_down()
     }
 
     pub fn begin_shutdown(&self) {

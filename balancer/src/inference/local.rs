@@ -72,17 +72,22 @@ pub(super) async fn route(
         .with_header("allow", allow.to_string())
     };
     let answer = match path.as_str() {
-        "/health" if method == Method::GET => {
-            if door.shared.is_shutting_down() {
+        // Readiness: 503 from SIGTERM on (the drain delay included).
+        "/health" | "/health/ready" if method == Method::GET => {
+            if door.shared.is_ready() {
+                Answer::json(StatusCode::OK, br#"{"status":"ok"}"#.to_vec())
+            } else {
                 Answer::json(
                     StatusCode::SERVICE_UNAVAILABLE,
                     br#"{"status":"shutting_down"}"#.to_vec(),
                 )
-            } else {
-                Answer::json(StatusCode::OK, br#"{"status":"ok"}"#.to_vec())
             }
         }
-        "/health" => not_allowed("GET"),
+        // Liveness: the process serves; 200 until it exits.
+        "/health/live" if method == Method::GET => {
+            Answer::json(StatusCode::OK, br#"{"status":"ok"}"#.to_vec())
+        }
+        "/health" | "/health/ready" | "/health/live" => not_allowed("GET"),
         "/v1/models" if method == Method::GET => {
             Answer::json(StatusCode::OK, models_body(door, ctx))
         }

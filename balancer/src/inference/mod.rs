@@ -263,7 +263,7 @@ impl Inference {
             q.is_dispatcher(req.headers.get(asyncq::TOKEN_HEADER).map(|v| v.as_bytes()))
         });
         if let (Some(keys), false) = (&ctx.rules.api_keys, from_dispatcher) {
-            if req.uri.path() != "/health" {
+            if !matches!(req.uri.path(), "/health" | "/health/ready" | "/health/live") {
                 let authorization = req.headers.get(http::header::AUTHORIZATION);
                 match keys.authenticate(authorization.map(|v| v.as_bytes())) {
                     Ok(grant) => ctx.grant = Some(grant.clone()),

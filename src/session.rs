@@ -171,6 +171,18 @@ pub fn scoped(tenant: &str, key: u64) -> u64 {
     h.finish()
 }
 
+/// A session's rendezvous weight on the endpoint at `addr`: the endpoint
+/// with the highest weight is the session's home
+/// ([`crate::endpoint::EndpointLedger`]). Any two processes of one build
+/// compute the same weights; an endpoint that joins or leaves moves only
+/// the sessions whose home it is or becomes.
+pub fn rendezvous(session: u64, addr: SocketAddr) -> u64 {
+    let mut h = DefaultHasher::new();
+    session.hash(&mut h);
+    addr.hash(&mut h);
+    h.finish()
+}
+
 /// The key of the session a response continues: where the response with
 /// id `response_id` was served, for a later `previous_response_id`.
 pub fn response_key(tenant: &str, response_id: &[u8]) -> Option<u64> {

@@ -3,7 +3,8 @@
 //! balancer stopped with SIGSTOP delays none of the others' reports, a
 //! balancer restarted on its port is re-populated within a report
 //! interval, a draining agent leaves every balancer, and a balancer told to
-//! stop turns its readiness off at once but serves through its drain delay.
+//! stop turns its readiness off at once but serves through its drain delay;
+//! a conversation spread over two balancers stays on one server.
 
 mod common;
 
@@ -141,4 +142,46 @@ async fn sigterm_turns_readiness_off_at_once_and_serves_through_the_drain_delay(
         sent.elapsed() >= Duration::from_millis(1500),
         "not before the delay"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_spread_over_two_balancers_stays_on_one_server() {
+    let one = Balancer::start(&[]).await;
+    let two = Balancer::start(&[]).await;
+    let sims: Vec<Sim> = (0..3).map(|_| Sim::start(&["--slots", "4"])).collect();
+    let both = format!("{},{}", one.management, two.management);
+    let _agents: Vec<Proc> = sims
+        .iter()
+        .map(|s| agent_at(&s.addr.to_string(), &one, &["--management-addr", &both]))
+        .collect();
+    one.wait_eligible(3).await;
+    two.wait_eligible(3).await;
+    let c = client();
+    for conv in 0..6 {
+        let tag = format!("conv{conv}");
+        for turn in 0..6 {
+            // A front load balancer's round robin.
+            let b = if turn % 2 == 0 { &one } else { &two };
+            let body = chat_for(Some("sim-model"), &format!("{tag} turn {turn} ").repeat(30));
+            let r = c
+                .post(b.url("/v1/chat/completions"))
+                .header("x-session-id", format!("key-{conv}"))
+                .header("x-sim-tag", &tag)
+                .json(&body)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            r.bytes().await.unwrap();
+        }
+        let mut counts = Vec::new();
+        for s in &sims {
+            let arrivals = s.stats().await["arrivals"].as_array().unwrap().clone();
+            counts.push(arrivals.iter().filter(|t| **t == *tag).count());
+        }
+        assert!(
+            counts.contains(&6),
+            "{tag} was split over the servers: {counts:?}"
+        );
+    }
 }

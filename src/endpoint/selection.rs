@@ -182,8 +182,28 @@ impl EndpointLedger {
                 _ if may_hold => Choice::Hold,
                 other => other,
             },
-            SessionPlace::None => self.choose_by_score(route, now, may_hold),
+            SessionPlace::None => match self.session_home(route, session, now) {
+                Some(home) => Choice::Endpoint(home),
+                None => self.choose_by_score(route, now, may_hold),
+            },
         }
+    }
+
+    /// Where a session goes that this balancer has not bound (its first
+    /// turn, or a turn that reached this balancer after another took the
+    /// ones before): its home, the endpoint that serves its model with the
+    /// highest rendezvous hash of (session, address), when that one can
+    /// take it. Every balancer of the fleet computes the same home from the
+    /// same fleet, so a conversation spread over several balancers by a
+    /// front load balancer lands on one endpoint without any state shared
+    /// between them. A saturated home is not waited for (no cache is known
+    /// there yet): the turn is placed by score and bound where it goes.
+    fn session_home(&self, route: &Route, session: u64, now: Instant) -> Option<EndpointId> {
+        let home = self
+            .serving(route)
+            .filter(|e| e.eligible(now))
+            .max_by_key(|e| crate::session::rendezvous(session, e.addr))?;
+        home.takes(route, now, &self.saturation).then_some(home.id)
     }
 
     /// Where `session`'s last turn went, as its next turn sees it; a

@@ -219,3 +219,85 @@ fn a_response_id_binds_the_turn_that_continues_it() {
     d.bind_session(99, SocketAddr::from(([127, 0, 0, 1], 9)), t0);
     assert_eq!(d.sessions_bound(), 1);
 }
+
+/// Four 4-slot endpoints, reported to `d`.
+fn four_servers(d: &mut Dispatcher<&'static str>, t0: Instant) {
+    for (id, port) in [("a", 1), ("b", 2), ("c", 3), ("d", 4)] {
+        d.report(model_server(id, port, 4, &[]), t0).unwrap();
+    }
+}
+
+#[test]
+fn two_balancers_send_a_new_session_to_the_same_home() {
+    let t0 = Instant::now();
+    let (mut one, mut two) = (dispatcher(30), dispatcher(30));
+    four_servers(&mut one, t0);
+    four_servers(&mut two, t0);
+    // Different histories: the second balancer served other work first,
+    // so its scores and turns differ.
+    for _ in 0..3 {
+        let l = ready(two.submit(anon(), "other", t0));
+        two.release(l);
+    }
+    let mut per_port = [0usize; 5];
+    for session in 0..200u64 {
+        let a = ready(one.submit(in_session("t", session), "turn", t0));
+        let b = ready(two.submit(in_session("t", session), "turn", t0));
+        assert_eq!(a.addr, b.addr, "session {session}");
+        per_port[usize::from(a.addr.port())] += 1;
+        one.release(a);
+        two.release(b);
+    }
+    // Homes spread over the fleet.
+    assert!(
+        per_port[1..].iter().all(|n| (25..=75).contains(n)),
+        "{per_port:?}"
+    );
+}
+
+#[test]
+fn a_saturated_home_is_not_waited_for_and_one_leaving_moves_only_its_sessions() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    four_servers(&mut d, t0);
+    let home_of = |d: &mut Dispatcher<&'static str>, session: u64| {
+        let l = ready(d.submit(in_session("t", session), "turn", t0));
+        let port = l.addr.port();
+        d.release(l);
+        port
+    };
+    let homes: Vec<u16> = (0..40).map(|s| home_of(&mut d, 1_000 + s)).collect();
+    // Fill one home: a new session whose home it is goes elsewhere at once.
+    let mut full = dispatcher(30);
+    four_servers(&mut full, t0);
+    let busy_port = homes[0];
+    let taken: Vec<Lease> = (0..4)
+        .map(|_| {
+            let mut r = anon();
+            r.route.subset = Some(Arc::from(vec![SocketAddr::from((
+                [127, 0, 0, 1],
+                busy_port,
+            ))]));
+            ready(full.submit(r, "filler", t0))
+        })
+        .collect();
+    let went = ready(full.submit(in_session("t", 1_000), "turn", t0));
+    assert_ne!(
+        went.addr.port(),
+        busy_port,
+        "not held for a home with no cache yet"
+    );
+    drop(taken);
+    // An endpoint leaves: only the sessions whose home it was move.
+    let gone = homes[1];
+    let id = ["a", "b", "c", "d"][usize::from(gone) - 1];
+    let mut fresh = dispatcher(30);
+    four_servers(&mut fresh, t0);
+    assert!(fresh.deregister(id));
+    for (s, before) in (0..40).zip(&homes) {
+        let now_home = home_of(&mut fresh, 1_000 + s);
+        if *before != gone {
+            assert_eq!(now_home, *before, "session {s} moved");
+        }
+    }
+}

@@ -168,6 +168,7 @@ proptest! {
             content_type: None,
             sessions: Default::default(),
             debug: None,
+            delivered_session: None,
         };
         if let Ok((flow, _)) = settings.admission().flow(headers, &model, Caller::Anonymous) {
             prop_assert!(flowgate::flow::valid_fairness_id(&flow.fairness_id));

@@ -432,3 +432,37 @@ async fn a_full_result_store_holds_dispatching_until_results_age_out() {
         .unwrap();
     assert_eq!(gone.status(), 404, "purged after retention");
 }
+
+/// A session key sent with async submits (a header, or the body's
+/// `prompt_cache_key`) keeps their deliveries on one server, as it does
+/// for interactive requests; the key is not stored in clear.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn async_requests_of_one_session_are_delivered_to_one_server() {
+    let dir = TempDir::new("async-sessions");
+    let b = Balancer::start(&["--async-dir", dir.arg()]).await;
+    let sims: Vec<Sim> = (0..3).map(|_| Sim::start(&["--slots", "4"])).collect();
+    let _agents: Vec<Proc> = sims.iter().map(|s| agent(s, &b)).collect();
+    b.wait_eligible(3).await;
+    let mut ids = Vec::new();
+    for i in 0..6 {
+        let prompt = format!("unrelated task {i} ").repeat(30);
+        ids.push(accepted(&b, &prompt, &[("x-session-id", "async-conv-1")]).await);
+    }
+    for view in wait_final(&b, &ids, Duration::from_secs(20)).await {
+        assert_eq!(view["status"], "succeeded", "{view}");
+    }
+    let mut counts = Vec::new();
+    for s in &sims {
+        counts.push(s.stats().await["requests_total"].as_u64().unwrap());
+    }
+    assert!(counts.contains(&6), "spread over the servers: {counts:?}");
+    // The store holds the session hashed, never the key.
+    let mut stored = Vec::new();
+    for entry in std::fs::read_dir(dir.path("")).unwrap().flatten() {
+        if entry.path().is_file() {
+            stored.extend(std::fs::read(entry.path()).unwrap());
+        }
+    }
+    let text = String::from_utf8_lossy(&stored);
+    assert!(!text.contains("async-conv-1"), "the key is stored in clear");
+}

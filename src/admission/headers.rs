@@ -13,6 +13,10 @@ pub const PRIORITY_HEADER: &str = "x-flowgate-priority";
 /// Header with the longest time the request may wait (`500ms`, `5s`, or
 /// milliseconds), cut to `maxRequestTTL`.
 pub const TTL_HEADER: &str = "x-flowgate-request-ttl";
+/// Header with which the balancer's own async dispatcher delivers a queued
+/// request's session, hashed and scoped when it was submitted (16 hex
+/// digits); honoured only from the dispatcher.
+pub const DELIVERED_SESSION_HEADER: &str = "x-flowgate-delivered-session";
 /// Header asking why the request's endpoint was chosen (`scores`),
 /// answered only where the operator allows it.
 pub const DEBUG_HEADER: &str = "x-flowgate-debug";
@@ -33,6 +37,8 @@ pub struct FlowHeaders<'a> {
     pub sessions: SessionKeys,
     /// What the request asks to be told ([`DEBUG_HEADER`]).
     pub debug: Option<&'a [u8]>,
+    /// A queued request's session as delivered ([`DELIVERED_SESSION_HEADER`]).
+    pub delivered_session: Option<&'a [u8]>,
 }
 
 impl<'a> FlowHeaders<'a> {
@@ -90,6 +96,7 @@ impl<'a> FlowHeaders<'a> {
             content_type: get(CONTENT_TYPE_HEADER),
             sessions,
             debug: get(DEBUG_HEADER),
+            delivered_session: get(DELIVERED_SESSION_HEADER),
         }
     }
 
@@ -108,6 +115,7 @@ impl<'a> FlowHeaders<'a> {
                 TTL_HEADER => &mut h.ttl,
                 CONTENT_TYPE_HEADER => &mut h.content_type,
                 DEBUG_HEADER => &mut h.debug,
+                DELIVERED_SESSION_HEADER => &mut h.delivered_session,
                 _ => {
                     if let Some(source) = SessionSource::of_header(name) {
                         h.sessions.set(source, value);

@@ -23,7 +23,8 @@ use std::time::Duration;
 pub use body::{body_facts, form_facts, renamed, with_model, BodyFacts};
 pub use caller::{Caller, Grant};
 pub use headers::{
-    FlowHeaders, DEBUG_HEADER, FAIRNESS_ID_HEADER, OBJECTIVE_HEADER, PRIORITY_HEADER, TTL_HEADER,
+    FlowHeaders, DEBUG_HEADER, DELIVERED_SESSION_HEADER, FAIRNESS_ID_HEADER, OBJECTIVE_HEADER,
+    PRIORITY_HEADER, TTL_HEADER,
 };
 pub use priority::{BadHeader, PriorityRules};
 
@@ -136,9 +137,15 @@ impl AdmissionRules {
             output_asked: facts.output_bound.is_some(),
         };
         facts.route.tokens = tokens;
-        let mut keys = facts.sessions;
-        keys.merge(&headers.sessions);
-        facts.route.session = self.sessions.session(&keys, &flow.fairness_id);
+        facts.route.session = match caller {
+            // A queued request: its session was read when it was submitted.
+            Caller::AsyncDispatcher { .. } => headers
+                .delivered_session
+                .and_then(|h| std::str::from_utf8(h).ok())
+                .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
+                .or_else(|| self.session_of(&facts, headers, &flow.fairness_id)),
+            _ => self.session_of(&facts, headers, &flow.fairness_id),
+        };
         Ok(RequestFacts {
             model: facts.model,
             resolved,
@@ -153,6 +160,19 @@ impl AdmissionRules {
                 weight,
             },
         })
+    }
+
+    /// The session of a request of `tenant` with these body facts and
+    /// headers (hashed and scoped), if it names one.
+    pub fn session_of(
+        &self,
+        body: &BodyFacts,
+        headers: FlowHeaders<'_>,
+        tenant: &str,
+    ) -> Option<u64> {
+        let mut keys = body.sessions;
+        keys.merge(&headers.sessions);
+        self.sessions.session(&keys, tenant)
     }
 
     /// The flow and TTL of a request for `model` from `caller`: the
@@ -426,6 +446,20 @@ mod tests {
                 None
             );
         }
+        // A session delivered by the async dispatcher is taken as it was
+        // read at submit; from anyone else the header means nothing.
+        let delivered =
+            FlowHeaders::from_pairs([(DELIVERED_SESSION_HEADER, &b"00000000000000ff"[..])]);
+        assert_eq!(
+            session(delivered, plain, Caller::AsyncDispatcher { band: -1 }),
+            Some(255)
+        );
+        assert_eq!(session(delivered, plain, Caller::Anonymous), None);
+        assert_eq!(
+            session(delivered, cache_key, Caller::Anonymous),
+            anonymous,
+            "a client's own key stands"
+        );
         let off = AdmissionRules {
             sessions: SessionRules { order: Vec::new() },
             ..rules()
@@ -462,6 +496,7 @@ mod tests {
                 content_type: None,
                 sessions: Default::default(),
                 debug: None,
+                delivered_session: None,
             };
             let grant = Grant { tenant: Arc::from("alpha"), max_priority: Some(ceiling), weight: None, key_id: Arc::from("k"), quota: None, debug: false };
             let form = FlowHeaders { content_type: Some(&b"multipart/form-data; boundary=x"[..]), ..h };

@@ -611,6 +611,8 @@ fn read_input(
                 priority,
                 idempotency_key: Some(format!("batch:{}:{custom_id}", record.id)),
                 deadline_ms: None,
+                // A line's own body names its session, read on delivery.
+                session: None,
             },
             job_id.clone(),
         ));

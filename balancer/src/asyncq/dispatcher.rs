@@ -67,7 +67,7 @@ impl AsyncDispatcher {
                 .with_label_values(&["default", "first"])
                 .inc();
         }
-        let sent = client
+        let mut request = client
             .post(format!("{url}{}", job.path))
             .header("content-type", "application/json")
             .header(TOKEN_HEADER, queue.token_text.as_str())
@@ -75,10 +75,14 @@ impl AsyncDispatcher {
                 flowgate::admission::FAIRNESS_ID_HEADER,
                 job.fairness_id.as_str(),
             )
-            .header(flowgate::admission::TTL_HEADER, "60s")
-            .body(job.body.clone())
-            .send()
-            .await;
+            .header(flowgate::admission::TTL_HEADER, "60s");
+        if let Some(session) = &job.session {
+            request = request.header(
+                flowgate::admission::DELIVERED_SESSION_HEADER,
+                session.as_str(),
+            );
+        }
+        let sent = request.body(job.body.clone()).send().await;
         let (id, attempt) = (job.id.clone(), job.attempts);
         let q = Arc::clone(&queue);
         let outcome = match sent {

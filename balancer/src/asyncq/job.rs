@@ -177,6 +177,9 @@ pub struct Job {
     pub idempotency_key: Option<String>,
     /// Unix ms after which a still-queued request expires.
     pub deadline_ms: Option<u64>,
+    /// Its session, hashed (never the key), delivered with it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
     pub status: Status,
     /// Deliveries so far (since the last `rear` dead-lettering).
     pub attempts: u32,
@@ -205,6 +208,7 @@ impl Job {
             priority: new.priority,
             idempotency_key: new.idempotency_key,
             deadline_ms: new.deadline_ms,
+            session: new.session,
             status: Status::Queued,
             attempts: 0,
             created_ms: now_ms,
@@ -227,6 +231,9 @@ pub struct NewJob {
     pub priority: i32,
     pub idempotency_key: Option<String>,
     pub deadline_ms: Option<u64>,
+    /// Its session, hashed and scoped (16 hex digits), read from the
+    /// submit's headers and body: delivered with it.
+    pub session: Option<String>,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -331,10 +331,11 @@ async fn submit(
         Ok(body) => body,
         Err(refusal) => return Ok(Err(refusal)),
     };
-    let model = match admission::body_facts(&body, &door.admission.prefix) {
-        Ok(facts) => facts.model,
+    let facts = match admission::body_facts(&body, &door.admission.prefix) {
+        Ok(facts) => facts,
         Err(bad) => return Ok(Err(admission::Refused::BadBody(bad).into())),
     };
+    let model = facts.model.clone();
     let (caller, priority) = match door.caller(session, &model) {
         Ok(found) => found,
         Err(r) => return Ok(Err(r)),
@@ -367,6 +368,13 @@ async fn submit(
             .map(|k| asyncq::scoped_idempotency_key(&k, caller.scope())),
         Err(r) => return Ok(Err(r)),
     };
+    // Its session, from the headers of the submit and the body, scoped to
+    // the tenant it is delivered under: stored hashed, delivered with it.
+    let flow_headers = FlowHeaders::read(|name| headers.get(name).map(|v| v.as_bytes()));
+    let session = door
+        .admission
+        .session_of(&facts, flow_headers, &caller.tenant)
+        .map(|s| format!("{s:016x}"));
     let job = asyncq::job::NewJob {
         path: target,
         body: String::from_utf8_lossy(&body).into_owned(),
@@ -374,6 +382,7 @@ async fn submit(
         priority,
         idempotency_key,
         deadline_ms,
+        session,
     };
     Ok(match door.queue.submit(job).await {
         Ok((job, _)) => Ok(json(StatusCode::ACCEPTED, &asyncq::view(&job))),

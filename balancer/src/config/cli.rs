@@ -212,8 +212,8 @@ pub struct Cli {
     pub otlp_endpoint: Option<String>,
 
     /// Share (0 to 1) of the traces the balancer starts that are kept; a
-    /// client's own sampling decision (its traceparent) always holds
-    /// [default: 1]
+    /// client's own sampling decision (its traceparent) holds unless
+    /// OTEL_TRACES_SAMPLER says otherwise [default: 1]
     #[arg(long, value_name = "RATIO", env = "OTEL_TRACES_SAMPLER_ARG")]
     pub trace_sample_ratio: Option<f64>,
 

@@ -309,4 +309,8 @@ async fn why_this_endpoint_is_told_only_to_whom_it_is_allowed() {
     assert_eq!(after["in_flight_requests"], 0, "no slot taken");
     let (status, refused) = probe("[not an object".into()).await;
     assert_eq!(status, 400, "{refused}");
+    // A body past the probe's 4 MiB is refused before it is read whole.
+    let (status, refused) = probe("x".repeat(5 * 1024 * 1024)).await;
+    assert_eq!(status, 413, "{refused}");
+    assert_eq!(b.agents().await["in_flight_requests"], 0);
 }

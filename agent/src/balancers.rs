@@ -6,7 +6,8 @@
 //! Kubernetes headless Service (one address per balancer pod) just works: a
 //! new pod gets reports within one interval of appearing in DNS, a pod that
 //! left stops getting them. A name that fails to resolve keeps the
-//! addresses it had.
+//! addresses it had. Lookups run in a task of their own ([`resolver`]),
+//! each bounded, so a slow DNS server delays no report either.
 //!
 //! Each balancer has a task of its own that sends it the latest report
 //! (with the client's timeout), so a slow or dead balancer never delays the
@@ -59,6 +60,52 @@ pub fn names(args: &[String]) -> Result<Vec<String>, String> {
     Ok(out)
 }
 
+/// The addresses each balancer name resolves to.
+pub type Resolved = BTreeMap<String, BTreeSet<SocketAddr>>;
+
+/// The longest one lookup may take.
+const LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Resolves `names` now and every [`RESOLVE_EVERY`] in a task of its own
+/// (a slow DNS server delays no report), keeping a name's last addresses
+/// when a lookup fails, times out or finds none.
+pub fn resolver(names: Vec<String>) -> watch::Receiver<Resolved> {
+    let (tx, rx) = watch::channel(Resolved::new());
+    tokio::spawn(async move {
+        let mut resolved = Resolved::new();
+        let mut every = tokio::time::interval(RESOLVE_EVERY);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            for name in &names {
+                let looked_up =
+                    tokio::time::timeout(LOOKUP_TIMEOUT, tokio::net::lookup_host(name.as_str()))
+                        .await
+                        .map_err(|_| "no answer in time".to_string())
+                        .and_then(|r| r.map_err(|e| e.to_string()))
+                        .map(|addrs| addrs.collect::<BTreeSet<SocketAddr>>());
+                match looked_up {
+                    Ok(addrs) if !addrs.is_empty() => {
+                        resolved.insert(name.clone(), addrs);
+                    }
+                    Ok(_) => warn!(
+                        balancer = name,
+                        "resolves to no address; keeping the last ones"
+                    ),
+                    Err(e) => warn!(
+                        balancer = name,
+                        "cannot resolve ({e}); keeping the last addresses"
+                    ),
+                }
+            }
+            if tx.send(resolved.clone()).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
 /// One balancer's reporting task and what it last heard.
 struct Balancer {
     task: JoinHandle<()>,
@@ -67,9 +114,6 @@ struct Balancer {
 
 /// Every balancer reported to, by address.
 pub struct Balancers {
-    names: Vec<String>,
-    /// The addresses each name resolved to last.
-    resolved: BTreeMap<String, BTreeSet<SocketAddr>>,
     by_addr: BTreeMap<SocketAddr, Balancer>,
     client: Client,
     agent_id: String,
@@ -79,15 +123,8 @@ pub struct Balancers {
 }
 
 impl Balancers {
-    pub fn new(
-        names: Vec<String>,
-        client: Client,
-        agent_id: String,
-        token: Option<String>,
-    ) -> Self {
+    pub fn new(client: Client, agent_id: String, token: Option<String>) -> Self {
         Balancers {
-            names,
-            resolved: BTreeMap::new(),
             by_addr: BTreeMap::new(),
             client,
             agent_id,
@@ -97,30 +134,9 @@ impl Balancers {
         }
     }
 
-    /// Resolves every name and starts or stops balancers to match.
-    pub async fn resolve(&mut self) {
-        for name in self.names.clone() {
-            let looked_up = tokio::net::lookup_host(name.as_str())
-                .await
-                .map(|addrs| addrs.collect::<BTreeSet<SocketAddr>>());
-            match looked_up {
-                Ok(addrs) => {
-                    if addrs.is_empty() {
-                        warn!(
-                            balancer = name,
-                            "resolves to no address; keeping the last ones"
-                        );
-                    } else {
-                        self.resolved.insert(name, addrs);
-                    }
-                }
-                Err(e) => warn!(
-                    balancer = name,
-                    "cannot resolve ({e}); keeping the last addresses"
-                ),
-            }
-        }
-        let wanted: BTreeSet<SocketAddr> = self.resolved.values().flatten().copied().collect();
+    /// Starts or stops balancers to match what the names resolve to now.
+    pub fn apply(&mut self, resolved: &Resolved) {
+        let wanted: BTreeSet<SocketAddr> = resolved.values().flatten().copied().collect();
         let gone: Vec<SocketAddr> = (self.by_addr.keys())
             .filter(|a| !wanted.contains(a))
             .copied()

@@ -264,12 +264,7 @@ async fn run(cli: Cli) -> Result<(), String> {
     };
     let agent_id = format!("agent-{}", uuid::Uuid::new_v4().simple());
     let name = cli.name.clone().unwrap_or_else(|| backend_base.clone());
-    let mut balancers = Balancers::new(
-        balancer_names.clone(),
-        client,
-        agent_id.clone(),
-        cli.management_token.clone(),
-    );
+    let mut balancers = Balancers::new(client, agent_id.clone(), cli.management_token.clone());
     info!(
         agent = agent_id,
         backend = backend_base,
@@ -278,10 +273,11 @@ async fn run(cli: Cli) -> Result<(), String> {
         interval_ms = cli.monitoring_interval.as_millis() as u64,
         "agent starting"
     );
-    balancers.resolve().await;
-    let mut resolve = tokio::time::interval(balancers::RESOLVE_EVERY);
-    resolve.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    resolve.reset();
+    let mut resolved = balancers::resolver(balancer_names.clone());
+    // The first lookups, before the first report (bounded: a name that
+    // does not resolve yet gets reports once it does).
+    let _ = tokio::time::timeout(Duration::from_secs(3), resolved.changed()).await;
+    balancers.apply(&resolved.borrow_and_update());
 
     let mut ticker = tokio::time::interval(cli.monitoring_interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -316,8 +312,8 @@ async fn run(cli: Cli) -> Result<(), String> {
                 warn!("drain timeout: leaving with requests still in flight");
                 break;
             }
-            _ = resolve.tick() => {
-                balancers.resolve().await;
+            Ok(()) = resolved.changed() => {
+                balancers.apply(&resolved.borrow_and_update());
                 continue;
             }
             _ = ticker.tick() => {}

@@ -108,16 +108,10 @@ async fn each_engines_prefill_rate_is_learned_from_its_answers() {
         r.bytes().await.unwrap();
     }
     let rate = |agents: &serde_json::Value, sim: &Sim| {
-        let e = agents["endpoints"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|e| e["addr"] == sim.addr.to_string())
-            .unwrap()
-            .clone();
+        let cost = &endpoint_of(agents, sim)["cost"];
         (
-            e["cost"]["samples"].as_u64().unwrap(),
-            e["cost"]["prefill_ms_per_token"].as_f64().unwrap(),
+            cost["samples"].as_u64().unwrap(),
+            cost["prefill_ms_per_token"].as_f64().unwrap(),
         )
     };
     let (slow_rate, fast_rate) = wait_for("both learned", Duration::from_secs(5), || async {

@@ -247,14 +247,7 @@ async fn the_dashboard_shows_agents_and_traffic_live_in_a_real_browser() {
         r.bytes().await.unwrap();
     }
     let sim_endpoint = wait_for("the answers settled", Duration::from_secs(5), || async {
-        let agents = b.agents().await;
-        let e = agents["endpoints"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|e| e["addr"] == sim.addr.to_string())
-            .cloned()
-            .unwrap();
+        let e = endpoint_of(&b.agents().await, &sim).clone();
         (e["cache"]["predicted_hits"] == 1).then_some(e)
     })
     .await;

@@ -174,11 +174,7 @@ async fn a_conversation_spread_over_two_balancers_stays_on_one_server() {
             assert_eq!(r.status(), 200);
             r.bytes().await.unwrap();
         }
-        let mut counts = Vec::new();
-        for s in &sims {
-            let arrivals = s.stats().await["arrivals"].as_array().unwrap().clone();
-            counts.push(arrivals.iter().filter(|t| **t == *tag).count());
-        }
+        let counts = tagged_per_server(&sims, &tag).await;
         assert!(
             counts.contains(&6),
             "{tag} was split over the servers: {counts:?}"

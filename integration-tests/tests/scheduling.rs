@@ -9,7 +9,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use serde_json::{json, Value};
+use serde_json::json;
 
 /// Requests the simulator received, tagged or not.
 async fn received(sim: &Sim) -> u64 {
@@ -23,15 +23,6 @@ async fn arrivals(sim: &Sim) -> Vec<String> {
         .iter()
         .map(|v| v.as_str().unwrap().to_string())
         .collect()
-}
-
-fn endpoint<'a>(agents: &'a Value, sim: &Sim) -> &'a Value {
-    agents["endpoints"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["addr"] == sim.addr.to_string())
-        .unwrap_or_else(|| panic!("{} not in {agents}", sim.addr))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -238,7 +229,7 @@ async fn failed_attempts_are_retried_elsewhere_and_failing_servers_leave_rotatio
     // Until its circuit opens, the failing server gets about half of the
     // requests; each is retried on the good one before the client sees it.
     let mut sent = 0;
-    while endpoint(&b.agents().await, &bad)["circuit_open_ms"].is_null() {
+    while endpoint_of(&b.agents().await, &bad)["circuit_open_ms"].is_null() {
         let tag = format!("r{sent}");
         let r = chat_with(
             &c,
@@ -275,7 +266,7 @@ async fn failed_attempts_are_retried_elsewhere_and_failing_servers_leave_rotatio
     // It comes back on its own after the back-off; failing again at once
     // opens the circuit for twice as long.
     wait_for("the circuit to close", Duration::from_secs(3), || async {
-        endpoint(&b.agents().await, &bad)["circuit_open_ms"]
+        endpoint_of(&b.agents().await, &bad)["circuit_open_ms"]
             .is_null()
             .then_some(())
     })
@@ -287,7 +278,7 @@ async fn failed_attempts_are_retried_elsewhere_and_failing_servers_leave_rotatio
         tries += 1;
         assert!(tries < 40, "the endpoint never came back");
     }
-    let open_ms = endpoint(&b.agents().await, &bad)["circuit_open_ms"].as_u64();
+    let open_ms = endpoint_of(&b.agents().await, &bad)["circuit_open_ms"].as_u64();
     assert!(
         open_ms.is_some_and(|ms| ms > 1000),
         "reopened for {open_ms:?} ms"
@@ -347,14 +338,14 @@ async fn client_errors_pass_through_and_a_lone_failing_server_answers_itself() {
         let r = chat(&b, &[("x-sim-fault", "status=400")]).await;
         assert_eq!(r.status(), 400);
     }
-    let ep = endpoint(&b.agents().await, &sim).clone();
+    let ep = endpoint_of(&b.agents().await, &sim).clone();
     assert_eq!(ep["consecutive_failures"], 0, "{ep}");
     // With nowhere else to go, a 5xx reaches the client as it is.
     for _ in 0..2 {
         let r = chat(&b, &[("x-sim-fault", "status=503")]).await;
         assert_eq!(r.status(), 503);
     }
-    assert!(!endpoint(&b.agents().await, &sim)["circuit_open_ms"].is_null());
+    assert!(!endpoint_of(&b.agents().await, &sim)["circuit_open_ms"].is_null());
     // While the circuit is open, requests wait for it instead of failing.
     let r = chat_with(&c, &b, &[], chat_for(None, "after")).await;
     assert_eq!(r.status(), 200);
@@ -391,7 +382,7 @@ async fn a_draining_agent_gets_no_new_work_and_leaves_when_its_requests_finish()
     .await;
     agent_leaving.signal("TERM");
     wait_for("the endpoint to drain", Duration::from_secs(5), || async {
-        (endpoint(&b.agents().await, &leaving)["agent"]["draining"] == true).then_some(())
+        (endpoint_of(&b.agents().await, &leaving)["agent"]["draining"] == true).then_some(())
     })
     .await;
     let c = client();

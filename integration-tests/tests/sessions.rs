@@ -22,16 +22,6 @@ async fn three_servers(b: &Balancer) -> (Vec<Sim>, Vec<Proc>) {
     (sims, agents)
 }
 
-/// How many requests tagged `tag` each server received.
-async fn spread(sims: &[Sim], tag: &str) -> Vec<usize> {
-    let mut counts = Vec::new();
-    for s in sims {
-        let arrivals = s.stats().await["arrivals"].as_array().unwrap().clone();
-        counts.push(arrivals.iter().filter(|t| *t == tag).count());
-    }
-    counts
-}
-
 /// A prompt that shares nothing with any other (no prefix affinity).
 fn unrelated_prompt(tag: &str, turn: usize) -> String {
     format!("{tag} turn {turn} {} ", turn * 7919).repeat(40)
@@ -90,7 +80,7 @@ async fn every_session_key_source_keeps_a_conversation_on_one_server() {
             let tag = format!("s{i}c{conv}");
             let value = format!("3f2c9a7e-{i}-{conv}");
             converse(&b, key, &value, &tag, 5).await;
-            let counts = spread(&sims, &tag).await;
+            let counts = tagged_per_server(&sims, &tag).await;
             assert!(
                 counts.contains(&5),
                 "source {i}: {tag} was split: {counts:?}"
@@ -103,7 +93,7 @@ async fn every_session_key_source_keeps_a_conversation_on_one_server() {
     for conv in 0..3 {
         let tag = format!("none{conv}");
         converse(&b, Key::None, "", &tag, 5).await;
-        if !spread(&sims, &tag).await.contains(&5) {
+        if !tagged_per_server(&sims, &tag).await.contains(&5) {
             split += 1;
         }
     }
@@ -144,7 +134,7 @@ async fn a_responses_chain_follows_previous_response_id() {
             assert!(id.starts_with("resp_"), "{answer}");
             previous = Some(id);
         }
-        let counts = spread(&sims, &tag).await;
+        let counts = tagged_per_server(&sims, &tag).await;
         assert!(counts.contains(&5), "{tag} was split: {counts:?}");
     }
 }
@@ -154,7 +144,7 @@ async fn a_conversation_whose_server_dies_goes_on_elsewhere_and_stays() {
     let b = Balancer::start(&[]).await;
     let (mut sims, _agents) = three_servers(&b).await;
     converse(&b, Key::Header("x-session-id"), "dies", "before", 2).await;
-    let home = spread(&sims, "before")
+    let home = tagged_per_server(&sims, "before")
         .await
         .iter()
         .position(|n| *n == 2)
@@ -163,7 +153,7 @@ async fn a_conversation_whose_server_dies_goes_on_elsewhere_and_stays() {
     // report it unreachable.
     drop(sims.remove(home));
     converse(&b, Key::Header("x-session-id"), "dies", "after", 5).await;
-    let counts = spread(&sims, "after").await;
+    let counts = tagged_per_server(&sims, "after").await;
     assert!(
         counts.contains(&5),
         "the conversation moved once and stayed: {counts:?}"

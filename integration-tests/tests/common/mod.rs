@@ -724,3 +724,23 @@ pub async fn read_response(s: &mut tokio::net::TcpStream) -> String {
         out.extend_from_slice(&buf[..n]);
     }
 }
+
+/// The entry of `sim`'s endpoint in the balancer's `/api/v1/agents` answer.
+pub fn endpoint_of<'a>(agents: &'a Value, sim: &Sim) -> &'a Value {
+    agents["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["addr"] == sim.addr.to_string())
+        .unwrap_or_else(|| panic!("{} not in {agents}", sim.addr))
+}
+
+/// How many requests tagged `tag` (`x-sim-tag`) each server received.
+pub async fn tagged_per_server(sims: &[Sim], tag: &str) -> Vec<usize> {
+    let mut counts = Vec::new();
+    for s in sims {
+        let arrivals = s.stats().await["arrivals"].as_array().unwrap().clone();
+        counts.push(arrivals.iter().filter(|t| *t == tag).count());
+    }
+    counts
+}

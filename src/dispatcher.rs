@@ -251,9 +251,7 @@ impl<T> Dispatcher<T> {
         }
         let hold = self.config.scheduling.affinity_hold;
         if self.queues.is_empty() {
-            let hard_session =
-                self.config.scheduling.sessions.hard && request.route.session.is_some();
-            let may_hold = hard_session || !hold.is_zero();
+            let may_hold = self.hard_session(&request.route) || !hold.is_zero();
             if let Pick::Lease(lease) = self.ledger.pick(&request.route, now, may_hold) {
                 return Admission::Ready(lease);
             }
@@ -335,9 +333,7 @@ impl<T> Dispatcher<T> {
             let waiting = self.queues.get(ticket).expect("peeked request is queued");
             // A hard session waits for its endpoint until its TTL, however
             // many others are held.
-            let hard_session =
-                self.config.scheduling.sessions.hard && waiting.route.session.is_some();
-            let may_hold = hard_session
+            let may_hold = self.hard_session(&waiting.route)
                 || (!hold.is_zero()
                     && waiting.hold_until.is_none_or(|end| now < end)
                     && held.len() < MAX_HOLDS_PER_PASS);
@@ -376,6 +372,12 @@ impl<T> Dispatcher<T> {
             }
         }
         out
+    }
+
+    /// Whether `route` is of a session that waits for its endpoint until
+    /// its TTL (`sessions.hard`) rather than at most the affinity hold.
+    fn hard_session(&self, route: &Route) -> bool {
+        self.config.scheduling.sessions.hard && route.session.is_some()
     }
 
     /// Held requests go first to the endpoint they wait for: when it frees

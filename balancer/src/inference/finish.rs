@@ -35,7 +35,8 @@ impl Inference {
             // JSON, but not an engine's error object: the endpoint's.
             self.record_outcome(ctx, false);
         }
-        let usage = ctx.meter.usage();
+        let said = ctx.meter.said();
+        let usage = said.usage;
         // What the answer spent (a stream cut short: what was sent).
         let spent = ctx
             .meter
@@ -50,7 +51,7 @@ impl Inference {
             prompt_bytes: ctx.prompt_bytes,
             timing: ctx
                 .meter
-                .timing(ctx.sent_at, std::time::Instant::now(), usage),
+                .timing(&said, ctx.sent_at, std::time::Instant::now()),
             quota: ctx.quota.take(),
             lease: ctx.lease.take(),
             // The client left before its answer ended: the engine may still

@@ -8,7 +8,7 @@
 
 use prometheus::{GaugeVec, IntCounterVec, IntGaugeVec, Opts, Registry};
 
-use super::metrics::register;
+use super::metrics::{endpoint_labels, register};
 use flowgate::EndpointSnapshot;
 
 pub struct CacheMetrics {
@@ -89,11 +89,7 @@ impl CacheMetrics {
         self.predictions.reset();
         self.prefix_capacity.reset();
         for e in endpoints {
-            let endpoint = e.addr.to_string();
-            let agent = e.agent.as_ref().map_or("", |a| a.agent_id.as_str());
-            let model = (e.agent.as_ref())
-                .and_then(|a| a.models.first())
-                .map_or("", String::as_str);
+            let (endpoint, agent, model) = endpoint_labels(e);
             let labels = [endpoint.as_str(), agent, model];
             self.prefix_capacity
                 .with_label_values(&[&endpoint, agent])

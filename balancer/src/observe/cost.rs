@@ -5,7 +5,7 @@
 
 use prometheus::{GaugeVec, Opts, Registry};
 
-use super::metrics::register;
+use super::metrics::{endpoint_labels, register};
 use flowgate::EndpointSnapshot;
 
 pub struct CostMetrics {
@@ -45,12 +45,11 @@ impl CostMetrics {
             g.reset();
         }
         for e in endpoints {
-            let Some(agent) = e.agent.as_ref() else {
+            if e.agent.is_none() {
                 continue;
-            };
-            let endpoint = e.addr.to_string();
-            let model = agent.models.first().map_or("", String::as_str);
-            let labels = [endpoint.as_str(), agent.agent_id.as_str(), model];
+            }
+            let (endpoint, agent, model) = endpoint_labels(e);
+            let labels = [endpoint.as_str(), agent, model];
             let c = &e.cost;
             self.prefill
                 .with_label_values(&labels)

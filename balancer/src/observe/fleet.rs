@@ -9,7 +9,7 @@ use prometheus::{
 
 use super::cache::CacheMetrics;
 use super::cost::CostMetrics;
-use super::metrics::register;
+use super::metrics::{endpoint_labels, register};
 use flowgate::{EndpointSnapshot, Snapshot};
 
 pub struct FleetMetrics {
@@ -342,8 +342,7 @@ impl EndpointGauges {
         self.endpoint_kv_cache.reset();
         self.endpoint_kv_capacity.reset();
         for e in endpoints {
-            let endpoint = e.addr.to_string();
-            let agent = e.agent.as_ref().map_or("", |a| a.agent_id.as_str());
+            let (endpoint, agent, _) = endpoint_labels(e);
             let labels = [endpoint.as_str(), agent];
             self.endpoint_in_flight
                 .with_label_values(&labels)

@@ -35,14 +35,19 @@ struct WireUsage {
     cache_read_input_tokens: Option<u64>,
 }
 
-/// llama.cpp's `timings`: `prompt_n` prompt tokens evaluated beyond the
-/// `cache_n` it found cached, `predicted_n` generated.
-#[derive(Deserialize)]
-struct Timings {
+/// llama.cpp's `timings`: `prompt_n` prompt tokens evaluated (in
+/// `prompt_ms`) beyond the `cache_n` it found cached, `predicted_n`
+/// generated (in `predicted_ms`).
+#[derive(Debug, Clone, Copy, Deserialize)]
+pub struct Timings {
     #[serde(default)]
     prompt_n: u64,
     #[serde(default)]
+    prompt_ms: Option<f64>,
+    #[serde(default)]
     predicted_n: u64,
+    #[serde(default)]
+    predicted_ms: Option<f64>,
     #[serde(default)]
     cache_n: Option<u64>,
 }
@@ -58,18 +63,12 @@ impl From<Timings> for TokenUsage {
     }
 }
 
-/// llama.cpp's `timings` as durations: how long its prompt (`prompt_n`
-/// uncached tokens) and its generation (`predicted_n` tokens) took.
-#[derive(Deserialize)]
-struct EngineTimings {
-    #[serde(default)]
-    prompt_n: u64,
-    #[serde(default)]
-    prompt_ms: Option<f64>,
-    #[serde(default)]
-    predicted_n: u64,
-    #[serde(default)]
-    predicted_ms: Option<f64>,
+/// What the end of an answer says: its usage (else what llama.cpp's
+/// `timings` count, which its native routes end with), and the timings.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Said {
+    pub usage: Option<TokenUsage>,
+    pub timings: Option<Timings>,
 }
 
 /// A duration from an engine's milliseconds; nothing for a value that is
@@ -170,27 +169,35 @@ impl ResponseMeter {
     /// The last usage object of the body, if it had one (else llama.cpp's
     /// `timings`, which its native routes end with).
     pub fn usage(&self) -> Option<TokenUsage> {
-        let find = |text: &[u8]| {
-            find_usage::<WireUsage>(text, &USAGE)
-                .map(TokenUsage::from)
-                .or_else(|| find_usage::<Timings>(text, &TIMINGS).map(TokenUsage::from))
+        self.said().usage
+    }
+
+    /// The body's last usage object and llama.cpp's `timings`, read once.
+    pub fn said(&self) -> Said {
+        let Some(last) = self.tail.back() else {
+            return Said::default();
         };
-        let last = self.tail.back()?;
         let last = &last[last.len().saturating_sub(TAIL)..];
-        if self.tail.len() == 1 {
-            return find(last);
-        }
+        let mut usage = find_usage::<WireUsage>(last, &USAGE);
+        let mut timings = find_usage::<Timings>(last, &TIMINGS);
         // A usage object the last chunk alone holds is the last one of the
-        // joined tail too: only one that began in an earlier chunk (or
-        // `timings`, which counts only where no usage is) needs the chunks
-        // joined, a copy of up to 8 KiB.
-        match find_usage::<WireUsage>(last, &USAGE) {
-            Some(usage) => Some(usage.into()),
-            None => {
-                let mut joined = Vec::with_capacity(self.tail_len);
-                self.tail.iter().for_each(|c| joined.extend_from_slice(c));
-                find(&joined[joined.len().saturating_sub(TAIL)..])
+        // joined tail too (and llama.cpp sends its timings in that chunk):
+        // only one that began in an earlier chunk needs the chunks joined,
+        // a copy of up to 8 KiB, once.
+        if usage.is_none() && self.tail.len() > 1 {
+            let mut joined = Vec::with_capacity(self.tail_len);
+            self.tail.iter().for_each(|c| joined.extend_from_slice(c));
+            let text = &joined[joined.len().saturating_sub(TAIL)..];
+            usage = find_usage::<WireUsage>(text, &USAGE);
+            if timings.is_none() {
+                timings = find_usage::<Timings>(text, &TIMINGS);
             }
+        }
+        Said {
+            usage: usage
+                .map(TokenUsage::from)
+                .or_else(|| timings.map(TokenUsage::from)),
+            timings,
         }
     }
 
@@ -200,15 +207,10 @@ impl ResponseMeter {
     /// not cached, decode from the first byte to the last over the tokens
     /// after the first. `sent_at`: when the request went to the engine;
     /// `ended`: now.
-    pub fn timing(
-        &self,
-        sent_at: Option<Instant>,
-        ended: Instant,
-        usage: Option<TokenUsage>,
-    ) -> Option<Timing> {
+    pub fn timing(&self, said: &Said, sent_at: Option<Instant>, ended: Instant) -> Option<Timing> {
         let sent_at = sent_at?;
         let service = Some(ended.saturating_duration_since(sent_at));
-        if let Some(t) = self.last_object::<EngineTimings>(&TIMINGS) {
+        if let Some(t) = said.timings {
             return Some(Timing {
                 prefilled_tokens: t.prompt_n,
                 prefill: engine_ms(t.prompt_ms),
@@ -225,7 +227,7 @@ impl ResponseMeter {
                 ..Timing::default()
             });
         }
-        let usage = usage?;
+        let usage = said.usage?;
         Some(Timing {
             prefilled_tokens: usage.prompt.saturating_sub(usage.cached),
             prefill: Some(first.saturating_duration_since(sent_at)),
@@ -233,22 +235,6 @@ impl ResponseMeter {
             decode: Some(last.saturating_duration_since(first)),
             service,
         })
-    }
-
-    /// The last `key` object of the body's tail that parses: the last
-    /// chunk's alone when it holds one, else the joined tail's.
-    fn last_object<T: serde::de::DeserializeOwned>(&self, key: &Finder<'_>) -> Option<T> {
-        let last = self.tail.back()?;
-        let last = &last[last.len().saturating_sub(TAIL)..];
-        if let Some(found) = find_usage::<T>(last, key) {
-            return Some(found);
-        }
-        if self.tail.len() == 1 {
-            return None;
-        }
-        let mut joined = Vec::with_capacity(self.tail_len);
-        self.tail.iter().for_each(|c| joined.extend_from_slice(c));
-        find_usage(&joined[joined.len().saturating_sub(TAIL)..], key)
     }
 
     /// The tokens an answer spent, to settle its estimate and account its
@@ -632,7 +618,7 @@ mod tests {
             ),
             t0 + ms(200),
         );
-        let t = m.timing(Some(t0), t0 + ms(210), m.usage()).unwrap();
+        let t = m.timing(&m.said(), Some(t0), t0 + ms(210)).unwrap();
         assert_eq!((t.prefilled_tokens, t.output_tokens), (100, 8));
         assert_eq!(t.prefill, Some(Duration::from_micros(50_500)));
         assert_eq!(t.decode, Some(ms(80)));
@@ -652,7 +638,7 @@ mod tests {
             ),
             t0 + ms(400),
         );
-        let t = m.timing(Some(t0), t0 + ms(401), m.usage()).unwrap();
+        let t = m.timing(&m.said(), Some(t0), t0 + ms(401)).unwrap();
         assert_eq!((t.prefilled_tokens, t.prefill), (400, Some(ms(300))));
         assert_eq!((t.output_tokens, t.decode), (10, Some(ms(100))));
         // A whole answer without timings: only the service time.
@@ -661,9 +647,9 @@ mod tests {
             &Bytes::from_static(br#"{"usage":{"prompt_tokens":5}}"#),
             t0 + ms(90),
         );
-        let t = m.timing(Some(t0), t0 + ms(95), m.usage()).unwrap();
+        let t = m.timing(&m.said(), Some(t0), t0 + ms(95)).unwrap();
         assert_eq!((t.prefill, t.decode, t.service), (None, None, Some(ms(95))));
-        assert_eq!(m.timing(None, t0, None), None, "never sent");
+        assert_eq!(m.timing(&Said::default(), None, t0), None, "never sent");
         // Nonsense from an engine teaches nothing.
         let mut m = ResponseMeter::default();
         m.on_chunk(
@@ -672,7 +658,7 @@ mod tests {
             ),
             t0,
         );
-        let t = m.timing(Some(t0), t0, None).unwrap();
+        let t = m.timing(&m.said(), Some(t0), t0).unwrap();
         assert_eq!((t.prefill, t.decode), (None, None));
     }
 }

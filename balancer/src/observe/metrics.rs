@@ -345,6 +345,20 @@ impl Metrics {
     }
 }
 
+/// An endpoint's labels in every per-endpoint series: its address, its
+/// agent's id (`""` once the agent is gone) and the model it answers as
+/// (its agent's first reported model, `""` for none).
+pub(super) fn endpoint_labels(e: &flowgate::EndpointSnapshot) -> (String, &str, &str) {
+    let agent = e.agent.as_ref();
+    (
+        e.addr.to_string(),
+        agent.map_or("", |a| a.agent_id.as_str()),
+        agent
+            .and_then(|a| a.models.first())
+            .map_or("", String::as_str),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -41,14 +41,8 @@ pub fn names(args: &[String]) -> Result<Vec<String>, String> {
     let mut out = Vec::new();
     for arg in args {
         for part in arg.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let trimmed = part.trim_end_matches('/');
-            if trimmed.starts_with("https://") {
-                return Err(format!("{part}: https is not supported yet; use http"));
-            }
-            let hostport = trimmed.strip_prefix("http://").unwrap_or(trimmed);
-            if hostport.is_empty() || hostport.contains('/') || !hostport.contains(':') {
-                return Err(format!("{part:?} is not host:port or http://host:port"));
-            }
+            let base = crate::base_url(part)?;
+            let hostport = base.trim_start_matches("http://");
             if !out.iter().any(|n| n == hostport) {
                 out.push(hostport.to_string());
             }

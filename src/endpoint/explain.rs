@@ -10,7 +10,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::{Endpoint, EndpointLedger, Route};
-use crate::scorer::{Candidate, ScoreTerms};
+use crate::scorer::ScoreTerms;
 
 /// Candidates listed at most (the best ones); the rest are counted.
 pub const MAX_EXPLAINED: usize = 16;
@@ -72,16 +72,9 @@ impl EndpointLedger {
         let session_endpoint = route.session.and_then(|s| self.sessions.endpoint(s, now));
         let score = |e: &Endpoint| {
             let prefix_matched = e.prefix.matched(&route.prefix);
-            let agent = e.agent.as_ref();
-            let terms = weights.terms(&Candidate {
-                prefix_matched,
-                prefix_blocks: blocks,
-                free_slots: e.free_slots(),
-                slots_total: e.slots_total(),
-                kv_cache_usage: agent.and_then(|a| a.report.kv_cache_usage),
-                requests_waiting: agent.map_or(0, |a| a.report.requests_waiting),
-                queue_depth_threshold: config.queue_depth_threshold,
-            });
+            let terms = e
+                .candidate(prefix_matched, blocks, &config)
+                .map_or_else(ScoreTerms::default, |c| weights.terms(&c));
             let takes = e.takes(route, now, &config);
             let reason = if takes {
                 None

@@ -133,12 +133,23 @@ impl Endpoint {
     /// The scorers' sum without the prefix term: what ranks the endpoint
     /// in its lanes ([`super::ranking`]).
     pub(super) fn static_score(&self, weights: &ScorerWeights, config: &SaturationConfig) -> f64 {
-        let Some(agent) = self.agent.as_ref() else {
-            return 0.0;
-        };
-        weights.score(&Candidate {
-            prefix_matched: 0,
-            prefix_blocks: 0,
+        self.candidate(0, 0, config)
+            .map_or(0.0, |c| weights.score(&c))
+    }
+
+    /// What the scorers know of this endpoint for a prompt of
+    /// `prefix_blocks` blocks of which it holds `prefix_matched`; `None`
+    /// without an agent.
+    pub(super) fn candidate(
+        &self,
+        prefix_matched: usize,
+        prefix_blocks: usize,
+        config: &SaturationConfig,
+    ) -> Option<Candidate> {
+        let agent = self.agent.as_ref()?;
+        Some(Candidate {
+            prefix_matched,
+            prefix_blocks,
             free_slots: self.free_slots(),
             slots_total: self.slots_total(),
             kv_cache_usage: agent.report.kv_cache_usage,

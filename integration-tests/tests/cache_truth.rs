@@ -82,6 +82,18 @@ async fn the_engines_word_is_counted_and_a_lost_cache_corrects_the_index() {
     assert_eq!(cost["samples"], 3, "{cost}");
     assert!(cost["service_ms"].as_f64().unwrap() > 0.0);
     assert!(metric(&b, "flowgate_endpoint_service_seconds", &[]).await > 0.0);
+    // An engine's error teaches nothing of its speed.
+    let refused = client()
+        .post(b.url("/v1/chat/completions"))
+        .header("x-sim-fault", "reject=500")
+        .json(&chat_body())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 500);
+    refused.bytes().await.unwrap();
+    b.wait_in_flight(0, Duration::from_secs(5)).await;
+    assert_eq!(b.agents().await["endpoints"][0]["cost"]["samples"], 3);
 }
 
 /// Two engines, one prefilling ten times slower than the other: the

@@ -49,9 +49,14 @@ impl Inference {
             said: spent,
             estimate: ctx.tokens.as_used(),
             prompt_bytes: ctx.prompt_bytes,
-            timing: ctx
-                .meter
-                .timing(&said, ctx.sent_at, std::time::Instant::now()),
+            // Only a whole, successful answer shows the engine's speed: an
+            // error comes back fast, a client that left cut the answer short.
+            timing: (ctx.upstream_status.is_some_and(|s| s < 400) && !client_left)
+                .then(|| {
+                    ctx.meter
+                        .timing(&said, ctx.sent_at, std::time::Instant::now())
+                })
+                .flatten(),
             quota: ctx.quota.take(),
             lease: ctx.lease.take(),
             // The client left before its answer ended: the engine may still

@@ -17,12 +17,15 @@
 //!   requests for other models may (flows keep one lane per model, offered
 //!   in dispatch order by [`FlowQueues::peek_where`]). A freed slot wakes
 //!   exactly one waiter.
-//! - Affinity hold: a request whose prompt is mostly cached on a saturated
-//!   endpoint (and less on every free one) waits for that endpoint, up to
-//!   `scheduling.affinity_hold` from the first time it was passed over,
-//!   rather than be prefilled again elsewhere; meanwhile the next requests
-//!   of its flow (up to [`LOOK_AHEAD`]) and other flows of its band may take
-//!   the free slot. When that endpoint frees a slot, the held request takes
+//! - Affinity hold: a request that a saturated endpoint is predicted to
+//!   serve sooner than a free one (its prompt cached there: the wait-or-go
+//!   rule of [`crate::endpoint`]'s placement, on the engines' learned
+//!   costs, with the requests held for that endpoint before it in the same
+//!   pass counted in its wait) waits for that endpoint rather than be
+//!   prefilled again elsewhere, at most `scheduling.affinity_hold` and half
+//!   its time left to its deadline from the first time it was passed over;
+//!   meanwhile the next requests of its flow (up to [`LOOK_AHEAD`]) and
+//!   other flows of its band may take the free slot. When that endpoint frees a slot, the held request takes
 //!   it before any other request of its priority. A hold never lets lower
 //!   priority pass, and a request whose hold ended goes wherever there is
 //!   room. The owner runs
@@ -44,14 +47,14 @@
 //!   504 first. Its owner may also remove it with [`Dispatcher::cancel`],
 //!   as when its client leaves. Neither holds a slot.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::endpoint::{
     EndpointId, EndpointLedger, EndpointSnapshot, Lease, Pick, ReportOutcome, Route,
-    SaturationConfig, SchedulingConfig,
+    SaturationConfig, SchedulingConfig, Waits,
 };
 use crate::flow::{
     Charge, FlowControlConfig, FlowKey, FlowQueues, FlowSnapshot, Place, QueueFull, Removed, Size,
@@ -183,6 +186,8 @@ struct Waiting<T> {
     /// Set when it is first held for affinity: it may wait for the endpoint
     /// that caches its prompt until then.
     hold_until: Option<Instant>,
+    /// When it must be answered: a hold ends well before.
+    deadline: Instant,
     priority: i32,
 }
 
@@ -194,9 +199,9 @@ pub struct Dispatcher<T> {
     queues: FlowQueues<Waiting<T>>,
     /// Requests evicted by `submit`, answered by the next `dispatch`.
     evicted: Vec<Done<T>>,
-    /// When affinity holds end, in that order (every hold is equally
-    /// long); entries of requests that left are dropped lazily.
-    holds: VecDeque<(Instant, Ticket)>,
+    /// When affinity holds end, keyed by end and arrival; entries of
+    /// requests that left are dropped lazily.
+    holds: BTreeMap<(Instant, u64), Ticket>,
     /// Holds begun since the last `take_new_holds`.
     new_holds: u64,
 }
@@ -208,7 +213,7 @@ impl<T> Dispatcher<T> {
             queues: FlowQueues::new(config.flow.clone()),
             config,
             evicted: Vec::new(),
-            holds: VecDeque::new(),
+            holds: BTreeMap::new(),
             new_holds: 0,
         }
     }
@@ -251,8 +256,12 @@ impl<T> Dispatcher<T> {
         }
         let hold = self.config.scheduling.affinity_hold;
         if self.queues.is_empty() {
+            let waits = Waits::default();
             let may_hold = self.hard_session(&request.route) || !hold.is_zero();
-            if let Pick::Lease(lease) = self.ledger.pick(&request.route, now, may_hold) {
+            if let Pick::Lease(lease) =
+                self.ledger
+                    .pick(&request.route, now, may_hold.then_some(&waits))
+            {
                 return Admission::Ready(lease);
             }
         }
@@ -278,6 +287,7 @@ impl<T> Dispatcher<T> {
             handle,
             route: request.route,
             hold_until: None,
+            deadline,
             priority: place.key.priority,
         };
         match self.queues.push(place, size, waiting, now, deadline) {
@@ -306,8 +316,11 @@ impl<T> Dispatcher<T> {
                 .map(|r| done(r, Err(Reject::Timeout), now)),
         );
         // Holds that end now are over: this pass places those requests.
-        while self.holds.front().is_some_and(|&(end, _)| end <= now) {
-            self.holds.pop_front();
+        while let Some(entry) = self.holds.first_entry() {
+            if entry.key().0 > now {
+                break;
+            }
+            entry.remove();
         }
         self.place_held(now, &mut out);
         let hold = self.config.scheduling.affinity_hold;
@@ -319,6 +332,9 @@ impl<T> Dispatcher<T> {
         // priorities may not (`floor`).
         let mut held: HashSet<Ticket> = HashSet::new();
         let mut floor = i32::MIN;
+        // Requests held for each endpoint in this pass: the next one held
+        // for it waits behind them.
+        let mut waits = Waits::default();
         loop {
             let next = if stuck.is_empty() && held.is_empty() {
                 self.queues.peek()
@@ -337,12 +353,16 @@ impl<T> Dispatcher<T> {
                 || (!hold.is_zero()
                     && waiting.hold_until.is_none_or(|end| now < end)
                     && held.len() < MAX_HOLDS_PER_PASS);
-            match self.ledger.pick(&waiting.route, now, may_hold) {
+            match self
+                .ledger
+                .pick(&waiting.route, now, may_hold.then_some(&waits))
+            {
                 Pick::Lease(lease) => {
                     let removed = self.queues.pop(ticket).expect("peeked request is queued");
                     out.push(done(removed, Ok(lease), now));
                 }
-                Pick::Hold => {
+                Pick::Hold(endpoint) => {
+                    waits.add(endpoint);
                     floor = floor.max(waiting.priority);
                     held.insert(ticket);
                     let waiting = self
@@ -350,8 +370,12 @@ impl<T> Dispatcher<T> {
                         .get_mut(ticket)
                         .expect("peeked request is queued");
                     if waiting.hold_until.is_none() {
-                        waiting.hold_until = Some(now + hold);
-                        self.holds.push_back((now + hold, ticket));
+                        // Half its time left at most: when the hold ends
+                        // it still has time to be served elsewhere.
+                        let end =
+                            now + hold.min(waiting.deadline.saturating_duration_since(now) / 2);
+                        waiting.hold_until = Some(end);
+                        self.holds.insert((end, ticket.seq()), ticket);
                         self.new_holds += 1;
                     }
                 }
@@ -384,15 +408,22 @@ impl<T> Dispatcher<T> {
     /// a slot, the held request takes it rather than the request next in
     /// turn, which would prefill its prompt there cold while the held one
     /// waits on for another slot. Only held requests of the highest waiting
-    /// priority go ahead this way, the longest held first.
+    /// priority go ahead this way, the nearest to the end of its hold
+    /// first.
     fn place_held(&mut self, now: Instant, out: &mut Vec<Done<T>>) {
         let Some(top) = self.queues.top_priority() else {
             return;
         };
         // Entries of requests that left are skipped (and dropped later by
         // `next_hold_end`); tickets are never reused.
-        for i in 0..self.holds.len().min(MAX_HOLDS_PER_PASS) {
-            let ticket = self.holds[i].1;
+        let held: Vec<Ticket> = self
+            .holds
+            .values()
+            .take(MAX_HOLDS_PER_PASS)
+            .copied()
+            .collect();
+        let mut waits = Waits::default();
+        for ticket in held {
             let Some(waiting) = self.queues.get(ticket) else {
                 continue;
             };
@@ -402,9 +433,13 @@ impl<T> Dispatcher<T> {
             if !self.ledger.any_available(now) {
                 return;
             }
-            if let Pick::Lease(lease) = self.ledger.pick(&waiting.route, now, true) {
-                let removed = self.queues.pop(ticket).expect("held request is queued");
-                out.push(done(removed, Ok(lease), now));
+            match self.ledger.pick(&waiting.route, now, Some(&waits)) {
+                Pick::Lease(lease) => {
+                    let removed = self.queues.pop(ticket).expect("held request is queued");
+                    out.push(done(removed, Ok(lease), now));
+                }
+                Pick::Hold(endpoint) => waits.add(endpoint),
+                Pick::Busy => {}
             }
         }
     }
@@ -412,11 +447,11 @@ impl<T> Dispatcher<T> {
     /// When the earliest affinity hold of a waiting request ends: run
     /// [`Dispatcher::dispatch`] then.
     pub fn next_hold_end(&mut self) -> Option<Instant> {
-        while let Some(&(end, ticket)) = self.holds.front() {
-            if self.queues.get(ticket).is_some() {
-                return Some(end);
+        while let Some(entry) = self.holds.first_entry() {
+            if self.queues.get(*entry.get()).is_some() {
+                return Some(entry.key().0);
             }
-            self.holds.pop_front();
+            entry.remove();
         }
         None
     }

@@ -92,6 +92,11 @@ async fn requests_go_only_to_servers_of_their_model() {
 /// Holds `n` conversations at once, each of `turns` turns over its own long
 /// system prompt, requests tagged `conv{i}`; every answer must be 200.
 async fn converse(b: &Balancer, n: usize, turns: usize) {
+    converse_with(b, n, turns, false).await
+}
+
+/// [`converse`], streamed answers or not.
+async fn converse_with(b: &Balancer, n: usize, turns: usize, stream: bool) {
     let c = client();
     let conversations: Vec<_> = (0..n)
         .map(|i| {
@@ -105,7 +110,9 @@ async fn converse(b: &Balancer, n: usize, turns: usize) {
                     let r = c
                         .post(&url)
                         .header("x-sim-tag", format!("conv{i}"))
-                        .json(&json!({"model": "sim-model", "messages": messages}))
+                        .json(
+                            &json!({"model": "sim-model", "messages": messages, "stream": stream}),
+                        )
                         .send()
                         .await
                         .unwrap();
@@ -194,14 +201,23 @@ async fn conversations_stay_on_the_server_that_holds_their_prefix() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn at_saturation_conversations_wait_for_their_own_server() {
-    // A hold long enough that no turn ever gives up on its server here.
-    let config = ConfigFile::new("scheduling:\n  affinityHold: 10s\n");
-    let b = Balancer::start(&["--config", config.arg(), "--max-buffered-requests", "100"]).await;
-    let sims = [
-        Sim::start(&["--slots", "2", "--ttft-ms", "40"]),
-        Sim::start(&["--slots", "2", "--ttft-ms", "40"]),
+async fn at_saturation_conversations_wait_for_their_own_server_when_prefill_is_slow() {
+    // Default settings. A slow prefill (1 ms per uncached token, as a CPU
+    // engine): prefilling a conversation's ~500 tokens elsewhere costs
+    // ~0.5 s, waiting for its own server's slot about a cached turn's
+    // ~50 ms per request before it.
+    let b = Balancer::start(&["--max-buffered-requests", "100"]).await;
+    let slow = [
+        "--slots",
+        "2",
+        "--ttft-ms",
+        "40",
+        "--prefill-us-per-token",
+        "1000",
+        "--prefix-cache-tokens",
+        "100000",
     ];
+    let sims = [Sim::start(&slow), Sim::start(&slow)];
     let _agents: Vec<_> = sims.iter().map(|s| agent(s, &b)).collect();
     b.wait_eligible(2).await;
     // Six conversations on four slots: some turns always wait in the
@@ -212,6 +228,48 @@ async fn at_saturation_conversations_wait_for_their_own_server() {
     assert_conversations_whole(&per_sim, 6, 5);
     let holds = metric(&b, "flowgate_affinity_holds_total", &[]).await;
     assert!(holds >= 1.0, "no request was ever held: {per_sim:?}");
+    assert_eq!(b.buffered().await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_saturation_turns_take_any_free_server_when_prefill_is_fast() {
+    // Default settings. A fast prefill (1 µs per token, learned from the
+    // streamed answers' first bytes) and long answers (~200 ms a slot):
+    // prefilling a conversation again elsewhere is cheaper than any wait,
+    // so no turn is ever held for its server.
+    let b = Balancer::start(&["--max-buffered-requests", "100"]).await;
+    let fast = [
+        "--slots",
+        "2",
+        "--ttft-ms",
+        "2",
+        "--tpot-ms",
+        "10",
+        "--output-tokens",
+        "20",
+        "--prefill-us-per-token",
+        "1",
+        "--prefix-cache-tokens",
+        "100000",
+    ];
+    let sims = [Sim::start(&fast), Sim::start(&fast)];
+    let _agents: Vec<_> = sims.iter().map(|s| agent(s, &b)).collect();
+    b.wait_eligible(2).await;
+    // A few conversations first (four on four slots: both servers see
+    // cold prompts): the engines' costs are learned.
+    converse_with(&b, 4, 2, true).await;
+    let costs = b.agents().await;
+    for e in costs["endpoints"].as_array().unwrap() {
+        let prefill = e["cost"]["prefill_ms_per_token"].as_f64().unwrap();
+        assert!(prefill < 0.2, "prefill not learned: {e}");
+    }
+    converse_with(&b, 6, 5, true).await;
+    let holds = metric(&b, "flowgate_affinity_holds_total", &[]).await;
+    assert_eq!(holds, 0.0, "a turn waited although a prefill was cheaper");
+    assert!(
+        !arrivals(&sims[0]).await.is_empty() && !arrivals(&sims[1]).await.is_empty(),
+        "both servers serve"
+    );
     assert_eq!(b.buffered().await, 0);
 }
 

@@ -103,7 +103,7 @@ mod tests {
             prefix: prefix.to_vec(),
             ..Route::default()
         };
-        match ledger.pick(&route, now, false) {
+        match ledger.pick(&route, now, None) {
             Pick::Lease(l) => l,
             other => panic!("expected a lease, got {other:?}"),
         }

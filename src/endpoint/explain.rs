@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::{Endpoint, EndpointLedger, Route};
+use super::{Endpoint, EndpointLedger, Route, Waits};
 use crate::scorer::ScoreTerms;
 
 /// Candidates listed at most (the best ones); the rest are counted.
@@ -26,6 +26,10 @@ pub struct Explanation {
     /// it, else the best score that can (equal scores take turns, so
     /// another of them may be chosen); `None`: it would wait.
     pub choice: Option<SocketAddr>,
+    /// The saturated endpoint a queued request would wait for rather than
+    /// go to `choice` (the wait-or-go rule: predicted sooner there, see
+    /// [`super::placement`]); `None`: it would go.
+    pub waits_for: Option<SocketAddr>,
     /// Those that can take it first, best score first.
     pub candidates: Vec<CandidateScore>,
     /// Endpoints of the request's model not listed (beyond
@@ -52,14 +56,10 @@ pub struct CandidateScore {
     /// ([`super::CostModel`]): the wait for a slot (0 when one is free,
     /// else its service time over its slots) plus the prefill of the
     /// prompt tokens not cached there (its session's endpoint counts the
-    /// conversation as cached). Shown, not yet used to place.
+    /// conversation as cached): what the wait-or-go rule weighs.
     pub predicted_wait_ms: f64,
     pub predicted_prefill_ms: f64,
 }
-
-/// Bytes of prompt text per token assumed to turn cached blocks into
-/// tokens (the learned ratio is the admission's, per model).
-const BYTES_PER_TOKEN: u64 = 4;
 
 impl EndpointLedger {
     /// How `route` is scored against the fleet at `now` (see the module
@@ -68,7 +68,6 @@ impl EndpointLedger {
         let config = self.saturation;
         let weights = self.scheduling.scorers;
         let blocks = route.prefix.len();
-        let block_bytes = self.scheduling.prefix.block_bytes as u64;
         let session_endpoint = route.session.and_then(|s| self.sessions.endpoint(s, now));
         let score = |e: &Endpoint| {
             let prefix_matched = e.prefix.matched(&route.prefix);
@@ -86,17 +85,11 @@ impl EndpointLedger {
                         .map_or("token-budget", |s| s.as_str()),
                 )
             };
-            let prompt = route.tokens.prompt;
+            let prompt = self.prompt_tokens(route);
             let cached = if session_endpoint == Some(e.addr) {
                 prompt
             } else {
-                (prefix_matched as u64 * block_bytes / BYTES_PER_TOKEN).min(prompt)
-            };
-            let cost = e.cost.snapshot();
-            let predicted_wait_ms = if takes {
-                0.0
-            } else {
-                cost.service_ms / f64::from(e.slots_total().max(1))
+                self.cached_tokens(route, prefix_matched)
             };
             CandidateScore {
                 addr: e.addr,
@@ -105,8 +98,8 @@ impl EndpointLedger {
                 prefix_matched,
                 terms,
                 score: terms.total(),
-                predicted_wait_ms,
-                predicted_prefill_ms: (prompt - cached) as f64 * cost.prefill_ms_per_token,
+                predicted_wait_ms: e.predicted_wait_ms(takes, 0),
+                predicted_prefill_ms: e.predicted_prefill_ms(prompt - cached),
             }
         };
         let mut candidates: Vec<CandidateScore> = self.serving(route).map(score).collect();
@@ -121,12 +114,25 @@ impl EndpointLedger {
         let choice = session_endpoint
             .filter(|addr| candidates.iter().any(|c| c.addr == *addr && c.takes))
             .or_else(|| candidates.first().filter(|c| c.takes).map(|c| c.addr));
+        let id_of = |addr: SocketAddr| self.by_addr.get(&addr).copied();
+        let bound = session_endpoint
+            .filter(|addr| Some(*addr) != choice)
+            .and_then(id_of);
+        let waits_for = if self.scheduling.affinity_hold.is_zero() {
+            None
+        } else {
+            choice
+                .and_then(id_of)
+                .and_then(|go| self.wait_target(route, go, bound, &Waits::default(), now))
+                .map(|id| self.endpoints[&id].addr)
+        };
         let more = candidates.len().saturating_sub(MAX_EXPLAINED);
         candidates.truncate(MAX_EXPLAINED);
         Explanation {
             prompt_blocks: blocks,
             session_endpoint,
             choice,
+            waits_for,
             candidates,
             more,
         }
@@ -159,7 +165,7 @@ mod tests {
                 ..route.clone()
             },
             now,
-            false,
+            None,
         ) else {
             panic!("b takes it")
         };
@@ -181,8 +187,10 @@ mod tests {
         assert!(choice.port() == 1 || choice.port() == 3);
         for c in &x.candidates {
             assert!((c.score - c.terms.total()).abs() < 1e-12);
-            // No tokens estimated: nothing to prefill.
-            assert_eq!(c.predicted_prefill_ms, 0.0);
+            // No tokens estimated: the prompt is what its 2 blocks hold
+            // (128 tokens), all cached on b; 1 ms per token by default.
+            let uncached = if c.addr.port() == 2 { 0.0 } else { 128.0 };
+            assert_eq!(c.predicted_prefill_ms, uncached);
         }
         assert_eq!(
             b.predicted_wait_ms, 1_000.0,
@@ -203,6 +211,10 @@ mod tests {
         assert_eq!(
             (other.predicted_prefill_ms, other.predicted_wait_ms),
             (1_000.0, 0.0)
+        );
+        assert_eq!(
+            x.waits_for, None,
+            "1,000 + 872 ms on b is later than 1,000 elsewhere"
         );
         assert_eq!(
             format!("{:?}", ledger.snapshot(now)),

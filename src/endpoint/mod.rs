@@ -32,6 +32,7 @@ mod breaker;
 mod cache_truth;
 mod cost;
 mod explain;
+mod placement;
 mod ranking;
 mod saturation;
 mod selection;
@@ -46,6 +47,7 @@ use breaker::Breaker;
 pub use cache_truth::{CacheSeen, CacheTruth};
 pub use cost::{CostModel, CostSnapshot, Estimate, Timing};
 pub use explain::{CandidateScore, Explanation, MAX_EXPLAINED};
+pub(crate) use placement::Waits;
 use ranking::{Rank, Ranking};
 
 use std::collections::HashMap;
@@ -502,11 +504,11 @@ impl EndpointLedger {
     }
 
     /// Takes a slot on the endpoint [`EndpointLedger::choose`] picks for
-    /// `route`, if any (see there for `may_hold`).
-    pub(crate) fn pick(&mut self, route: &Route, now: Instant, may_hold: bool) -> Pick {
-        let chosen = match self.choose(route, now, may_hold) {
+    /// `route`, if any (see there for `hold`).
+    pub(crate) fn pick(&mut self, route: &Route, now: Instant, hold: Option<&Waits>) -> Pick {
+        let chosen = match self.choose(route, now, hold) {
             Choice::Endpoint(id) => id,
-            Choice::Hold => return Pick::Hold,
+            Choice::Hold(id) => return Pick::Hold(id),
             Choice::Busy => return Pick::Busy,
         };
         let ep = self.endpoints.get_mut(&chosen).expect("candidate exists");

@@ -199,11 +199,6 @@ impl Ranking {
         a.ranked.len() + b.map_or(0, |l| l.ranked.len())
     }
 
-    /// The endpoints that serve `model` but are not ranked (busy).
-    pub(super) fn unranked(&self, model: Option<&str>) -> impl Iterator<Item = EndpointId> + '_ {
-        self.ids(model, |l| &l.unranked)
-    }
-
     /// One set of ids of each lane that serves `model`, one after the other.
     fn ids(
         &self,

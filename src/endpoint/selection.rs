@@ -12,6 +12,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::placement::Waits;
 use super::{BreakerConfig, Endpoint, EndpointId, EndpointLedger, Lease, SaturationConfig};
 use crate::prefix::PrefixConfig;
 use crate::scorer::{Candidate, ScorerWeights};
@@ -49,9 +50,9 @@ pub struct SchedulingConfig {
     pub scorers: ScorerWeights,
     pub prefix: PrefixConfig,
     pub breaker: BreakerConfig,
-    /// How long a queued request may wait for a saturated endpoint that
-    /// holds most of its prompt, rather than go to a free one that does not
-    /// (see [`EndpointLedger::pick`]); zero: never.
+    /// The longest a queued request may wait for a saturated endpoint
+    /// that would serve it sooner than a free one ([`super::placement`]'s
+    /// wait-or-go rule decides; this only bounds it); zero: never.
     pub affinity_hold: Duration,
     /// How sessions are kept and honoured.
     pub sessions: SessionConfig,
@@ -65,7 +66,7 @@ impl Default for SchedulingConfig {
             scorers: ScorerWeights::default(),
             prefix: PrefixConfig::default(),
             breaker: BreakerConfig::default(),
-            affinity_hold: Duration::from_millis(200),
+            affinity_hold: Duration::from_secs(5),
             sessions: SessionConfig::default(),
             seed: 0x5eed,
         }
@@ -76,8 +77,8 @@ impl Default for SchedulingConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Choice {
     Endpoint(EndpointId),
-    /// Better wait: a saturated endpoint holds most of the prompt.
-    Hold,
+    /// Better wait for this saturated endpoint ([`super::placement`]).
+    Hold(EndpointId),
     /// No endpoint can take it now.
     Busy,
 }
@@ -87,7 +88,7 @@ enum SessionPlace {
     /// Its endpoint can take the request.
     Takes(EndpointId),
     /// Its endpoint is live but cannot take it now.
-    Saturated,
+    Saturated(EndpointId),
     /// No endpoint to go back to (none bound, gone, or not for this
     /// request).
     None,
@@ -98,8 +99,8 @@ enum SessionPlace {
 pub(crate) enum Pick {
     /// A slot on the chosen endpoint.
     Lease(Lease),
-    /// Better wait: a saturated endpoint holds most of the prompt.
-    Hold,
+    /// Better wait for this saturated endpoint ([`super::placement`]).
+    Hold(EndpointId),
     /// No endpoint can take it now.
     Busy,
 }
@@ -165,15 +166,15 @@ const TIE: f64 = 1e-9;
 impl EndpointLedger {
     /// The best endpoint for `route` among those that serve its model and
     /// are eligible and not saturated (see the module docs); takes no slot
-    /// (that is the ledger's: [`EndpointLedger::pick`]). With `may_hold`, a
-    /// request whose prompt is better cached on a saturated endpoint is
-    /// told to wait for it ([`Choice::Hold`]): when that endpoint holds at
-    /// least half of the request's prompt blocks and more than any
-    /// candidate does. Waiting a little for the server that already has the
-    /// prompt beats prefilling it again elsewhere; the caller bounds the
-    /// wait. A request of a session goes back to the endpoint its last
-    /// turn went to while that can take it; while that is saturated,
-    /// `may_hold` holds it for it (see [`crate::session`]).
+    /// (that is the ledger's: [`EndpointLedger::pick`]). With `hold` (the
+    /// requests already held in this dispatch pass), a request that a
+    /// saturated endpoint is predicted to serve sooner than the chosen one
+    /// is told to wait for it ([`Choice::Hold`], the wait-or-go rule of
+    /// [`super::placement`]); the caller bounds the wait. A request of a
+    /// session goes back to the endpoint its last turn went to while that
+    /// can take it; while that is saturated, the same rule (its
+    /// conversation cached there) says whether to wait for it (see
+    /// [`crate::session`]).
     ///
     /// The cost does not grow with the fleet: the best candidate by its
     /// static score is the first of its model's ranked lane that can take
@@ -181,22 +182,27 @@ impl EndpointLedger {
     /// prompt's blocks ([`crate::prefix::PrefixHolders`]) can beat it with
     /// their prefix term, and they are looked at deepest match first until
     /// none could.
-    pub(super) fn choose(&mut self, route: &Route, now: Instant, may_hold: bool) -> Choice {
-        let Some(session) = route.session else {
-            return self.choose_by_score(route, now, may_hold);
+    pub(super) fn choose(&mut self, route: &Route, now: Instant, hold: Option<&Waits>) -> Choice {
+        let bound = match route.session {
+            None => None,
+            Some(session) => match self.session_endpoint(route, session, now) {
+                SessionPlace::Takes(id) => return Choice::Endpoint(id),
+                SessionPlace::Saturated(id) => Some(id),
+                SessionPlace::None => match self.session_home(route, session, now) {
+                    Some(home) => return Choice::Endpoint(home),
+                    None => None,
+                },
+            },
         };
-        match self.session_endpoint(route, session, now) {
-            SessionPlace::Takes(id) => Choice::Endpoint(id),
-            SessionPlace::Saturated => match self.choose_by_score(route, now, may_hold) {
-                // Nothing else is free either: no reason to hold yet.
-                Choice::Busy => Choice::Busy,
-                _ if may_hold => Choice::Hold,
-                other => other,
-            },
-            SessionPlace::None => match self.session_home(route, session, now) {
-                Some(home) => Choice::Endpoint(home),
-                None => self.choose_by_score(route, now, may_hold),
-            },
+        let go = match &route.subset {
+            Some(subset) => self.choose_in_subset(route, &Arc::clone(subset), now),
+            None => self.choose_by_score(route, now),
+        };
+        // Nothing is free: no reason to hold yet.
+        let Some(go) = go else { return Choice::Busy };
+        match hold.and_then(|waits| self.wait_target(route, go, bound, waits, now)) {
+            Some(id) => Choice::Hold(id),
+            None => Choice::Endpoint(go),
         }
     }
 
@@ -239,15 +245,13 @@ impl EndpointLedger {
         } else if e.takes(route, now, &self.saturation) {
             SessionPlace::Takes(e.id)
         } else {
-            SessionPlace::Saturated
+            SessionPlace::Saturated(e.id)
         }
     }
 
-    /// [`EndpointLedger::choose`] by the scorers alone (no session).
-    fn choose_by_score(&mut self, route: &Route, now: Instant, may_hold: bool) -> Choice {
-        if let Some(subset) = &route.subset {
-            return self.choose_in_subset(route, &Arc::clone(subset), now, may_hold);
-        }
+    /// The best endpoint by the scorers that takes `route` now, if any
+    /// (no session, no subset).
+    fn choose_by_score(&self, route: &Route, now: Instant) -> Option<EndpointId> {
         let config = self.saturation;
         let model = route.model.as_deref();
         let Some(top) = self
@@ -255,12 +259,12 @@ impl EndpointLedger {
             .ranked(model)
             .find(|r| self.endpoints[&r.id].takes(route, now, &config))
         else {
-            return Choice::Busy;
+            return None;
         };
         let weight = self.scheduling.scorers.prefix_cache;
         let blocks = route.prefix.len();
         if weight <= 0.0 || blocks == 0 {
-            return Choice::Endpoint(top.id);
+            return Some(top.id);
         }
         // Blocks are chained, and an LRU touches a prompt's first block
         // last: an endpoint holding block `d` holds every block before it.
@@ -270,10 +274,7 @@ impl EndpointLedger {
             .take_while(|h| !self.holders.of(**h).is_empty())
             .count();
         if depth == 0 {
-            return Choice::Endpoint(top.id);
-        }
-        if may_hold && self.better_cached_elsewhere(route, depth, now) {
-            return Choice::Hold;
+            return Some(top.id);
         }
         let prefix_term = |matched: usize| weight * matched as f64 / blocks as f64;
         let score_of = |e: &Endpoint| {
@@ -298,7 +299,7 @@ impl EndpointLedger {
                     }
                 }
             }
-            return Choice::Endpoint(best.1);
+            return Some(best.1);
         }
         for d in (0..depth).rev() {
             // No endpoint whose deepest block is `d` can beat `best`.
@@ -317,71 +318,7 @@ impl EndpointLedger {
                 }
             }
         }
-        Choice::Endpoint(best.1)
-    }
-
-    /// Whether an eligible endpoint that serves the route but cannot take
-    /// it now holds at least half of its prompt blocks, and more than every
-    /// endpoint that can. `depth`: blocks held anywhere (nonzero).
-    fn better_cached_elsewhere(&self, route: &Route, depth: usize, now: Instant) -> bool {
-        let config = self.saturation;
-        let model = route.model.as_deref();
-        let blocks = route.prefix.len();
-        // Only a busy endpoint holding at least half the blocks counts.
-        let half = blocks.div_ceil(2);
-        if depth < half {
-            return false;
-        }
-        let busy_here = |e: &Endpoint| {
-            e.serves(model)
-                && e.fits_targets(route)
-                && e.eligible(now)
-                && !e.takes(route, now, &config)
-        };
-        let holders_to_look_at: usize = route.prefix[half - 1..depth]
-            .iter()
-            .map(|h| self.holders.of(*h).len())
-            .sum();
-        let endpoints_of_model = self.ranking.ranked_len(model) + self.ranking.unranked_len(model);
-        let busy = if holders_to_look_at <= endpoints_of_model {
-            // Deepest first: the first busy holder found holds the most.
-            (half - 1..depth)
-                .rev()
-                .find_map(|d| {
-                    self.holders
-                        .of(route.prefix[d])
-                        .iter()
-                        .filter_map(|id| self.endpoints.get(id))
-                        .find(|e| busy_here(e))
-                        .map(|e| e.prefix.matched(&route.prefix))
-                })
-                .unwrap_or(0)
-        } else {
-            // Fewer endpoints than holders: look at each. Not only the
-            // unranked ones (no free slot): a ranked endpoint may not take
-            // this route either (its token budget, say).
-            self.ranking
-                .ranked(model)
-                .map(|r| r.id)
-                .chain(self.ranking.unranked(model))
-                .filter_map(|id| self.endpoints.get(&id))
-                .filter(|e| busy_here(e))
-                .map(|e| e.prefix.matched(&route.prefix))
-                .max()
-                .unwrap_or(0)
-        };
-        if busy < half {
-            return false;
-        }
-        // Some endpoint that can take it holds as much: no need to wait.
-        let free_as_good = (busy - 1..depth).any(|d| {
-            self.holders.of(route.prefix[d]).iter().any(|id| {
-                self.endpoints
-                    .get(id)
-                    .is_some_and(|e| e.serves(model) && e.takes(route, now, &config))
-            })
-        });
-        !free_as_good
+        Some(best.1)
     }
 
     /// [`EndpointLedger::choose`] for a route limited to a subset of
@@ -391,18 +328,16 @@ impl EndpointLedger {
         route: &Route,
         subset: &[SocketAddr],
         now: Instant,
-        may_hold: bool,
-    ) -> Choice {
+    ) -> Option<EndpointId> {
         let config = self.saturation;
         let weights = self.scheduling.scorers;
         let blocks = route.prefix.len();
         let score_prefix = weights.prefix_cache > 0.0 && blocks > 0;
-        let in_subset: Vec<&Endpoint> = subset
+        let free = subset
             .iter()
             .filter_map(|a| self.by_addr.get(a))
             .filter_map(|id| self.endpoints.get(id))
-            .filter(|e| e.fits(route) && e.eligible(now))
-            .collect();
+            .filter(|e| e.fits(route) && e.takes(route, now, &config));
         let matched = |e: &Endpoint| {
             if score_prefix {
                 e.prefix.matched(&route.prefix)
@@ -410,19 +345,6 @@ impl EndpointLedger {
                 0
             }
         };
-        let (free, busy): (Vec<&Endpoint>, Vec<&Endpoint>) = in_subset
-            .into_iter()
-            .partition(|e| e.takes(route, now, &config));
-        if free.is_empty() {
-            return Choice::Busy;
-        }
-        if may_hold && score_prefix {
-            let busy_best = busy.iter().map(|e| matched(e)).max().unwrap_or(0);
-            let free_best = free.iter().map(|e| matched(e)).max().unwrap_or(0);
-            if busy_best * 2 >= blocks && busy_best > free_best {
-                return Choice::Hold;
-            }
-        }
         let mut best_score = f64::NEG_INFINITY;
         let mut best: Vec<EndpointId> = Vec::new();
         for e in free {
@@ -440,8 +362,11 @@ impl EndpointLedger {
                 best.push(e.id);
             }
         }
+        if best.is_empty() {
+            return None;
+        }
         best.sort_unstable();
-        Choice::Endpoint(best[self.ties.below(best.len())])
+        Some(best[self.ties.below(best.len())])
     }
 
     /// A live endpoint for a request that takes no slot on the engine

@@ -6,9 +6,9 @@ use std::time::Duration;
 impl EndpointLedger {
     /// [`EndpointLedger::pick`] without holding.
     fn acquire(&mut self, route: &Route, now: Instant) -> Option<Lease> {
-        match self.pick(route, now, false) {
+        match self.pick(route, now, None) {
             Pick::Lease(lease) => Some(lease),
-            Pick::Hold | Pick::Busy => None,
+            Pick::Hold(_) | Pick::Busy => None,
         }
     }
 }
@@ -332,34 +332,6 @@ fn only_endpoints_serving_the_model_are_chosen() {
 }
 
 #[test]
-fn a_request_is_held_only_for_a_busy_endpoint_caching_most_of_its_prompt() {
-    let now = Instant::now();
-    let mut r = EndpointLedger::default();
-    for (id, port) in [("a", 1), ("b", 2)] {
-        let (rep, a) = report_for(id, port, 1, &[]);
-        r.apply_report(rep, a, now);
-    }
-    let home = r.acquire(&route(None, &[1, 2, 3, 4]), now).unwrap();
-    // The other endpoint is free: without a hold the request goes there.
-    let turn = route(None, &[1, 2, 3, 4, 5, 6]);
-    assert!(matches!(r.pick(&turn, now, true), Pick::Hold));
-    // Less than half of the prompt cached there: not worth the wait.
-    let long = route(None, &[1, 2, 3, 4, 5, 6, 7, 8, 9]);
-    let Pick::Lease(elsewhere) = r.pick(&long, now, true) else {
-        panic!("a request with a weak affinity must not be held");
-    };
-    assert_ne!(elsewhere.addr, home.addr);
-    r.release(elsewhere);
-    // The free endpoint now caches it too: nothing to wait for.
-    let Pick::Lease(l) = r.pick(&turn, now, true) else {
-        panic!("equally cached elsewhere: no hold");
-    };
-    assert_ne!(l.addr, home.addr);
-    r.release(l);
-    r.release(home);
-}
-
-#[test]
 fn prefix_affinity_wins_until_the_endpoint_saturates() {
     let now = Instant::now();
     let mut r = EndpointLedger::default();
@@ -479,6 +451,8 @@ enum Expected {
     Busy,
     Hold,
     Best(f64),
+    /// Equal best scores, of which some would hold and some not.
+    HoldOrBest(f64),
 }
 
 fn expected(r: &EndpointLedger, route: &Route, now: Instant, may_hold: bool) -> Expected {
@@ -503,25 +477,40 @@ fn expected(r: &EndpointLedger, route: &Route, now: Instant, may_hold: bool) -> 
     if candidates.is_empty() {
         return Expected::Busy;
     }
-    if may_hold && score_prefix {
-        let busy = r
-            .endpoints
-            .values()
-            .filter(|e| e.fits(route) && e.eligible(now) && !takes(e))
-            .map(&matched)
-            .max()
-            .unwrap_or(0);
-        let free = candidates.iter().map(|e| matched(e)).max().unwrap_or(0);
-        if busy * 2 >= blocks && busy > free {
-            return Expected::Hold;
-        }
+    let best = candidates
+        .iter()
+        .map(|e| score_of(r, e, route))
+        .fold(f64::NEG_INFINITY, f64::max);
+    if !may_hold {
+        return Expected::Best(best);
     }
-    Expected::Best(
-        candidates
-            .iter()
-            .map(|e| score_of(r, e, route))
-            .fold(f64::NEG_INFINITY, f64::max),
-    )
+    // The wait-or-go rule, every endpoint looked at: some saturated one
+    // holding more of the prompt than the chosen one is predicted sooner.
+    let prompt = r.prompt_tokens(route);
+    let holds = |go: &Endpoint| {
+        let go_ms = go.predicted_prefill_ms(prompt - r.cached_tokens(route, matched(go)));
+        r.endpoints.values().any(|e| {
+            e.fits(route)
+                && e.eligible(now)
+                && !takes(e)
+                && matched(e) > matched(go)
+                && e.predicted_wait_ms(false, 0)
+                    + e.predicted_prefill_ms(prompt - r.cached_tokens(route, matched(e)))
+                    < go_ms
+        })
+    };
+    let ties: Vec<bool> = candidates
+        .iter()
+        .filter(|e| (score_of(r, e, route) - best).abs() < 1e-6)
+        .map(|e| holds(e))
+        .collect();
+    if ties.iter().all(|h| *h) {
+        Expected::Hold
+    } else if ties.iter().any(|h| *h) {
+        Expected::HoldOrBest(best)
+    } else {
+        Expected::Best(best)
+    }
 }
 
 fn score_of(r: &EndpointLedger, e: &Endpoint, route: &Route) -> f64 {
@@ -557,6 +546,12 @@ enum Op {
     Release(usize),
     Orphan(usize),
     Deregister(u8),
+    /// The endpoint's engine answered this fast.
+    Learn {
+        agent: u8,
+        prefill_us_per_token: u64,
+        service_ms: u64,
+    },
 }
 
 fn op() -> impl proptest::strategy::Strategy<Value = Op> {
@@ -601,6 +596,15 @@ fn op() -> impl proptest::strategy::Strategy<Value = Op> {
         (0usize..64).prop_map(Op::Release),
         (0usize..64).prop_map(Op::Orphan),
         (0u8..6).prop_map(Op::Deregister),
+        (0u8..6, 10u64..2_000, 1u64..3_000).prop_map(
+            |(agent, prefill_us_per_token, service_ms)| {
+                Op::Learn {
+                    agent,
+                    prefill_us_per_token,
+                    service_ms,
+                }
+            }
+        ),
     ]
 }
 
@@ -671,11 +675,20 @@ proptest::proptest! {
                         session: None,
                     };
                     let want = expected(&r, &route, now, may_hold);
-                    match r.choose(&route, now, may_hold) {
+                    let waits = Waits::default();
+                    let hold = may_hold.then_some(&waits);
+                    match r.choose(&route, now, hold) {
                         Choice::Busy => proptest::prop_assert_eq!(want, Expected::Busy),
-                        Choice::Hold => proptest::prop_assert_eq!(want, Expected::Hold),
+                        Choice::Hold(id) => {
+                            proptest::prop_assert!(
+                                matches!(want, Expected::Hold | Expected::HoldOrBest(_)),
+                                "held for {id:?}, expected {want:?}"
+                            );
+                            let e = &r.endpoints[&id];
+                            proptest::prop_assert!(e.eligible(now) && !e.takes(&route, now, &r.saturation));
+                        }
                         Choice::Endpoint(id) => {
-                            let Expected::Best(best) = want else {
+                            let (Expected::Best(best) | Expected::HoldOrBest(best)) = want else {
                                 return Err(proptest::test_runner::TestCaseError::fail(
                                     format!("chose {id:?}, expected {want:?}"),
                                 ));
@@ -684,7 +697,7 @@ proptest::proptest! {
                             proptest::prop_assert!((got - best).abs() < 1e-6, "score {got}, best {best}");
                         }
                     }
-                    if let Pick::Lease(l) = r.pick(&route, now, may_hold) {
+                    if let Pick::Lease(l) = r.pick(&route, now, hold) {
                         leases.push(l);
                     }
                 }
@@ -698,6 +711,17 @@ proptest::proptest! {
                 }
                 Op::Deregister(agent) => {
                     r.deregister(&format!("agent-{agent}"));
+                }
+                Op::Learn { agent, prefill_us_per_token, service_ms } => {
+                    if let Some(id) = r.by_addr.get(&port_addr(agent)).copied() {
+                        let prefill = Duration::from_micros(prefill_us_per_token * 1_000);
+                        r.endpoints.get_mut(&id).unwrap().cost.learn(&Timing {
+                            prefilled_tokens: 1_000,
+                            prefill: Some(prefill),
+                            service: Some(Duration::from_millis(service_ms)),
+                            ..Timing::default()
+                        });
+                    }
                 }
                 Op::Release(_) | Op::Orphan(_) => {}
             }

@@ -24,8 +24,9 @@ pub struct SchedulingSection {
     /// client.
     pub retries: Option<u32>,
     pub circuit_breaker: Option<BreakerSection>,
-    /// How long a queued request may wait for a busy server that caches
-    /// most of its prompt instead of going to a free one (0s: never).
+    /// The longest a queued request may wait for a busy server predicted
+    /// to serve it sooner than a free one (the wait-or-go rule decides;
+    /// 0s: never wait).
     pub affinity_hold: Option<ConfigDuration>,
     pub sessions: Option<SessionsSection>,
     /// Who gets the `x-flowgate-scores` answer header.
@@ -39,8 +40,9 @@ pub struct SchedulingSection {
 pub struct SessionsSection {
     /// Header and body field names, first present wins; `[]`: off.
     pub keys: Option<Vec<String>>,
-    /// `soft` (default): wait at most `affinityHold` for the session's
-    /// saturated endpoint; `hard`: until the request's TTL.
+    /// `soft` (default): wait for the session's saturated endpoint while
+    /// the wait-or-go rule says so, at most `affinityHold`; `hard`: until
+    /// the request's TTL.
     pub mode: Option<SessionMode>,
     pub idle_timeout: Option<ConfigDuration>,
     pub max_sessions: Option<usize>,

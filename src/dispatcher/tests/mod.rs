@@ -9,14 +9,23 @@ use std::sync::Arc;
 
 const MS: Duration = Duration::from_millis(1);
 
+/// Block size of the prompts in these tests: a prompt of a few blocks is a
+/// long one (4,096 tokens a block), so prefilling it again elsewhere costs
+/// seconds at the engines' default costs, and waiting for its cache pays.
+const BLOCK_BYTES: usize = 16 * 1024;
+
 fn config(max: usize) -> DispatcherConfig {
-    DispatcherConfig {
+    let mut c = DispatcherConfig {
         flow: FlowControlConfig {
             max_requests: max,
             ..FlowControlConfig::default()
         },
         ..DispatcherConfig::default()
-    }
+    };
+    c.scheduling.prefix.block_bytes = BLOCK_BYTES;
+    // A short bound, so that tests see a hold end.
+    c.scheduling.affinity_hold = 200 * MS;
+    c
 }
 
 fn dispatcher(max: usize) -> Dispatcher<&'static str> {
@@ -555,77 +564,6 @@ fn a_subset_with_no_live_endpoint_is_refused_at_once() {
     assert_eq!(d.buffered(), 0);
 }
 
-fn with_prompt(tenant: &str, priority: i32, prefix: &[u64]) -> RequestMeta {
-    RequestMeta {
-        route: Route {
-            prefix: prefix.to_vec(),
-            ..Route::default()
-        },
-        ..req(tenant, priority)
-    }
-}
-
-/// Two one-slot endpoints, both busy: a conversation's first turn on one
-/// (returned first), an unrelated request on the other.
-fn two_busy_endpoints(d: &mut Dispatcher<&'static str>, t0: Instant) -> (Lease, Lease) {
-    d.report(model_server("a", 1, 1, &[]), t0).unwrap();
-    d.report(model_server("b", 2, 1, &[]), t0).unwrap();
-    let home = ready(d.submit(with_prompt("t", 0, &[1, 2, 3]), "turn-1", t0));
-    let other = ready(d.submit(with_prompt("u", 0, &[90]), "other", t0));
-    assert_ne!(home.addr, other.addr);
-    (home, other)
-}
-
-#[test]
-fn a_conversation_waits_for_its_busy_server_while_others_pass_it() {
-    let t0 = Instant::now();
-    let mut d = dispatcher(30);
-    let (home, other) = two_busy_endpoints(&mut d, t0);
-    let home_addr = home.addr;
-    queued(d.submit(with_prompt("t", 0, &[1, 2, 3, 4]), "turn-2", t0));
-    // Same tenant, behind it, nothing cached anywhere.
-    queued(d.submit(with_prompt("t", 0, &[70]), "fresh", t0));
-    assert_eq!(d.next_hold_end(), None);
-    // The other server frees: the next turn would prefill its whole prompt
-    // again there, so it keeps waiting and the fresh request passes it.
-    d.release(other);
-    assert_eq!(granted(&d.dispatch(t0 + 10 * MS)), ["fresh"]);
-    assert_eq!(d.take_new_holds(), 1);
-    assert_eq!(d.take_new_holds(), 0);
-    assert_eq!(d.next_hold_end(), Some(t0 + 210 * MS), "200 ms from then");
-    d.release(home);
-    let done = d.dispatch(t0 + 20 * MS);
-    assert_eq!(granted(&done), ["turn-2"]);
-    assert_eq!(done[0].result.as_ref().unwrap().addr, home_addr);
-    assert_eq!(d.next_hold_end(), None, "it left");
-}
-
-#[test]
-fn a_freed_server_goes_to_the_request_held_for_it_before_the_next_in_turn() {
-    let t0 = Instant::now();
-    let mut d = dispatcher(30);
-    d.report(model_server("a", 1, 1, &[]), t0).unwrap();
-    d.report(model_server("b", 2, 1, &[]), t0).unwrap();
-    d.report(model_server("c", 3, 1, &[]), t0).unwrap();
-    let _on_a = ready(d.submit(with_prompt("x", 0, &[1, 2, 3]), "a-1", t0));
-    let on_b = ready(d.submit(with_prompt("y", 0, &[11, 12, 13]), "b-1", t0));
-    let on_c = ready(d.submit(with_prompt("z", 0, &[90]), "c-1", t0));
-    let b_addr = on_b.addr;
-    queued(d.submit(with_prompt("t", 0, &[1, 2, 3, 4]), "a-2", t0));
-    queued(d.submit(with_prompt("u", 0, &[11, 12, 13, 14]), "b-2", t0));
-    d.release(on_c);
-    assert!(d.dispatch(t0).is_empty(), "both wait for their servers");
-    queued(d.submit(with_prompt("v", 0, &[70]), "fresh", t0));
-    assert_eq!(granted(&d.dispatch(t0)), ["fresh"]);
-    // Tenant t's turn comes first and its second request has nothing
-    // cached anywhere, but b's slot is what b-2 has been waiting for.
-    queued(d.submit(with_prompt("t", 0, &[71]), "t-next", t0));
-    d.release(on_b);
-    let done = d.dispatch(t0 + 10 * MS);
-    assert_eq!(granted(&done), ["b-2"]);
-    assert_eq!(done[0].result.as_ref().unwrap().addr, b_addr);
-}
-
 #[test]
 fn unserved_demand_counts_requests_no_live_endpoint_could_take() {
     let t0 = Instant::now();
@@ -646,56 +584,6 @@ fn unserved_demand_counts_requests_no_live_endpoint_could_take() {
     served.sort_unstable();
     assert_eq!(served, ["a", "b", "c"]);
     assert!(d.unserved_demand(t0).is_empty());
-}
-
-#[test]
-fn a_held_request_takes_any_server_once_its_hold_ends() {
-    let t0 = Instant::now();
-    let mut d = dispatcher(30);
-    let (home, other) = two_busy_endpoints(&mut d, t0);
-    queued(d.submit(with_prompt("t", 0, &[1, 2, 3, 4]), "turn-2", t0));
-    let other_addr = other.addr;
-    d.release(other);
-    assert!(d.dispatch(t0 + 50 * MS).is_empty(), "held");
-    assert_eq!(d.next_hold_end(), Some(t0 + 250 * MS));
-    assert!(d.dispatch(t0 + 249 * MS).is_empty(), "still held");
-    let done = d.dispatch(t0 + 250 * MS);
-    assert_eq!(granted(&done), ["turn-2"]);
-    assert_eq!(done[0].result.as_ref().unwrap().addr, other_addr);
-    d.release(home);
-}
-
-#[test]
-fn a_held_request_keeps_lower_priorities_waiting() {
-    let t0 = Instant::now();
-    let mut d = dispatcher(30);
-    let (home, other) = two_busy_endpoints(&mut d, t0);
-    queued(d.submit(with_prompt("t", 5, &[1, 2, 3, 4]), "urgent", t0));
-    queued(d.submit(with_prompt("u", 0, &[70]), "low", t0));
-    d.release(other);
-    assert!(
-        d.dispatch(t0).is_empty(),
-        "the free slot is kept for priority 5"
-    );
-    d.release(home);
-    assert_eq!(granted(&d.dispatch(t0)), ["urgent", "low"]);
-}
-
-#[test]
-fn a_zero_affinity_hold_never_holds() {
-    let t0 = Instant::now();
-    let mut config = config(30);
-    config.scheduling.affinity_hold = Duration::ZERO;
-    let mut d = Dispatcher::new(config);
-    let (home, other) = two_busy_endpoints(&mut d, t0);
-    queued(d.submit(with_prompt("t", 0, &[1, 2, 3, 4]), "turn-2", t0));
-    let other_addr = other.addr;
-    d.release(other);
-    let done = d.dispatch(t0);
-    assert_eq!(granted(&done), ["turn-2"]);
-    assert_eq!(done[0].result.as_ref().unwrap().addr, other_addr);
-    assert_eq!(d.next_hold_end(), None);
-    d.release(home);
 }
 
 #[test]
@@ -767,5 +655,6 @@ fn round_robin_shares_are_equal_between_greedy_flows() {
     }
 }
 
+mod holds;
 mod properties;
 mod sessions;

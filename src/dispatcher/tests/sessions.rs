@@ -6,10 +6,17 @@
 use super::*;
 use crate::session::SessionConfig;
 
+/// A turn of a long conversation: prefilling its 8,000 tokens elsewhere
+/// costs seconds at the engines' default costs, so waiting for the endpoint
+/// that has them pays.
 fn in_session(tenant: &str, session: u64) -> RequestMeta {
     RequestMeta {
         route: Route {
             session: Some(session),
+            tokens: crate::tokens::TokenEstimate {
+                prompt: 8_000,
+                ..Default::default()
+            },
             ..Route::default()
         },
         ..req(tenant, 0)

@@ -151,6 +151,23 @@ struct RunArgs {
     /// key (e.g. x-session-id); none when empty
     #[arg(long, default_value = "")]
     session_header: String,
+    /// `agentic`: sizes of the groups of clients that share a system
+    /// prompt, in order (e.g. 16,8,4,4); clients past them form groups of
+    /// the last size. Default: groups of 8
+    #[arg(long, value_delimiter = ',')]
+    groups: Vec<usize>,
+}
+
+/// The system-prompt group of client `i` (see `RunArgs::groups`).
+fn group_of(i: usize, groups: &[usize]) -> usize {
+    let mut start = 0;
+    for (g, &size) in groups.iter().enumerate() {
+        if i < start + size.max(1) {
+            return g;
+        }
+        start += size.max(1);
+    }
+    groups.len() + (i - start) / groups.last().map_or(8, |l| *l.max(&1))
 }
 
 #[derive(Debug, clap::Args)]
@@ -437,6 +454,7 @@ async fn run(args: RunArgs) {
         let workload = args.workload;
         let (model, max_tokens, repeat) = (args.model.clone(), args.max_tokens, args.system_repeat);
         let session_header = args.session_header.clone();
+        let group = group_of(i, &args.groups);
         let mut rng = Rng((args.seed << 16) ^ ((i as u64 + 1) * 0x9E37_79B9));
         tasks.push(tokio::spawn(async move {
             let tenant = if batch {
@@ -458,7 +476,7 @@ async fn run(args: RunArgs) {
                         let first =
                             format!("Task {key}: {}", "fix the failing build step. ".repeat(37));
                         messages = vec![
-                            json!({"role": "system", "content": system_prompt(i / 8, 80)}),
+                            json!({"role": "system", "content": system_prompt(group, 80)}),
                             json!({"role": "user", "content": first}),
                         ];
                     }

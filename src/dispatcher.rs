@@ -65,6 +65,8 @@ pub use crate::flow::Ticket;
 
 /// How many requests of each flow a dispatch pass looks at when the ones
 /// ahead of them cannot go now (held for affinity, or their route is busy).
+/// Deeper lets more of a tenant's requests pass its held ones, which costs
+/// the other tenants their fair share (16 did, in the scheduling bench).
 const LOOK_AHEAD: usize = 4;
 
 /// Affinity holds per dispatch pass, which bounds its cost; past it,
@@ -365,33 +367,14 @@ impl<T> Dispatcher<T> {
                     waits.add(endpoint);
                     floor = floor.max(waiting.priority);
                     held.insert(ticket);
-                    let waiting = self
-                        .queues
-                        .get_mut(ticket)
-                        .expect("peeked request is queued");
-                    if waiting.hold_until.is_none() {
-                        // Half its time left at most: when the hold ends
-                        // it still has time to be served elsewhere.
-                        let end =
-                            now + hold.min(waiting.deadline.saturating_duration_since(now) / 2);
-                        waiting.hold_until = Some(end);
-                        self.holds.insert((end, ticket.seq()), ticket);
-                        self.new_holds += 1;
-                    }
+                    self.start_hold(ticket, now);
                 }
                 Pick::Busy => {
                     // Nothing free at all: no other request can go either.
                     if !self.ledger.any_available(now) {
                         break;
                     }
-                    // Its targets; the prompt is not needed to compare.
-                    let r = &waiting.route;
-                    stuck.push(Route {
-                        model: r.model.clone(),
-                        avoid: r.avoid,
-                        subset: r.subset.clone(),
-                        ..Route::default()
-                    });
+                    stuck.push(waiting.route.targets());
                 }
             }
         }
@@ -441,6 +424,23 @@ impl<T> Dispatcher<T> {
                 Pick::Hold(endpoint) => waits.add(endpoint),
                 Pick::Busy => {}
             }
+        }
+    }
+
+    /// Starts the hold of a request passed over for the endpoint that has
+    /// its prompt, unless it began before: it ends after
+    /// `scheduling.affinity_hold` or half the time the request has left,
+    /// whichever is first, so it still has time to be served elsewhere.
+    fn start_hold(&mut self, ticket: Ticket, now: Instant) {
+        let hold = self.config.scheduling.affinity_hold;
+        let Some(waiting) = self.queues.get_mut(ticket) else {
+            return;
+        };
+        if waiting.hold_until.is_none() {
+            let end = now + hold.min(waiting.deadline.saturating_duration_since(now) / 2);
+            waiting.hold_until = Some(end);
+            self.holds.insert((end, ticket.seq()), ticket);
+            self.new_holds += 1;
         }
     }
 

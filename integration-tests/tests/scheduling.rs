@@ -92,13 +92,14 @@ async fn requests_go_only_to_servers_of_their_model() {
 /// Holds `n` conversations at once, each of `turns` turns over its own long
 /// system prompt, requests tagged `conv{i}`; every answer must be 200.
 async fn converse(b: &Balancer, n: usize, turns: usize) {
-    converse_with(b, n, turns, false).await
+    converse_with(b, 0..n, turns, false).await
 }
 
-/// [`converse`], streamed answers or not.
-async fn converse_with(b: &Balancer, n: usize, turns: usize, stream: bool) {
+/// [`converse`] with conversations `ids` (each its own system prompt and
+/// tag), streamed answers or not.
+async fn converse_with(b: &Balancer, ids: std::ops::Range<usize>, turns: usize, stream: bool) {
     let c = client();
-    let conversations: Vec<_> = (0..n)
+    let conversations: Vec<_> = ids
         .map(|i| {
             let c = c.clone();
             let url = b.url("/v1/chat/completions");
@@ -110,9 +111,12 @@ async fn converse_with(b: &Balancer, n: usize, turns: usize, stream: bool) {
                     let r = c
                         .post(&url)
                         .header("x-sim-tag", format!("conv{i}"))
-                        .json(
-                            &json!({"model": "sim-model", "messages": messages, "stream": stream}),
-                        )
+                        .json(&json!({
+                            "model": "sim-model",
+                            "messages": messages,
+                            "stream": stream,
+                            "stream_options": {"include_usage": stream},
+                        }))
                         .send()
                         .await
                         .unwrap();
@@ -220,6 +224,9 @@ async fn at_saturation_conversations_wait_for_their_own_server_when_prefill_is_s
     let sims = [Sim::start(&slow), Sim::start(&slow)];
     let _agents: Vec<_> = sims.iter().map(|s| agent(s, &b)).collect();
     b.wait_eligible(2).await;
+    // A few other conversations first: the engines' service times are
+    // learned (until then a slot is assumed to take a second).
+    converse_with(&b, 100..104, 6, false).await;
     // Six conversations on four slots: some turns always wait in the
     // balancer, and whenever a slot frees on the other server they are
     // passed over for it (held) rather than moved away from their cache.
@@ -257,13 +264,13 @@ async fn at_saturation_turns_take_any_free_server_when_prefill_is_fast() {
     b.wait_eligible(2).await;
     // A few conversations first (four on four slots: both servers see
     // cold prompts): the engines' costs are learned.
-    converse_with(&b, 4, 2, true).await;
+    converse_with(&b, 100..104, 2, true).await;
     let costs = b.agents().await;
     for e in costs["endpoints"].as_array().unwrap() {
         let prefill = e["cost"]["prefill_ms_per_token"].as_f64().unwrap();
         assert!(prefill < 0.2, "prefill not learned: {e}");
     }
-    converse_with(&b, 6, 5, true).await;
+    converse_with(&b, 0..6, 5, true).await;
     let holds = metric(&b, "flowgate_affinity_holds_total", &[]).await;
     assert_eq!(holds, 0.0, "a turn waited although a prefill was cheaper");
     assert!(

@@ -127,29 +127,45 @@ impl EndpointLedger {
         if let Some(e) = bound.and_then(|id| self.endpoints.get(&id)) {
             consider(e, prompt);
         }
-        if !scored || go_matched >= route.prefix.len() {
-            return best.map(|(_, id)| id);
+        if scored {
+            self.busy_holding_more(route, go_matched, now, |e, matched| {
+                consider(e, self.cached_tokens(route, matched));
+            });
         }
-        let config = self.saturation;
-        let busy_here = |e: &&Endpoint| {
-            e.id != go && e.fits(route) && e.eligible(now) && !e.takes(route, now, &config)
+        best.map(|(_, id)| id)
+    }
+
+    /// Calls `f` with each saturated (eligible) endpoint that holds more
+    /// than `than` of the route's leading blocks, and how many it holds.
+    fn busy_holding_more(
+        &self,
+        route: &Route,
+        than: usize,
+        now: Instant,
+        mut f: impl FnMut(&Endpoint, usize),
+    ) {
+        let Some(next_block) = route.prefix.get(than) else {
+            return;
         };
-        // Whoever holds more leading blocks than `go` holds the block
-        // right after `go`'s last: its holders are every endpoint that
-        // could be worth waiting for. When a prompt many endpoints saw has
-        // more holders than the route has endpoints, those are fewer.
-        let holders = self.holders.of(route.prefix[go_matched]);
+        let config = self.saturation;
+        let busy_here =
+            |e: &&Endpoint| e.fits(route) && e.eligible(now) && !e.takes(route, now, &config);
+        let mut look = |e: &Endpoint| {
+            let matched = e.prefix.matched(&route.prefix);
+            if matched > than {
+                f(e, matched);
+            }
+        };
+        // Whoever holds more leading blocks holds the block right after
+        // the first `than`: its holders are every endpoint to look at.
+        // When a prompt many endpoints saw has more holders than the route
+        // has endpoints, those are fewer.
+        let holders = self.holders.of(*next_block);
         let serving = match &route.subset {
             Some(s) => s.len(),
             None => {
                 let model = route.model.as_deref();
                 self.ranking.ranked_len(model) + self.ranking.unranked_len(model)
-            }
-        };
-        let mut look = |e: &Endpoint| {
-            let matched = e.prefix.matched(&route.prefix);
-            if matched > go_matched {
-                consider(e, self.cached_tokens(route, matched));
             }
         };
         if holders.len() <= serving {
@@ -161,7 +177,6 @@ impl EndpointLedger {
         } else {
             self.serving(route).filter(busy_here).for_each(&mut look);
         }
-        best.map(|(_, id)| id)
     }
 }
 

@@ -42,6 +42,16 @@ impl Route {
     pub(crate) fn same_targets(&self, other: &Route) -> bool {
         self.model == other.model && self.avoid == other.avoid && self.subset == other.subset
     }
+
+    /// Only its targets (the prompt is not needed to compare them).
+    pub(crate) fn targets(&self) -> Route {
+        Route {
+            model: self.model.clone(),
+            avoid: self.avoid,
+            subset: self.subset.clone(),
+            ..Route::default()
+        }
+    }
 }
 
 /// How endpoints are chosen.
@@ -254,13 +264,10 @@ impl EndpointLedger {
     fn choose_by_score(&self, route: &Route, now: Instant) -> Option<EndpointId> {
         let config = self.saturation;
         let model = route.model.as_deref();
-        let Some(top) = self
+        let top = self
             .ranking
             .ranked(model)
-            .find(|r| self.endpoints[&r.id].takes(route, now, &config))
-        else {
-            return None;
-        };
+            .find(|r| self.endpoints[&r.id].takes(route, now, &config))?;
         let weight = self.scheduling.scorers.prefix_cache;
         let blocks = route.prefix.len();
         if weight <= 0.0 || blocks == 0 {

@@ -227,7 +227,13 @@ impl ResponseMeter {
                 ..Timing::default()
             });
         }
-        let usage = said.usage?;
+        let Some(usage) = said.usage else {
+            // A stream that did not say its tokens: its service time only.
+            return Some(Timing {
+                service,
+                ..Timing::default()
+            });
+        };
         Some(Timing {
             prefilled_tokens: usage.prompt.saturating_sub(usage.cached),
             prefill: Some(first.saturating_duration_since(sent_at)),
@@ -641,6 +647,17 @@ mod tests {
         let t = m.timing(&m.said(), Some(t0), t0 + ms(401)).unwrap();
         assert_eq!((t.prefilled_tokens, t.prefill), (400, Some(ms(300))));
         assert_eq!((t.output_tokens, t.decode), (10, Some(ms(100))));
+        // A stream that never says its tokens: only the service time.
+        let mut m = ResponseMeter {
+            streaming: true,
+            ..ResponseMeter::default()
+        };
+        m.on_chunk(
+            &Bytes::from_static(b"data: {\"choices\":[]}\n\n"),
+            t0 + ms(30),
+        );
+        let t = m.timing(&m.said(), Some(t0), t0 + ms(60)).unwrap();
+        assert_eq!((t.prefill, t.decode, t.service), (None, None, Some(ms(60))));
         // A whole answer without timings: only the service time.
         let mut m = ResponseMeter::default();
         m.on_chunk(

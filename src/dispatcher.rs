@@ -53,7 +53,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::endpoint::{
-    EndpointId, EndpointLedger, EndpointSnapshot, Lease, Pick, ReportOutcome, Route,
+    EndpointId, EndpointLedger, EndpointSnapshot, Home, Lease, Pick, ReportOutcome, Route,
     SaturationConfig, SchedulingConfig, Waits,
 };
 use crate::flow::{
@@ -190,6 +190,8 @@ struct Waiting<T> {
     hold_until: Option<Instant>,
     /// When it must be answered: a hold ends well before.
     deadline: Instant,
+    /// Counted among the affinity holds.
+    counted: bool,
     priority: i32,
 }
 
@@ -205,7 +207,19 @@ pub struct Dispatcher<T> {
     /// requests that left are dropped lazily.
     holds: BTreeMap<(Instant, u64), Ticket>,
     /// Holds begun since the last `take_new_holds`.
-    new_holds: u64,
+    new_holds: HoldsBegun,
+}
+
+/// Holds begun since the last [`Dispatcher::take_new_holds`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HoldsBegun {
+    /// Requests that chose to wait for a busy endpoint that has their
+    /// prompt or session (the wait-or-go rule): the affinity holds.
+    pub held: u64,
+    /// Hold clocks started, those and the requests passed over by
+    /// requests at home on a free endpoint: the owner's timer must learn
+    /// of them (a new one may end before the one it waits for).
+    pub clocks: u64,
 }
 
 impl<T> Dispatcher<T> {
@@ -216,7 +230,7 @@ impl<T> Dispatcher<T> {
             config,
             evicted: Vec::new(),
             holds: BTreeMap::new(),
-            new_holds: 0,
+            new_holds: HoldsBegun::default(),
         }
     }
 
@@ -290,6 +304,7 @@ impl<T> Dispatcher<T> {
             route: request.route,
             hold_until: None,
             deadline,
+            counted: false,
             priority: place.key.priority,
         };
         match self.queues.push(place, size, waiting, now, deadline) {
@@ -326,6 +341,9 @@ impl<T> Dispatcher<T> {
         }
         self.place_held(now, &mut out);
         let hold = self.config.scheduling.affinity_hold;
+        if !hold.is_zero() {
+            self.place_at_home(now, &mut out);
+        }
         // Routes that found no endpoint in this pass: every later request
         // with the same targets waits too (same model, exclusion, subset).
         let mut stuck: Vec<Route> = Vec::new();
@@ -367,7 +385,7 @@ impl<T> Dispatcher<T> {
                     waits.add(endpoint);
                     floor = floor.max(waiting.priority);
                     held.insert(ticket);
-                    self.start_hold(ticket, now);
+                    self.start_hold(ticket, now, true);
                 }
                 Pick::Busy => {
                     // Nothing free at all: no other request can go either.
@@ -431,7 +449,9 @@ impl<T> Dispatcher<T> {
     /// its prompt, unless it began before: it ends after
     /// `scheduling.affinity_hold` or half the time the request has left,
     /// whichever is first, so it still has time to be served elsewhere.
-    fn start_hold(&mut self, ticket: Ticket, now: Instant) {
+    /// `chose`: the request chose to wait (the wait-or-go rule), rather
+    /// than was passed by requests at home on the free endpoint.
+    fn start_hold(&mut self, ticket: Ticket, now: Instant, chose: bool) {
         let hold = self.config.scheduling.affinity_hold;
         let Some(waiting) = self.queues.get_mut(ticket) else {
             return;
@@ -440,7 +460,63 @@ impl<T> Dispatcher<T> {
             let end = now + hold.min(waiting.deadline.saturating_duration_since(now) / 2);
             waiting.hold_until = Some(end);
             self.holds.insert((end, ticket.seq()), ticket);
-            self.new_holds += 1;
+            self.new_holds.clocks += 1;
+        }
+        if chose && !waiting.counted {
+            waiting.counted = true;
+            self.new_holds.held += 1;
+        }
+    }
+
+    /// Requests at home on a free endpoint (no busy one holds more of their
+    /// prompt; their session's endpoint takes them) take its slots before
+    /// the others of the highest waiting priority: the request next in
+    /// turn may be cached elsewhere, and would take the slot to prefill its
+    /// prompt there cold while they wait on (at saturation, the requests
+    /// of a server's own conversations wait in the queue, not held: no slot
+    /// was free when they came). A request passed this way starts its hold
+    /// clock: once its hold is over it is passed no more and takes the next
+    /// free slot. A request no endpoint can take is passed by none of the
+    /// same targets, as in the main pass.
+    fn place_at_home(&mut self, now: Instant, out: &mut Vec<Done<T>>) {
+        let Some(top) = self.queues.top_priority() else {
+            return;
+        };
+        let hard = self.config.scheduling.sessions.hard;
+        let mut passed: Vec<(Ticket, bool)> = Vec::new();
+        while self.ledger.any_available(now) {
+            let ledger = &self.ledger;
+            let mut stuck: Vec<Route> = Vec::new();
+            let next = self.queues.peek_where(LOOK_AHEAD, |ticket, w| {
+                if w.priority < top || stuck.iter().any(|r| r.same_targets(&w.route)) {
+                    return false;
+                }
+                match ledger.at_home(&w.route, now) {
+                    Home::Yes => true,
+                    Home::Elsewhere { waits } => {
+                        let over = w.hold_until.is_some_and(|end| end <= now);
+                        if over && !(hard && w.route.session.is_some()) {
+                            return true;
+                        }
+                        passed.push((ticket, waits));
+                        false
+                    }
+                    Home::Busy => {
+                        stuck.push(w.route.targets());
+                        false
+                    }
+                }
+            });
+            let Some(ticket) = next else { break };
+            let waiting = self.queues.get(ticket).expect("peeked request is queued");
+            let Pick::Lease(lease) = self.ledger.pick(&waiting.route, now, None) else {
+                break;
+            };
+            let removed = self.queues.pop(ticket).expect("peeked request is queued");
+            out.push(done(removed, Ok(lease), now));
+        }
+        for (ticket, chose) in passed {
+            self.start_hold(ticket, now, chose);
         }
     }
 
@@ -456,9 +532,8 @@ impl<T> Dispatcher<T> {
         None
     }
 
-    /// How many requests were first held since the last call: a new hold
-    /// may end before the one the owner waits for.
-    pub fn take_new_holds(&mut self) -> u64 {
+    /// The holds begun since the last call.
+    pub fn take_new_holds(&mut self) -> HoldsBegun {
         std::mem::take(&mut self.new_holds)
     }
 

@@ -51,7 +51,8 @@ pub mod tokens;
 pub mod usage;
 
 pub use dispatcher::{
-    Admission, Dispatcher, DispatcherConfig, Done, Reject, RequestMeta, Snapshot, Ticket,
+    Admission, Dispatcher, DispatcherConfig, Done, HoldsBegun, Reject, RequestMeta, Snapshot,
+    Ticket,
 };
 pub use endpoint::{
     BreakerConfig, EndpointId, EndpointSnapshot, Lease, ReportOutcome, Route, Saturation,

@@ -47,7 +47,7 @@ use breaker::Breaker;
 pub use cache_truth::{CacheSeen, CacheTruth};
 pub use cost::{CostModel, CostSnapshot, Estimate, Timing};
 pub use explain::{CandidateScore, Explanation, MAX_EXPLAINED};
-pub(crate) use placement::Waits;
+pub(crate) use placement::{Home, Waits};
 use ranking::{Rank, Ranking};
 
 use std::collections::HashMap;

@@ -27,6 +27,19 @@ use super::{Endpoint, EndpointId, EndpointLedger, Route};
 /// tokens (a prefix block is `block_bytes` of text).
 pub(super) const BYTES_PER_TOKEN: u64 = 4;
 
+/// Where a queued request stands when a slot is free
+/// ([`EndpointLedger::at_home`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Home {
+    /// It can go now where nothing would serve it better by its cache.
+    Yes,
+    /// It can go now, but a saturated endpoint has more of its prompt (or
+    /// its session); `waits`: the wait-or-go rule would wait for it.
+    Elsewhere { waits: bool },
+    /// No endpoint can take it now.
+    Busy,
+}
+
 /// Requests held for each endpoint so far in one dispatch pass: a request
 /// held for an endpoint waits behind them. Few entries (holds per pass are
 /// bounded), so a list.
@@ -177,6 +190,52 @@ impl EndpointLedger {
         } else {
             self.serving(route).filter(busy_here).for_each(&mut look);
         }
+    }
+
+    /// Whether `route` can go now to an endpoint where it is at home: no
+    /// saturated endpoint holds more of its prompt, and its session's
+    /// endpoint, if it has one, takes it. Such a request loses nothing by
+    /// going now, so a free slot should be its before it is a request's
+    /// that would prefill its prompt there cold (the dispatcher places
+    /// these first). Read only; a route limited to a subset is never at
+    /// home here (it is placed in turn).
+    pub(crate) fn at_home(&self, route: &Route, now: Instant) -> Home {
+        if route.subset.is_some() {
+            return Home::Elsewhere { waits: false };
+        }
+        let mut bound = None;
+        if let Some(session) = route.session {
+            let endpoint = self
+                .sessions
+                .endpoint(session, now)
+                .and_then(|addr| self.by_addr.get(&addr))
+                .and_then(|id| self.endpoints.get(id))
+                .filter(|e| e.eligible(now) && e.fits(route));
+            match endpoint {
+                Some(e) if e.takes(route, now, &self.saturation) => return Home::Yes,
+                // Its conversation is on a saturated endpoint.
+                Some(e) => bound = Some(e.id),
+                None if self.session_home(route, session, now).is_some() => return Home::Yes,
+                None => {}
+            }
+        }
+        let Some(go) = self.choose_by_score(route, now) else {
+            return Home::Busy;
+        };
+        let scored = self.scheduling.scorers.prefix_cache > 0.0 && !route.prefix.is_empty();
+        let mut more_elsewhere = bound.is_some();
+        if scored && !more_elsewhere {
+            let go_matched = self.endpoints[&go].prefix.matched(&route.prefix);
+            self.busy_holding_more(route, go_matched, now, |_, _| more_elsewhere = true);
+        }
+        if !more_elsewhere {
+            return Home::Yes;
+        }
+        let waits = !self.scheduling.affinity_hold.is_zero()
+            && self
+                .wait_target(route, go, bound, &Waits::default(), now)
+                .is_some();
+        Home::Elsewhere { waits }
     }
 }
 

@@ -225,7 +225,12 @@ impl EndpointLedger {
     /// front load balancer lands on one endpoint without any state shared
     /// between them. A saturated home is not waited for (no cache is known
     /// there yet): the turn is placed by score and bound where it goes.
-    fn session_home(&self, route: &Route, session: u64, now: Instant) -> Option<EndpointId> {
+    pub(super) fn session_home(
+        &self,
+        route: &Route,
+        session: u64,
+        now: Instant,
+    ) -> Option<EndpointId> {
         let home = self
             .serving(route)
             .filter(|e| e.eligible(now))
@@ -261,7 +266,7 @@ impl EndpointLedger {
 
     /// The best endpoint by the scorers that takes `route` now, if any
     /// (no session, no subset).
-    fn choose_by_score(&self, route: &Route, now: Instant) -> Option<EndpointId> {
+    pub(super) fn choose_by_score(&self, route: &Route, now: Instant) -> Option<EndpointId> {
         let config = self.saturation;
         let model = route.model.as_deref();
         let top = self

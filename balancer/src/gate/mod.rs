@@ -243,8 +243,8 @@ impl FleetGate {
             let done = d.dispatch(now);
             if done.is_empty() {
                 let holds = d.take_new_holds();
-                if holds > 0 {
-                    self.metrics.fleet.affinity_holds.inc_by(holds);
+                if holds.clocks > 0 {
+                    self.metrics.fleet.affinity_holds.inc_by(holds.held);
                     self.timers.notify_one();
                 }
                 return;

@@ -39,8 +39,8 @@ fn a_conversation_waits_for_its_busy_server_while_others_pass_it() {
     // again there, so it keeps waiting.
     d.release(other);
     assert!(d.dispatch(t0 + 10 * MS).is_empty());
-    assert_eq!(d.take_new_holds(), 1);
-    assert_eq!(d.take_new_holds(), 0);
+    assert_eq!(d.take_new_holds().held, 1);
+    assert_eq!(d.take_new_holds().held, 0);
     assert_eq!(d.next_hold_end(), Some(t0 + 210 * MS), "200 ms from then");
     // Same tenant, behind it, nothing cached anywhere: it passes.
     queued(d.submit(with_prompt("t", 0, &[70]), "fresh", t0 + 15 * MS));
@@ -76,6 +76,46 @@ fn a_freed_server_goes_to_the_request_held_for_it_before_the_next_in_turn() {
     let done = d.dispatch(t0 + 10 * MS);
     assert_eq!(granted(&done), ["b-2"]);
     assert_eq!(done[0].result.as_ref().unwrap().addr, b_addr);
+}
+
+#[test]
+fn a_freed_server_goes_to_its_own_conversation_before_one_cached_elsewhere() {
+    let t0 = Instant::now();
+    let mut d = Dispatcher::new(round_robin(30));
+    let mut a = model_server("a", 1, 1, &[]);
+    d.report(a.clone(), t0).unwrap();
+    d.report(model_server("b", 2, 1, &[]), t0).unwrap();
+    let on_a = ready(d.submit(with_prompt("t", 0, &[1]), "a-1", t0));
+    let on_b = ready(d.submit(with_prompt("u", 0, &[11, 12]), "b-1", t0));
+    assert_eq!((on_a.addr.port(), on_b.addr.port()), (1, 2));
+    // a's engine has five requests of its own queued: for a-2, waiting
+    // there (6 × 1,000 ms + 4,096 ms) costs more than prefilling all of it
+    // on b (8,192 ms), so the wait-or-go rule alone would send it to b.
+    a.requests_waiting = 5;
+    d.report(a, t0).unwrap();
+    queued(d.submit(with_prompt("t", 0, &[1, 2]), "a-2", t0));
+    queued(d.submit(with_prompt("u", 0, &[11, 12, 13]), "b-2", t0));
+    // b frees: a-2 is next in turn, but b-2's conversation is on b.
+    d.release(on_b);
+    let done = d.dispatch(t0);
+    assert_eq!(granted(&done), ["b-2"]);
+    assert_eq!(done[0].result.as_ref().unwrap().addr.port(), 2);
+    // a-2 was passed, not held by choice: its clock runs, the affinity
+    // holds do not count it; once its hold is over it takes the next free
+    // slot, wherever.
+    assert_eq!(d.take_new_holds(), HoldsBegun { held: 0, clocks: 1 });
+    assert_eq!(d.next_hold_end(), Some(t0 + 200 * MS));
+    d.release(done.into_iter().next().unwrap().result.unwrap());
+    for (id, port) in [("a", 1), ("b", 2)] {
+        d.report(model_server(id, port, 1, &[]), t0 + 150 * MS)
+            .unwrap();
+    }
+    // b-3 of b's conversation comes after a-2's hold is over: a-2 first.
+    queued(d.submit(with_prompt("u", 0, &[11, 12, 13, 14]), "b-3", t0 + 200 * MS));
+    let done = d.dispatch(t0 + 200 * MS);
+    assert_eq!(granted(&done), ["a-2"]);
+    assert_eq!(done[0].result.as_ref().unwrap().addr.port(), 2);
+    d.release(on_a);
 }
 
 #[test]

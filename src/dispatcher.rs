@@ -25,7 +25,12 @@
 //!   prefilled again elsewhere, at most `scheduling.affinity_hold` and half
 //!   its time left to its deadline from the first time it was passed over;
 //!   meanwhile the next requests of its flow (up to [`LOOK_AHEAD`]) and
-//!   other flows of its band may take the free slot. When that endpoint frees a slot, the held request takes
+//!   other flows of its band may take the free slot.
+//! - At home first: a free slot goes first to a queued request of the
+//!   highest waiting priority that is at home there (no busy endpoint holds
+//!   more of its prompt, its session's endpoint takes it), before a request
+//!   cached elsewhere would take it and prefill cold; a request passed so
+//!   starts the same hold clock and, once it is over, is passed no more. When that endpoint frees a slot, the held request takes
 //!   it before any other request of its priority. A hold never lets lower
 //!   priority pass, and a request whose hold ended goes wherever there is
 //!   room. The owner runs
@@ -190,6 +195,9 @@ struct Waiting<T> {
     hold_until: Option<Instant>,
     /// When it must be answered: a hold ends well before.
     deadline: Instant,
+    /// When it was first held: what it waited counts in the wait-or-go
+    /// rule.
+    held_since: Option<Instant>,
     /// Counted among the affinity holds.
     counted: bool,
     priority: i32,
@@ -304,6 +312,7 @@ impl<T> Dispatcher<T> {
             route: request.route,
             hold_until: None,
             deadline,
+            held_since: None,
             counted: false,
             priority: place.key.priority,
         };
@@ -373,10 +382,14 @@ impl<T> Dispatcher<T> {
                 || (!hold.is_zero()
                     && waiting.hold_until.is_none_or(|end| now < end)
                     && held.len() < MAX_HOLDS_PER_PASS);
-            match self
-                .ledger
-                .pick(&waiting.route, now, may_hold.then_some(&waits))
-            {
+            let waited = waiting
+                .held_since
+                .map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
+            match self.ledger.pick(
+                &waiting.route,
+                now,
+                may_hold.then(|| waits.for_request(waited)),
+            ) {
                 Pick::Lease(lease) => {
                     let removed = self.queues.pop(ticket).expect("peeked request is queued");
                     out.push(done(removed, Ok(lease), now));
@@ -434,7 +447,13 @@ impl<T> Dispatcher<T> {
             if !self.ledger.any_available(now) {
                 return;
             }
-            match self.ledger.pick(&waiting.route, now, Some(&waits)) {
+            let waited = waiting
+                .held_since
+                .map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
+            match self
+                .ledger
+                .pick(&waiting.route, now, Some(waits.for_request(waited)))
+            {
                 Pick::Lease(lease) => {
                     let removed = self.queues.pop(ticket).expect("held request is queued");
                     out.push(done(removed, Ok(lease), now));
@@ -459,6 +478,7 @@ impl<T> Dispatcher<T> {
         if waiting.hold_until.is_none() {
             let end = now + hold.min(waiting.deadline.saturating_duration_since(now) / 2);
             waiting.hold_until = Some(end);
+            waiting.held_since = Some(now);
             self.holds.insert((end, ticket.seq()), ticket);
             self.new_holds.clocks += 1;
         }
@@ -707,6 +727,15 @@ impl<T> Dispatcher<T> {
     /// Requests in flight to one endpoint (0 once it is forgotten).
     pub fn in_flight_of(&self, endpoint: EndpointId) -> u32 {
         self.ledger.in_flight_of(endpoint)
+    }
+
+    /// What this balancer tells an endpoint's agent in its answer to a
+    /// report, for the agent to divide the server's slots between
+    /// balancers ([`crate::shares`]): its requests in flight there, the
+    /// share it applies, and its queued requests (all of them: counting
+    /// them per model on every report would cost a pass over the flows).
+    pub fn demand_of(&self, endpoint: EndpointId) -> crate::shares::Demand {
+        self.ledger.demand_of(endpoint, self.queues.len())
     }
 
     pub fn in_flight(&self) -> u64 {

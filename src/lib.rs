@@ -47,6 +47,7 @@ pub mod protocol;
 pub mod quota;
 pub mod scorer;
 pub mod session;
+pub mod shares;
 pub mod tokens;
 pub mod usage;
 

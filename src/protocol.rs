@@ -92,6 +92,12 @@ pub struct AgentReport {
     /// Why the backend is not ready, when it is not.
     #[serde(default)]
     pub last_error: Option<String>,
+    /// The slots this balancer may fill on the server: its share of them,
+    /// divided by the agent between the balancers it reports to (see
+    /// [`crate::shares`]); `None` (an agent that divides nothing): all of
+    /// them, less the busy ones the balancer did not send.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slot_share: Option<u32>,
 }
 
 /// Why a report was refused. Mapped to HTTP 400 at the edge.
@@ -228,6 +234,7 @@ pub(crate) mod tests {
             monitoring_interval_ms: 1000,
             draining: false,
             last_error: None,
+            slot_share: None,
         }
     }
 

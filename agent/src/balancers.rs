@@ -14,12 +14,20 @@
 //! others: while one is stuck, the reports it missed are skipped, not
 //! queued. The main loop publishes one report per interval and reads back
 //! what each balancer answered.
+//!
+//! The server's slots are divided between the balancers
+//! ([`flowgate::shares`]): each answer says the balancer's demand, and each
+//! report carries its share (`slot_share`), so all balancers together never
+//! send the server more than its slots. A balancer that answered none of
+//! the last [`FORGET_AFTER`] reports is left out of the division: its
+//! requests still running count as busy slots no balancer sent.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use flowgate::shares::{Demand, Ledger};
 use flowgate::AgentReport;
 use reqwest::Client;
 use tokio::sync::watch;
@@ -29,12 +37,17 @@ use tracing::{info, warn};
 /// How often the balancers' names are resolved again.
 pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
 
-/// A report, numbered in the order it was published.
-type Published = Option<(u64, Arc<AgentReport>)>;
+/// Reports in a row a balancer may leave unanswered before its share goes
+/// to the others.
+pub const FORGET_AFTER: u64 = 2;
+
+/// A report, numbered in the order it was published, and each balancer's
+/// share of the slots.
+type Published = Option<(u64, Arc<AgentReport>, Arc<BTreeMap<SocketAddr, u32>>)>;
 
 /// What one balancer answered to the last report it got: the report's
-/// number, and its in-flight count for the endpoint or why it failed.
-type Answer = Option<(u64, Result<u64, String>)>;
+/// number, and its demand on the endpoint or why it failed.
+type Answer = Option<(u64, Result<Demand, String>)>;
 
 /// The names given (`host:port`), split from every `--management-addr`.
 pub fn names(args: &[String]) -> Result<Vec<String>, String> {
@@ -114,6 +127,8 @@ pub struct Balancers {
     token: Option<String>,
     latest: watch::Sender<Published>,
     published: u64,
+    /// The slots' division between the balancers.
+    shares: Ledger<SocketAddr>,
 }
 
 impl Balancers {
@@ -125,6 +140,7 @@ impl Balancers {
             token,
             latest: watch::channel(None).0,
             published: 0,
+            shares: Ledger::default(),
         }
     }
 
@@ -136,6 +152,7 @@ impl Balancers {
             .copied()
             .collect();
         for addr in gone {
+            self.shares.forget(&addr);
             if let Some(b) = self.by_addr.remove(&addr) {
                 b.task.abort();
                 info!(balancer = %addr, "no longer named: not reported to any more");
@@ -162,11 +179,32 @@ impl Balancers {
         format!("http://{addr}/api/v1/agents/{}", self.agent_id)
     }
 
-    /// Hands `report` to every balancer's task; returns its number.
+    /// Divides the slots by what the balancers last answered, and hands
+    /// `report` with each one's share to every balancer's task; returns
+    /// its number.
     pub fn publish(&mut self, report: AgentReport) -> u64 {
         self.published += 1;
-        self.latest
-            .send_replace(Some((self.published, Arc::new(report))));
+        for (addr, b) in &self.by_addr {
+            match &*b.answer.lock().unwrap_or_else(|e| e.into_inner()) {
+                Some((n, Ok(demand))) if n + FORGET_AFTER >= self.published => {
+                    self.shares.answered(addr, *demand)
+                }
+                // A balancer not heard from yet joins idle.
+                None if self.shares.get(addr).is_none() => {
+                    self.shares.answered(addr, Demand::default())
+                }
+                None => {}
+                Some((n, _)) if n + FORGET_AFTER < self.published => self.shares.forget(addr),
+                // A failure just now: its last demand stands.
+                Some(_) => {}
+            }
+        }
+        let shares = self.shares.divide(report.slots_total, report.slots_busy);
+        self.latest.send_replace(Some((
+            self.published,
+            Arc::new(report),
+            Arc::new(shares.into_iter().collect()),
+        )));
         self.published
     }
 
@@ -176,7 +214,7 @@ impl Balancers {
     pub fn all_idle_since(&self, since: u64) -> bool {
         self.by_addr.values().all(
             |b| match &*b.answer.lock().unwrap_or_else(|e| e.into_inner()) {
-                Some((n, Ok(in_flight))) => *n >= since && *in_flight == 0,
+                Some((n, Ok(demand))) => *n >= since && demand.in_flight == 0,
                 Some((n, Err(_))) => *n >= since,
                 None => false,
             },
@@ -230,9 +268,12 @@ async fn report_to(
 ) {
     let mut failing = false;
     while latest.changed().await.is_ok() {
-        let Some((n, report)) = latest.borrow_and_update().clone() else {
+        let Some((n, report, shares)) = latest.borrow_and_update().clone() else {
             continue;
         };
+        let mut report = (*report).clone();
+        // Left out of the division (it stopped answering): no slots.
+        report.slot_share = Some(shares.get(&addr).copied().unwrap_or(0));
         let result = send(&client, &url, &token, &report).await;
         match (&result, failing) {
             (Err(e), false) => warn!(balancer = %addr, "{e}"),
@@ -244,14 +285,14 @@ async fn report_to(
     }
 }
 
-/// Sends a report; returns the balancer's in-flight count for the
-/// endpoint (0 from a balancer that does not say).
+/// Sends a report; returns the balancer's demand on the endpoint (what
+/// it does not say counts as 0).
 async fn send(
     client: &Client,
     url: &str,
     token: &Option<String>,
     report: &AgentReport,
-) -> Result<u64, String> {
+) -> Result<Demand, String> {
     let resp = authorized(client.post(format!("{url}/report")), token)
         .json(report)
         .send()
@@ -260,10 +301,17 @@ async fn send(
     let status = resp.status();
     let body = resp.text().await.unwrap_or_default();
     if status.is_success() {
-        Ok(serde_json::from_str::<serde_json::Value>(&body)
-            .ok()
-            .and_then(|v| v["in_flight"].as_u64())
-            .unwrap_or(0))
+        let v = serde_json::from_str::<serde_json::Value>(&body).unwrap_or_default();
+        let count = |key: &str| {
+            v[key]
+                .as_u64()
+                .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
+        };
+        Ok(Demand {
+            in_flight: count("in_flight").unwrap_or(0),
+            queued: count("queued").unwrap_or(0),
+            applied: count("slot_share"),
+        })
     } else {
         Err(format!(
             "balancer refused the report: HTTP {status}: {body}"

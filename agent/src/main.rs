@@ -221,6 +221,7 @@ fn report_of(
         monitoring_interval_ms: cli.monitoring_interval.as_millis() as u64,
         draining,
         last_error: status.last_error,
+        slot_share: None,
     }
 }
 

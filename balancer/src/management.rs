@@ -233,11 +233,16 @@ impl Management {
                         ("took_over", id)
                     }
                 };
-                // `in_flight` lets a draining agent know when it may leave.
+                // `in_flight` lets a draining agent know when it may leave;
+                // with `queued` and `slot_share` (the share applied now) it
+                // is what the agent divides the server's slots by.
+                let demand = self.shared.demand_of(endpoint);
                 let body = json!({
                     "status": status,
                     "endpoint_id": endpoint.0,
-                    "in_flight": self.shared.in_flight_of(endpoint),
+                    "in_flight": demand.in_flight,
+                    "queued": demand.queued,
+                    "slot_share": demand.applied,
                 });
                 json_response(StatusCode::OK, body.to_string().into_bytes())
             }

@@ -21,5 +21,6 @@ pub fn report(i: u32, slots: u32) -> AgentReport {
         monitoring_interval_ms: 60_000,
         draining: false,
         last_error: None,
+        slot_share: None,
     }
 }

@@ -4,7 +4,9 @@
 //! balancer restarted on its port is re-populated within a report
 //! interval, a draining agent leaves every balancer, and a balancer told to
 //! stop turns its readiness off at once but serves through its drain delay;
-//! a conversation spread over two balancers stays on one server.
+//! a conversation spread over two balancers stays on one server; and the
+//! agents divide each server's slots between the balancers, so the two
+//! together never send a server more than its slots.
 
 mod common;
 
@@ -178,6 +180,71 @@ async fn a_conversation_spread_over_two_balancers_stays_on_one_server() {
         assert!(
             counts.contains(&6),
             "{tag} was split over the servers: {counts:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_balancers_never_send_a_server_more_than_its_slots() {
+    let one = Balancer::start(&["--max-buffered-requests", "100"]).await;
+    let two = Balancer::start(&["--max-buffered-requests", "100"]).await;
+    // Slow answers: every slot stays taken long enough for both balancers
+    // to want it.
+    let sims: Vec<Sim> = (0..2)
+        .map(|_| Sim::start(&["--slots", "2", "--ttft-ms", "150"]))
+        .collect();
+    let both = format!("{},{}", one.management, two.management);
+    let _agents: Vec<Proc> = sims
+        .iter()
+        .map(|s| agent_at(&s.addr.to_string(), &one, &["--management-addr", &both]))
+        .collect();
+    one.wait_eligible(2).await;
+    two.wait_eligible(2).await;
+    // Each balancer was given a share of each server: together, the four
+    // slots.
+    let shares = |v: serde_json::Value| -> Vec<u64> {
+        v["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["agent"]["slot_share"].as_u64().unwrap_or(99))
+            .collect()
+    };
+    wait_for("both balancers' shares", Duration::from_secs(5), || async {
+        let (a, b) = (shares(one.agents().await), shares(two.agents().await));
+        (a.iter().sum::<u64>() + b.iter().sum::<u64>() == 4).then_some(())
+    })
+    .await;
+    // Twelve clients on each balancer, closed loop, 3 requests each: six
+    // times what the four slots take.
+    let c = client();
+    let jobs: Vec<_> = (0..24)
+        .map(|i| {
+            let c = c.clone();
+            let url = if i % 2 == 0 { &one } else { &two }.url("/v1/chat/completions");
+            tokio::spawn(async move {
+                let mut statuses = Vec::new();
+                for n in 0..3 {
+                    let body = chat_for(Some("sim-model"), &format!("client {i} request {n}"));
+                    let r = c.post(&url).json(&body).send().await.unwrap();
+                    statuses.push(r.status().as_u16());
+                    r.bytes().await.unwrap();
+                }
+                statuses
+            })
+        })
+        .collect();
+    for j in jobs {
+        assert_eq!(j.await.unwrap(), [200, 200, 200]);
+    }
+    // Without the shares, each balancer fills both slots of a server the
+    // other also fills: the server queues the extra requests.
+    for s in &sims {
+        let stats = s.stats().await;
+        assert!(stats["max_processing"].as_u64().unwrap() <= 2, "{stats}");
+        assert_eq!(
+            stats["max_deferred"], 0,
+            "a server got more than its slots: {stats}"
         );
     }
 }

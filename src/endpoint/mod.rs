@@ -178,11 +178,18 @@ impl Endpoint {
         self.in_flight_tokens = self.in_flight_tokens.saturating_sub(tokens);
     }
 
-    /// Slots the balancer may still fill.
+    /// Slots the balancer may still fill: of its share of the server,
+    /// when the agent divides the slots between balancers
+    /// ([`crate::shares`]), else of every slot less the busy ones it did
+    /// not send.
     pub(crate) fn free_slots(&self) -> u32 {
-        self.slots_total()
-            .saturating_sub(self.in_flight)
-            .saturating_sub(self.foreign_busy)
+        match self.agent.as_ref().and_then(|a| a.report.slot_share) {
+            Some(share) => share.min(self.slots_total()).saturating_sub(self.in_flight),
+            None => self
+                .slots_total()
+                .saturating_sub(self.in_flight)
+                .saturating_sub(self.foreign_busy),
+        }
     }
 }
 
@@ -657,6 +664,17 @@ impl EndpointLedger {
     /// Requests the balancer has in flight to an endpoint.
     pub(crate) fn in_flight_of(&self, id: EndpointId) -> u32 {
         self.endpoints.get(&id).map_or(0, |e| e.in_flight)
+    }
+
+    /// What this balancer tells `id`'s agent of its demand
+    /// ([`crate::shares`]), with `queued` requests waiting.
+    pub(crate) fn demand_of(&self, id: EndpointId, queued: usize) -> crate::shares::Demand {
+        let e = self.endpoints.get(&id);
+        crate::shares::Demand {
+            in_flight: e.map_or(0, |e| e.in_flight),
+            queued: u32::try_from(queued).unwrap_or(u32::MAX),
+            applied: e.and_then(|e| e.agent.as_ref()?.report.slot_share),
+        }
     }
 
     /// The first model an endpoint's agent reports (the engine's own id).

@@ -344,7 +344,7 @@ fn scheduling_section_is_read() {
     assert_eq!(d.retries, 1);
     assert_eq!(
         d.dispatcher.scheduling.affinity_hold,
-        Duration::from_millis(200)
+        Duration::from_secs(5)
     );
 }
 

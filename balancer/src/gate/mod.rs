@@ -524,8 +524,10 @@ impl FleetGate {
     }
 
     /// Requests in flight to one endpoint.
-    pub fn in_flight_of(&self, endpoint: EndpointId) -> u32 {
-        self.lock().in_flight_of(endpoint)
+    /// This balancer's demand on an endpoint, for its agent (see
+    /// [`flowgate::Dispatcher::demand_of`]).
+    pub fn demand_of(&self, endpoint: EndpointId) -> flowgate::shares::Demand {
+        self.lock().demand_of(endpoint)
     }
 
     pub fn deregister(self: &Arc<Self>, agent_id: &str) -> bool {

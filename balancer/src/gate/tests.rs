@@ -32,6 +32,7 @@ fn agent(id: &str, port: u16, model: &str) -> AgentReport {
         monitoring_interval_ms: 1000,
         draining: false,
         last_error: None,
+        slot_share: None,
     }
 }
 

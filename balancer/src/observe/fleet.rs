@@ -139,8 +139,9 @@ impl FleetMetrics {
                 registry,
                 IntCounter::new(
                     "flowgate_affinity_holds_total",
-                    "Queued requests that waited for a busy endpoint caching their prompt \
-                 instead of taking a free one (scheduling.affinityHold)",
+                    "Queued requests that chose to wait for a busy endpoint caching their \
+                 prompt or holding their session instead of taking a free one (the \
+                 wait-or-go rule, bounded by scheduling.affinityHold)",
                 ),
             ),
             endpoints: EndpointGauges::new(registry),

@@ -31,6 +31,7 @@ pub(crate) async fn report_loop(base: String, cli: Cli, sims: Vec<(SocketAddr, A
                 monitoring_interval_ms: cli.report_interval_ms,
                 draining: false,
                 last_error: None,
+                slot_share: None,
             };
             let mut req = client
                 .post(format!("{base}/api/v1/agents/{agent_id}/report"))

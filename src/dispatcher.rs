@@ -58,7 +58,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::endpoint::{
-    EndpointId, EndpointLedger, EndpointSnapshot, Home, Lease, Pick, ReportOutcome, Route,
+    EndpointId, EndpointLedger, EndpointSnapshot, Lease, Pick, ReportOutcome, Route,
     SaturationConfig, SchedulingConfig, Waits,
 };
 use crate::flow::{
@@ -67,6 +67,9 @@ use crate::flow::{
 use crate::protocol::{AgentReport, ReportError};
 
 pub use crate::flow::Ticket;
+pub use holds::HoldsBegun;
+
+mod holds;
 
 /// How many requests of each flow a dispatch pass looks at when the ones
 /// ahead of them cannot go now (held for affinity, or their route is busy).
@@ -216,18 +219,6 @@ pub struct Dispatcher<T> {
     holds: BTreeMap<(Instant, u64), Ticket>,
     /// Holds begun since the last `take_new_holds`.
     new_holds: HoldsBegun,
-}
-
-/// Holds begun since the last [`Dispatcher::take_new_holds`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct HoldsBegun {
-    /// Requests that chose to wait for a busy endpoint that has their
-    /// prompt or session (the wait-or-go rule): the affinity holds.
-    pub held: u64,
-    /// Hold clocks started, those and the requests passed over by
-    /// requests at home on a free endpoint: the owner's timer must learn
-    /// of them (a new one may end before the one it waits for).
-    pub clocks: u64,
 }
 
 impl<T> Dispatcher<T> {
@@ -416,145 +407,6 @@ impl<T> Dispatcher<T> {
     /// its TTL (`sessions.hard`) rather than at most the affinity hold.
     fn hard_session(&self, route: &Route) -> bool {
         self.config.scheduling.sessions.hard && route.session.is_some()
-    }
-
-    /// Held requests go first to the endpoint they wait for: when it frees
-    /// a slot, the held request takes it rather than the request next in
-    /// turn, which would prefill its prompt there cold while the held one
-    /// waits on for another slot. Only held requests of the highest waiting
-    /// priority go ahead this way, the nearest to the end of its hold
-    /// first.
-    fn place_held(&mut self, now: Instant, out: &mut Vec<Done<T>>) {
-        let Some(top) = self.queues.top_priority() else {
-            return;
-        };
-        // Entries of requests that left are skipped (and dropped later by
-        // `next_hold_end`); tickets are never reused.
-        let held: Vec<Ticket> = self
-            .holds
-            .values()
-            .take(MAX_HOLDS_PER_PASS)
-            .copied()
-            .collect();
-        let mut waits = Waits::default();
-        for ticket in held {
-            let Some(waiting) = self.queues.get(ticket) else {
-                continue;
-            };
-            if waiting.priority < top {
-                continue;
-            }
-            if !self.ledger.any_available(now) {
-                return;
-            }
-            let waited = waiting
-                .held_since
-                .map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
-            match self
-                .ledger
-                .pick(&waiting.route, now, Some(waits.for_request(waited)))
-            {
-                Pick::Lease(lease) => {
-                    let removed = self.queues.pop(ticket).expect("held request is queued");
-                    out.push(done(removed, Ok(lease), now));
-                }
-                Pick::Hold(endpoint) => waits.add(endpoint),
-                Pick::Busy => {}
-            }
-        }
-    }
-
-    /// Starts the hold of a request passed over for the endpoint that has
-    /// its prompt, unless it began before: it ends after
-    /// `scheduling.affinity_hold` or half the time the request has left,
-    /// whichever is first, so it still has time to be served elsewhere.
-    /// `chose`: the request chose to wait (the wait-or-go rule), rather
-    /// than was passed by requests at home on the free endpoint.
-    fn start_hold(&mut self, ticket: Ticket, now: Instant, chose: bool) {
-        let hold = self.config.scheduling.affinity_hold;
-        let Some(waiting) = self.queues.get_mut(ticket) else {
-            return;
-        };
-        if waiting.hold_until.is_none() {
-            let end = now + hold.min(waiting.deadline.saturating_duration_since(now) / 2);
-            waiting.hold_until = Some(end);
-            waiting.held_since = Some(now);
-            self.holds.insert((end, ticket.seq()), ticket);
-            self.new_holds.clocks += 1;
-        }
-        if chose && !waiting.counted {
-            waiting.counted = true;
-            self.new_holds.held += 1;
-        }
-    }
-
-    /// Requests at home on a free endpoint (no busy one holds more of their
-    /// prompt; their session's endpoint takes them) take its slots before
-    /// the others of the highest waiting priority: the request next in
-    /// turn may be cached elsewhere, and would take the slot to prefill its
-    /// prompt there cold while they wait on (at saturation, the requests
-    /// of a server's own conversations wait in the queue, not held: no slot
-    /// was free when they came). A request passed this way starts its hold
-    /// clock: once its hold is over it is passed no more and takes the next
-    /// free slot. A request no endpoint can take is passed by none of the
-    /// same targets, as in the main pass.
-    fn place_at_home(&mut self, now: Instant, out: &mut Vec<Done<T>>) {
-        let Some(top) = self.queues.top_priority() else {
-            return;
-        };
-        let hard = self.config.scheduling.sessions.hard;
-        let mut passed: Vec<(Ticket, bool)> = Vec::new();
-        while self.ledger.any_available(now) {
-            let ledger = &self.ledger;
-            let mut stuck: Vec<Route> = Vec::new();
-            let next = self.queues.peek_where(LOOK_AHEAD, |ticket, w| {
-                if w.priority < top || stuck.iter().any(|r| r.same_targets(&w.route)) {
-                    return false;
-                }
-                match ledger.at_home(&w.route, now) {
-                    Home::Yes => true,
-                    Home::Elsewhere { waits } => {
-                        let over = w.hold_until.is_some_and(|end| end <= now);
-                        if over && !(hard && w.route.session.is_some()) {
-                            return true;
-                        }
-                        passed.push((ticket, waits));
-                        false
-                    }
-                    Home::Busy => {
-                        stuck.push(w.route.targets());
-                        false
-                    }
-                }
-            });
-            let Some(ticket) = next else { break };
-            let waiting = self.queues.get(ticket).expect("peeked request is queued");
-            let Pick::Lease(lease) = self.ledger.pick(&waiting.route, now, None) else {
-                break;
-            };
-            let removed = self.queues.pop(ticket).expect("peeked request is queued");
-            out.push(done(removed, Ok(lease), now));
-        }
-        for (ticket, chose) in passed {
-            self.start_hold(ticket, now, chose);
-        }
-    }
-
-    /// When the earliest affinity hold of a waiting request ends: run
-    /// [`Dispatcher::dispatch`] then.
-    pub fn next_hold_end(&mut self) -> Option<Instant> {
-        while let Some(entry) = self.holds.first_entry() {
-            if self.queues.get(*entry.get()).is_some() {
-                return Some(entry.key().0);
-            }
-            entry.remove();
-        }
-        None
-    }
-
-    /// The holds begun since the last call.
-    pub fn take_new_holds(&mut self) -> HoldsBegun {
-        std::mem::take(&mut self.new_holds)
     }
 
     /// Settles the token-fair charge of a request dispatched from the

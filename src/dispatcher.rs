@@ -198,9 +198,6 @@ struct Waiting<T> {
     hold_until: Option<Instant>,
     /// When it must be answered: a hold ends well before.
     deadline: Instant,
-    /// When it was first held: what it waited counts in the wait-or-go
-    /// rule.
-    held_since: Option<Instant>,
     /// Counted among the affinity holds.
     counted: bool,
     priority: i32,
@@ -303,7 +300,6 @@ impl<T> Dispatcher<T> {
             route: request.route,
             hold_until: None,
             deadline,
-            held_since: None,
             counted: false,
             priority: place.key.priority,
         };
@@ -373,14 +369,10 @@ impl<T> Dispatcher<T> {
                 || (!hold.is_zero()
                     && waiting.hold_until.is_none_or(|end| now < end)
                     && held.len() < MAX_HOLDS_PER_PASS);
-            let waited = waiting
-                .held_since
-                .map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
-            match self.ledger.pick(
-                &waiting.route,
-                now,
-                may_hold.then(|| waits.for_request(waited)),
-            ) {
+            match self
+                .ledger
+                .pick(&waiting.route, now, may_hold.then_some(&waits))
+            {
                 Pick::Lease(lease) => {
                     let removed = self.queues.pop(ticket).expect("peeked request is queued");
                     out.push(done(removed, Ok(lease), now));

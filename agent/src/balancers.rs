@@ -42,8 +42,11 @@ pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
 pub const FORGET_AFTER: u64 = 2;
 
 /// A report, numbered in the order it was published, and each balancer's
-/// share of the slots.
-type Published = Option<(u64, Arc<AgentReport>, Arc<BTreeMap<SocketAddr, u32>>)>;
+/// share of the slots (`None`: the agent does not divide them).
+type Published = Option<(u64, Arc<AgentReport>, Option<Shares>)>;
+
+/// Each balancer's share of the slots.
+type Shares = Arc<BTreeMap<SocketAddr, u32>>;
 
 /// What one balancer answered to the last report it got: the report's
 /// number, and its demand on the endpoint or why it failed.
@@ -127,12 +130,12 @@ pub struct Balancers {
     token: Option<String>,
     latest: watch::Sender<Published>,
     published: u64,
-    /// The slots' division between the balancers.
-    shares: Ledger<SocketAddr>,
+    /// The slots' division between the balancers, unless off.
+    shares: Option<Ledger<SocketAddr>>,
 }
 
 impl Balancers {
-    pub fn new(client: Client, agent_id: String, token: Option<String>) -> Self {
+    pub fn new(client: Client, agent_id: String, token: Option<String>, share: bool) -> Self {
         Balancers {
             by_addr: BTreeMap::new(),
             client,
@@ -140,7 +143,7 @@ impl Balancers {
             token,
             latest: watch::channel(None).0,
             published: 0,
-            shares: Ledger::default(),
+            shares: share.then(Ledger::default),
         }
     }
 
@@ -152,7 +155,9 @@ impl Balancers {
             .copied()
             .collect();
         for addr in gone {
-            self.shares.forget(&addr);
+            if let Some(shares) = &mut self.shares {
+                shares.forget(&addr);
+            }
             if let Some(b) = self.by_addr.remove(&addr) {
                 b.task.abort();
                 info!(balancer = %addr, "no longer named: not reported to any more");
@@ -184,27 +189,29 @@ impl Balancers {
     /// its number.
     pub fn publish(&mut self, report: AgentReport) -> u64 {
         self.published += 1;
-        for (addr, b) in &self.by_addr {
-            match &*b.answer.lock().unwrap_or_else(|e| e.into_inner()) {
-                Some((n, Ok(demand))) if n + FORGET_AFTER >= self.published => {
-                    self.shares.answered(addr, *demand)
+        let shares = self.shares.as_mut().map(|ledger| {
+            for (addr, b) in &self.by_addr {
+                match &*b.answer.lock().unwrap_or_else(|e| e.into_inner()) {
+                    Some((n, Ok(demand))) if n + FORGET_AFTER >= self.published => {
+                        ledger.answered(addr, *demand)
+                    }
+                    // A balancer not heard from yet joins idle.
+                    None if ledger.get(addr).is_none() => ledger.answered(addr, Demand::default()),
+                    None => {}
+                    Some((n, _)) if n + FORGET_AFTER < self.published => ledger.forget(addr),
+                    // A failure just now: its last demand stands.
+                    Some(_) => {}
                 }
-                // A balancer not heard from yet joins idle.
-                None if self.shares.get(addr).is_none() => {
-                    self.shares.answered(addr, Demand::default())
-                }
-                None => {}
-                Some((n, _)) if n + FORGET_AFTER < self.published => self.shares.forget(addr),
-                // A failure just now: its last demand stands.
-                Some(_) => {}
             }
-        }
-        let shares = self.shares.divide(report.slots_total, report.slots_busy);
-        self.latest.send_replace(Some((
-            self.published,
-            Arc::new(report),
-            Arc::new(shares.into_iter().collect()),
-        )));
+            Arc::new(
+                ledger
+                    .divide(report.slots_total, report.slots_busy)
+                    .into_iter()
+                    .collect(),
+            )
+        });
+        self.latest
+            .send_replace(Some((self.published, Arc::new(report), shares)));
         self.published
     }
 
@@ -273,7 +280,7 @@ async fn report_to(
         };
         let mut report = (*report).clone();
         // Left out of the division (it stopped answering): no slots.
-        report.slot_share = Some(shares.get(&addr).copied().unwrap_or(0));
+        report.slot_share = shares.map(|s| s.get(&addr).copied().unwrap_or(0));
         let result = send(&client, &url, &token, &report).await;
         match (&result, failing) {
             (Err(e), false) => warn!(balancer = %addr, "{e}"),

@@ -92,6 +92,14 @@ struct Cli {
     #[arg(long = "model-alias", value_name = "NAME", value_parser = parse_alias)]
     model_aliases: Vec<String>,
 
+    /// Divide the server's slots between the balancers this agent reports
+    /// to, each told its share in its reports, so that together they never
+    /// send the server more than its slots. `false`: every balancer fills
+    /// every slot it sees free, and two may fill the same one between two
+    /// reports (the server queues the extra request)
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
+    share_slots: bool,
+
     /// How often to poll and report: `100ms`, `1s`, or milliseconds. The
     /// balancer treats an endpoint as saturated once its metrics are older
     /// than its staleness threshold (200 ms, or two intervals if longer) and
@@ -265,7 +273,12 @@ async fn run(cli: Cli) -> Result<(), String> {
     };
     let agent_id = format!("agent-{}", uuid::Uuid::new_v4().simple());
     let name = cli.name.clone().unwrap_or_else(|| backend_base.clone());
-    let mut balancers = Balancers::new(client, agent_id.clone(), cli.management_token.clone());
+    let mut balancers = Balancers::new(
+        client,
+        agent_id.clone(),
+        cli.management_token.clone(),
+        cli.share_slots,
+    );
     info!(
         agent = agent_id,
         backend = backend_base,

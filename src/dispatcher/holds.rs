@@ -3,7 +3,7 @@
 //! offered (held requests first, then requests at home there). See the
 //! dispatcher's module docs for the rules.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::{done, Dispatcher, Done, LOOK_AHEAD, MAX_HOLDS_PER_PASS};
 use crate::endpoint::{Home, Pick, Route, Waits};
@@ -51,13 +51,7 @@ impl<T> Dispatcher<T> {
             if !self.ledger.any_available(now) {
                 return;
             }
-            let waited = waiting
-                .held_since
-                .map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
-            match self
-                .ledger
-                .pick(&waiting.route, now, Some(waits.for_request(waited)))
-            {
+            match self.ledger.pick(&waiting.route, now, Some(&waits)) {
                 Pick::Lease(lease) => {
                     let removed = self.queues.pop(ticket).expect("held request is queued");
                     out.push(done(removed, Ok(lease), now));
@@ -82,7 +76,6 @@ impl<T> Dispatcher<T> {
         if waiting.hold_until.is_none() {
             let end = now + hold.min(waiting.deadline.saturating_duration_since(now) / 2);
             waiting.hold_until = Some(end);
-            waiting.held_since = Some(now);
             self.holds.insert((end, ticket.seq()), ticket);
             self.new_holds.clocks += 1;
         }

@@ -16,13 +16,13 @@
 //! ([`super::CostModel`]). So a long conversation waits for its server,
 //! a short prompt never does, and a popular prefix spreads to a second
 //! server once the requests queued for the first cost more than one more
-//! prefill. The time a request has already waited for the endpoint counts
-//! too: it never waits longer in all than going would have taken, so an
-//! estimate that was wrong costs it at most twice the best (the ski-rental
-//! bound). `scheduling.affinityHold` only bounds the wait besides; the
-//! dispatcher owns that clock.
+//! prefill. `scheduling.affinityHold` only bounds the wait, in case the
+//! estimates are wrong; the dispatcher owns that clock. (Counting what a
+//! request already waited against the prefill, the ski-rental bound, was
+//! tried: it moved conversations away from their cache under load and cost
+//! throughput; see BENCHMARKS.md.)
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::{Endpoint, EndpointId, EndpointLedger, Route};
 
@@ -43,25 +43,15 @@ pub(crate) enum Home {
     Busy,
 }
 
-/// What the wait-or-go rule knows of a request's wait besides the
-/// endpoints: the requests held for each endpoint so far in one dispatch
-/// pass (a request held for an endpoint waits behind them; few entries,
-/// holds per pass are bounded, so a list), and how long the request being
-/// placed has waited for its endpoint already.
+/// Requests held for each endpoint so far in one dispatch pass: a request
+/// held for an endpoint waits behind them. Few entries (holds per pass are
+/// bounded), so a list.
 #[derive(Debug, Default)]
 pub(crate) struct Waits {
     held: Vec<(EndpointId, u32)>,
-    waited: Duration,
 }
 
 impl Waits {
-    /// Sets how long the request about to be placed has waited for its
-    /// endpoint already (since it was first held).
-    pub(crate) fn for_request(&mut self, waited: Duration) -> &Self {
-        self.waited = waited;
-        self
-    }
-
     /// Requests held for `id` so far.
     pub(crate) fn ahead(&self, id: EndpointId) -> u32 {
         self.held
@@ -147,14 +137,11 @@ impl EndpointLedger {
         let ttft = |e: &Endpoint, cached: u64| {
             e.predicted_wait_ms(false, waits.ahead(e.id)) + e.predicted_prefill_ms(prompt - cached)
         };
-        // The quickest saturated endpoint, if quicker than going: what it
-        // waited already counts, so it never waits longer in all than going
-        // would have taken (a wrong estimate costs at most twice the best).
-        let waited = waits.waited.as_secs_f64() * 1_000.0;
+        // The quickest saturated endpoint, if quicker than going.
         let mut best: Option<(f64, EndpointId)> = None;
         let mut consider = |e: &Endpoint, cached: u64| {
             let ms = ttft(e, cached);
-            if waited + ms < go_ms && best.is_none_or(|b| (ms, e.id) < b) {
+            if ms < go_ms && best.is_none_or(|b| (ms, e.id) < b) {
                 best = Some((ms, e.id));
             }
         };
@@ -347,26 +334,6 @@ mod tests {
         let explained = ledger.explain(&prompt(42, 0), now);
         assert_eq!(explained.choice.map(|a| a.port()), Some(2));
         assert_eq!(explained.waits_for.map(|a| a.port()), Some(1));
-    }
-
-    #[test]
-    fn a_request_never_waits_longer_in_all_than_going_would_take() {
-        let now = Instant::now();
-        let (mut ledger, on_a) = a_busy_with(40, now);
-        learn(&mut ledger, &on_a, 1_000, 400);
-        let route = prompt(42, 0);
-        // Going costs 2,688 ms, waiting 528 ms more: it waits while what
-        // it waited already plus that stays under 2,688 ms.
-        let mut waits = Waits::default();
-        let waited = |ms| Duration::from_millis(ms);
-        assert_eq!(
-            choice(&mut ledger, &route, waits.for_request(waited(2_100)), now),
-            HOLD_FOR_A
-        );
-        assert_eq!(
-            choice(&mut ledger, &route, waits.for_request(waited(2_200)), now),
-            GO_TO_B
-        );
     }
 
     #[test]

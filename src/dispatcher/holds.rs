@@ -91,11 +91,19 @@ impl<T> Dispatcher<T> {
     /// turn may be cached elsewhere, and would take the slot to prefill its
     /// prompt there cold while they wait on (at saturation, the requests
     /// of a server's own conversations wait in the queue, not held: no slot
-    /// was free when they came). A request passed this way starts its hold
+    /// was free when they came), once some request waits for another
+    /// endpoint. A request passed this way starts its hold
     /// clock: once its hold is over it is passed no more and takes the next
     /// free slot. A request no endpoint can take is passed by none of the
     /// same targets, as in the main pass.
     pub(super) fn place_at_home(&mut self, now: Instant, out: &mut Vec<Done<T>>) {
+        // Only while some request waits for another endpoint (held, or
+        // passed over before): then the request next in turn may well be
+        // cached elsewhere. With none, the queue's own order stands, at no
+        // cost to a fleet without prefix affinity.
+        if self.holds.is_empty() {
+            return;
+        }
         let Some(top) = self.queues.top_priority() else {
             return;
         };

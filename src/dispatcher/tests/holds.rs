@@ -85,9 +85,19 @@ fn a_freed_server_goes_to_its_own_conversation_before_one_cached_elsewhere() {
     let mut a = model_server("a", 1, 1, &[]);
     d.report(a.clone(), t0).unwrap();
     d.report(model_server("b", 2, 1, &[]), t0).unwrap();
+    d.report(model_server("c", 3, 1, &[]), t0).unwrap();
     let on_a = ready(d.submit(with_prompt("t", 0, &[1]), "a-1", t0));
     let on_b = ready(d.submit(with_prompt("u", 0, &[11, 12]), "b-1", t0));
-    assert_eq!((on_a.addr.port(), on_b.addr.port()), (1, 2));
+    let on_c = ready(d.submit(with_prompt("v", 0, &[21, 22, 23]), "c-1", t0));
+    assert_eq!(
+        (on_a.addr.port(), on_b.addr.port(), on_c.addr.port()),
+        (1, 2, 3)
+    );
+    // b frees with only c-2 waiting: it is held for c (its long prompt).
+    queued(d.submit(with_prompt("v", 0, &[21, 22, 23, 24]), "c-2", t0));
+    d.release(on_b);
+    assert!(d.dispatch(t0).is_empty());
+    assert_eq!(d.take_new_holds().held, 1);
     // a's engine has five requests of its own queued: for a-2, waiting
     // there (6 × 1,000 ms + 4,096 ms) costs more than prefilling all of it
     // on b (8,192 ms), so the wait-or-go rule alone would send it to b.
@@ -95,8 +105,7 @@ fn a_freed_server_goes_to_its_own_conversation_before_one_cached_elsewhere() {
     d.report(a, t0).unwrap();
     queued(d.submit(with_prompt("t", 0, &[1, 2]), "a-2", t0));
     queued(d.submit(with_prompt("u", 0, &[11, 12, 13]), "b-2", t0));
-    // b frees: a-2 is next in turn, but b-2's conversation is on b.
-    d.release(on_b);
+    // a-2 is next in turn, but b-2's conversation is on b.
     let done = d.dispatch(t0);
     assert_eq!(granted(&done), ["b-2"]);
     assert_eq!(done[0].result.as_ref().unwrap().addr.port(), 2);
@@ -104,17 +113,22 @@ fn a_freed_server_goes_to_its_own_conversation_before_one_cached_elsewhere() {
     // holds do not count it; once its hold is over it takes the next free
     // slot, wherever.
     assert_eq!(d.take_new_holds(), HoldsBegun { held: 0, clocks: 1 });
-    assert_eq!(d.next_hold_end(), Some(t0 + 200 * MS));
     d.release(done.into_iter().next().unwrap().result.unwrap());
-    for (id, port) in [("a", 1), ("b", 2)] {
+    for (id, port) in [("a", 1), ("b", 2), ("c", 3)] {
         d.report(model_server(id, port, 1, &[]), t0 + 150 * MS)
             .unwrap();
     }
-    // b-3 of b's conversation comes after a-2's hold is over: a-2 first.
+    // c frees too; b-3 of b's conversation comes after a-2's hold is
+    // over: c-2 goes home to c, a-2 is passed no more and takes b.
+    d.release(on_c);
     queued(d.submit(with_prompt("u", 0, &[11, 12, 13, 14]), "b-3", t0 + 200 * MS));
     let done = d.dispatch(t0 + 200 * MS);
-    assert_eq!(granted(&done), ["a-2"]);
-    assert_eq!(done[0].result.as_ref().unwrap().addr.port(), 2);
+    let mut went: Vec<(&str, u16)> = done
+        .iter()
+        .map(|d| (d.waiter, d.result.as_ref().unwrap().addr.port()))
+        .collect();
+    went.sort_unstable();
+    assert_eq!(went, [("a-2", 2), ("c-2", 3)]);
     d.release(on_a);
 }
 

@@ -440,7 +440,10 @@ async fn a_full_result_store_holds_dispatching_until_results_age_out() {
 async fn async_requests_of_one_session_are_delivered_to_one_server() {
     let dir = TempDir::new("async-sessions");
     let b = Balancer::start(&["--async-dir", dir.arg()]).await;
-    let sims: Vec<Sim> = (0..3).map(|_| Sim::start(&["--slots", "4"])).collect();
+    // Room for all six at once on any server: the session, not a hold for
+    // a saturated server (short prompts are not worth waiting for), is
+    // what keeps them together.
+    let sims: Vec<Sim> = (0..3).map(|_| Sim::start(&["--slots", "8"])).collect();
     let _agents: Vec<Proc> = sims.iter().map(|s| agent(s, &b)).collect();
     b.wait_eligible(3).await;
     let mut ids = Vec::new();

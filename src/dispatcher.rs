@@ -374,8 +374,7 @@ impl<T> Dispatcher<T> {
                 .pick(&waiting.route, now, may_hold.then_some(&waits))
             {
                 Pick::Lease(lease) => {
-                    let removed = self.queues.pop(ticket).expect("peeked request is queued");
-                    out.push(done(removed, Ok(lease), now));
+                    self.grant(ticket, lease, now, &mut out);
                 }
                 Pick::Hold(endpoint) => {
                     waits.add(endpoint);
@@ -393,6 +392,15 @@ impl<T> Dispatcher<T> {
             }
         }
         out
+    }
+
+    /// Takes a granted request out of the queues, with its lease.
+    fn grant(&mut self, ticket: Ticket, lease: Lease, now: Instant, out: &mut Vec<Done<T>>) {
+        let removed = self
+            .queues
+            .pop(ticket)
+            .expect("a granted request is queued");
+        out.push(done(removed, Ok(lease), now));
     }
 
     /// Whether `route` is of a session that waits for its endpoint until
@@ -566,11 +574,6 @@ impl<T> Dispatcher<T> {
     /// which model answered a request that named none.
     pub fn first_model_of(&self, endpoint: EndpointId) -> Option<&str> {
         self.ledger.first_model_of(endpoint)
-    }
-
-    /// Requests in flight to one endpoint (0 once it is forgotten).
-    pub fn in_flight_of(&self, endpoint: EndpointId) -> u32 {
-        self.ledger.in_flight_of(endpoint)
     }
 
     /// What this balancer tells an endpoint's agent in its answer to a

@@ -92,15 +92,6 @@ impl<K: Ord + Clone> Ledger<K> {
         self.balancers.get(balancer).map(|b| b.demand)
     }
 
-    /// The balancers known.
-    pub fn len(&self) -> usize {
-        self.balancers.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.balancers.is_empty()
-    }
-
     /// Divides the server's `slots`, of which `busy` run now (as the
     /// engine says), among the known balancers, and records each share as
     /// sent (see the module docs). Returns the shares, by balancer.

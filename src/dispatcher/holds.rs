@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use super::{done, Dispatcher, Done, LOOK_AHEAD, MAX_HOLDS_PER_PASS};
+use super::{Dispatcher, Done, LOOK_AHEAD, MAX_HOLDS_PER_PASS};
 use crate::endpoint::{Home, Pick, Route, Waits};
 use crate::flow::Ticket;
 
@@ -53,8 +53,7 @@ impl<T> Dispatcher<T> {
             }
             match self.ledger.pick(&waiting.route, now, Some(&waits)) {
                 Pick::Lease(lease) => {
-                    let removed = self.queues.pop(ticket).expect("held request is queued");
-                    out.push(done(removed, Ok(lease), now));
+                    self.grant(ticket, lease, now, out);
                 }
                 Pick::Hold(endpoint) => waits.add(endpoint),
                 Pick::Busy => {}
@@ -137,8 +136,7 @@ impl<T> Dispatcher<T> {
             let Pick::Lease(lease) = self.ledger.pick(&waiting.route, now, None) else {
                 break;
             };
-            let removed = self.queues.pop(ticket).expect("peeked request is queued");
-            out.push(done(removed, Ok(lease), now));
+            self.grant(ticket, lease, now, out);
         }
         for (ticket, chose) in passed {
             self.start_hold(ticket, now, chose);

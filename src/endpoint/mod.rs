@@ -661,11 +661,6 @@ impl EndpointLedger {
         ep.orphans.push_back((now, lease.tokens));
     }
 
-    /// Requests the balancer has in flight to an endpoint.
-    pub(crate) fn in_flight_of(&self, id: EndpointId) -> u32 {
-        self.endpoints.get(&id).map_or(0, |e| e.in_flight)
-    }
-
     /// What this balancer tells `id`'s agent of its demand
     /// ([`crate::shares`]), with `queued` requests waiting.
     pub(crate) fn demand_of(&self, id: EndpointId, queued: usize) -> crate::shares::Demand {

@@ -24,6 +24,7 @@
 
 use std::time::Instant;
 
+use super::selection::SessionPlace;
 use super::{Endpoint, EndpointId, EndpointLedger, Route};
 
 /// Bytes of prompt text per token assumed to turn cached blocks into
@@ -213,18 +214,16 @@ impl EndpointLedger {
         }
         let mut bound = None;
         if let Some(session) = route.session {
-            let endpoint = self
-                .sessions
-                .endpoint(session, now)
-                .and_then(|addr| self.by_addr.get(&addr))
-                .and_then(|id| self.endpoints.get(id))
-                .filter(|e| e.eligible(now) && e.fits(route));
-            match endpoint {
-                Some(e) if e.takes(route, now, &self.saturation) => return Home::Yes,
+            match self.session_endpoint(route, session, now) {
+                SessionPlace::Takes(_) => return Home::Yes,
                 // Its conversation is on a saturated endpoint.
-                Some(e) => bound = Some(e.id),
-                None if self.session_home(route, session, now).is_some() => return Home::Yes,
-                None => {}
+                SessionPlace::Saturated(id) => bound = Some(id),
+                SessionPlace::Gone | SessionPlace::None
+                    if self.session_home(route, session, now).is_some() =>
+                {
+                    return Home::Yes
+                }
+                SessionPlace::Gone | SessionPlace::None => {}
             }
         }
         let Some(go) = self.choose_by_score(route, now) else {

@@ -94,13 +94,15 @@ pub(super) enum Choice {
 }
 
 /// Where a request's session stands.
-enum SessionPlace {
+pub(super) enum SessionPlace {
     /// Its endpoint can take the request.
     Takes(EndpointId),
     /// Its endpoint is live but cannot take it now.
     Saturated(EndpointId),
-    /// No endpoint to go back to (none bound, gone, or not for this
-    /// request).
+    /// Bound to an endpoint that is gone, draining or otherwise not
+    /// eligible: the binding is to be released.
+    Gone,
+    /// No endpoint to go back to (none bound, or not for this request).
     None,
 }
 
@@ -198,10 +200,15 @@ impl EndpointLedger {
             Some(session) => match self.session_endpoint(route, session, now) {
                 SessionPlace::Takes(id) => return Choice::Endpoint(id),
                 SessionPlace::Saturated(id) => Some(id),
-                SessionPlace::None => match self.session_home(route, session, now) {
-                    Some(home) => return Choice::Endpoint(home),
-                    None => None,
-                },
+                place @ (SessionPlace::Gone | SessionPlace::None) => {
+                    if matches!(place, SessionPlace::Gone) {
+                        self.sessions.release(session);
+                    }
+                    match self.session_home(route, session, now) {
+                        Some(home) => return Choice::Endpoint(home),
+                        None => None,
+                    }
+                }
             },
         };
         let go = match &route.subset {
@@ -238,10 +245,16 @@ impl EndpointLedger {
         home.takes(route, now, &self.saturation).then_some(home.id)
     }
 
-    /// Where `session`'s last turn went, as its next turn sees it; a
-    /// binding to an endpoint that is gone, draining or otherwise not
-    /// eligible is released (the turn goes elsewhere and is bound there).
-    fn session_endpoint(&mut self, route: &Route, session: u64, now: Instant) -> SessionPlace {
+    /// Where `session`'s last turn went, as its next turn sees it (read
+    /// only: [`EndpointLedger::choose`] releases a binding to an endpoint
+    /// that is [`SessionPlace::Gone`], and the turn goes elsewhere and is
+    /// bound there).
+    pub(super) fn session_endpoint(
+        &self,
+        route: &Route,
+        session: u64,
+        now: Instant,
+    ) -> SessionPlace {
         let Some(addr) = self.sessions.endpoint(session, now) else {
             return SessionPlace::None;
         };
@@ -251,8 +264,7 @@ impl EndpointLedger {
             .and_then(|id| self.endpoints.get(id))
             .filter(|e| e.eligible(now))
         else {
-            self.sessions.release(session);
-            return SessionPlace::None;
+            return SessionPlace::Gone;
         };
         if !e.fits(route) {
             // Another model, or the endpoint a retry avoids.

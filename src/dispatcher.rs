@@ -30,9 +30,13 @@
 //!   highest waiting priority that is at home there (no busy endpoint holds
 //!   more of its prompt, its session's endpoint takes it), before a request
 //!   cached elsewhere would take it and prefill cold; a request passed so
-//!   starts the same hold clock and, once it is over, is passed no more. When that endpoint frees a slot, the held request takes
-//!   it before any other request of its priority. A hold never lets lower
-//!   priority pass, and a request whose hold ended goes wherever there is
+//!   starts the same hold clock and, once it is over, is passed no more.
+//!   When that endpoint frees a slot, the held request takes it before any
+//!   other request of its priority. A hold never lets lower priority pass,
+//!   nor a tenant get more than a few of its requests ahead of the waiting
+//!   request's tenant under token fairness
+//!   ([`FlowQueues::passing_is_unfair`]: then the waiting request takes the
+//!   free slot), and a request whose hold ended goes wherever there is
 //!   room. The owner runs
 //!   `dispatch` at [`Dispatcher::next_hold_end`] (and learns of new holds
 //!   from [`Dispatcher::take_new_holds`]), so no request waits on an idle
@@ -362,6 +366,15 @@ impl<T> Dispatcher<T> {
                 })
             };
             let Some(ticket) = next else { break };
+            if !held.is_empty() {
+                if let Some(slow) = self.unfairly_passed(held.iter().copied(), ticket) {
+                    held.remove(&slow);
+                    if self.go_now(slow, now, &mut out) {
+                        continue;
+                    }
+                    held.insert(slow);
+                }
+            }
             let waiting = self.queues.get(ticket).expect("peeked request is queued");
             // A hard session waits for its endpoint until its TTL, however
             // many others are held.
@@ -392,6 +405,35 @@ impl<T> Dispatcher<T> {
             }
         }
         out
+    }
+
+    /// The earliest of `waiting` (requests waiting for a busy endpoint's
+    /// cache) whose tenant `ahead` would pass by more than fairness allows
+    /// ([`crate::flow::FlowQueues::passing_is_unfair`]): it should take the
+    /// free slot instead.
+    fn unfairly_passed(
+        &self,
+        waiting: impl Iterator<Item = Ticket>,
+        ahead: Ticket,
+    ) -> Option<Ticket> {
+        waiting
+            .filter(|&slow| self.queues.passing_is_unfair(slow, ahead))
+            .min_by_key(|t| t.seq())
+    }
+
+    /// Dispatches a request to whichever endpoint takes it now, without
+    /// waiting for another; false when none can.
+    fn go_now(&mut self, ticket: Ticket, now: Instant, out: &mut Vec<Done<T>>) -> bool {
+        let Some(waiting) = self.queues.get(ticket) else {
+            return false;
+        };
+        match self.ledger.pick(&waiting.route, now, None) {
+            Pick::Lease(lease) => {
+                self.grant(ticket, lease, now, out);
+                true
+            }
+            Pick::Hold(_) | Pick::Busy => false,
+        }
     }
 
     /// Takes a granted request out of the queues, with its lease.

@@ -132,6 +132,14 @@ impl<T> Dispatcher<T> {
                 }
             });
             let Some(ticket) = next else { break };
+            // A request passed over by one from a tenant too far ahead of
+            // its own takes the slot instead (to prefill elsewhere).
+            if let Some(slow) = self.unfairly_passed(passed.iter().map(|&(t, _)| t), ticket) {
+                if self.go_now(slow, now, out) {
+                    passed.retain(|&(t, _)| t != slow);
+                    continue;
+                }
+            }
             let waiting = self.queues.get(ticket).expect("peeked request is queued");
             let Pick::Lease(lease) = self.ledger.pick(&waiting.route, now, None) else {
                 break;

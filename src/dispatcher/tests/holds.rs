@@ -53,6 +53,44 @@ fn a_conversation_waits_for_its_busy_server_while_others_pass_it() {
 }
 
 #[test]
+fn a_waiting_turn_lets_another_tenant_pass_it_only_a_few_requests_ahead() {
+    let t0 = Instant::now();
+    let mut c = config(30);
+    c.scheduling.affinity_hold = Duration::from_secs(30);
+    let mut d = Dispatcher::new(c);
+    let (home, mut other) = two_busy_endpoints(&mut d, t0);
+    let other_addr = other.addr;
+    // Tenant u keeps a request queued for every slot b frees: each one
+    // passes turn-2 (waiting for a is cheaper than prefilling on b) until
+    // u is eight of t's requests ahead; then turn-2 takes b's slot.
+    // Token fairness counts estimated tokens: 100 each here.
+    let sized = |tenant, prefix: &[u64]| {
+        let mut meta = with_prompt(tenant, 0, prefix);
+        meta.route.tokens.output = 100;
+        meta
+    };
+    queued(d.submit(sized("t", &[1, 2, 3, 4]), "turn-2", t0));
+    let mut passed = 0;
+    for i in 0..20u64 {
+        let now = t0 + MS * i as u32;
+        queued(d.submit(sized("u", &[70 + i]), "fresh", now));
+        d.release(other);
+        let done = d.dispatch(now);
+        assert_eq!(done.len(), 1, "b's slot never idles");
+        let name = done[0].waiter;
+        other = done.into_iter().next().unwrap().result.unwrap();
+        assert_eq!(other.addr, other_addr);
+        if name == "turn-2" {
+            break;
+        }
+        passed += 1;
+    }
+    assert_eq!(passed, 8, "u passed {passed} times");
+    d.release(other);
+    d.release(home);
+}
+
+#[test]
 fn a_freed_server_goes_to_the_request_held_for_it_before_the_next_in_turn() {
     let t0 = Instant::now();
     let mut d = dispatcher(30);

@@ -18,9 +18,10 @@
 //! The server's slots are divided between the balancers
 //! ([`flowgate::shares`]): each answer says the balancer's demand, and each
 //! report carries its share (`slot_share`), so all balancers together never
-//! send the server more than its slots. A balancer that answered none of
-//! the last [`FORGET_AFTER`] reports is left out of the division: its
-//! requests still running count as busy slots no balancer sent.
+//! send the server more than its slots. A balancer that accepted none of
+//! the last [`FORGET_AFTER`] reports (stopped, or killed: its port refuses
+//! them) is left out of the division: its requests still running count as
+//! busy slots no balancer sent.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -48,9 +49,17 @@ type Published = Option<(u64, Arc<AgentReport>, Option<Shares>)>;
 /// Each balancer's share of the slots.
 type Shares = Arc<BTreeMap<SocketAddr, u32>>;
 
-/// What one balancer answered to the last report it got: the report's
-/// number, and its demand on the endpoint or why it failed.
-type Answer = Option<(u64, Result<Demand, String>)>;
+/// What one balancer answered.
+#[derive(Debug, Default)]
+struct Answer {
+    /// To the last report it got: the report's number, and its demand on
+    /// the endpoint or why it failed.
+    last: Option<(u64, Result<Demand, String>)>,
+    /// The last report it accepted, and its demand then. A balancer that
+    /// refuses or fails every report (one killed: its port refuses at
+    /// once) has none newer, and leaves the division.
+    accepted: Option<(u64, Demand)>,
+}
 
 /// The names given (`host:port`), split from every `--management-addr`.
 pub fn names(args: &[String]) -> Result<Vec<String>, String> {
@@ -120,6 +129,8 @@ pub fn resolver(names: Vec<String>) -> watch::Receiver<Resolved> {
 struct Balancer {
     task: JoinHandle<()>,
     answer: Arc<Mutex<Answer>>,
+    /// The number of the last report published before it was added.
+    added_after: u64,
 }
 
 /// Every balancer reported to, by address.
@@ -166,7 +177,7 @@ impl Balancers {
         for addr in wanted {
             if !self.by_addr.contains_key(&addr) {
                 info!(balancer = %addr, "reporting to it");
-                let answer = Arc::new(Mutex::new(None));
+                let answer = Arc::new(Mutex::new(Answer::default()));
                 let task = tokio::spawn(report_to(
                     addr,
                     self.client.clone(),
@@ -175,7 +186,15 @@ impl Balancers {
                     self.latest.subscribe(),
                     Arc::clone(&answer),
                 ));
-                self.by_addr.insert(addr, Balancer { task, answer });
+                let added_after = self.published;
+                self.by_addr.insert(
+                    addr,
+                    Balancer {
+                        task,
+                        answer,
+                        added_after,
+                    },
+                );
             }
         }
     }
@@ -191,16 +210,16 @@ impl Balancers {
         self.published += 1;
         let shares = self.shares.as_mut().map(|ledger| {
             for (addr, b) in &self.by_addr {
-                match &*b.answer.lock().unwrap_or_else(|e| e.into_inner()) {
-                    Some((n, Ok(demand))) if n + FORGET_AFTER >= self.published => {
-                        ledger.answered(addr, *demand)
-                    }
+                let accepted = b.answer.lock().unwrap_or_else(|e| e.into_inner()).accepted;
+                // The last report it accepted, or when it was added.
+                let heard = accepted.map_or(b.added_after, |(n, _)| n);
+                match accepted {
+                    _ if heard + FORGET_AFTER < self.published => ledger.forget(addr),
+                    // Its demand then; a failure since leaves it standing.
+                    Some((_, demand)) => ledger.answered(addr, demand),
                     // A balancer not heard from yet joins idle.
                     None if ledger.get(addr).is_none() => ledger.answered(addr, Demand::default()),
                     None => {}
-                    Some((n, _)) if n + FORGET_AFTER < self.published => ledger.forget(addr),
-                    // A failure just now: its last demand stands.
-                    Some(_) => {}
                 }
             }
             Arc::new(
@@ -219,13 +238,13 @@ impl Balancers {
     /// with no request in flight to the endpoint, or failed to answer it
     /// (a balancer that cannot be reached sends the server nothing).
     pub fn all_idle_since(&self, since: u64) -> bool {
-        self.by_addr.values().all(
-            |b| match &*b.answer.lock().unwrap_or_else(|e| e.into_inner()) {
+        self.by_addr.values().all(|b| {
+            match &b.answer.lock().unwrap_or_else(|e| e.into_inner()).last {
                 Some((n, Ok(demand))) => *n >= since && demand.in_flight == 0,
                 Some((n, Err(_))) => *n >= since,
                 None => false,
-            },
-        )
+            }
+        })
     }
 
     /// Deregisters from every balancer at once, each within `timeout`.
@@ -288,7 +307,11 @@ async fn report_to(
             _ => {}
         }
         failing = result.is_err();
-        *answer.lock().unwrap_or_else(|e| e.into_inner()) = Some((n, result));
+        let mut answer = answer.lock().unwrap_or_else(|e| e.into_inner());
+        if let Ok(demand) = &result {
+            answer.accepted = Some((n, *demand));
+        }
+        answer.last = Some((n, result));
     }
 }
 

@@ -275,6 +275,65 @@ async fn real_llama_server_end_to_end() {
     assert_eq!(survivor["addr"].as_str().unwrap(), l2.addr);
 }
 
+/// The highest `llamacpp:requests_deferred` the servers at `addrs` show
+/// while polled, every 10 ms until `done`.
+fn watch_deferred(
+    addrs: Vec<String>,
+    done: Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<u64> {
+    tokio::spawn(async move {
+        let c = client();
+        let mut peak = 0;
+        while !done.load(Ordering::SeqCst) {
+            for addr in &addrs {
+                peak = peak.max(deferred(&c, addr).await.unwrap_or(0));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        peak
+    })
+}
+
+/// Two balancers, two real llama-servers whose agents report to both and
+/// divide their slots: five times what the four slots take, sent to both
+/// balancers at once, never makes a llama-server queue a request (with
+/// `--share-slots false` they queue 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_balancers_never_overcommit_real_llama_servers() {
+    let one = Balancer::start(&["--max-buffered-requests", "100"]).await;
+    let two = Balancer::start(&["--max-buffered-requests", "100"]).await;
+    let l1 = Llama::start(2).await;
+    let l2 = Llama::start(2).await;
+    let both = format!("{},{}", one.management, two.management);
+    let _a1 = agent_at(&l1.addr, &one, &["--management-addr", &both]);
+    let _a2 = agent_at(&l2.addr, &one, &["--management-addr", &both]);
+    one.wait_eligible(2).await;
+    two.wait_eligible(2).await;
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = watch_deferred(vec![l1.addr.clone(), l2.addr.clone()], Arc::clone(&done));
+    let c = client();
+    let tasks: Vec<_> = (0..20)
+        .map(|i| {
+            let c = c.clone();
+            let url = if i % 2 == 0 { &one } else { &two }.url("/v1/chat/completions");
+            tokio::spawn(async move {
+                let body = chat_req(&format!("Tell me about the number {i}."), 16, false);
+                let r = c.post(url).json(&body).send().await.unwrap();
+                r.status().as_u16()
+            })
+        })
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    done.store(true, Ordering::SeqCst);
+    assert_eq!(
+        watcher.await.unwrap(),
+        0,
+        "a llama-server queued requests itself: the balancers over-committed it"
+    );
+}
+
 /// What the real llama-server does with a client's mistakes and with a
 /// client that leaves: its 500s for a bad request are the request's, never
 /// the server's, and a non-streamed answer it goes on computing after the

@@ -230,11 +230,11 @@ async fn the_kubernetes_manifests_agree_on_names_ports_and_probes() {
     assert_eq!(scaled["spec"]["minReplicaCount"], 0, "scale from zero");
     let alias = arg(server, "--alias");
     // A request for the model, no server yet: demand the gauges show.
-    let (url, model) = (running.url("/v1/chat/completions"), alias.to_string());
+    let (url, asked) = (running.url("/v1/chat/completions"), alias.to_string());
     let waiting = tokio::spawn(async move {
         let _ = client()
             .post(url)
-            .json(&chat_for(Some(&model), "hi"))
+            .json(&chat_for(Some(&asked), "hi"))
             .send()
             .await;
     });

@@ -243,7 +243,7 @@ async fn kill_9_of_one_balancer(kind: Kind) {
     for t in tasks {
         t.await.unwrap();
     }
-    let outcomes = outcomes.lock().unwrap();
+    let outcomes = std::mem::take(&mut *outcomes.lock().unwrap());
     let failed: Vec<_> = outcomes.iter().filter(|(_, _, s)| *s != 200).collect();
     let late: Vec<_> = failed
         .iter()
@@ -316,7 +316,7 @@ async fn a_rolling_restart_behind_haproxy_fails_no_request() {
     for t in tasks {
         t.await.unwrap();
     }
-    let outcomes = outcomes.lock().unwrap();
+    let outcomes = std::mem::take(&mut *outcomes.lock().unwrap());
     let failed: Vec<_> = outcomes.iter().filter(|(_, _, s)| *s != 200).collect();
     assert!(
         failed.is_empty(),

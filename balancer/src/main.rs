@@ -18,6 +18,7 @@ mod reply;
 mod rules;
 mod scaleup;
 mod serve_until_exit;
+mod session_store;
 mod tls;
 
 use std::net::{SocketAddr, TcpListener};
@@ -150,6 +151,18 @@ fn main() -> ExitCode {
         }
     };
 
+    let session_store = match settings.session_redis_url.as_deref().map(|url| {
+        let idle = settings.dispatcher.scheduling.sessions.idle_timeout;
+        session_store::SessionStore::new(url, idle, &shared.metrics)
+    }) {
+        None => None,
+        Some(Ok(store)) => Some(store),
+        Some(Err(e)) => {
+            error!("{e}");
+            return ExitCode::from(1);
+        }
+    };
+
     let traces = match settings.traces.as_ref().map(Traces::start).transpose() {
         Ok(t) => t.map(Arc::new),
         Err(e) => {
@@ -172,6 +185,7 @@ fn main() -> ExitCode {
             retries: settings.retries,
             request_ids: inference::RequestIds::new(),
             quotas: Arc::clone(&quotas),
+            session_store,
             async_queue: async_queue.clone(),
             traces: traces.clone(),
         },

@@ -4,7 +4,9 @@
 //! balancer restarted on its port is re-populated within a report
 //! interval, a draining agent leaves every balancer, and a balancer told to
 //! stop turns its readiness off at once but serves through its drain delay;
-//! a conversation spread over two balancers stays on one server; and the
+//! a conversation spread over two balancers stays on one server, and one
+//! that a balancer moved is followed by the other when they share their
+//! session bindings through Redis (a hung Redis failing no turn); and the
 //! agents divide each server's slots between the balancers, so the two
 //! together never send a server more than its slots.
 
@@ -146,18 +148,29 @@ async fn sigterm_turns_readiness_off_at_once_and_serves_through_the_drain_delay(
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_conversation_spread_over_two_balancers_stays_on_one_server() {
-    let one = Balancer::start(&[]).await;
-    let two = Balancer::start(&[]).await;
-    let sims: Vec<Sim> = (0..3).map(|_| Sim::start(&["--slots", "4"])).collect();
+/// Two balancers (`args` each) and `n` servers (`sim_args`) whose agents
+/// report to both, every server eligible on both.
+async fn two_balancers(
+    args: &[&str],
+    n: usize,
+    sim_args: &[&str],
+) -> (Balancer, Balancer, Vec<Sim>, Vec<Proc>) {
+    let one = Balancer::start(args).await;
+    let two = Balancer::start(args).await;
+    let sims: Vec<Sim> = (0..n).map(|_| Sim::start(sim_args)).collect();
     let both = format!("{},{}", one.management, two.management);
-    let _agents: Vec<Proc> = sims
+    let agents: Vec<Proc> = sims
         .iter()
         .map(|s| agent_at(&s.addr.to_string(), &one, &["--management-addr", &both]))
         .collect();
-    one.wait_eligible(3).await;
-    two.wait_eligible(3).await;
+    one.wait_eligible(n).await;
+    two.wait_eligible(n).await;
+    (one, two, sims, agents)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_spread_over_two_balancers_stays_on_one_server() {
+    let (one, two, sims, _agents) = two_balancers(&[], 3, &["--slots", "4"]).await;
     let c = client();
     for conv in 0..6 {
         let tag = format!("conv{conv}");
@@ -186,20 +199,14 @@ async fn a_conversation_spread_over_two_balancers_stays_on_one_server() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_balancers_never_send_a_server_more_than_its_slots() {
-    let one = Balancer::start(&["--max-buffered-requests", "100"]).await;
-    let two = Balancer::start(&["--max-buffered-requests", "100"]).await;
     // Slow answers: every slot stays taken long enough for both balancers
     // to want it.
-    let sims: Vec<Sim> = (0..2)
-        .map(|_| Sim::start(&["--slots", "2", "--ttft-ms", "150"]))
-        .collect();
-    let both = format!("{},{}", one.management, two.management);
-    let _agents: Vec<Proc> = sims
-        .iter()
-        .map(|s| agent_at(&s.addr.to_string(), &one, &["--management-addr", &both]))
-        .collect();
-    one.wait_eligible(2).await;
-    two.wait_eligible(2).await;
+    let (one, two, sims, _agents) = two_balancers(
+        &["--max-buffered-requests", "100"],
+        2,
+        &["--slots", "2", "--ttft-ms", "150"],
+    )
+    .await;
     // Each balancer was given a share of each server: together, the four
     // slots.
     let shares = |v: serde_json::Value| -> Vec<u64> {
@@ -247,4 +254,134 @@ async fn two_balancers_never_send_a_server_more_than_its_slots() {
             "a server got more than its slots: {stats}"
         );
     }
+}
+
+/// The sessions' shared bindings in `redis` (their values: endpoint
+/// addresses).
+fn shared_bindings(redis: &Redis) -> Vec<String> {
+    let cli = |args: &[&str]| -> String {
+        let out = std::process::Command::new("redis-cli")
+            .args(["-u", &redis.url])
+            .args(args)
+            .output()
+            .expect("redis-cli (Debian's redis-tools, with redis-server)");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    cli(&["--scan", "--pattern", "flowgate:session:*"])
+        .lines()
+        .map(|key| cli(&["GET", key.trim()]).trim().to_string())
+        .collect()
+}
+
+/// Which of `sims` got the request tagged `tag`.
+async fn server_of(sims: &[Sim], tag: &str) -> usize {
+    let counts = tagged_per_server(sims, tag).await;
+    counts
+        .iter()
+        .position(|&n| n == 1)
+        .unwrap_or_else(|| panic!("{tag}: {counts:?}"))
+}
+
+/// The saturation `b` sees at the server `addr` (`null` when it takes
+/// work).
+async fn saturation_at(b: &Balancer, addr: &str) -> serde_json::Value {
+    b.agents().await["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["addr"] == addr)
+        .map(|e| e["saturation"].clone())
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_moved_by_one_balancer_is_followed_by_the_other_through_redis() {
+    let redis = Redis::start().await;
+    // A server with one request waiting takes no more work.
+    let config = ConfigFile::new("saturationDetector:\n  queueDepthThreshold: 1\n");
+    let args = [
+        "--config",
+        config.arg(),
+        "--sessions-redis-url",
+        redis.url.as_str(),
+    ];
+    let (one, two, sims, _agents) = two_balancers(&args, 3, &["--slots", "2"]).await;
+    let c = client();
+    let turn = |b: &Balancer, tag: &str| {
+        c.post(b.url("/v1/chat/completions"))
+            .header("x-session-id", "conv")
+            .header("x-sim-tag", tag)
+            .json(&chat_for(Some("sim-model"), &format!("{tag} ").repeat(20)))
+            .send()
+    };
+    // The first turn, through the first balancer: its home.
+    assert_eq!(turn(&one, "turn-0").await.unwrap().status(), 200);
+    let home = server_of(&sims, "turn-0").await;
+    let home_addr = sims[home].addr.to_string();
+    // Other clients fill the home directly, one of them waiting there:
+    // both balancers see it saturated.
+    let direct: Vec<_> = (0..3)
+        .map(|i| {
+            c.post(format!("http://{home_addr}/v1/chat/completions"))
+                .header("x-sim-ttft-ms", "1500")
+                .json(&chat_for(Some("sim-model"), &format!("direct {i}")))
+                .send()
+        })
+        .map(tokio::spawn)
+        .collect();
+    for b in [&one, &two] {
+        wait_for("the home saturated", Duration::from_secs(5), || async {
+            (saturation_at(b, &home_addr).await == "queue-depth").then_some(())
+        })
+        .await;
+    }
+    // The next turn reaches the second balancer: prefilling its short
+    // prompt elsewhere beats waiting for the home, so it moves.
+    assert_eq!(turn(&two, "turn-1").await.unwrap().status(), 200);
+    let moved = server_of(&sims, "turn-1").await;
+    assert_ne!(moved, home, "the turn waited for its home");
+    let moved_addr = sims[moved].addr.to_string();
+    wait_for("the move shared", Duration::from_secs(5), || async {
+        shared_bindings(&redis).contains(&moved_addr).then_some(())
+    })
+    .await;
+    for d in direct {
+        assert_eq!(d.await.unwrap().unwrap().status(), 200);
+    }
+    wait_for("the home free again", Duration::from_secs(5), || async {
+        saturation_at(&one, &home_addr)
+            .await
+            .is_null()
+            .then_some(())
+    })
+    .await;
+    // The first balancer bound the conversation to its home, free again;
+    // Redis says it moved: the third turn follows it.
+    assert_eq!(turn(&one, "turn-2").await.unwrap().status(), 200);
+    assert_eq!(
+        server_of(&sims, "turn-2").await,
+        moved,
+        "the first balancer sent the conversation back to where it no longer is"
+    );
+    // A Redis that hangs is a hint gone, not an outage: turns go on, by
+    // each balancer's own bindings, and the failures are counted.
+    redis.signal("STOP");
+    let started = Instant::now();
+    for (i, b) in [&one, &two, &one].into_iter().enumerate() {
+        let r = turn(b, &format!("turn-{}", 3 + i)).await.unwrap();
+        assert_eq!(r.status(), 200);
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "three turns took {:?} with Redis hung",
+        started.elapsed()
+    );
+    let lookups_failed = metric(
+        &one,
+        "flowgate_session_store_errors_total",
+        &[("op", "lookup")],
+    )
+    .await;
+    assert!(lookups_failed >= 1.0, "{lookups_failed}");
+    redis.signal("CONT");
 }

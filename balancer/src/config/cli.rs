@@ -228,6 +228,13 @@ pub struct Cli {
     #[arg(long, value_name = "URL")]
     pub quota_redis_url: Option<String>,
 
+    /// Share session bindings between balancers in this Redis
+    /// (`redis://host:6379/0`; `scheduling.sessions.redisUrl`), so a
+    /// conversation's turns follow it whichever balancer they reach
+    /// [default: each balancer keeps its own]
+    #[arg(long, value_name = "URL")]
+    pub sessions_redis_url: Option<String>,
+
     /// When the quota Redis does not answer: `open` admits the request
     /// (logged, counted in flowgate_quota_store_errors_total), `closed`
     /// refuses it with 503 (`quotas.onRedisError`) [default: open]

@@ -79,6 +79,8 @@ pub struct Settings {
     pub weights: std::collections::HashMap<String, u32>,
     /// Which session keys name a conversation, in order.
     pub sessions: flowgate::SessionRules,
+    /// Where session bindings are shared between balancers, if anywhere.
+    pub session_redis_url: Option<String>,
     /// Who gets the `x-flowgate-scores` answer header.
     pub explain: crate::rules::ExplainScores,
     /// Quotas per tenant (keys carry their own).
@@ -244,6 +246,9 @@ impl Settings {
         let explain = scheduling_section.explain.unwrap_or_default();
         let (sched, retries, sessions) =
             scheduling::build(&scheduling_section, seed).map_err(SettingsError::Invalid)?;
+        let session_redis_url =
+            scheduling::session_redis_url(cli.sessions_redis_url.clone(), &scheduling_section)
+                .map_err(SettingsError::Invalid)?;
         dispatcher.scheduling = sched;
         let (quota_rules, quota_store) =
             quotas::build(&cli, &file.quotas.take().unwrap_or_default())
@@ -347,6 +352,7 @@ impl Settings {
             priorities,
             weights,
             sessions,
+            session_redis_url,
             explain,
             quotas: quota_rules,
             quota_store,

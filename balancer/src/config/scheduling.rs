@@ -46,6 +46,9 @@ pub struct SessionsSection {
     pub mode: Option<SessionMode>,
     pub idle_timeout: Option<ConfigDuration>,
     pub max_sessions: Option<usize>,
+    /// Share bindings between balancers in this Redis
+    /// (`--sessions-redis-url`).
+    pub redis_url: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -184,4 +187,22 @@ fn sessions(section: Option<&SessionsSection>) -> Result<(SessionConfig, Session
         },
         rules,
     ))
+}
+
+/// The session Redis URL (`--sessions-redis-url` over
+/// `scheduling.sessions.redisUrl`), checked.
+pub fn session_redis_url(
+    cli: Option<String>,
+    section: &SchedulingSection,
+) -> Result<Option<String>, String> {
+    let url = cli.or_else(|| section.sessions.as_ref()?.redis_url.clone());
+    if let Some(url) = &url {
+        if !(url.starts_with("redis://") || url.starts_with("rediss://")) {
+            return Err(format!(
+                "session Redis URL {url:?} (--sessions-redis-url, scheduling.sessions.redisUrl) \
+                 must start with redis:// or rediss://"
+            ));
+        }
+    }
+    Ok(url)
 }

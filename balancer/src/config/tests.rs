@@ -467,3 +467,30 @@ fn example_configs_load() {
     }
     assert!(n > 0, "config/ holds at least one balancer example");
 }
+
+#[test]
+fn the_session_redis_url_comes_from_the_flag_or_the_file_and_is_checked() {
+    let file = || FileConfig::parse("scheduling:\n  sessions:\n    redisUrl: redis://r:6379/1\n");
+    let s = Settings::merge(cli(&[]), file().unwrap()).unwrap();
+    assert_eq!(s.session_redis_url.as_deref(), Some("redis://r:6379/1"));
+    let s = Settings::merge(
+        cli(&["--sessions-redis-url", "rediss://s/0"]),
+        file().unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        s.session_redis_url.as_deref(),
+        Some("rediss://s/0"),
+        "the flag wins"
+    );
+    assert!(Settings::merge(cli(&[]), FileConfig::default())
+        .unwrap()
+        .session_redis_url
+        .is_none());
+    let err = Settings::merge(
+        cli(&["--sessions-redis-url", "http://r"]),
+        FileConfig::default(),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("redis://"), "{err}");
+}

@@ -71,6 +71,7 @@ impl Inference {
         });
         if ctx.upstream_status.is_some_and(|s| s < 400) {
             self.bind_response(ctx);
+            self.share_session(ctx);
         }
         let status = session
             .response_written()
@@ -126,6 +127,16 @@ impl Inference {
             duration_ms = ctx.start.elapsed().as_millis() as u64,
             error = e.map(|e| e.to_string()).unwrap_or_default(),
         );
+    }
+
+    /// A keyed turn was served: the other balancers learn where the
+    /// conversation went (and its binding's idle time starts again).
+    fn share_session(&self, ctx: &RequestCtx) {
+        if let (Some(store), Some(key), Some(addr)) =
+            (&self.session_store, ctx.session, ctx.upstream)
+        {
+            store.record(key, addr);
+        }
     }
 
     /// A Responses answer's id goes with the endpoint that gave it, so the

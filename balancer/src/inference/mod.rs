@@ -104,6 +104,8 @@ pub struct Inference {
     pub request_ids: RequestIds,
     /// Quotas per tenant and key.
     pub quotas: Arc<Quotas>,
+    /// Session bindings shared with the other balancers, when configured.
+    pub session_store: Option<Arc<crate::session_store::SessionStore>>,
     /// OpenTelemetry traces, when on.
     pub traces: Option<Arc<Traces>>,
 }
@@ -319,6 +321,12 @@ impl Inference {
         ctx.fairness_id = Some(Arc::clone(&facts.meta.flow.fairness_id));
         ctx.priority = facts.meta.flow.priority;
         ctx.session = facts.meta.route.session;
+        if let (Some(store), Some(key)) = (&self.session_store, ctx.session) {
+            // Where another balancer may have sent this conversation last.
+            if let Some(addr) = store.endpoint(key).await {
+                self.shared.bind_session(key, addr);
+            }
+        }
         // A Responses answer's id names where a later turn continuing it
         // (`previous_response_id`) should go.
         ctx.meter.want_id = session.req_header().uri.path() == "/v1/responses"

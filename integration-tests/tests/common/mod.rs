@@ -647,6 +647,17 @@ impl Redis {
     }
 }
 
+impl Redis {
+    /// Sends the redis-server a signal (`STOP`: it hangs, `CONT`).
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([format!("-{sig}"), self.child.id().to_string()])
+            .status()
+            .is_ok_and(|s| s.success());
+        assert!(ok, "kill -{sig} redis-server");
+    }
+}
+
 /// Whether the Redis answering on `port` is the process `pid` (its
 /// `INFO server` names its process id).
 async fn is_ours(port: u16, pid: u32) -> bool {

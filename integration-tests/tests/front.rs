@@ -12,7 +12,7 @@ mod common;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -157,43 +157,71 @@ async fn two_behind(
 /// answer).
 type Outcome = (usize, Instant, u16);
 
-/// `clients` closed-loop clients sending chats through `front` until
-/// `stop` is set; every request's outcome.
-fn load(
-    front: &Front,
-    clients: usize,
+/// Closed-loop clients sending chats through a front until finished.
+struct Load {
     stop: Arc<AtomicBool>,
-) -> (Arc<Mutex<Vec<Outcome>>>, Vec<tokio::task::JoinHandle<()>>) {
-    let outcomes = Arc::new(Mutex::new(Vec::new()));
-    let url = front.url("/v1/chat/completions");
-    let tasks = (0..clients)
-        .map(|i| {
-            let (url, stop, outcomes) = (url.clone(), stop.clone(), outcomes.clone());
-            tokio::spawn(async move {
-                let c = client();
-                let mut n = 0;
-                while !stop.load(Ordering::Relaxed) {
-                    n += 1;
-                    let sent = Instant::now();
-                    let body = chat_for(Some("sim-model"), &format!("client {i} request {n}"));
-                    let status = match c.post(&url).json(&body).send().await {
-                        Ok(r) => {
-                            let status = r.status().as_u16();
-                            // A body cut short counts as a failure.
-                            if r.bytes().await.is_ok() {
-                                status
-                            } else {
-                                0
+    /// Each client's outcomes.
+    clients: Vec<tokio::task::JoinHandle<Vec<Outcome>>>,
+}
+
+impl Load {
+    /// `clients` clients, each sending its next chat through `front` when
+    /// the last one ended.
+    fn start(front: &Front, clients: usize) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let url = front.url("/v1/chat/completions");
+        let clients = (0..clients)
+            .map(|i| {
+                let (url, stop) = (url.clone(), stop.clone());
+                tokio::spawn(async move {
+                    let c = client();
+                    let mut outcomes = Vec::new();
+                    while !stop.load(Ordering::Relaxed) {
+                        let sent = Instant::now();
+                        let n = outcomes.len();
+                        let body = chat_for(Some("sim-model"), &format!("client {i} request {n}"));
+                        let status = match c.post(&url).json(&body).send().await {
+                            Ok(r) => {
+                                let status = r.status().as_u16();
+                                // A body cut short counts as a failure.
+                                if r.bytes().await.is_ok() {
+                                    status
+                                } else {
+                                    0
+                                }
                             }
-                        }
-                        Err(_) => 0,
-                    };
-                    outcomes.lock().unwrap().push((i, sent, status));
-                }
+                            Err(_) => 0,
+                        };
+                        outcomes.push((i, sent, status));
+                    }
+                    outcomes
+                })
             })
-        })
-        .collect();
-    (outcomes, tasks)
+            .collect();
+        Load { stop, clients }
+    }
+
+    /// Stops the clients once their requests out have ended: every
+    /// request's outcome.
+    async fn finish(self) -> Vec<Outcome> {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut all = Vec::new();
+        for c in self.clients {
+            all.extend(c.await.unwrap());
+        }
+        all
+    }
+}
+
+/// No server ran more than its slots: none queued a request.
+async fn assert_never_overcommitted(sims: &[Sim]) {
+    for s in sims {
+        assert_eq!(
+            s.stats().await["max_deferred"],
+            0,
+            "a server was over-committed"
+        );
+    }
 }
 
 /// The sum of the slot shares `b` was given, over all its endpoints.
@@ -220,8 +248,7 @@ async fn kill_9_of_one_balancer_behind_nginx_fails_only_its_requests_in_flight()
 
 async fn kill_9_of_one_balancer(kind: Kind) {
     let (a, b, sims, _agents, front) = two_behind(kind, "2", &[]).await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let (outcomes, tasks) = load(&front, 16, stop.clone());
+    let load = Load::start(&front, 16);
     wait_for(
         "load on both balancers",
         Duration::from_secs(10),
@@ -239,11 +266,7 @@ async fn kill_9_of_one_balancer(kind: Kind) {
     .await;
     let moved = killed.elapsed();
     tokio::time::sleep(Duration::from_secs(2)).await;
-    stop.store(true, Ordering::Relaxed);
-    for t in tasks {
-        t.await.unwrap();
-    }
-    let outcomes = std::mem::take(&mut *outcomes.lock().unwrap());
+    let outcomes = load.finish().await;
     let failed: Vec<_> = outcomes.iter().filter(|(_, _, s)| *s != 200).collect();
     let late: Vec<_> = failed
         .iter()
@@ -275,13 +298,7 @@ async fn kill_9_of_one_balancer(kind: Kind) {
         moved < Duration::from_millis(1500),
         "shares moved after {moved:?}"
     );
-    for s in &sims {
-        assert_eq!(
-            s.stats().await["max_deferred"],
-            0,
-            "a server was over-committed"
-        );
-    }
+    assert_never_overcommitted(&sims).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -289,8 +306,7 @@ async fn a_rolling_restart_behind_haproxy_fails_no_request() {
     // Longer than HAProxy's check interval (500 ms) x its fall count (1).
     let args = ["--drain-delay", "1500ms"];
     let (a, b, sims, _agents, front) = two_behind(Kind::Haproxy, "2", &args).await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let (outcomes, tasks) = load(&front, 8, stop.clone());
+    let load = Load::start(&front, 8);
     let mut restarted = Vec::new();
     for mut old in [a, b] {
         old.proc.signal("TERM");
@@ -312,11 +328,7 @@ async fn a_rolling_restart_behind_haproxy_fails_no_request() {
         restarted.push(new);
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    stop.store(true, Ordering::Relaxed);
-    for t in tasks {
-        t.await.unwrap();
-    }
-    let outcomes = std::mem::take(&mut *outcomes.lock().unwrap());
+    let outcomes = load.finish().await;
     let failed: Vec<_> = outcomes.iter().filter(|(_, _, s)| *s != 200).collect();
     assert!(
         failed.is_empty(),
@@ -325,13 +337,7 @@ async fn a_rolling_restart_behind_haproxy_fails_no_request() {
         outcomes.len()
     );
     assert!(outcomes.len() > 50, "only {} requests", outcomes.len());
-    for s in &sims {
-        assert_eq!(
-            s.stats().await["max_deferred"],
-            0,
-            "a server was over-committed"
-        );
-    }
+    assert_never_overcommitted(&sims).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -340,27 +346,8 @@ async fn a_conversation_spread_by_haproxy_over_both_balancers_stays_on_one_serve
     // while the other runs a turn there (with two, the other may hold both
     // for a report interval: then a turn goes elsewhere rather than wait).
     let (a, b, sims, _agents, front) = two_behind(Kind::Haproxy, "4", &[]).await;
-    let c = client();
     for conv in 0..4 {
-        let tag = format!("conv{conv}");
-        for turn in 0..6 {
-            let body = chat_for(Some("sim-model"), &format!("{tag} turn {turn} ").repeat(30));
-            let r = c
-                .post(front.url("/v1/chat/completions"))
-                .header("x-session-id", format!("key-{conv}"))
-                .header("x-sim-tag", &tag)
-                .json(&body)
-                .send()
-                .await
-                .unwrap();
-            assert_eq!(r.status(), 200);
-            r.bytes().await.unwrap();
-        }
-        let counts = tagged_per_server(&sims, &tag).await;
-        assert!(
-            counts.contains(&6),
-            "{tag} was split over the servers: {counts:?}"
-        );
+        six_turns_stay_on_one_server(&sims, conv, |_| front.url("/v1/chat/completions")).await;
     }
     // HAProxy did spread them.
     for x in [&a, &b] {

@@ -171,29 +171,10 @@ async fn two_balancers(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conversation_spread_over_two_balancers_stays_on_one_server() {
     let (one, two, sims, _agents) = two_balancers(&[], 3, &["--slots", "4"]).await;
-    let c = client();
     for conv in 0..6 {
-        let tag = format!("conv{conv}");
-        for turn in 0..6 {
-            // A front load balancer's round robin.
-            let b = if turn % 2 == 0 { &one } else { &two };
-            let body = chat_for(Some("sim-model"), &format!("{tag} turn {turn} ").repeat(30));
-            let r = c
-                .post(b.url("/v1/chat/completions"))
-                .header("x-session-id", format!("key-{conv}"))
-                .header("x-sim-tag", &tag)
-                .json(&body)
-                .send()
-                .await
-                .unwrap();
-            assert_eq!(r.status(), 200);
-            r.bytes().await.unwrap();
-        }
-        let counts = tagged_per_server(&sims, &tag).await;
-        assert!(
-            counts.contains(&6),
-            "{tag} was split over the servers: {counts:?}"
-        );
+        // A front load balancer's round robin.
+        let url = |turn: usize| if turn % 2 == 0 { &one } else { &two }.url("/v1/chat/completions");
+        six_turns_stay_on_one_server(&sims, conv, url).await;
     }
 }
 

@@ -746,6 +746,36 @@ pub fn endpoint_of<'a>(agents: &'a Value, sim: &Sim) -> &'a Value {
         .unwrap_or_else(|| panic!("{} not in {agents}", sim.addr))
 }
 
+/// Six turns of conversation `conv` (session `key-{conv}`, tagged
+/// `conv{conv}`, prompts that share nothing), turn `t` sent to `url(t)`:
+/// every turn is answered 200 and all six land on one of `sims`.
+pub async fn six_turns_stay_on_one_server(
+    sims: &[Sim],
+    conv: usize,
+    url: impl Fn(usize) -> String,
+) {
+    let c = client();
+    let tag = format!("conv{conv}");
+    for turn in 0..6 {
+        let body = chat_for(Some("sim-model"), &format!("{tag} turn {turn} ").repeat(30));
+        let r = c
+            .post(url(turn))
+            .header("x-session-id", format!("key-{conv}"))
+            .header("x-sim-tag", &tag)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        r.bytes().await.unwrap();
+    }
+    let counts = tagged_per_server(sims, &tag).await;
+    assert!(
+        counts.contains(&6),
+        "{tag} was split over the servers: {counts:?}"
+    );
+}
+
 /// How many requests tagged `tag` (`x-sim-tag`) each server received.
 pub async fn tagged_per_server(sims: &[Sim], tag: &str) -> Vec<usize> {
     let mut counts = Vec::new();

@@ -13,6 +13,8 @@
 //! - [`prefix`]: prompt block hashing and the per-endpoint prefix index.
 //! - [`session`]: session keys clients send and the endpoint each
 //!   conversation was last served by.
+//! - [`turn`]: a conversation sent without a key, named turn by turn by
+//!   its prompts (followed across balancers through the session store).
 //! - [`flow`]: flow-controlled queues (priority bands, tenant fairness,
 //!   ordering, capacity limits, deadlines).
 //! - [`blame`]: whose fault a failed answer is (the endpoint's or the
@@ -49,6 +51,7 @@ pub mod scorer;
 pub mod session;
 pub mod shares;
 pub mod tokens;
+pub mod turn;
 pub mod usage;
 
 pub use dispatcher::{

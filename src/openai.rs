@@ -217,10 +217,22 @@ pub fn prompt_text(fields: &PromptFields<'_>, limit: usize) -> Vec<u8> {
     out.text
 }
 
-/// The length in bytes of the whole prompt [`prompt_text`] would give
-/// uncut, counted without copying it: what a token estimate starts from.
-pub fn prompt_bytes(fields: &PromptFields<'_>) -> u64 {
-    let mut n = Count(0);
+/// The whole prompt [`prompt_text`] would give uncut, measured without
+/// copying it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PromptLength {
+    /// Its length in bytes: what a token estimate starts from.
+    pub bytes: u64,
+    /// Where its last assistant message begins. A client re-sends the
+    /// whole conversation every turn, with the answer it got and what
+    /// followed it appended: the text before that answer is the prompt of
+    /// the conversation's previous turn. `None`: no assistant message.
+    pub last_answer_at: Option<u64>,
+}
+
+/// Measures the whole prompt ([`PromptLength`]).
+pub fn prompt_length(fields: &PromptFields<'_>) -> PromptLength {
+    let mut n = Count(PromptLength::default());
     walk_prompt(fields, &mut n);
     n.0
 }
@@ -230,6 +242,8 @@ trait Sink {
     fn put(&mut self, bytes: &[u8]);
     /// Nothing more is wanted.
     fn full(&self) -> bool;
+    /// A message with this role begins here.
+    fn message(&mut self, _role: &str) {}
 }
 
 /// The prompt's first `limit` bytes.
@@ -249,14 +263,19 @@ impl Sink for Cut {
 }
 
 /// The prompt's length.
-struct Count(u64);
+struct Count(PromptLength);
 
 impl Sink for Count {
     fn put(&mut self, bytes: &[u8]) {
-        self.0 = self.0.saturating_add(bytes.len() as u64);
+        self.0.bytes = self.0.bytes.saturating_add(bytes.len() as u64);
     }
     fn full(&self) -> bool {
         false
+    }
+    fn message(&mut self, role: &str) {
+        if role == "assistant" {
+            self.0.last_answer_at = Some(self.0.bytes);
+        }
     }
 }
 
@@ -285,6 +304,7 @@ fn walk_prompt(fields: &PromptFields<'_>, out: &mut impl Sink) {
             }
             let m = m.object();
             if let Some(role) = m.and_then(|m| m.role.as_ref()?.as_str()) {
+                out.message(role);
                 out.put(role.as_bytes());
             }
             out.put(&[0x1f]);
@@ -348,7 +368,7 @@ pub fn error_body(message: &str, kind: &str, code: &str) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
-    use super::{prompt_text, PromptFields, PromptJson};
+    use super::{prompt_length, prompt_text, PromptFields, PromptJson};
 
     /// The prompt walk's view of a JSON value.
     fn pj(v: serde_json::Value) -> PromptJson<'static> {
@@ -387,6 +407,50 @@ mod tests {
         for limit in [0, 3, 9, 15, 20, full.len()] {
             assert_eq!(prompt_text(&fields, limit), full[..limit.min(full.len())]);
         }
+    }
+
+    #[test]
+    fn the_previous_turn_ends_where_the_last_answer_begins() {
+        let turn = |messages: PromptJson<'static>| {
+            let fields = PromptFields {
+                messages: Some(&messages),
+                ..PromptFields::default()
+            };
+            (prompt_text(&fields, usize::MAX), prompt_length(&fields))
+        };
+        let (first, length) = turn(json!([
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "Q1"}
+        ]));
+        assert_eq!(length.bytes, first.len() as u64);
+        assert_eq!(
+            length.last_answer_at, None,
+            "a first turn continues nothing"
+        );
+        // The next turn re-sends the first with the answer and a tool's
+        // output appended.
+        let (second, length) = turn(json!([
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "Q1"},
+            {"role": "assistant", "content": "A1"},
+            {"role": "tool", "content": "out"},
+            {"role": "user", "content": "Q2"}
+        ]));
+        assert_eq!(length.bytes, second.len() as u64);
+        let at = length.last_answer_at.expect("an answer") as usize;
+        assert_eq!(second[..at], first[..], "before the answer: the first turn");
+        let (_, length) = turn(json!([
+            {"role": "user", "content": "Q1"},
+            {"role": "assistant", "content": "A1"},
+            {"role": "user", "content": "Q2"},
+            {"role": "assistant", "content": "A2"},
+            {"role": "user", "content": "Q3"}
+        ]));
+        assert_eq!(
+            length.last_answer_at,
+            Some(b"user\x1fQ1\x1eassistant\x1fA1\x1euser\x1fQ2\x1e".len() as u64),
+            "the last answer counts"
+        );
     }
 
     #[test]

@@ -185,7 +185,7 @@ fn main() -> ExitCode {
             retries: settings.retries,
             request_ids: inference::RequestIds::new(),
             quotas: Arc::clone(&quotas),
-            session_store,
+            session_store: session_store.clone(),
             async_queue: async_queue.clone(),
             traces: traces.clone(),
         },
@@ -262,6 +262,7 @@ fn main() -> ExitCode {
             retry_after: Duration::from_secs(1),
             decisions: epp::decisions_metric(&shared.metrics),
             quotas: Arc::clone(&quotas),
+            session_store,
         });
         let mut service = background_service("epp", EppService { epp, addr });
         service.threads = Some(settings.threads);

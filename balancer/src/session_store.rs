@@ -7,7 +7,10 @@
 //! bounded to [`LOOKUP_TIMEOUT`]); what Redis names becomes the session's
 //! binding on this balancer. Once the turn is served, where it went is
 //! written back (`SET … PX idle timeout`, which also starts its idle time
-//! again) by a task of its own, so no request waits for a write. Redis is a hint,
+//! again) by a task of its own, so no request waits for a write. A turn
+//! of a conversation sent without a key does the same under the names of
+//! its prompts ([`flowgate::turn`]): it looks up its previous turn's and
+//! records its own. Redis is a hint,
 //! never a dependency: a lookup that fails or takes too long leaves the
 //! balancer on its own bindings (counted in
 //! `flowgate_session_store_errors_total`, and lookups skipped for
@@ -24,6 +27,9 @@ use redis::aio::ConnectionManager;
 use tokio::sync::mpsc;
 use tracing::warn;
 
+use flowgate::Route;
+
+use crate::gate::FleetGate;
 use crate::observe::metrics::Metrics;
 
 /// The longest a turn waits for its session's lookup.
@@ -144,6 +150,18 @@ impl SessionStore {
         }
     }
 
+    /// Before a request is placed: where another balancer sent its
+    /// conversation last (`look_up`: [`flowgate::turn::StoreKeys`]) becomes the
+    /// conversation's binding on this balancer and the request's session,
+    /// so it is placed as a bound session is.
+    pub async fn follow(&self, look_up: Option<u64>, gate: &FleetGate, route: &mut Route) {
+        let Some(key) = look_up else { return };
+        if let Some(addr) = self.endpoint(key).await {
+            gate.bind_session(key, addr);
+            route.session = Some(key);
+        }
+    }
+
     /// Shares that `session`'s turn went to `addr` (queued; dropped when
     /// too many wait).
     pub fn record(&self, session: u64, addr: SocketAddr) {
@@ -167,23 +185,33 @@ impl SessionStore {
     }
 }
 
-/// The writer task: one `SET` per recorded binding, in order.
+/// The most writes sent in one pipeline.
+const WRITES_PER_BATCH: usize = 256;
+
+/// The writer task: every binding recorded since the last round trip,
+/// one `SET` each, in order and in one pipeline (so writes keep up with
+/// any request rate Redis can take, one round trip per batch).
 async fn write_all(
     store: std::sync::Weak<SessionStore>,
     mut rx: mpsc::Receiver<(u64, SocketAddr)>,
     idle_timeout: Duration,
 ) {
     let ttl_ms = u64::try_from(idle_timeout.as_millis()).unwrap_or(u64::MAX);
-    while let Some((session, addr)) = rx.recv().await {
+    let mut batch = Vec::with_capacity(WRITES_PER_BATCH);
+    while rx.recv_many(&mut batch, WRITES_PER_BATCH).await > 0 {
         let Some(store) = store.upgrade() else { return };
-        let write = async {
-            let mut conn = store.connection().await?;
-            redis::cmd("SET")
+        let mut pipe = redis::pipe();
+        for (session, addr) in batch.drain(..) {
+            pipe.cmd("SET")
                 .arg(key(session))
                 .arg(addr.to_string())
                 .arg("PX")
                 .arg(ttl_ms)
-                .query_async::<()>(&mut conn)
+                .ignore();
+        }
+        let write = async {
+            let mut conn = store.connection().await?;
+            pipe.query_async::<()>(&mut conn)
                 .await
                 .map_err(|e| e.to_string())
         };

@@ -740,3 +740,51 @@ async fn sessions_hold_behind_envoy_too() {
         "no key: turns spread"
     );
 }
+
+/// Two balancers in EPP mode sharing session bindings through Redis: a
+/// conversation without a key whose first turn one of them sent to a
+/// server (chosen by a subset hint here) has its next turn sent there by
+/// the other, which never saw it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_envoy_a_conversation_is_followed_across_balancers_through_redis() {
+    let redis = Redis::start().await;
+    let args = ["--sessions-redis-url", redis.url.as_str()];
+    let (one, two) = (Epp::start(&args).await, Epp::start(&args).await);
+    let sims: Vec<Sim> = (0..3)
+        .map(|_| Sim::start(&["--model", "m", "--slots", "4"]))
+        .collect();
+    let both = format!("{},{}", one.b.management, two.b.management);
+    let _agents: Vec<_> = sims
+        .iter()
+        .map(|s| agent_at(&s.addr.to_string(), &one.b, &["--management-addr", &both]))
+        .collect();
+    one.b.wait_eligible(3).await;
+    two.b.wait_eligible(3).await;
+    // Neither one fixed choice nor taking turns sends the second turns to
+    // these servers.
+    for (conv, k) in [2usize, 2, 0, 0].into_iter().enumerate() {
+        let tag = format!("conversation {conv}");
+        let hint = sims[k].addr.to_string();
+        let mut x = one.open().await;
+        x.send(with_subset(request_headers(&[], false), &[&hint]))
+            .await;
+        x.recv().await;
+        let first = conversation_turn("m", &tag, 0);
+        x.send(body_message(first.to_string().into_bytes(), true))
+            .await;
+        assert_eq!(destination(&x.recv_full().await), sims[k].addr);
+        x.respond(200, b"{}").await;
+        // Each turn so far is shared (the writes are queued).
+        wait_for("the turns shared", PROMPTLY, || async {
+            (redis.session_bindings().len() > 2 * conv).then_some(())
+        })
+        .await;
+        let mut x = two.open().await;
+        let to = destination(&x.request(&[], &conversation_turn("m", &tag, 1)).await);
+        x.respond(200, b"{}").await;
+        assert_eq!(
+            to, sims[k].addr,
+            "{tag} went elsewhere at the other balancer"
+        );
+    }
+}

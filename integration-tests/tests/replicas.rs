@@ -237,23 +237,6 @@ async fn two_balancers_never_send_a_server_more_than_its_slots() {
     }
 }
 
-/// The sessions' shared bindings in `redis` (their values: endpoint
-/// addresses).
-fn shared_bindings(redis: &Redis) -> Vec<String> {
-    let cli = |args: &[&str]| -> String {
-        let out = std::process::Command::new("redis-cli")
-            .args(["-u", &redis.url])
-            .args(args)
-            .output()
-            .expect("redis-cli (Debian's redis-tools, with redis-server)");
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
-    cli(&["--scan", "--pattern", "flowgate:session:*"])
-        .lines()
-        .map(|key| cli(&["GET", key.trim()]).trim().to_string())
-        .collect()
-}
-
 /// Which of `sims` got the request tagged `tag`.
 async fn server_of(sims: &[Sim], tag: &str) -> usize {
     let counts = tagged_per_server(sims, tag).await;
@@ -277,6 +260,18 @@ async fn saturation_at(b: &Balancer, addr: &str) -> serde_json::Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_moved_by_one_balancer_is_followed_by_the_other_through_redis() {
+    a_moved_conversation_is_followed_through_redis(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyless_conversation_moved_by_one_balancer_is_followed_by_the_other_through_redis() {
+    a_moved_conversation_is_followed_through_redis(false).await;
+}
+
+/// A conversation (`keyed`: with `x-session-id`; else named by its
+/// prompts) that one balancer moves off its saturated server is followed
+/// there by the other balancer, which sent it to the old one.
+async fn a_moved_conversation_is_followed_through_redis(keyed: bool) {
     let redis = Redis::start().await;
     // A server with one request waiting takes no more work.
     let config = ConfigFile::new("saturationDetector:\n  queueDepthThreshold: 1\n");
@@ -288,15 +283,22 @@ async fn a_session_moved_by_one_balancer_is_followed_by_the_other_through_redis(
     ];
     let (one, two, sims, _agents) = two_balancers(&args, 3, &["--slots", "2"]).await;
     let c = client();
-    let turn = |b: &Balancer, tag: &str| {
-        c.post(b.url("/v1/chat/completions"))
-            .header("x-session-id", "conv")
-            .header("x-sim-tag", tag)
-            .json(&chat_for(Some("sim-model"), &format!("{tag} ").repeat(20)))
-            .send()
+    let turn = |b: &Balancer, n: usize| {
+        let r = c
+            .post(b.url("/v1/chat/completions"))
+            .header("x-sim-tag", format!("turn-{n}"));
+        if keyed {
+            r.header("x-session-id", "conv").json(&chat_for(
+                Some("sim-model"),
+                &format!("turn-{n} ").repeat(20),
+            ))
+        } else {
+            r.json(&conversation_turn("sim-model", "conv", n))
+        }
+        .send()
     };
     // The first turn, through the first balancer: its home.
-    assert_eq!(turn(&one, "turn-0").await.unwrap().status(), 200);
+    assert_eq!(turn(&one, 0).await.unwrap().status(), 200);
     let home = server_of(&sims, "turn-0").await;
     let home_addr = sims[home].addr.to_string();
     // Other clients fill the home directly, one of them waiting there:
@@ -318,12 +320,12 @@ async fn a_session_moved_by_one_balancer_is_followed_by_the_other_through_redis(
     }
     // The next turn reaches the second balancer: prefilling its short
     // prompt elsewhere beats waiting for the home, so it moves.
-    assert_eq!(turn(&two, "turn-1").await.unwrap().status(), 200);
+    assert_eq!(turn(&two, 1).await.unwrap().status(), 200);
     let moved = server_of(&sims, "turn-1").await;
     assert_ne!(moved, home, "the turn waited for its home");
     let moved_addr = sims[moved].addr.to_string();
     wait_for("the move shared", Duration::from_secs(5), || async {
-        shared_bindings(&redis).contains(&moved_addr).then_some(())
+        redis.session_bindings().contains(&moved_addr).then_some(())
     })
     .await;
     for d in direct {
@@ -336,9 +338,10 @@ async fn a_session_moved_by_one_balancer_is_followed_by_the_other_through_redis(
             .then_some(())
     })
     .await;
-    // The first balancer bound the conversation to its home, free again;
-    // Redis says it moved: the third turn follows it.
-    assert_eq!(turn(&one, "turn-2").await.unwrap().status(), 200);
+    // The first balancer has the conversation at its home, free again (a
+    // bound session, or the prompt in its prefix index); Redis says it
+    // moved: the third turn follows it.
+    assert_eq!(turn(&one, 2).await.unwrap().status(), 200);
     assert_eq!(
         server_of(&sims, "turn-2").await,
         moved,
@@ -349,7 +352,7 @@ async fn a_session_moved_by_one_balancer_is_followed_by_the_other_through_redis(
     redis.signal("STOP");
     let started = Instant::now();
     for (i, b) in [&one, &two, &one].into_iter().enumerate() {
-        let r = turn(b, &format!("turn-{}", 3 + i)).await.unwrap();
+        let r = turn(b, 3 + i).await.unwrap();
         assert_eq!(r.status(), 200);
     }
     assert!(

@@ -11,6 +11,7 @@ use crate::endpoint::Route;
 use crate::openai::PromptJson;
 use crate::prefix::{block_hashes, PrefixConfig};
 use crate::session::{SessionKeys, SessionSource};
+use crate::turn::TurnKeys;
 
 /// Fields read from an inference request body, borrowed from it where they
 /// can be ([`PromptJson`]). Deserialising into it also checks that the body
@@ -189,21 +190,28 @@ pub struct BodyFacts {
     pub output_bound: Option<u64>,
     /// The session keys of the body, hashed.
     pub sessions: SessionKeys,
+    /// Its conversation named by its prompts (unscoped), for a request
+    /// that sends no session key ([`crate::turn`]).
+    pub turn: Option<TurnKeys>,
 }
 
 /// The facts of an inference request body; the reason if it is not one
 /// JSON object.
 pub fn body_facts(body: &[u8], prefix: &PrefixConfig) -> Result<BodyFacts, String> {
     let fields = parse_fields(body)?;
+    let text = fields.prompt_text(prefix);
+    let blocks = block_hashes(&text, prefix);
+    let length = crate::openai::prompt_length(&fields.prompt_fields());
     Ok(BodyFacts {
         model: fields.model().unwrap_or_default().to_string(),
+        turn: TurnKeys::of(&text, &blocks, prefix, length),
         route: Route {
             model: fields.model().map(Arc::from),
-            prefix: block_hashes(&fields.prompt_text(prefix), prefix),
+            prefix: blocks,
             ..Route::default()
         },
         stream: fields.stream == Some(PromptJson::True),
-        prompt_bytes: crate::openai::prompt_bytes(&fields.prompt_fields()),
+        prompt_bytes: length.bytes,
         output_bound: crate::tokens::output_bound([
             fields.max_tokens.as_ref(),
             fields.max_completion_tokens.as_ref(),
@@ -243,6 +251,7 @@ pub fn form_facts(
         prompt_bytes: prompt.len() as u64,
         output_bound: None,
         sessions: SessionKeys::default(),
+        turn: None,
     })
 }
 

@@ -34,6 +34,7 @@ use crate::models::{ModelRules, Resolved};
 use crate::prefix::PrefixConfig;
 use crate::session::SessionRules;
 use crate::tokens::TokenEstimate;
+use crate::turn::TurnKeys;
 
 /// What admission needs to know of the fleet: which model names are
 /// served, and what the engines taught about tokens.
@@ -76,6 +77,10 @@ pub struct RequestFacts {
     pub prompt_bytes: u64,
     /// What flow control and the scheduler need.
     pub meta: RequestMeta,
+    /// A request without a session: its conversation named by its
+    /// prompts, scoped to its tenant ([`crate::turn`]); `None` with a
+    /// session, with sessions off, or for a prompt too short to follow.
+    pub turn: Option<TurnKeys>,
 }
 
 /// The operator's rules every door admits requests by.
@@ -146,7 +151,14 @@ impl AdmissionRules {
                 .or_else(|| self.session_of(&facts, headers, &flow.fairness_id)),
             _ => self.session_of(&facts, headers, &flow.fairness_id),
         };
+        let turn = match facts.route.session {
+            None if !self.sessions.order.is_empty() => {
+                facts.turn.map(|t| t.scoped(&flow.fairness_id))
+            }
+            _ => None,
+        };
         Ok(RequestFacts {
+            turn,
             model: facts.model,
             resolved,
             tokens,
@@ -376,6 +388,53 @@ mod tests {
             .inference(FlowHeaders::default(), None, Caller::Anonymous, &Fleet)
             .unwrap();
         assert_eq!((none.model.as_str(), none.meta.bytes), ("", 0));
+    }
+
+    #[test]
+    fn a_keyless_conversation_is_named_by_its_prompts() {
+        let mut r = rules();
+        let conversation = |turns: &[&str], key: bool| {
+            let mut messages =
+                vec![serde_json::json!({"role": "system", "content": "x".repeat(300)})];
+            for (i, t) in turns.iter().enumerate() {
+                let role = if i % 2 == 0 { "user" } else { "assistant" };
+                messages.push(serde_json::json!({"role": role, "content": t}));
+            }
+            let mut body = serde_json::json!({"model": "m", "messages": messages});
+            if key {
+                body["prompt_cache_key"] = "conv-1".into();
+            }
+            serde_json::to_vec(&body).unwrap()
+        };
+        let turn = |r: &AdmissionRules, body: &[u8]| {
+            r.inference(
+                FlowHeaders::default(),
+                Some(body),
+                Caller::Anonymous,
+                &Fleet,
+            )
+            .unwrap()
+            .turn
+        };
+        let first = turn(&r, &conversation(&["Q1"], false)).expect("a long enough prompt");
+        assert_eq!(first.previous, None);
+        let second = turn(&r, &conversation(&["Q1", "A1", "Q2"], false)).unwrap();
+        assert_eq!(
+            second.previous,
+            Some(first.this),
+            "the second turn finds the first"
+        );
+        assert_eq!(
+            turn(&r, &conversation(&["Q1", "A1", "Q2"], true)),
+            None,
+            "a session key names the conversation"
+        );
+        r.sessions.order.clear();
+        assert_eq!(
+            turn(&r, &conversation(&["Q1"], false)),
+            None,
+            "sessions off"
+        );
     }
 
     #[test]

@@ -25,6 +25,7 @@ use crate::reply::{Answer, Refusal};
 use crate::rules::DoorRules;
 use flowgate::blame::{self, Verdict};
 use flowgate::tokens::TokenEstimate;
+use flowgate::turn::StoreKeys;
 
 use crate::observe::meter::ResponseMeter;
 
@@ -123,6 +124,9 @@ pub(super) struct Exchange {
     grant: Option<flowgate::admission::Grant>,
     /// The request's tenant, for usage accounting.
     tenant: Option<Arc<str>>,
+    /// What the session store records where it went once answered (with a
+    /// store: [`StoreKeys`]).
+    store_key: Option<u64>,
     /// The answer's status and what its body said of its usage (when Envoy
     /// sends response bodies).
     status: Option<u16>,
@@ -153,6 +157,7 @@ impl Exchange {
             rate_headers: Vec::new(),
             grant: None,
             tenant: None,
+            store_key: None,
             status: None,
             meter: ResponseMeter::default(),
         }
@@ -301,6 +306,9 @@ impl Exchange {
             let reason = match blame::verdict(code, json) {
                 Verdict::Fine => {
                     self.epp.shared.record_outcome(lease, true);
+                    if let (Some(store), Some(key)) = (&self.epp.session_store, self.store_key) {
+                        store.record(key, lease.addr());
+                    }
                     ""
                 }
                 Verdict::RequestRejected => "request-rejected",
@@ -394,10 +402,16 @@ impl Exchange {
     /// answers Envoy with the destination, or refuses it.
     async fn decide(&mut self, phase: Phase) -> Result<(), Gone> {
         self.decided = true;
-        let request = match self.request_meta() {
+        let (mut request, look_up) = match self.request_meta() {
             Ok(r) => r,
             Err(refusal) => return self.refuse(refusal).await,
         };
+        if let Some(store) = &self.epp.session_store {
+            // Where another balancer may have sent this conversation last.
+            store
+                .follow(look_up, &self.epp.shared, &mut request.route)
+                .await;
+        }
         let quota = self.epp.quotas.admit(
             &self.rules.quotas,
             &request.flow.fairness_id,
@@ -527,8 +541,9 @@ impl Exchange {
 
     /// What flow control needs to know of the request: the admission step
     /// every door shares (an API key, when keys are on, fixes the tenant
-    /// and caps the priority, as at the proxy).
-    fn request_meta(&mut self) -> Result<RequestMeta, Refusal> {
+    /// and caps the priority, as at the proxy); and, with a session store,
+    /// what to look up there ([`StoreKeys`]).
+    fn request_meta(&mut self) -> Result<(RequestMeta, Option<u64>), Refusal> {
         let grant = match &self.rules.api_keys {
             Some(keys) => Some(
                 keys.authenticate(self.headers.get(AUTHORIZATION))
@@ -555,11 +570,16 @@ impl Exchange {
         if let Some(name) = facts.resolved.rewritten_name(&facts.model) {
             self.rename_body(name);
         }
+        let keys = match self.epp.session_store {
+            Some(_) => StoreKeys::of(facts.meta.route.session, facts.turn),
+            None => StoreKeys::default(),
+        };
+        self.store_key = keys.record;
         let mut meta = facts.meta;
         if let Some(entries) = &self.subset {
             meta.route.subset = Some(self.resolve_subset(entries).into());
         }
-        Ok(meta)
+        Ok((meta, keys.look_up))
     }
 
     /// The subset hint as sorted endpoint addresses: `ip:port` entries as

@@ -87,6 +87,8 @@ pub struct Epp {
     pub decisions: prometheus::IntCounterVec,
     /// Quotas per tenant and key, as at the proxy.
     pub quotas: Arc<crate::quotas::Quotas>,
+    /// Session bindings shared with other balancers, as at the proxy.
+    pub session_store: Option<Arc<crate::session_store::SessionStore>>,
 }
 
 /// `flowgate_epp_requests_total`, registered with the balancer's metrics.

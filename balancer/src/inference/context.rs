@@ -61,6 +61,10 @@ pub struct RequestCtx {
     pub(super) priority: i32,
     /// Its session, hashed ([`flowgate::session`]), for the access log.
     pub(super) session: Option<u64>,
+    /// What the session store records where it went once served: its
+    /// session, or its prompt for a keyless conversation
+    /// ([`flowgate::turn::StoreKeys`]).
+    pub(super) store_key: Option<u64>,
     /// Whether its answer tells why its endpoint was chosen.
     pub(super) explain: Explain,
     /// Its trace, when traces are on ([`crate::observe::traces`]).
@@ -132,6 +136,7 @@ impl RequestCtx {
             fairness_id: None,
             priority: 0,
             session: None,
+            store_key: None,
             explain: Explain::No,
             trace: None,
             waiting_ahead: 0,

@@ -133,7 +133,7 @@ impl Inference {
     /// conversation went (and its binding's idle time starts again).
     fn share_session(&self, ctx: &RequestCtx) {
         if let (Some(store), Some(key), Some(addr)) =
-            (&self.session_store, ctx.session, ctx.upstream)
+            (&self.session_store, ctx.store_key, ctx.upstream)
         {
             store.record(key, addr);
         }

@@ -49,6 +49,7 @@ use flowgate::admission::{renamed, Caller, FlowHeaders};
 use flowgate::blame::{self, Verdict};
 use flowgate::models::Fallback;
 use flowgate::session::SessionLabel;
+use flowgate::turn::StoreKeys;
 use flowgate::RequestMeta;
 use flowgate::SessionSource;
 use http::StatusCode;
@@ -306,7 +307,7 @@ impl Inference {
             ctx.rules
                 .admission
                 .inference(flow_headers, Some(&body.bytes), caller, &*self.shared);
-        let facts = match facts {
+        let mut facts = match facts {
             Ok(facts) => facts,
             Err(refused) => {
                 // The access log names the model even of a refused request.
@@ -321,11 +322,12 @@ impl Inference {
         ctx.fairness_id = Some(Arc::clone(&facts.meta.flow.fairness_id));
         ctx.priority = facts.meta.flow.priority;
         ctx.session = facts.meta.route.session;
-        if let (Some(store), Some(key)) = (&self.session_store, ctx.session) {
-            // Where another balancer may have sent this conversation last.
-            if let Some(addr) = store.endpoint(key).await {
-                self.shared.bind_session(key, addr);
-            }
+        if let Some(store) = &self.session_store {
+            // Where another balancer may have sent this conversation last:
+            // its session's last turn, or a keyless one's previous turn.
+            let keys = StoreKeys::of(ctx.session, facts.turn);
+            ctx.store_key = keys.record;
+            (store.follow(keys.look_up, &self.shared, &mut facts.meta.route)).await;
         }
         // A Responses answer's id names where a later turn continuing it
         // (`previous_response_id`) should go.

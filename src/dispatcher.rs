@@ -621,10 +621,10 @@ impl<T> Dispatcher<T> {
     /// What this balancer tells an endpoint's agent in its answer to a
     /// report, for the agent to divide the server's slots between
     /// balancers ([`crate::shares`]): its requests in flight there, the
-    /// share it applies, and its queued requests (all of them: counting
-    /// them per model on every report would cost a pass over the flows).
+    /// share it applies, and its queued requests for models the server
+    /// serves (a balancer queueing for another model claims none of it).
     pub fn demand_of(&self, endpoint: EndpointId) -> crate::shares::Demand {
-        self.ledger.demand_of(endpoint, self.queues.len())
+        self.ledger.demand_of(endpoint, self.queues.lane_lens())
     }
 
     pub fn in_flight(&self) -> u64 {

@@ -237,6 +237,50 @@ async fn two_balancers_never_send_a_server_more_than_its_slots() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_balancer_queueing_for_another_model_claims_no_slots_of_a_server() {
+    // One 2-slot server per model; slow answers keep the queues full.
+    let one = Balancer::start(&[]).await;
+    let two = Balancer::start(&[]).await;
+    let sims: Vec<Sim> = ["m1", "m2"]
+        .iter()
+        .map(|m| Sim::start(&["--model", m, "--slots", "2", "--ttft-ms", "300"]))
+        .collect();
+    let both = format!("{},{}", one.management, two.management);
+    let _agents: Vec<Proc> = sims
+        .iter()
+        .map(|s| agent_at(&s.addr.to_string(), &one, &["--management-addr", &both]))
+        .collect();
+    one.wait_eligible(2).await;
+    two.wait_eligible(2).await;
+    // The first balancer queues for m1 twice as long as the second queues
+    // for m2: m2's server owes the second balancer both its slots.
+    let c = client();
+    let load = |b: &Balancer, model: &'static str, n: usize| {
+        let url = b.url("/v1/chat/completions");
+        (0..n)
+            .map(|i| {
+                let r = c
+                    .post(&url)
+                    .json(&chat_for(Some(model), &format!("{model} {i}")))
+                    .send();
+                tokio::spawn(async move { r.await.map(|r| r.status().as_u16()).ok() })
+            })
+            .collect::<Vec<_>>()
+    };
+    let m1 = load(&one, "m1", 12);
+    let m2 = load(&two, "m2", 6);
+    for j in m2.into_iter().chain(m1) {
+        assert_eq!(j.await.unwrap(), Some(200));
+    }
+    let stats = sims[1].stats().await;
+    assert_eq!(
+        stats["max_processing"], 2,
+        "m2's server ran its requests one at a time: {stats}"
+    );
+    assert_eq!(stats["max_deferred"], 0, "{stats}");
+}
+
 /// Which of `sims` got the request tagged `tag`.
 async fn server_of(sims: &[Sim], tag: &str) -> usize {
     let counts = tagged_per_server(sims, tag).await;

@@ -662,9 +662,18 @@ impl EndpointLedger {
     }
 
     /// What this balancer tells `id`'s agent of its demand
-    /// ([`crate::shares`]), with `queued` requests waiting.
-    pub(crate) fn demand_of(&self, id: EndpointId, queued: usize) -> crate::shares::Demand {
+    /// ([`crate::shares`]): of the requests `queued` per lane (model),
+    /// those for a model it serves.
+    pub(crate) fn demand_of<'a>(
+        &self,
+        id: EndpointId,
+        queued: impl Iterator<Item = (&'a Option<Arc<str>>, usize)>,
+    ) -> crate::shares::Demand {
         let e = self.endpoints.get(&id);
+        let queued: usize = queued
+            .filter(|(model, _)| e.is_some_and(|e| e.serves(model.as_deref())))
+            .map(|(_, n)| n)
+            .sum();
         crate::shares::Demand {
             in_flight: e.map_or(0, |e| e.in_flight),
             queued: u32::try_from(queued).unwrap_or(u32::MAX),

@@ -233,6 +233,9 @@ pub struct FlowQueues<T> {
     flow_index: HashMap<(FlowKey, Lane), FlowIdx>,
     /// (deadline, order key, flow) of every queued request.
     deadlines: BTreeSet<(Instant, OrderKey, FlowIdx)>,
+    /// Queued requests per lane with any (kept as requests come and go,
+    /// so each agent's report answer counts its server's models cheaply).
+    lanes: HashMap<Lane, usize>,
     requests: usize,
     bytes: u64,
     tokens: u64,
@@ -257,6 +260,7 @@ impl<T> FlowQueues<T> {
             free_flows: Vec::new(),
             flow_index: HashMap::new(),
             deadlines: BTreeSet::new(),
+            lanes: HashMap::new(),
             requests: 0,
             bytes: 0,
             tokens: 0,
@@ -327,6 +331,7 @@ impl<T> FlowQueues<T> {
             seq: self.next_seq,
         };
         let priority = key.priority;
+        *self.lanes.entry(lane.clone()).or_default() += 1;
         let idx = self.flow_for(key, lane, band_config);
         let flow = self.flows[idx.0 as usize]
             .as_mut()
@@ -559,11 +564,16 @@ impl<T> FlowQueues<T> {
     /// Queued requests per lane (requested model), all flows together,
     /// sorted by lane.
     pub fn lanes(&self) -> Vec<(Lane, usize)> {
-        let mut by_lane: BTreeMap<&Lane, usize> = BTreeMap::new();
-        for f in self.flows.iter().flatten().filter(|f| !f.items.is_empty()) {
-            *by_lane.entry(&f.lane).or_default() += f.items.len();
-        }
-        by_lane.into_iter().map(|(l, n)| (l.clone(), n)).collect()
+        let mut lanes: Vec<(Lane, usize)> =
+            self.lanes.iter().map(|(l, &n)| (l.clone(), n)).collect();
+        lanes.sort_unstable();
+        lanes
+    }
+
+    /// Queued requests per lane, in no order, without copying: one entry
+    /// per model with queued requests.
+    pub fn lane_lens(&self) -> impl Iterator<Item = (&Lane, usize)> {
+        self.lanes.iter().map(|(l, &n)| (l, n))
     }
 
     /// Every flow with queued requests (its lanes counted together).
@@ -602,6 +612,12 @@ impl<T> FlowQueues<T> {
         let new_head = flow.items.keys().next().copied();
         let left_ring = new_head.is_none() && flow.ring_token.take().is_some();
         let key = flow.key.clone();
+        if let Some(n) = self.lanes.get_mut(&flow.lane) {
+            *n -= 1;
+            if *n == 0 {
+                self.lanes.remove(&flow.lane);
+            }
+        }
         let band = self
             .bands
             .get_mut(&key.priority)

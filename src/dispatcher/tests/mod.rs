@@ -587,6 +587,38 @@ fn unserved_demand_counts_requests_no_live_endpoint_could_take() {
 }
 
 #[test]
+fn an_agent_hears_only_of_the_queued_requests_its_server_could_serve() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    let registered = |o: Result<ReportOutcome, _>| match o {
+        Ok(ReportOutcome::Registered(id)) => id,
+        other => panic!("{other:?}"),
+    };
+    let one = registered(d.report(model_server("one", 1, 1, &["m1"]), t0));
+    let two = registered(d.report(model_server("two", 2, 1, &["m2"]), t0));
+    // Both slots taken, then three requests for m1 and one for any model
+    // wait.
+    let _running = ready(d.submit(for_model("t", 0, "m1"), "run-1", t0));
+    let on_two = ready(d.submit(for_model("t", 0, "m2"), "run-2", t0));
+    let waiting: Vec<Ticket> = ["a", "b", "c"]
+        .into_iter()
+        .map(|name| queued(d.submit(for_model("t", 0, "m1"), name, t0)))
+        .collect();
+    queued(d.submit(anon(), "any", t0));
+    let queued_at = |d: &Dispatcher<&str>, id| d.demand_of(id).queued;
+    assert_eq!((queued_at(&d, one), queued_at(&d, two)), (4, 1));
+    assert_eq!(d.demand_of(one).in_flight, 1);
+    // A request that leaves is no demand any more.
+    assert!(d.cancel(waiting[0]));
+    assert_eq!((queued_at(&d, one), queued_at(&d, two)), (3, 1));
+    // m2's server frees: the request for any model goes there.
+    d.release(on_two);
+    assert_eq!(granted(&d.dispatch(t0)), ["any"]);
+    assert_eq!((queued_at(&d, one), queued_at(&d, two)), (2, 0));
+    assert_eq!(d.buffered(), 2);
+}
+
+#[test]
 fn stale_metrics_saturate_after_the_threshold_or_two_agent_intervals() {
     use crate::endpoint::Saturation;
     let t0 = Instant::now();

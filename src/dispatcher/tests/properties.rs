@@ -133,7 +133,23 @@ fn check_dispatch(
 fn check_nothing_waits_needlessly(ledger: &Ledger, d: &Dispatcher<usize>, now: Instant) {
     let endpoints = d.endpoints(now);
     for m in 0..MODELS.len() {
-        if !ledger.waiting.values().any(|w| usize::from(w.2) == m) {
+        // What its agent hears of: the requests waiting for its model.
+        let waiting = ledger
+            .waiting
+            .values()
+            .filter(|w| usize::from(w.2) == m)
+            .count();
+        for e in endpoints
+            .iter()
+            .filter(|e| usize::from(e.addr.port()) == m + 1)
+        {
+            assert_eq!(
+                d.demand_of(e.id).queued as usize,
+                waiting,
+                "model {m}'s demand"
+            );
+        }
+        if waiting == 0 {
             continue;
         }
         let free = endpoints

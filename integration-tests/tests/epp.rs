@@ -753,13 +753,7 @@ async fn behind_envoy_a_conversation_is_followed_across_balancers_through_redis(
     let sims: Vec<Sim> = (0..3)
         .map(|_| Sim::start(&["--model", "m", "--slots", "4"]))
         .collect();
-    let both = format!("{},{}", one.b.management, two.b.management);
-    let _agents: Vec<_> = sims
-        .iter()
-        .map(|s| agent_at(&s.addr.to_string(), &one.b, &["--management-addr", &both]))
-        .collect();
-    one.b.wait_eligible(3).await;
-    two.b.wait_eligible(3).await;
+    let _agents = agents_for_both(sims.iter().map(|s| s.addr), &one.b, &two.b, &[]).await;
     // Neither one fixed choice nor taking turns sends the second turns to
     // these servers.
     for (conv, k) in [2usize, 2, 0, 0].into_iter().enumerate() {

@@ -142,13 +142,7 @@ async fn two_behind(
     let sims: Vec<Sim> = (0..4)
         .map(|_| Sim::start(&["--slots", slots, "--ttft-ms", "30"]))
         .collect();
-    let both = format!("{},{}", a.management, b.management);
-    let agents: Vec<Proc> = sims
-        .iter()
-        .map(|s| agent_at(&s.addr.to_string(), &a, &["--management-addr", &both]))
-        .collect();
-    a.wait_eligible(4).await;
-    b.wait_eligible(4).await;
+    let agents = agents_for_both(sims.iter().map(|s| s.addr), &a, &b, &[]).await;
     let front = Front::start(kind, &a, &b).await;
     (a, b, sims, agents, front)
 }

@@ -304,11 +304,7 @@ async fn two_balancers_never_overcommit_real_llama_servers() {
     let two = Balancer::start(&["--max-buffered-requests", "100"]).await;
     let l1 = Llama::start(2).await;
     let l2 = Llama::start(2).await;
-    let both = format!("{},{}", one.management, two.management);
-    let _a1 = agent_at(&l1.addr, &one, &["--management-addr", &both]);
-    let _a2 = agent_at(&l2.addr, &one, &["--management-addr", &both]);
-    one.wait_eligible(2).await;
-    two.wait_eligible(2).await;
+    let _agents = agents_for_both([&l1.addr, &l2.addr], &one, &two, &[]).await;
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let watcher = watch_deferred(vec![l1.addr.clone(), l2.addr.clone()], Arc::clone(&done));
     let c = client();

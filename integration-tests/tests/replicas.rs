@@ -158,13 +158,7 @@ async fn two_balancers(
     let one = Balancer::start(args).await;
     let two = Balancer::start(args).await;
     let sims: Vec<Sim> = (0..n).map(|_| Sim::start(sim_args)).collect();
-    let both = format!("{},{}", one.management, two.management);
-    let agents: Vec<Proc> = sims
-        .iter()
-        .map(|s| agent_at(&s.addr.to_string(), &one, &["--management-addr", &both]))
-        .collect();
-    one.wait_eligible(n).await;
-    two.wait_eligible(n).await;
+    let agents = agents_for_both(sims.iter().map(|s| s.addr), &one, &two, &[]).await;
     (one, two, sims, agents)
 }
 
@@ -246,13 +240,7 @@ async fn a_balancer_queueing_for_another_model_claims_no_slots_of_a_server() {
         .iter()
         .map(|m| Sim::start(&["--model", m, "--slots", "2", "--ttft-ms", "300"]))
         .collect();
-    let both = format!("{},{}", one.management, two.management);
-    let _agents: Vec<Proc> = sims
-        .iter()
-        .map(|s| agent_at(&s.addr.to_string(), &one, &["--management-addr", &both]))
-        .collect();
-    one.wait_eligible(2).await;
-    two.wait_eligible(2).await;
+    let _agents = agents_for_both(sims.iter().map(|s| s.addr), &one, &two, &[]).await;
     // The first balancer queues for m1 twice as long as the second queues
     // for m2: m2's server owes the second balancer both its slots.
     let c = client();

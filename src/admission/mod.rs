@@ -246,6 +246,16 @@ mod tests {
         }
     }
 
+    /// The facts of an anonymous request with `body` and no headers.
+    fn anonymous_facts(r: &AdmissionRules, body: &[u8]) -> Result<RequestFacts, Refused> {
+        r.inference(
+            FlowHeaders::default(),
+            Some(body),
+            Caller::Anonymous,
+            &Fleet,
+        )
+    }
+
     fn rules() -> AdmissionRules {
         AdmissionRules {
             priorities: PriorityRules {
@@ -269,16 +279,7 @@ mod tests {
     #[test]
     fn every_request_gets_a_token_estimate_in_its_models_ratio() {
         let r = rules();
-        let estimate = |body: &[u8]| {
-            r.inference(
-                FlowHeaders::default(),
-                Some(body),
-                Caller::Anonymous,
-                &Fleet,
-            )
-            .unwrap()
-            .tokens
-        };
+        let estimate = |body: &[u8]| anonymous_facts(&r, body).unwrap().tokens;
         let prompt = "x".repeat(400);
         let chat = format!(
             r#"{{"model":"gpt-4o-mini","max_tokens":32,"messages":[{{"role":"user","content":"{prompt}"}}]}}"#
@@ -300,14 +301,7 @@ mod tests {
     #[test]
     fn the_model_rules_place_the_request() {
         let r = rules();
-        let f = r
-            .inference(
-                FlowHeaders::default(),
-                Some(br#"{"model":"gpt-4o-mini"}"#),
-                Caller::Anonymous,
-                &Fleet,
-            )
-            .unwrap();
+        let f = anonymous_facts(&r, br#"{"model":"gpt-4o-mini"}"#).unwrap();
         assert_eq!(
             f.model, "gpt-4o-mini",
             "the access log keeps what was asked"
@@ -362,12 +356,7 @@ mod tests {
     fn refusals_name_what_was_wrong() {
         let r = rules();
         assert!(matches!(
-            r.inference(
-                FlowHeaders::default(),
-                Some(b"[]"),
-                Caller::Anonymous,
-                &Fleet
-            ),
+            anonymous_facts(&r, b"[]"),
             Err(Refused::BadBody(_))
         ));
         let bad = headers(b"has space", b"chat");
@@ -406,16 +395,7 @@ mod tests {
             }
             serde_json::to_vec(&body).unwrap()
         };
-        let turn = |r: &AdmissionRules, body: &[u8]| {
-            r.inference(
-                FlowHeaders::default(),
-                Some(body),
-                Caller::Anonymous,
-                &Fleet,
-            )
-            .unwrap()
-            .turn
-        };
+        let turn = |r: &AdmissionRules, body: &[u8]| anonymous_facts(r, body).unwrap().turn;
         let first = turn(&r, &conversation(&["Q1"], false)).expect("a long enough prompt");
         assert_eq!(first.previous, None);
         let second = turn(&r, &conversation(&["Q1", "A1", "Q2"], false)).unwrap();
@@ -523,14 +503,7 @@ mod tests {
             sessions: SessionRules { order: Vec::new() },
             ..rules()
         };
-        let f = off
-            .inference(
-                FlowHeaders::default(),
-                Some(cache_key),
-                Caller::Anonymous,
-                &Fleet,
-            )
-            .unwrap();
+        let f = anonymous_facts(&off, cache_key).unwrap();
         assert_eq!(f.meta.route.session, None, "no source: sessions off");
     }
 

@@ -368,6 +368,26 @@ pub fn agent_at(backend_addr: &str, balancer: &Balancer, extra_args: &[&str]) ->
     Proc::spawn("agent", &args)
 }
 
+/// An agent per model server at `backends` reporting to both balancers
+/// (`extra_args` appended), once both see every server eligible.
+pub async fn agents_for_both(
+    backends: impl IntoIterator<Item = impl ToString>,
+    a: &Balancer,
+    b: &Balancer,
+    extra_args: &[&str],
+) -> Vec<Proc> {
+    let both = format!("{},{}", a.management, b.management);
+    let mut args = vec!["--management-addr", both.as_str()];
+    args.extend_from_slice(extra_args);
+    let agents: Vec<Proc> = backends
+        .into_iter()
+        .map(|addr| agent_at(&addr.to_string(), a, &args))
+        .collect();
+    a.wait_eligible(agents.len()).await;
+    b.wait_eligible(agents.len()).await;
+    agents
+}
+
 /// Starts an agent watching `sim` and reporting to `balancer`.
 pub fn agent(sim: &Sim, balancer: &Balancer) -> Proc {
     agent_at(&sim.addr.to_string(), balancer, &[])

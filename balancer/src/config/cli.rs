@@ -230,8 +230,9 @@ pub struct Cli {
 
     /// Share session bindings between balancers in this Redis
     /// (`redis://host:6379/0`; `scheduling.sessions.redisUrl`), so a
-    /// conversation's turns follow it whichever balancer they reach
-    /// [default: each balancer keeps its own]
+    /// conversation's turns, with a session key or without (followed by
+    /// their prompts), follow it whichever balancer they reach [default:
+    /// each balancer keeps its own]
     #[arg(long, value_name = "URL")]
     pub sessions_redis_url: Option<String>,
 

@@ -448,7 +448,7 @@ impl<T> Dispatcher<T> {
     /// Whether `route` is of a session that waits for its endpoint until
     /// its TTL (`sessions.hard`) rather than at most the affinity hold.
     fn hard_session(&self, route: &Route) -> bool {
-        self.config.scheduling.sessions.hard && route.session.is_some()
+        route.waits_hard(self.config.scheduling.sessions.hard)
     }
 
     /// Settles the token-fair charge of a request dispatched from the

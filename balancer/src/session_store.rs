@@ -158,6 +158,8 @@ impl SessionStore {
         let Some(key) = look_up else { return };
         if let Some(addr) = self.endpoint(key).await {
             gate.bind_session(key, addr);
+            // A keyless conversation's previous turn: followed softly.
+            route.session_by_prompt = route.session.is_none();
             route.session = Some(key);
         }
     }

@@ -119,7 +119,7 @@ impl<T> Dispatcher<T> {
                     Home::Yes => true,
                     Home::Elsewhere { waits } => {
                         let over = w.hold_until.is_some_and(|end| end <= now);
-                        if over && !(hard && w.route.session.is_some()) {
+                        if over && !w.route.waits_hard(hard) {
                             return true;
                         }
                         passed.push((ticket, waits));

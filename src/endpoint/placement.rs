@@ -119,7 +119,7 @@ impl EndpointLedger {
         waits: &Waits,
         now: Instant,
     ) -> Option<EndpointId> {
-        if bound.is_some() && self.scheduling.sessions.hard {
+        if bound.is_some() && route.waits_hard(self.scheduling.sessions.hard) {
             return bound;
         }
         let prompt = self.prompt_tokens(route);

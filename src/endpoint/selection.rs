@@ -35,12 +35,22 @@ pub struct Route {
     pub tokens: TokenEstimate,
     /// Its session, hashed and scoped to its tenant ([`crate::session`]).
     pub session: Option<u64>,
+    /// Its session was found by its prompt in the balancers' shared store
+    /// ([`crate::turn`]), not named by its client: it is followed softly,
+    /// even in hard mode.
+    pub session_by_prompt: bool,
 }
 
 impl Route {
     /// Whether two routes may go to the same endpoints.
     pub(crate) fn same_targets(&self, other: &Route) -> bool {
         self.model == other.model && self.avoid == other.avoid && self.subset == other.subset
+    }
+
+    /// Whether it waits for its session's endpoint until its TTL: in hard
+    /// mode, a session its client named.
+    pub(crate) fn waits_hard(&self, hard: bool) -> bool {
+        hard && self.session.is_some() && !self.session_by_prompt
     }
 
     /// Only its targets (the prompt is not needed to compare them).

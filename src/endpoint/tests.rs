@@ -673,6 +673,7 @@ proptest::proptest! {
                         subset: None,
                         tokens: TokenEstimate { prompt: tokens, output: tokens / 2, output_asked: true },
                         session: None,
+                        session_by_prompt: false,
                     };
                     let want = expected(&r, &route, now, may_hold);
                     let waits = Waits::default();

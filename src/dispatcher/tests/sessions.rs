@@ -137,6 +137,27 @@ fn a_hard_session_waits_for_its_endpoint_until_its_ttl() {
 }
 
 #[test]
+fn a_conversation_found_by_its_prompt_is_followed_softly_even_in_hard_mode() {
+    let t0 = Instant::now();
+    let mut d = with_sessions(SessionConfig {
+        hard: true,
+        ..SessionConfig::default()
+    });
+    let _first = first_turn_running(&mut d, t0);
+    let mut found = in_session("t", 7);
+    found.route.session_by_prompt = true;
+    found.ttl = Some(Duration::from_secs(30));
+    queued(d.submit(found, "turn-2", t0));
+    // The affinity hold (these tests' 200 ms), not the 30 s TTL, bounds
+    // its wait.
+    assert!(d.dispatch(t0).is_empty(), "held for a");
+    assert!(d.dispatch(t0 + 199 * MS).is_empty());
+    let done = d.dispatch(t0 + 200 * MS);
+    assert_eq!(granted(&done), ["turn-2"]);
+    assert_eq!(done[0].result.as_ref().unwrap().addr.port(), 2);
+}
+
+#[test]
 fn a_zero_hold_sends_a_soft_session_elsewhere_at_once() {
     let t0 = Instant::now();
     let mut c = config(30);

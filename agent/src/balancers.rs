@@ -19,9 +19,11 @@
 //! ([`flowgate::shares`]): each answer says the balancer's demand, and each
 //! report carries its share (`slot_share`), so all balancers together never
 //! send the server more than its slots. A balancer that accepted none of
-//! the last [`FORGET_AFTER`] reports (stopped, or killed: its port refuses
-//! them) is left out of the division: its requests still running count as
-//! busy slots no balancer sent.
+//! the last [`FORGET_AFTER`] reports (stopped, or unreachable), or whose
+//! port refused the last one (killed: no balancer runs there now), is left
+//! out of the division: its requests still running count as busy slots no
+//! balancer sent. So a killed balancer's share moves to the others within
+//! two report intervals.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -49,12 +51,21 @@ type Published = Option<(u64, Arc<AgentReport>, Option<Shares>)>;
 /// Each balancer's share of the slots.
 type Shares = Arc<BTreeMap<SocketAddr, u32>>;
 
+/// Why a report was not accepted.
+#[derive(Debug)]
+struct Failure {
+    /// The connection was refused: nothing listens on the balancer's port
+    /// (a balancer that hangs still accepts connections).
+    refused: bool,
+    message: String,
+}
+
 /// What one balancer answered.
 #[derive(Debug, Default)]
 struct Answer {
     /// To the last report it got: the report's number, and its demand on
     /// the endpoint or why it failed.
-    last: Option<(u64, Result<Demand, String>)>,
+    last: Option<(u64, Result<Demand, Failure>)>,
     /// The last report it accepted, and its demand then. A balancer that
     /// refuses or fails every report (one killed: its port refuses at
     /// once) has none newer, and leaves the division.
@@ -210,11 +221,14 @@ impl Balancers {
         self.published += 1;
         let shares = self.shares.as_mut().map(|ledger| {
             for (addr, b) in &self.by_addr {
-                let accepted = b.answer.lock().unwrap_or_else(|e| e.into_inner()).accepted;
+                let answer = b.answer.lock().unwrap_or_else(|e| e.into_inner());
+                let accepted = answer.accepted;
+                let refused = matches!(&answer.last, Some((_, Err(f))) if f.refused);
+                drop(answer);
                 // The last report it accepted, or when it was added.
                 let heard = accepted.map_or(b.added_after, |(n, _)| n);
                 match accepted {
-                    _ if heard + FORGET_AFTER < self.published => ledger.forget(addr),
+                    _ if refused || heard + FORGET_AFTER < self.published => ledger.forget(addr),
                     // Its demand then; a failure since leaves it standing.
                     Some((_, demand)) => ledger.answered(addr, demand),
                     // A balancer not heard from yet joins idle.
@@ -302,7 +316,7 @@ async fn report_to(
         report.slot_share = shares.map(|s| s.get(&addr).copied().unwrap_or(0));
         let result = send(&client, &url, &token, &report).await;
         match (&result, failing) {
-            (Err(e), false) => warn!(balancer = %addr, "{e}"),
+            (Err(e), false) => warn!(balancer = %addr, "{}", e.message),
             (Ok(_), true) => info!(balancer = %addr, "reports accepted again"),
             _ => {}
         }
@@ -322,12 +336,15 @@ async fn send(
     url: &str,
     token: &Option<String>,
     report: &AgentReport,
-) -> Result<Demand, String> {
+) -> Result<Demand, Failure> {
     let resp = authorized(client.post(format!("{url}/report")), token)
         .json(report)
         .send()
         .await
-        .map_err(|e| format!("balancer unreachable: {e}"))?;
+        .map_err(|e| Failure {
+            refused: e.is_connect() && !e.is_timeout(),
+            message: format!("balancer unreachable: {e}"),
+        })?;
     let status = resp.status();
     let body = resp.text().await.unwrap_or_default();
     if status.is_success() {
@@ -343,9 +360,10 @@ async fn send(
             applied: count("slot_share"),
         })
     } else {
-        Err(format!(
-            "balancer refused the report: HTTP {status}: {body}"
-        ))
+        Err(Failure {
+            refused: false,
+            message: format!("balancer refused the report: HTTP {status}: {body}"),
+        })
     }
 }
 

@@ -214,9 +214,13 @@ impl EndpointLedger {
                     if matches!(place, SessionPlace::Gone) {
                         self.sessions.release(session);
                     }
+                    // A conversation found by its prompt, no longer where
+                    // it was, goes by its prompt as any keyless request.
                     match self.session_home(route, session, now) {
-                        Some(home) => return Choice::Endpoint(home),
-                        None => None,
+                        Some(home) if !route.session_by_prompt => {
+                            return Choice::Endpoint(home);
+                        }
+                        _ => None,
                     }
                 }
             },

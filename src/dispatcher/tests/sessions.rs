@@ -158,6 +158,43 @@ fn a_conversation_found_by_its_prompt_is_followed_softly_even_in_hard_mode() {
 }
 
 #[test]
+fn a_conversation_found_by_its_prompt_but_not_bound_here_goes_by_its_prompt() {
+    let t0 = Instant::now();
+    let mut d = with_sessions(SessionConfig::default());
+    for (id, port) in [("a", 1), ("b", 2), ("c", 3)] {
+        d.report(model_server(id, port, 4, &[]), t0).unwrap();
+    }
+    let turn = |session: u64, by_prompt: bool| {
+        let mut meta = in_session("t", session);
+        meta.route.prefix = vec![1, 2, 3];
+        meta.route.session_by_prompt = by_prompt;
+        meta
+    };
+    // A first request leaves the prompt's blocks on one server.
+    let mut keyless = turn(0, false);
+    keyless.route.session = None;
+    let first = ready(d.submit(keyless, "first", t0));
+    let cached = first.addr.port();
+    d.release(first);
+    let mut keyed_homes = Vec::new();
+    for session in 10..18 {
+        // Its binding did not take (the store named an address this
+        // balancer does not know): the prompt's server, not a hash's.
+        let found = ready(d.submit(turn(session, true), "found", t0));
+        assert_eq!(found.addr.port(), cached, "session {session}");
+        d.release(found);
+        // A named session not bound here goes to its rendezvous home
+        // (another prompt, not to spread this one's blocks).
+        let mut named = turn(session + 100, false);
+        named.route.prefix = vec![7, 8, 9];
+        let named = ready(d.submit(named, "named", t0));
+        keyed_homes.push(named.addr.port());
+        d.release(named);
+    }
+    assert!(keyed_homes.iter().any(|p| *p != cached), "{keyed_homes:?}");
+}
+
+#[test]
 fn a_zero_hold_sends_a_soft_session_elsewhere_at_once() {
     let t0 = Instant::now();
     let mut c = config(30);

@@ -10,8 +10,7 @@
 //! again) by a task of its own, so no request waits for a write. A turn
 //! of a conversation sent without a key does the same under the names of
 //! its prompts ([`flowgate::turn`]): it looks up its previous turn's and
-//! records its own. Redis is a hint,
-//! never a dependency: a lookup that fails or takes too long leaves the
+//! records its own. Redis is a hint, never a dependency: a lookup that fails or takes too long leaves the
 //! balancer on its own bindings (counted in
 //! `flowgate_session_store_errors_total`, and lookups skipped for
 //! [`BACK_OFF`] after), and a write that fails or cannot be queued is
@@ -27,6 +26,7 @@ use redis::aio::ConnectionManager;
 use tokio::sync::mpsc;
 use tracing::warn;
 
+use flowgate::turn::{StoreKeys, TurnKeys};
 use flowgate::Route;
 
 use crate::gate::FleetGate;
@@ -150,18 +150,28 @@ impl SessionStore {
         }
     }
 
-    /// Before a request is placed: where another balancer sent its
-    /// conversation last (`look_up`: [`flowgate::turn::StoreKeys`]) becomes the
-    /// conversation's binding on this balancer and the request's session,
-    /// so it is placed as a bound session is.
-    pub async fn follow(&self, look_up: Option<u64>, gate: &FleetGate, route: &mut Route) {
-        let Some(key) = look_up else { return };
-        if let Some(addr) = self.endpoint(key).await {
-            gate.bind_session(key, addr);
-            // A keyless conversation's previous turn: followed softly.
-            route.session_by_prompt = route.session.is_none();
-            route.session = Some(key);
+    /// Before a request is placed, for every door: where another balancer
+    /// sent its conversation last (its session's, or a keyless one's
+    /// previous turn's: [`StoreKeys`]) becomes the conversation's binding
+    /// on this balancer and the request's session, so it is placed as a
+    /// bound session is. Returns the key to [`SessionStore::record`] where
+    /// it went once served.
+    pub async fn follow(
+        &self,
+        turn: Option<TurnKeys>,
+        gate: &FleetGate,
+        route: &mut Route,
+    ) -> Option<u64> {
+        let keys = StoreKeys::of(route.session, turn);
+        if let Some(key) = keys.look_up {
+            if let Some(addr) = self.endpoint(key).await {
+                gate.bind_session(key, addr);
+                // A keyless conversation's previous turn: followed softly.
+                route.session_by_prompt = route.session.is_none();
+                route.session = Some(key);
+            }
         }
+        keys.record
     }
 
     /// Shares that `session`'s turn went to `addr` (queued; dropped when

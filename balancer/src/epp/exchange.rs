@@ -25,7 +25,7 @@ use crate::reply::{Answer, Refusal};
 use crate::rules::DoorRules;
 use flowgate::blame::{self, Verdict};
 use flowgate::tokens::TokenEstimate;
-use flowgate::turn::StoreKeys;
+use flowgate::turn::TurnKeys;
 
 use crate::observe::meter::ResponseMeter;
 
@@ -125,7 +125,7 @@ pub(super) struct Exchange {
     /// The request's tenant, for usage accounting.
     tenant: Option<Arc<str>>,
     /// What the session store records where it went once answered (with a
-    /// store: [`StoreKeys`]).
+    /// store: [`crate::session_store::SessionStore::follow`]).
     store_key: Option<u64>,
     /// The answer's status and what its body said of its usage (when Envoy
     /// sends response bodies).
@@ -402,14 +402,14 @@ impl Exchange {
     /// answers Envoy with the destination, or refuses it.
     async fn decide(&mut self, phase: Phase) -> Result<(), Gone> {
         self.decided = true;
-        let (mut request, look_up) = match self.request_meta() {
+        let (mut request, turn) = match self.request_meta() {
             Ok(r) => r,
             Err(refusal) => return self.refuse(refusal).await,
         };
         if let Some(store) = &self.epp.session_store {
             // Where another balancer may have sent this conversation last.
-            store
-                .follow(look_up, &self.epp.shared, &mut request.route)
+            self.store_key = store
+                .follow(turn, &self.epp.shared, &mut request.route)
                 .await;
         }
         let quota = self.epp.quotas.admit(
@@ -541,9 +541,9 @@ impl Exchange {
 
     /// What flow control needs to know of the request: the admission step
     /// every door shares (an API key, when keys are on, fixes the tenant
-    /// and caps the priority, as at the proxy); and, with a session store,
-    /// what to look up there ([`StoreKeys`]).
-    fn request_meta(&mut self) -> Result<(RequestMeta, Option<u64>), Refusal> {
+    /// and caps the priority, as at the proxy); and its conversation named
+    /// by its prompts, for the session store.
+    fn request_meta(&mut self) -> Result<(RequestMeta, Option<TurnKeys>), Refusal> {
         let grant = match &self.rules.api_keys {
             Some(keys) => Some(
                 keys.authenticate(self.headers.get(AUTHORIZATION))
@@ -570,16 +570,11 @@ impl Exchange {
         if let Some(name) = facts.resolved.rewritten_name(&facts.model) {
             self.rename_body(name);
         }
-        let keys = match self.epp.session_store {
-            Some(_) => StoreKeys::of(facts.meta.route.session, facts.turn),
-            None => StoreKeys::default(),
-        };
-        self.store_key = keys.record;
         let mut meta = facts.meta;
         if let Some(entries) = &self.subset {
             meta.route.subset = Some(self.resolve_subset(entries).into());
         }
-        Ok((meta, keys.look_up))
+        Ok((meta, facts.turn))
     }
 
     /// The subset hint as sorted endpoint addresses: `ip:port` entries as

@@ -129,8 +129,9 @@ impl Inference {
         );
     }
 
-    /// A keyed turn was served: the other balancers learn where the
-    /// conversation went (and its binding's idle time starts again).
+    /// A turn was served: the other balancers learn where its conversation
+    /// went (its session, or for a keyless one this turn's prompt; the
+    /// binding's idle time starts again).
     fn share_session(&self, ctx: &RequestCtx) {
         if let (Some(store), Some(key), Some(addr)) =
             (&self.session_store, ctx.store_key, ctx.upstream)

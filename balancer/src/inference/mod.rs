@@ -49,7 +49,6 @@ use flowgate::admission::{renamed, Caller, FlowHeaders};
 use flowgate::blame::{self, Verdict};
 use flowgate::models::Fallback;
 use flowgate::session::SessionLabel;
-use flowgate::turn::StoreKeys;
 use flowgate::RequestMeta;
 use flowgate::SessionSource;
 use http::StatusCode;
@@ -325,9 +324,7 @@ impl Inference {
         if let Some(store) = &self.session_store {
             // Where another balancer may have sent this conversation last:
             // its session's last turn, or a keyless one's previous turn.
-            let keys = StoreKeys::of(ctx.session, facts.turn);
-            ctx.store_key = keys.record;
-            (store.follow(keys.look_up, &self.shared, &mut facts.meta.route)).await;
+            ctx.store_key = (store.follow(facts.turn, &self.shared, &mut facts.meta.route)).await;
         }
         // A Responses answer's id names where a later turn continuing it
         // (`previous_response_id`) should go.

@@ -44,7 +44,13 @@
 //! - Sessions ([`crate::session`]): a request whose conversation was last
 //!   served by an endpoint goes back there while it can take it; while it
 //!   is saturated the request is held for it like an affinity hold (in
-//!   hard mode until its TTL), then goes elsewhere and is bound there.
+//!   hard mode until its TTL), then goes elsewhere and is bound there. A
+//!   session named by its client whose first turn must queue is given its
+//!   home as it arrives (one of the least loaded endpoints: `endpoint`'s
+//!   homes), and an endpoint's freed slot goes first to the oldest request
+//!   queued for it by its session, as its engine's own queue would serve
+//!   them, unless that would pass the request next in fair order by more
+//!   than token fairness allows ([`homed`]).
 //! - A request for a model no endpoint serves (nor served lately) is refused
 //!   404 at once, unless no agent is registered at all: then it waits for
 //!   the fleet to come up.
@@ -74,6 +80,7 @@ pub use crate::flow::Ticket;
 pub use holds::HoldsBegun;
 
 mod holds;
+mod homed;
 
 /// How many requests of each flow a dispatch pass looks at when the ones
 /// ahead of them cannot go now (held for affinity, or their route is busy).
@@ -205,6 +212,9 @@ struct Waiting<T> {
     /// Counted among the affinity holds.
     counted: bool,
     priority: i32,
+    /// The endpoint it is counted as queued for by its session
+    /// ([`EndpointLedger::queued_for`]), and its arrival number there.
+    home: Option<(EndpointId, u64)>,
 }
 
 /// The queues plus the endpoint ledger.
@@ -220,6 +230,9 @@ pub struct Dispatcher<T> {
     holds: BTreeMap<(Instant, u64), Ticket>,
     /// Holds begun since the last `take_new_holds`.
     new_holds: HoldsBegun,
+    /// Requests queued for their session's endpoint, by endpoint and
+    /// arrival ([`homed`]).
+    homed: BTreeMap<(EndpointId, u64), Ticket>,
 }
 
 impl<T> Dispatcher<T> {
@@ -231,6 +244,7 @@ impl<T> Dispatcher<T> {
             evicted: Vec::new(),
             holds: BTreeMap::new(),
             new_holds: HoldsBegun::default(),
+            homed: BTreeMap::new(),
         }
     }
 
@@ -299,6 +313,7 @@ impl<T> Dispatcher<T> {
             bytes: request.bytes,
             tokens: request.route.tokens.total(),
         };
+        let home = self.ledger.queued_for(&request.route, now);
         let waiting = Waiting {
             handle,
             route: request.route,
@@ -306,18 +321,31 @@ impl<T> Dispatcher<T> {
             deadline,
             counted: false,
             priority: place.key.priority,
+            home: None,
         };
         match self.queues.push(place, size, waiting, now, deadline) {
             Ok((ticket, evicted)) => {
-                self.evicted.extend(
-                    evicted
-                        .into_iter()
-                        .map(|r| done(r, Err(Reject::Evicted), now)),
-                );
+                if let Some(id) = home {
+                    self.homed.insert((id, ticket.seq()), ticket);
+                    if let Some(w) = self.queues.get_mut(ticket) {
+                        w.home = Some((id, ticket.seq()));
+                    }
+                }
+                for r in evicted {
+                    let evicted = self.left(r, Err(Reject::Evicted), now);
+                    self.evicted.push(evicted);
+                }
                 Admission::Queued { ticket, deadline }
             }
-            Err((QueueFull::Band, _)) => Admission::Rejected(Reject::Shed),
-            Err((QueueFull::Global, _)) => Admission::Rejected(Reject::BufferFull),
+            Err((full, _)) => {
+                if let Some(id) = home {
+                    self.ledger.left_queue(id);
+                }
+                Admission::Rejected(match full {
+                    QueueFull::Band => Reject::Shed,
+                    QueueFull::Global => Reject::BufferFull,
+                })
+            }
         }
     }
 
@@ -326,12 +354,9 @@ impl<T> Dispatcher<T> {
     /// each waiter; if a granted waiter is gone, it releases the lease.
     pub fn dispatch(&mut self, now: Instant) -> Vec<Done<T>> {
         let mut out = std::mem::take(&mut self.evicted);
-        out.extend(
-            self.queues
-                .expire(now)
-                .into_iter()
-                .map(|r| done(r, Err(Reject::Timeout), now)),
-        );
+        for r in self.queues.expire(now) {
+            out.push(self.left(r, Err(Reject::Timeout), now));
+        }
         // Holds that end now are over: this pass places those requests.
         while let Some(entry) = self.holds.first_entry() {
             if entry.key().0 > now {
@@ -339,6 +364,7 @@ impl<T> Dispatcher<T> {
             }
             entry.remove();
         }
+        self.place_homed(now, &mut out);
         self.place_held(now, &mut out);
         let hold = self.config.scheduling.affinity_hold;
         if !hold.is_zero() {
@@ -442,7 +468,28 @@ impl<T> Dispatcher<T> {
             .queues
             .pop(ticket)
             .expect("a granted request is queued");
-        out.push(done(removed, Ok(lease), now));
+        out.push(self.left(removed, Ok(lease), now));
+    }
+
+    /// The end of a request's wait, once it left the queues: no longer
+    /// counted as queued for its session's endpoint.
+    fn left(
+        &mut self,
+        r: Removed<Waiting<T>>,
+        result: Result<Lease, Reject>,
+        now: Instant,
+    ) -> Done<T> {
+        self.unhome(r.handle.home);
+        done(r, result, now)
+    }
+
+    /// A request counted as queued for its session's endpoint left the
+    /// queues.
+    fn unhome(&mut self, home: Option<(EndpointId, u64)>) {
+        if let Some((id, seq)) = home {
+            self.ledger.left_queue(id);
+            self.homed.remove(&(id, seq));
+        }
     }
 
     /// Whether `route` is of a session that waits for its endpoint until
@@ -461,7 +508,11 @@ impl<T> Dispatcher<T> {
     /// Removes a waiter whose client went away. `false` if it is no longer
     /// waiting (it was granted a lease, evicted or expired meanwhile).
     pub fn cancel(&mut self, ticket: Ticket) -> bool {
-        self.queues.cancel(ticket).is_some()
+        let Some(removed) = self.queues.cancel(ticket) else {
+            return false;
+        };
+        self.unhome(removed.handle.home);
+        true
     }
 
     /// Binds `session` to the endpoint at `addr`: a response id whose

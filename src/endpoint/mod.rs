@@ -32,6 +32,7 @@ mod breaker;
 mod cache_truth;
 mod cost;
 mod explain;
+mod homes;
 mod placement;
 mod ranking;
 mod saturation;
@@ -113,6 +114,8 @@ pub(crate) struct Endpoint {
     /// `None` once the agent deregistered or was dropped as stale.
     pub(crate) agent: Option<AgentState>,
     pub(crate) in_flight: u32,
+    /// Queued requests waiting for it by their session ([`homes`]).
+    queued_home: u32,
     /// Estimated tokens of the balancer's requests in flight here (orphans
     /// included): what the token budget counts.
     pub(crate) in_flight_tokens: u64,
@@ -374,6 +377,7 @@ impl EndpointLedger {
                         addr,
                         agent: None,
                         in_flight: 0,
+                        queued_home: 0,
                         in_flight_tokens: 0,
                         in_flight_peak: 0,
                         foreign_busy: 0,

@@ -15,6 +15,8 @@ enum Op {
         ttl_ms: Option<u16>,
         /// Index into [`MODELS`].
         model: u8,
+        /// A conversation's key, a few of them so turns repeat.
+        session: Option<u8>,
     },
     Cancel(usize),
     Release(usize),
@@ -29,9 +31,18 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        6 => (0u8..6, -2i8..3, 1u16..2_000, proptest::option::of(1u16..3_000), 0u8..2).prop_map(
-            |(tenant, priority, bytes, ttl_ms, model)| Op::Submit { tenant, priority, bytes, ttl_ms, model }
-        ),
+        6 => (
+            (0u8..6, -2i8..3, 1u16..2_000),
+            (proptest::option::of(1u16..3_000), 0u8..2, proptest::option::of(0u8..8)),
+        )
+            .prop_map(|((tenant, priority, bytes), (ttl_ms, model, session))| Op::Submit {
+                tenant,
+                priority,
+                bytes,
+                ttl_ms,
+                model,
+                session,
+            }),
         1 => any::<usize>().prop_map(Op::Cancel),
         3 => any::<usize>().prop_map(Op::Release),
         2 => (0u16..500).prop_map(Op::Advance),
@@ -182,7 +193,7 @@ proptest! {
         let mut next_id = 0;
         for op in ops {
             match op {
-                Op::Submit { tenant, priority, bytes, ttl_ms, model } => {
+                Op::Submit { tenant, priority, bytes, ttl_ms, model, session } => {
                     let id = next_id;
                     next_id += 1;
                     let meta = RequestMeta {
@@ -196,6 +207,7 @@ proptest! {
                                 output: 10,
                                 output_asked: true,
                             },
+                            session: session.map(u64::from),
                             ..Route::default()
                         },
                         weight: u32::from(tenant) + 1,
@@ -247,6 +259,10 @@ proptest! {
             check_nothing_waits_needlessly(&ledger, &d, now);
             prop_assert_eq!(d.buffered(), ledger.waiting.len());
             prop_assert_eq!(d.in_flight(), leases.len() as u64);
+            // Counted as queued for their session's endpoint: only queued
+            // requests, each once.
+            prop_assert!(d.homed.len() <= d.buffered());
+            prop_assert!(d.ledger.queued_homes() <= d.homed.len() as u64);
         }
         // Let everything finish: all that waits is either served or expires.
         for l in leases.drain(..) {
@@ -260,6 +276,8 @@ proptest! {
         prop_assert_eq!(d.buffered(), 0);
         prop_assert_eq!(d.buffered_bytes(), 0);
         prop_assert!(d.flows().is_empty());
+        prop_assert!(d.homed.is_empty());
+        prop_assert_eq!(d.ledger.queued_homes(), 0);
     }
 }
 

@@ -366,3 +366,59 @@ fn a_saturated_home_is_not_waited_for_and_one_leaving_moves_only_its_sessions() 
         }
     }
 }
+
+/// Releases `lease` and serves one waiting request after another on its
+/// slot until none takes it: their names, in order.
+fn serve_on_one_slot(
+    d: &mut Dispatcher<&'static str>,
+    mut lease: Lease,
+    now: Instant,
+) -> Vec<&'static str> {
+    let port = lease.addr.port();
+    let mut served = Vec::new();
+    loop {
+        d.release(lease);
+        let mut done = d.dispatch(now);
+        let Some(next) = done.pop() else {
+            return served;
+        };
+        assert!(done.is_empty(), "one slot, one request");
+        lease = next.result.expect("granted");
+        assert_eq!(lease.addr.port(), port, "{} went elsewhere", next.waiter);
+        served.push(next.waiter);
+    }
+}
+
+#[test]
+fn conversations_that_start_while_every_endpoint_is_full_are_spread_and_served_in_order() {
+    let t0 = Instant::now();
+    let mut d = with_sessions(SessionConfig::default());
+    d.report(model_server("a", 1, 1, &[]), t0).unwrap();
+    d.report(model_server("b", 2, 1, &[]), t0).unwrap();
+    let first = ready(d.submit(anon(), "busy", t0));
+    let second = ready(d.submit(anon(), "busy", t0));
+    let (on_a, on_b) = if first.addr.port() == 1 {
+        (first, second)
+    } else {
+        (second, first)
+    };
+    // Two tenants' first turns, arrival order = name order: their
+    // conversations are given homes as they queue, three per endpoint.
+    let turns = ["t1-s1", "t1-s2", "t1-s3", "t2-s4", "t2-s5", "t2-s6"];
+    for (session, name) in (1..).zip(turns) {
+        queued(d.submit(in_session(&name[..2], session), name, t0));
+    }
+    let at_a = serve_on_one_slot(&mut d, on_a, t0 + 10 * MS);
+    // b stayed busy all along: its conversations waited for it rather
+    // than take a's slot.
+    assert_eq!(at_a.len(), 3, "{at_a:?}");
+    let at_b = serve_on_one_slot(&mut d, on_b, t0 + 20 * MS);
+    assert_eq!(at_b.len(), 3, "{at_b:?}");
+    // Each endpoint served its own in arrival order, as its engine's
+    // queue would have.
+    for served in [&at_a, &at_b] {
+        assert!(served.windows(2).all(|w| w[0] < w[1]), "{served:?}");
+    }
+    assert_eq!(d.buffered(), 0);
+    assert_eq!(d.ledger.queued_homes(), 0);
+}

@@ -1,0 +1,64 @@
+//! Requests queued for their session's endpoint take its freed slots in
+//! arrival order.
+//!
+//! At saturation a server's conversations wait in the queues, each turn
+//! for the server its conversation is on ([`crate::endpoint`]'s homes).
+//! The engine's own queue would serve them first come, first served, so
+//! each turn waits for the same number of turns before it; offered in the
+//! queues' fair order instead, some wait a round longer than others, and
+//! that round is the time to first token's tail. So a freed slot goes to
+//! the oldest request of the highest waiting priority queued for that
+//! endpoint, unless that would pass the request next in fair order by more
+//! than token fairness allows ([`crate::flow::FlowQueues::passing_is_unfair`]):
+//! then the queues' order decides, as for every other request.
+
+use std::time::Instant;
+
+use super::{Dispatcher, Done};
+use crate::endpoint::Pick;
+use crate::flow::Ticket;
+
+/// Requests looked at per endpoint for one of the highest priority.
+const SCAN: usize = 16;
+
+impl<T> Dispatcher<T> {
+    pub(super) fn place_homed(&mut self, now: Instant, out: &mut Vec<Done<T>>) {
+        if self.homed.is_empty() {
+            return;
+        }
+        for id in self.ledger.available_ids(now) {
+            loop {
+                let Some(top) = self.queues.top_priority() else {
+                    return;
+                };
+                let oldest = self
+                    .homed
+                    .range((id, 0)..=(id, u64::MAX))
+                    .take(SCAN)
+                    .map(|(_, &ticket)| ticket)
+                    .find(|&ticket| {
+                        self.queues.get(ticket).is_some_and(|w| {
+                            w.priority >= top && self.ledger.takes_at_home(id, &w.route, now)
+                        })
+                    });
+                let Some(ticket) = oldest else { break };
+                if self.passes_unfairly(ticket) {
+                    return;
+                }
+                let waiting = self.queues.get(ticket).expect("a homed request is queued");
+                let Pick::Lease(lease) = self.ledger.pick(&waiting.route, now, None) else {
+                    break;
+                };
+                self.grant(ticket, lease, now, out);
+            }
+        }
+    }
+
+    /// Whether dispatching `ticket` now would pass the request next in the
+    /// queues' fair order by more than token fairness allows.
+    fn passes_unfairly(&mut self, ticket: Ticket) -> bool {
+        self.queues
+            .peek()
+            .is_some_and(|next| next != ticket && self.queues.passing_is_unfair(next, ticket))
+    }
+}

@@ -20,6 +20,10 @@ pub const REQUEST_ID_HEADER: &str = "x-request-id";
 /// Why the balancer answered itself (also a metric label).
 pub const DROP_REASON_HEADER: &str = "x-flowgate-drop-reason";
 
+/// The drop reason of a request over its tenant's or key's quota (the
+/// async dispatcher reads it back).
+pub const QUOTA_EXCEEDED: &str = "quota-exceeded";
+
 /// After refusing a request whose body is unread, how long to keep reading
 /// (and discarding) what the client still sends, so it gets to read the
 /// refusal instead of a reset.
@@ -76,7 +80,7 @@ impl Refusal {
                 e.retry_after.as_secs().max(1)
             ),
         );
-        r.reason = "quota-exceeded";
+        r.reason = QUOTA_EXCEEDED;
         r.retry_after = Some(e.retry_after);
         r.headers = e.status.headers();
         r

@@ -94,7 +94,7 @@ impl AsyncDispatcher {
                 let over_quota = resp
                     .headers()
                     .get(crate::reply::DROP_REASON_HEADER)
-                    .is_some_and(|v| v == "quota-exceeded");
+                    .is_some_and(|v| v == crate::reply::QUOTA_EXCEEDED);
                 let status = resp.status().as_u16();
                 match resp.text().await {
                     Ok(body) => Ok((status, body, over_quota)),

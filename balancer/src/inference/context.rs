@@ -26,6 +26,37 @@ pub(crate) enum Explain {
     Denied,
 }
 
+/// How a request ended, when not simply proxied: its `reason` in the
+/// access log, the outcome metrics and its trace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ending {
+    /// Proxied (or not yet ended): no reason.
+    Proxied,
+    /// A route the balancer answers itself (health, models, the async
+    /// and Batch APIs).
+    Local,
+    /// The client left before its answer ended.
+    ClientGone,
+    /// The engines refused the request itself (a client error they
+    /// answered, or the same failure from two of them).
+    RequestRejected,
+    /// The balancer refused it ([`crate::reply::Refusal::reason`]).
+    Refused(&'static str),
+}
+
+impl Ending {
+    /// Its label: empty for a proxied request.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Ending::Proxied => "",
+            Ending::Local => "local",
+            Ending::ClientGone => "client-gone",
+            Ending::RequestRejected => "request-rejected",
+            Ending::Refused(reason) => reason,
+        }
+    }
+}
+
 /// Per-request state.
 pub struct RequestCtx {
     pub(super) start: Instant,
@@ -37,8 +68,9 @@ pub struct RequestCtx {
     pub(super) waited: Duration,
     /// Set for requests that count as inference outcomes in metrics.
     pub(super) inference: bool,
-    /// Why the balancer answered itself, for metrics and the access log.
-    pub(crate) reason: &'static str,
+    /// How the request ended when not simply proxied, for metrics, the
+    /// access log and its trace.
+    pub(crate) ending: Ending,
     /// The request's `model` field, for the access log.
     pub(super) model: String,
     /// The model it was sent for after the model rules (`None`: any
@@ -124,7 +156,7 @@ impl RequestCtx {
             upstream: None,
             waited: Duration::ZERO,
             inference: false,
-            reason: "",
+            ending: Ending::Proxied,
             model: String::new(),
             served_model: None,
             body_rewritten: false,

@@ -11,6 +11,7 @@ use pingora_core::{Error, ErrorSource};
 use pingora_proxy::Session;
 use tracing::info;
 
+use super::context::Ending;
 use super::{Inference, RequestCtx};
 use crate::connection;
 use crate::gate::{RequestEnd, SlotEnd};
@@ -76,16 +77,18 @@ impl Inference {
         let status = session
             .response_written()
             .map(|h| h.status.as_u16())
-            .unwrap_or(if ctx.reason == "client-gone" || e.is_some() {
+            .unwrap_or(if ctx.ending == Ending::ClientGone || e.is_some() {
                 499
             } else {
                 0
             });
-        let reason = if ctx.reason.is_empty() && e.is_some() {
-            "client-gone"
-        } else {
-            ctx.reason
-        };
+        // An error with no other ending: the connection to the client
+        // broke.
+        let reason = match ctx.ending {
+            Ending::Proxied if e.is_some() => Ending::ClientGone,
+            ending => ending,
+        }
+        .as_str();
         self.trace_end(ctx, status, reason);
         let ttft = ctx.meter.time_to_first_token(ctx.start);
         if ctx.inference {

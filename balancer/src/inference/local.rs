@@ -6,6 +6,7 @@ use pingora_core::Result;
 use pingora_proxy::Session;
 
 use super::async_api::{self, AsyncDoor};
+use super::context::Ending;
 use super::routes::RouteKind;
 use super::{batch_api, Inference, RequestCtx, Step};
 use crate::reply::{Answer, Refusal};
@@ -26,7 +27,7 @@ pub(super) async fn route(
     }
     let method = req.method.clone();
     let path = req.uri.path().to_string();
-    ctx.reason = "local";
+    ctx.ending = Ending::Local;
     let is_batch_api = path == "/v1/files"
         || path.starts_with("/v1/files/")
         || path == "/v1/batches"

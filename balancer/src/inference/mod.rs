@@ -60,8 +60,8 @@ use pingora_proxy::{FailToProxy, ProxyHttp, Session};
 use tracing::debug;
 
 pub use body::BodyLimits;
-use context::Explain;
 pub use context::RequestCtx;
+use context::{Ending, Explain};
 pub use request_id::RequestIds;
 pub(crate) use routes::RouteKind;
 
@@ -210,7 +210,7 @@ impl Inference {
                 self.shared.model_names(&ctx.rules.admission.models)
             }))),
             Err(AdmitError::ClientGone) => {
-                ctx.reason = "client-gone";
+                ctx.ending = Ending::ClientGone;
                 Err(Error::explain(
                     ErrorType::ConnectionClosed,
                     "client disconnected while its request was buffered",
@@ -243,7 +243,7 @@ impl Inference {
     /// A refusal's answer; its reason labels the metrics and access log.
     /// A request under a quota tells its state on every answer.
     fn refusal(&self, ctx: &mut RequestCtx, r: &Refusal) -> Step {
-        ctx.reason = r.reason;
+        ctx.ending = Ending::Refused(r.reason);
         let mut answer = Answer::refusal(r, self.retry_after);
         if r.headers.is_empty() {
             for (name, value) in &ctx.rate_headers {
@@ -535,14 +535,18 @@ impl ProxyHttp for Inference {
             // A second endpoint failed the same request: the request's
             // fault. Neither endpoint counts; this answer is the client's.
             ctx.suspect = None;
-            ctx.reason = "request-rejected";
-            self.shared.metrics.upstream_error("request-rejected");
+            ctx.ending = Ending::RequestRejected;
+            self.shared
+                .metrics
+                .upstream_error(Ending::RequestRejected.as_str());
             return Ok(());
         }
         if verdict == Verdict::RequestRejected {
             ctx.rejected = true;
-            ctx.reason = "request-rejected";
-            self.shared.metrics.upstream_error("request-rejected");
+            ctx.ending = Ending::RequestRejected;
+            self.shared
+                .metrics
+                .upstream_error(Ending::RequestRejected.as_str());
             return Ok(());
         }
         self.shared.metrics.upstream_error("status-5xx");
@@ -741,7 +745,7 @@ impl ProxyHttp for Inference {
         // The client's doing (it left, or framed its request wrong) is not
         // the balancer's error: the access log line says what happened,
         // with the request id.
-        let clients = e.esource() == &ErrorSource::Downstream || ctx.reason == "client-gone";
+        let clients = e.esource() == &ErrorSource::Downstream || ctx.ending == Ending::ClientGone;
         if clients {
             debug!(request_id = ctx.request_id.as_str(), error = %e, "request ended by its client");
         }

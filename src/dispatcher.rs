@@ -49,8 +49,8 @@
 //!   home as it arrives (one of the least loaded endpoints: `endpoint`'s
 //!   homes), and an endpoint's freed slot goes first to the oldest request
 //!   queued for it by its session, as its engine's own queue would serve
-//!   them, unless that would pass the request next in fair order by more
-//!   than token fairness allows ([`homed`]).
+//!   them, unless that would pass the request next in fair order unfairly
+//!   ([`homed`]).
 //! - A request for a model no endpoint serves (nor served lately) is refused
 //!   404 at once, unless no agent is registered at all: then it waits for
 //!   the fleet to come up.

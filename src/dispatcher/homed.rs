@@ -8,9 +8,11 @@
 //! queues' fair order instead, some wait a round longer than others, and
 //! that round is the time to first token's tail. So a freed slot goes to
 //! the oldest request of the highest waiting priority queued for that
-//! endpoint, unless that would pass the request next in fair order by more
-//! than token fairness allows ([`crate::flow::FlowQueues::passing_is_unfair`]):
-//! then the queues' order decides, as for every other request.
+//! endpoint, unless that would pass the request next in fair order
+//! unfairly: one that came first and may go anywhere (no session to wait
+//! for), or by more than token fairness allows
+//! ([`crate::flow::FlowQueues::passing_is_unfair`]); then the queues' order
+//! decides, as for every other request.
 
 use std::time::Instant;
 
@@ -55,10 +57,16 @@ impl<T> Dispatcher<T> {
     }
 
     /// Whether dispatching `ticket` now would pass the request next in the
-    /// queues' fair order by more than token fairness allows.
+    /// queues' fair order unfairly: one that may go anywhere and came
+    /// first (a request of no session, or a conversation's first turn sent
+    /// without a key, would wait behind every conversation's turns), or by
+    /// more than token fairness allows.
     fn passes_unfairly(&mut self, ticket: Ticket) -> bool {
-        self.queues
-            .peek()
-            .is_some_and(|next| next != ticket && self.queues.passing_is_unfair(next, ticket))
+        let Some(next) = self.queues.peek().filter(|&next| next != ticket) else {
+            return false;
+        };
+        let older_and_free =
+            next.seq() < ticket.seq() && self.queues.get(next).is_some_and(|w| w.home.is_none());
+        older_and_free || self.queues.passing_is_unfair(next, ticket)
     }
 }

@@ -422,3 +422,21 @@ fn conversations_that_start_while_every_endpoint_is_full_are_spread_and_served_i
     assert_eq!(d.buffered(), 0);
     assert_eq!(d.ledger.queued_homes(), 0);
 }
+
+#[test]
+fn a_request_of_no_session_is_not_passed_by_a_servers_conversations() {
+    let t0 = Instant::now();
+    let mut d = with_sessions(SessionConfig::default());
+    d.report(model_server("a", 1, 1, &[]), t0).unwrap();
+    let busy = ready(d.submit(anon(), "busy", t0));
+    queued(d.submit(in_session("t", 1), "turn-1", t0));
+    queued(d.submit(req("t", 0), "no-session", t0));
+    queued(d.submit(in_session("t", 2), "turn-2", t0));
+    queued(d.submit(in_session("t", 3), "turn-3", t0));
+    // Arrival order: the conversations' turns go first only over requests
+    // that came after them.
+    assert_eq!(
+        serve_on_one_slot(&mut d, busy, t0),
+        ["turn-1", "no-session", "turn-2", "turn-3"]
+    );
+}

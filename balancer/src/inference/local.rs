@@ -7,32 +7,29 @@ use pingora_proxy::Session;
 
 use super::async_api::{self, AsyncDoor};
 use super::context::Ending;
-use super::routes::RouteKind;
+use super::routes::PathRoute;
 use super::{batch_api, Inference, RequestCtx, Step};
 use crate::reply::{Answer, Refusal};
 use flowgate::openai::error_body;
 
 /// The answer to a request the balancer does not proxy; `None`: proxy it.
-/// `kind` is the path's inference route kind (`routes::kind`).
+/// `route` is what its path names.
 pub(super) async fn route(
     door: &Inference,
     session: &mut Session,
     ctx: &mut RequestCtx,
-    kind: Option<RouteKind>,
+    route: PathRoute,
 ) -> Result<Option<std::result::Result<Step, Refusal>>> {
     let req = session.req_header();
     // The hot path first, without copying the method and path.
-    if req.method == Method::POST && kind.is_some() {
+    if req.method == Method::POST && route.inference().is_some() {
         return Ok(None);
     }
     let method = req.method.clone();
     let path = req.uri.path().to_string();
     ctx.ending = Ending::Local;
-    let is_batch_api = path == "/v1/files"
-        || path.starts_with("/v1/files/")
-        || path == "/v1/batches"
-        || path.starts_with("/v1/batches/");
-    if is_batch_api || path.starts_with("/v1/async/") {
+    let is_batch_api = route == PathRoute::BatchApi;
+    if is_batch_api || route == PathRoute::AsyncApi {
         let Some(queue) = &door.async_queue else {
             let message = if is_batch_api {
                 "the Batch API needs the async path: start the balancer with --async-dir"
@@ -72,9 +69,10 @@ pub(super) async fn route(
         )
         .with_header("allow", allow.to_string())
     };
-    let answer = match path.as_str() {
+    let get = method == Method::GET;
+    let answer = match route {
         // Readiness: 503 from SIGTERM on (the drain delay included).
-        "/health" | "/health/ready" if method == Method::GET => {
+        PathRoute::Ready if get => {
             if door.shared.is_ready() {
                 Answer::json(StatusCode::OK, br#"{"status":"ok"}"#.to_vec())
             } else {
@@ -85,15 +83,11 @@ pub(super) async fn route(
             }
         }
         // Liveness: the process serves; 200 until it exits.
-        "/health/live" if method == Method::GET => {
-            Answer::json(StatusCode::OK, br#"{"status":"ok"}"#.to_vec())
-        }
-        "/health" | "/health/ready" | "/health/live" => not_allowed("GET"),
-        "/v1/models" if method == Method::GET => {
-            Answer::json(StatusCode::OK, models_body(door, ctx))
-        }
-        "/v1/models" => not_allowed("GET"),
-        _ if kind.is_some() => not_allowed("POST"),
+        PathRoute::Live if get => Answer::json(StatusCode::OK, br#"{"status":"ok"}"#.to_vec()),
+        PathRoute::Ready | PathRoute::Live | PathRoute::Models if !get => not_allowed("GET"),
+        PathRoute::Models => Answer::json(StatusCode::OK, models_body(door, ctx)),
+        PathRoute::Inference { .. } => not_allowed("POST"),
+        // Unknown (the async and Batch APIs were answered above).
         _ => Answer::json(
             StatusCode::NOT_FOUND,
             error_body(

@@ -63,6 +63,7 @@ pub use body::BodyLimits;
 pub use context::RequestCtx;
 use context::{Ending, Explain};
 pub use request_id::RequestIds;
+use routes::PathRoute;
 pub(crate) use routes::RouteKind;
 
 use crate::asyncq::{self, AsyncQueue};
@@ -264,8 +265,9 @@ impl Inference {
         let from_dispatcher = self.async_queue.as_ref().is_some_and(|q| {
             q.is_dispatcher(req.headers.get(asyncq::TOKEN_HEADER).map(|v| v.as_bytes()))
         });
+        let route = PathRoute::of(req.uri.path());
         if let (Some(keys), false) = (&ctx.rules.api_keys, from_dispatcher) {
-            if !matches!(req.uri.path(), "/health" | "/health/ready" | "/health/live") {
+            if !route.is_health() {
                 let authorization = req.headers.get(http::header::AUTHORIZATION);
                 match keys.authenticate(authorization.map(|v| v.as_bytes())) {
                     Ok(grant) => ctx.grant = Some(grant.clone()),
@@ -276,8 +278,7 @@ impl Inference {
                 }
             }
         }
-        let kind = routes::kind(session.req_header().uri.path());
-        if let Some(answer) = local::route(self, session, ctx, kind).await? {
+        if let Some(answer) = local::route(self, session, ctx, route).await? {
             return Ok(answer);
         }
         ctx.inference = true;
@@ -328,8 +329,14 @@ impl Inference {
         }
         // A Responses answer's id names where a later turn continuing it
         // (`previous_response_id`) should go.
-        ctx.meter.want_id = session.req_header().uri.path() == "/v1/responses"
-            && (ctx.rules.admission.sessions).reads(SessionSource::PreviousResponseId);
+        ctx.meter.want_id = matches!(
+            route,
+            PathRoute::Inference {
+                responses: true,
+                ..
+            }
+        ) && (ctx.rules.admission.sessions)
+            .reads(SessionSource::PreviousResponseId);
         // Keep a second copy only when the retry buffer cannot replay it
         // all, or the model in it is (or may be, by a fallback) renamed.
         let rename_to = facts.resolved.rewritten_name(&ctx.model);
@@ -342,7 +349,7 @@ impl Inference {
             // The engine gets the name of the model it serves, not an alias.
             rename_body(ctx, name);
         }
-        if kind == Some(RouteKind::Slotless) {
+        if route.inference() == Some(RouteKind::Slotless) {
             // No slot, no queue, no retry: a live server of the model
             // answers it at once.
             return Ok(match self.shared.slotless(&facts.meta.route) {

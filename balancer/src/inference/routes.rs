@@ -1,7 +1,63 @@
-//! The inference routes the port proxies: every route llama.cpp's
-//! llama-server, vLLM and SGLang serve for inference (read from their
-//! route tables, not guessed), and whether a request on it takes a slot on
-//! the engine.
+//! The inference port's routes, parsed once per request ([`PathRoute`]):
+//! the inference routes it proxies — every route llama.cpp's llama-server,
+//! vLLM and SGLang serve for inference (read from their route tables, not
+//! guessed), and whether a request on it takes a slot on the engine — and
+//! those it answers itself.
+
+/// What a request's path names on the inference port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PathRoute {
+    /// An inference route (proxied when POSTed); `responses`: the
+    /// Responses API, whose answers' ids later turns may continue.
+    Inference { kind: RouteKind, responses: bool },
+    /// `/health`, `/health/ready`: readiness.
+    Ready,
+    /// `/health/live`: liveness.
+    Live,
+    /// `/v1/models`.
+    Models,
+    /// The Batch API: `/v1/files…`, `/v1/batches…`.
+    BatchApi,
+    /// The async API: `/v1/async/…`.
+    AsyncApi,
+    /// Anything else: 404.
+    Unknown,
+}
+
+impl PathRoute {
+    pub fn of(path: &str) -> PathRoute {
+        if let Some(kind) = kind(path) {
+            return PathRoute::Inference {
+                kind,
+                responses: path == "/v1/responses",
+            };
+        }
+        match path {
+            "/health" | "/health/ready" => PathRoute::Ready,
+            "/health/live" => PathRoute::Live,
+            "/v1/models" => PathRoute::Models,
+            "/v1/files" | "/v1/batches" => PathRoute::BatchApi,
+            _ if path.starts_with("/v1/files/") || path.starts_with("/v1/batches/") => {
+                PathRoute::BatchApi
+            }
+            _ if path.starts_with("/v1/async/") => PathRoute::AsyncApi,
+            _ => PathRoute::Unknown,
+        }
+    }
+
+    /// A health check: answered without an API key.
+    pub fn is_health(self) -> bool {
+        matches!(self, PathRoute::Ready | PathRoute::Live)
+    }
+
+    /// The inference route's kind, if it is one.
+    pub fn inference(self) -> Option<RouteKind> {
+        match self {
+            PathRoute::Inference { kind, .. } => Some(kind),
+            _ => None,
+        }
+    }
+}
 
 /// How a route is served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,5 +129,40 @@ mod tests {
         }
         assert_eq!(kind("/v1/models"), None);
         assert_eq!(kind("/v1/chat/completions/"), None, "exact paths only");
+    }
+
+    #[test]
+    fn every_path_is_parsed_once_into_its_route() {
+        let slot = |responses| PathRoute::Inference {
+            kind: RouteKind::Slot,
+            responses,
+        };
+        for (path, route) in [
+            ("/v1/chat/completions", slot(false)),
+            ("/v1/responses", slot(true)),
+            (
+                "/tokenize",
+                PathRoute::Inference {
+                    kind: RouteKind::Slotless,
+                    responses: false,
+                },
+            ),
+            ("/health", PathRoute::Ready),
+            ("/health/ready", PathRoute::Ready),
+            ("/health/live", PathRoute::Live),
+            ("/v1/models", PathRoute::Models),
+            ("/v1/files", PathRoute::BatchApi),
+            ("/v1/files/file-1/content", PathRoute::BatchApi),
+            ("/v1/batches/batch_1/cancel", PathRoute::BatchApi),
+            ("/v1/async/jobs", PathRoute::AsyncApi),
+            ("/v1/filesystem", PathRoute::Unknown),
+            ("/health/", PathRoute::Unknown),
+            ("/", PathRoute::Unknown),
+        ] {
+            assert_eq!(PathRoute::of(path), route, "{path}");
+        }
+        assert!(PathRoute::Live.is_health() && !PathRoute::Models.is_health());
+        assert_eq!(slot(true).inference(), Some(RouteKind::Slot));
+        assert_eq!(PathRoute::Unknown.inference(), None);
     }
 }

@@ -213,8 +213,8 @@ struct Waiting<T> {
     counted: bool,
     priority: i32,
     /// The endpoint it is counted as queued for by its session
-    /// ([`EndpointLedger::queued_for`]), and its arrival number there.
-    home: Option<(EndpointId, u64)>,
+    /// ([`EndpointLedger::queued_for`]).
+    home: Option<EndpointId>,
 }
 
 /// The queues plus the endpoint ledger.
@@ -321,15 +321,12 @@ impl<T> Dispatcher<T> {
             deadline,
             counted: false,
             priority: place.key.priority,
-            home: None,
+            home,
         };
         match self.queues.push(place, size, waiting, now, deadline) {
             Ok((ticket, evicted)) => {
                 if let Some(id) = home {
                     self.homed.insert((id, ticket.seq()), ticket);
-                    if let Some(w) = self.queues.get_mut(ticket) {
-                        w.home = Some((id, ticket.seq()));
-                    }
                 }
                 for r in evicted {
                     let evicted = self.left(r, Err(Reject::Evicted), now);
@@ -479,16 +476,16 @@ impl<T> Dispatcher<T> {
         result: Result<Lease, Reject>,
         now: Instant,
     ) -> Done<T> {
-        self.unhome(r.handle.home);
+        self.unhome(&r);
         done(r, result, now)
     }
 
     /// A request counted as queued for its session's endpoint left the
     /// queues.
-    fn unhome(&mut self, home: Option<(EndpointId, u64)>) {
-        if let Some((id, seq)) = home {
+    fn unhome(&mut self, r: &Removed<Waiting<T>>) {
+        if let Some(id) = r.handle.home {
             self.ledger.left_queue(id);
-            self.homed.remove(&(id, seq));
+            self.homed.remove(&(id, r.seq));
         }
     }
 
@@ -511,7 +508,7 @@ impl<T> Dispatcher<T> {
         let Some(removed) = self.queues.cancel(ticket) else {
             return false;
         };
-        self.unhome(removed.handle.home);
+        self.unhome(&removed);
         true
     }
 

@@ -64,13 +64,10 @@ impl EndpointLedger {
     /// docs). `None`: no session, sessions off, or nowhere to go.
     pub(crate) fn queued_for(&mut self, route: &Route, now: Instant) -> Option<EndpointId> {
         let session = route.session?;
-        let bound = self
-            .sessions
-            .endpoint(session, now)
-            .and_then(|addr| self.by_addr.get(&addr))
-            .and_then(|id| self.endpoints.get(id))
-            .filter(|e| e.eligible(now) && e.fits(route))
-            .map(|e| e.id);
+        let bound = match self.session_endpoint(route, session, now) {
+            SessionPlace::Takes(id) | SessionPlace::Saturated(id) => Some(id),
+            SessionPlace::Gone | SessionPlace::None => None,
+        };
         let id = match bound {
             Some(id) => id,
             None if route.session_by_prompt || self.scheduling.sessions.max_sessions == 0 => {

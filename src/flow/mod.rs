@@ -87,6 +87,8 @@ impl Ticket {
 pub struct Removed<T> {
     pub handle: T,
     pub key: FlowKey,
+    /// Its arrival number ([`Ticket::seq`]).
+    pub seq: u64,
     pub enqueued_at: Instant,
     /// Its estimated tokens, as queued.
     pub tokens: u64,
@@ -652,6 +654,7 @@ impl<T> FlowQueues<T> {
         Some(Removed {
             handle: item.handle,
             key,
+            seq: ticket.seq(),
             enqueued_at: item.enqueued_at,
             tokens: item.tokens,
             weight: item.weight,

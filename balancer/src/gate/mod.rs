@@ -39,6 +39,13 @@ use crate::observe::metrics::Metrics;
 
 type Waker = oneshot::Sender<Result<LeaseGuard, Reject>>;
 
+/// The gate's clock: tokio's, which its wait timers use too, so that its
+/// tests run on a paused clock instead of sleeping (outside tests it is
+/// the system's monotonic clock).
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
 pub struct FleetGate {
     dispatcher: Mutex<Dispatcher<Waker>>,
     pub metrics: Metrics,
@@ -182,7 +189,7 @@ impl LeaseGuard {
             let seen = std::mem::take(&mut self.seen);
             self.shared.with_dispatch(|d| {
                 seen.record(d, &lease);
-                d.orphan(lease, streamed, Instant::now());
+                d.orphan(lease, streamed, now());
             });
         }
     }
@@ -215,7 +222,7 @@ impl FleetGate {
             timers: Notify::new(),
             draws: AtomicU64::new(0),
             token_ratios: Mutex::new(TokenRatios::default()),
-            usage: Mutex::new(UsageLedger::new(Instant::now())),
+            usage: Mutex::new(UsageLedger::new(now())),
         })
     }
 
@@ -239,7 +246,7 @@ impl FleetGate {
     /// vanished (the receiver was dropped) goes straight back into the pool.
     fn deliver(self: &Arc<Self>, d: &mut Dispatcher<Waker>) {
         loop {
-            let now = Instant::now();
+            let now = now();
             let done = d.dispatch(now);
             if done.is_empty() {
                 let holds = d.take_new_holds();
@@ -295,7 +302,7 @@ impl FleetGate {
     ) -> Submitted {
         let priority = request.flow.priority;
         let (tx, rx) = oneshot::channel();
-        let start = Instant::now();
+        let start = now();
         // Kept to move the request to a fallback after it waited.
         let spare = fallback
             .filter(|f| f.after.is_some())
@@ -362,7 +369,7 @@ impl FleetGate {
         deadline: Instant,
     ) -> Moved {
         self.with_dispatch(|d| {
-            let now = Instant::now();
+            let now = now();
             let Some(m) = d.first_live(&fallback.models, now) else {
                 return Moved::Stay;
             };
@@ -393,7 +400,7 @@ impl FleetGate {
     /// endpoints' agents report (served models and their aliases) and the
     /// names the operator's model rules answer to.
     pub fn model_names(&self, rules: &flowgate::models::ModelRules) -> Vec<String> {
-        let mut names = self.lock().served_models(Instant::now());
+        let mut names = self.lock().served_models(now());
         names.extend(rules.names().map(str::to_string));
         names.sort_unstable();
         names.dedup();
@@ -428,7 +435,7 @@ impl FleetGate {
         self.usage
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .record(tenant, key, spent, Instant::now());
+            .record(tenant, key, spent, now());
     }
 
     /// What each tenant spent over the last `window`, biggest first.
@@ -436,7 +443,7 @@ impl FleetGate {
         self.usage
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .window(window, Instant::now())
+            .window(window, now())
     }
 
     /// Requests waiting in the buffer now.
@@ -446,13 +453,13 @@ impl FleetGate {
 
     /// How `route` is scored against the fleet now, booking nothing.
     pub fn explain(&self, route: &Route) -> flowgate::endpoint::Explanation {
-        self.lock().explain(route, Instant::now())
+        self.lock().explain(route, now())
     }
 
     /// Binds `session` to the endpoint at `addr` (see
     /// [`flowgate::Dispatcher::bind_session`]).
     pub fn bind_session(&self, session: u64, addr: SocketAddr) {
-        self.lock().bind_session(session, addr, Instant::now());
+        self.lock().bind_session(session, addr, now());
     }
 
     /// The model that answered a request sent to any endpoint: the first
@@ -464,7 +471,7 @@ impl FleetGate {
     /// Where a request that takes no slot goes now (see
     /// [`flowgate::Dispatcher::slotless`]).
     pub fn slotless(&self, route: &Route) -> Result<SocketAddr, Reject> {
-        self.lock().slotless(route, Instant::now())
+        self.lock().slotless(route, now())
     }
 
     /// The TTL a request gets (its own, cut to the maximum, or the default).
@@ -482,7 +489,7 @@ impl FleetGate {
     /// [`FleetGate::record_outcome`] for an endpoint whose slot was already
     /// given back (a failure counted only once a retry elsewhere ended).
     pub fn record_endpoint_outcome(&self, endpoint: EndpointId, addr: SocketAddr, ok: bool) {
-        let opened = self.lock().record_outcome(endpoint, ok, Instant::now());
+        let opened = self.lock().record_outcome(endpoint, ok, now());
         if opened {
             self.metrics.fleet.circuit_opened.inc();
             warn!(
@@ -504,20 +511,20 @@ impl FleetGate {
 
     /// Whether an eligible endpoint other than `failed` fits `route`.
     pub fn has_alternative(&self, route: &Route, failed: Option<SocketAddr>) -> bool {
-        self.lock().has_alternative(route, failed, Instant::now())
+        self.lock().has_alternative(route, failed, now())
     }
 
     pub fn report(
         self: &Arc<Self>,
         report: AgentReport,
     ) -> Result<ReportOutcome, flowgate::protocol::ReportError> {
-        self.with_dispatch(|d| d.report(report, Instant::now()))
+        self.with_dispatch(|d| d.report(report, now()))
     }
 
     /// Addresses of the registered endpoints.
     pub fn endpoint_addrs(&self) -> Vec<SocketAddr> {
         self.lock()
-            .endpoints(Instant::now())
+            .endpoints(now())
             .into_iter()
             .map(|e| e.addr)
             .collect()
@@ -539,7 +546,7 @@ impl FleetGate {
     /// the next agent turns stale or the next hold ends.
     pub fn housekeeping(self: &Arc<Self>) -> (Vec<String>, Option<Instant>) {
         let mut d = self.lock();
-        let dropped = d.drop_stale(Instant::now());
+        let dropped = d.drop_stale(now());
         self.deliver(&mut d);
         let next = [d.next_stale_deadline(), d.next_hold_end()]
             .into_iter()
@@ -563,13 +570,13 @@ impl FleetGate {
 
     /// Buffered and in-flight counts, and a view of every endpoint.
     pub fn snapshot(&self) -> Snapshot {
-        self.lock().snapshot(Instant::now())
+        self.lock().snapshot(now())
     }
 
     /// Queued requests per model that no live endpoint serves (see
     /// [`flowgate::Dispatcher::unserved_demand`]).
     pub fn unserved_demand(&self) -> Vec<(Option<Arc<str>>, usize)> {
-        self.lock().unserved_demand(Instant::now())
+        self.lock().unserved_demand(now())
     }
 
     /// SIGTERM arrived: readiness checks answer 503 from now on, while
@@ -649,7 +656,7 @@ impl Waiting {
     /// any more: counted as the client's leaving.
     pub fn abandon(self) {
         let shared = Arc::clone(&self.queued.shared);
-        let waited = self.start.elapsed();
+        let waited = now().saturating_duration_since(self.start);
         shared.metrics.buffer_wait.observe(waited.as_secs_f64());
         shared
             .metrics
@@ -713,7 +720,7 @@ impl Waiting {
                 () = &mut client_gone => break Err(AdmitError::ClientGone),
             }
         };
-        let waited = start.elapsed();
+        let waited = now().saturating_duration_since(start);
         shared.metrics.buffer_wait.observe(waited.as_secs_f64());
         let label = match &outcome {
             Ok(_) => Ok(()),

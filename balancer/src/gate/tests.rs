@@ -1,4 +1,5 @@
-//! Unit tests of the gate: admission, waiting, leases, fallback.
+//! Unit tests of the gate: admission, waiting, leases, fallback. They run
+//! on a paused clock (the gate reads tokio's): a wait of 80 ms takes none.
 
 use super::*;
 use flowgate::{BackendHealth, BackendKind, PROTOCOL_VERSION};
@@ -45,7 +46,7 @@ fn for_model(model: &str) -> RequestMeta {
 /// A request that waited its chain's `after` moves to the fallback
 /// model's queue: never in two queues, never in none, its slot on the
 /// fallback's endpoint.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_request_that_waited_too_long_moves_to_its_fallback() {
     let mut config = DispatcherConfig::default();
     config.flow.max_requests = 4;
@@ -71,6 +72,12 @@ async fn a_request_that_waited_too_long_moves_to_its_fallback() {
     on_b.lease.release();
     let moved = waiting.await.unwrap();
     assert_eq!(moved.fell_back.as_deref(), Some("b"));
+    // Timed by the gate's clock: the 80 ms that passed, paused or not.
+    assert!(
+        moved.waited >= Duration::from_millis(80),
+        "{:?}",
+        moved.waited
+    );
     assert_eq!(moved.lease.addr().port(), 2);
     let snap = shared.snapshot();
     assert_eq!((snap.in_flight, snap.buffered), (2, 0));
@@ -112,7 +119,7 @@ async fn enqueue<F: Future>(fut: &mut std::pin::Pin<Box<F>>) {
     );
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_waiter_dropped_after_its_grant_gives_the_slot_back() {
     let shared = shared_with_one_slot();
     let first = take_the_slot(&shared).await;
@@ -126,7 +133,7 @@ async fn a_waiter_dropped_after_its_grant_gives_the_slot_back() {
     assert_eq!((snap.in_flight, snap.buffered), (0, 0));
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_waiter_dropped_while_queued_leaves_the_buffer() {
     let shared = shared_with_one_slot();
     let first = take_the_slot(&shared).await;
@@ -138,7 +145,7 @@ async fn a_waiter_dropped_while_queued_leaves_the_buffer() {
     assert_eq!(shared.snapshot().in_flight, 0);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_queued_request_waits_wherever_its_waiting_is_taken() {
     let shared = shared_with_one_slot();
     let first = match shared.submit(request(), None) {
@@ -160,7 +167,7 @@ async fn a_queued_request_waits_wherever_its_waiting_is_taken() {
     assert_eq!(shared.snapshot().in_flight, 0);
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn an_abandoned_waiting_request_leaves_the_queue_counted_as_gone() {
     let shared = shared_with_one_slot();
     let first = take_the_slot(&shared).await;
@@ -180,7 +187,50 @@ async fn an_abandoned_waiting_request_leaves_the_queue_counted_as_gone() {
     assert_eq!((snap.in_flight, snap.buffered), (0, 0));
 }
 
-#[tokio::test]
+/// A queued request waits exactly its time to live, then is refused
+/// (504): five minutes of the paused clock, none of the test's.
+#[tokio::test(start_paused = true)]
+async fn a_queued_request_waits_its_time_to_live_then_times_out() {
+    let mut config = DispatcherConfig::default();
+    config.max_ttl = Duration::from_secs(600);
+    let shared = FleetGate::new(config);
+    let mut a = agent("a", 1, "");
+    a.models.clear();
+    shared.report(a).unwrap();
+    let first = take_the_slot(&shared).await;
+    let mut r = request();
+    r.ttl = Some(Duration::from_secs(300));
+    let mut waiting = Box::pin(shared.admit(r, None, std::future::pending()));
+    enqueue(&mut waiting).await;
+    tokio::time::advance(Duration::from_secs(299)).await;
+    enqueue(&mut waiting).await;
+    assert_eq!(
+        shared.snapshot().buffered,
+        1,
+        "still within its time to live"
+    );
+    let start = tokio::time::Instant::now();
+    let timed_out = waiting.await;
+    assert_eq!(
+        timed_out.err(),
+        Some(AdmitError::Rejected(Reject::Timeout)),
+        "refused once its time to live passed"
+    );
+    assert!(
+        start.elapsed() <= Duration::from_secs(1),
+        "{:?}",
+        start.elapsed()
+    );
+    let snap = shared.snapshot();
+    assert_eq!(
+        (snap.in_flight, snap.buffered),
+        (1, 0),
+        "it left the buffer"
+    );
+    first.release();
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_client_gone_while_queued_takes_nothing() {
     let shared = shared_with_one_slot();
     let first = take_the_slot(&shared).await;
@@ -195,7 +245,7 @@ async fn a_client_gone_while_queued_takes_nothing() {
 /// A request's end is settled alike at every door: what a sent request's
 /// answer said is accounted to its tenant before its slot is free; one
 /// never sent accounts nothing; an orphaned slot stays busy.
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_requests_end_accounts_what_was_sent_then_frees_its_slot() {
     let shared = shared_with_one_slot();
     let tenant: Arc<str> = Arc::from("acme");

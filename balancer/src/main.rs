@@ -4,6 +4,7 @@ mod asyncq;
 mod auth;
 mod config;
 mod connection;
+mod door;
 mod epp;
 #[cfg(test)]
 mod fuzz_tests;
@@ -171,21 +172,25 @@ fn main() -> ExitCode {
         }
     };
 
+    // Every door lets requests in the same way, with the same parts.
+    let door = || door::Door {
+        gate: Arc::clone(&shared),
+        rules: Arc::clone(&rules),
+        quotas: Arc::clone(&quotas),
+        session_store: session_store.clone(),
+    };
     let proxy = pingora_proxy::http_proxy(
         &server.configuration,
         inference::Inference {
-            shared: Arc::clone(&shared),
+            door: door(),
             body_limits: inference::BodyLimits {
                 max_bytes: settings.max_request_bytes,
                 timeout: settings.client_limits.body_timeout,
             },
-            rules: Arc::clone(&rules),
             connect_timeout: settings.upstream_connect_timeout,
             retry_after: Duration::from_secs(1),
             retries: settings.retries,
             request_ids: inference::RequestIds::new(),
-            quotas: Arc::clone(&quotas),
-            session_store: session_store.clone(),
             async_queue: async_queue.clone(),
             traces: traces.clone(),
         },
@@ -256,13 +261,10 @@ fn main() -> ExitCode {
     }
     if let Some(addr) = settings.epp_addr {
         let epp = Arc::new(epp::Epp {
-            shared: Arc::clone(&shared),
-            rules: Arc::clone(&rules),
+            door: door(),
             max_request_bytes: settings.max_request_bytes,
             retry_after: Duration::from_secs(1),
             decisions: epp::decisions_metric(&shared.metrics),
-            quotas: Arc::clone(&quotas),
-            session_store,
         });
         let mut service = background_service("epp", EppService { epp, addr });
         service.threads = Some(settings.threads);

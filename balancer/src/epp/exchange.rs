@@ -1,7 +1,7 @@
 //! One HTTP request's `Process` stream: its headers and body in, the
-//! request placed through the same admission and flow control as at the
-//! proxy, the destination (or a refusal) out, the slot held until the
-//! response ends.
+//! request let in by the same door as at the proxy ([`crate::door`]) and
+//! placed by the same flow control, the destination (or a refusal) out,
+//! the slot held until the response ends.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -13,19 +13,18 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     CommonResponse, HeaderMutation, HeadersResponse, HttpBody, HttpHeaders, ImmediateResponse,
     ProcessingRequest, ProcessingResponse, TrailersResponse,
 };
-use flowgate::admission::{Caller, FlowHeaders};
-use flowgate::RequestMeta;
+use flowgate::admission::{Caller, FlowHeaders, Grant, RequestFacts};
 use tokio::sync::mpsc;
 use tonic::Streaming;
 use tracing::{debug, info};
 
-use crate::gate::{AdmitError, LeaseGuard, RequestEnd, SlotEnd};
+use crate::door::Door;
+use crate::gate::{AdmitError, AnswerEnd, LeaseGuard, Served, SlotEnd};
 use crate::inference::SERVED_MODEL_HEADER;
 use crate::reply::{Answer, Refusal};
 use crate::rules::DoorRules;
 use flowgate::blame::{self, Verdict};
 use flowgate::tokens::TokenEstimate;
-use flowgate::turn::TurnKeys;
 
 use crate::observe::meter::ResponseMeter;
 
@@ -104,8 +103,9 @@ pub(super) struct Exchange {
     body_rewritten: bool,
     /// The model the request was sent for (`x-flowgate-served-model`).
     served_model: Option<Arc<str>>,
-    /// The slot on the chosen endpoint, held until the response ends.
-    lease: Option<LeaseGuard>,
+    /// What it holds once let in (its quotas' reservation; the slot on
+    /// the chosen endpoint), held until the response ends.
+    served: Option<Served>,
     /// Whether the request was placed (or refused).
     decided: bool,
     /// The request or its answer is streamed (the engine stops when the
@@ -113,17 +113,10 @@ pub(super) struct Exchange {
     streamed: bool,
     /// The response headers came through.
     answered: bool,
-    /// Its token estimate, and its prompt text's length.
+    /// Its token estimate (what a cut answer's prompt counts).
     tokens: TokenEstimate,
-    prompt_bytes: u64,
-    /// What its quotas reserved, and the `x-ratelimit-*` headers for the
-    /// response.
-    quota: Option<crate::quotas::Reserved>,
+    /// The `x-ratelimit-*` headers for the response.
     rate_headers: Vec<(&'static str, String)>,
-    /// The API key's grant, when keys are on.
-    grant: Option<flowgate::admission::Grant>,
-    /// The request's tenant, for usage accounting.
-    tenant: Option<Arc<str>>,
     /// What the session store records where it went once answered (with a
     /// store: [`crate::session_store::SessionStore::follow`]).
     store_key: Option<u64>,
@@ -136,7 +129,7 @@ pub(super) struct Exchange {
 impl Exchange {
     pub(super) fn new(epp: Arc<Epp>, tx: mpsc::Sender<Reply>) -> Self {
         Exchange {
-            rules: epp.rules.get(),
+            rules: epp.door.rules.get(),
             epp,
             tx,
             // Until Envoy says otherwise (protocol_config).
@@ -147,16 +140,12 @@ impl Exchange {
             body: Vec::new(),
             body_rewritten: false,
             served_model: None,
-            lease: None,
+            served: None,
             decided: false,
             streamed: false,
             answered: false,
             tokens: TokenEstimate::default(),
-            prompt_bytes: 0,
-            quota: None,
             rate_headers: Vec::new(),
-            grant: None,
-            tenant: None,
             store_key: None,
             status: None,
             meter: ResponseMeter::default(),
@@ -183,7 +172,7 @@ impl Exchange {
         // The stream ended before the response did (or Envoy sends no
         // response body): settled as every door settles a request, with
         // what its answer said so far. One never sent leaves its quotas.
-        if self.quota.is_some() || self.lease.is_some() {
+        if self.served.is_some() {
             let slot = if self.answered && self.response_mode == BodyMode::None {
                 // Envoy sends no response body: the stream's end is the
                 // answer's, as far as this side can tell.
@@ -193,7 +182,7 @@ impl Exchange {
                     streamed: self.streamed,
                 }
             };
-            self.settle(self.lease.is_some() || self.answered, slot);
+            self.settle(self.lease().is_some() || self.answered, slot);
         }
     }
 
@@ -300,24 +289,25 @@ impl Exchange {
             }
         }
         self.status = status;
-        if let (Some(code), Some(lease)) = (status, &self.lease) {
+        if let (Some(code), Some(lease)) = (status, self.lease()) {
             // Whose fault, as in the proxy ([`flowgate::blame`]); Envoy
             // retries on its own, so a suspect 5xx counts here.
             let reason = match blame::verdict(code, json) {
                 Verdict::Fine => {
-                    self.epp.shared.record_outcome(lease, true);
-                    if let (Some(store), Some(key)) = (&self.epp.session_store, self.store_key) {
+                    self.epp.door.gate.record_outcome(lease, true);
+                    if let (Some(store), Some(key)) = (&self.epp.door.session_store, self.store_key)
+                    {
                         store.record(key, lease.addr());
                     }
                     ""
                 }
                 Verdict::RequestRejected => "request-rejected",
                 Verdict::Suspect => {
-                    self.epp.shared.record_outcome(lease, false);
+                    self.epp.door.gate.record_outcome(lease, false);
                     ""
                 }
             };
-            self.epp.shared.metrics.record_outcome(code, reason);
+            self.epp.door.gate.metrics.record_outcome(code, reason);
         }
         if h.end_of_stream {
             self.finish();
@@ -376,65 +366,50 @@ impl Exchange {
         self.settle(true, SlotEnd::Free);
     }
 
-    /// Settles the request ([`FleetGate::settle`]) with what its answer
-    /// said it spent (Envoy sent the response body), else its estimate.
-    ///
-    /// [`FleetGate::settle`]: crate::gate::FleetGate::settle
+    /// Settles the request ([`Served::finish`]) with what its answer said
+    /// it spent (Envoy sent the response body), else its estimate.
     fn settle(&mut self, sent: bool, slot: SlotEnd) {
+        let Some(served) = self.served.take() else {
+            return;
+        };
         let usage = self.meter.usage();
-        let said = self.meter.spent(usage, self.tokens.prompt, self.status);
-        self.epp.shared.settle(RequestEnd {
-            tenant: self.tenant.as_ref(),
-            key: self.grant.as_ref().map(|g| &g.key_id),
+        served.finish(AnswerEnd {
             sent,
-            said,
-            estimate: self.tokens.as_used(),
-            prompt_bytes: self.prompt_bytes,
+            said: self.meter.spent(usage, self.tokens.prompt, self.status),
             // Envoy sends the request: when it did is not seen here.
             timing: None,
-            quota: self.quota.take(),
-            lease: self.lease.take(),
             slot,
         });
+    }
+
+    /// Its slot, while it holds one.
+    fn lease(&self) -> Option<&LeaseGuard> {
+        self.served.as_ref()?.lease()
     }
 
     /// Places the request (waiting in flow control as long as it must) and
     /// answers Envoy with the destination, or refuses it.
     async fn decide(&mut self, phase: Phase) -> Result<(), Gone> {
         self.decided = true;
-        let (mut request, turn) = match self.request_meta() {
+        let (epp, rules) = (Arc::clone(&self.epp), Arc::clone(&self.rules));
+        let door = &epp.door;
+        let (mut facts, grant) = match self.request_facts() {
             Ok(r) => r,
             Err(refusal) => return self.refuse(refusal).await,
         };
-        if let Some(store) = &self.epp.session_store {
-            // Where another balancer may have sent this conversation last.
-            self.store_key = store
-                .follow(turn, &self.epp.shared, &mut request.route)
-                .await;
-        }
-        let quota = self.epp.quotas.admit(
-            &self.rules.quotas,
-            &request.flow.fairness_id,
-            self.grant.as_ref(),
-            self.tokens,
-        );
-        match quota.await {
-            Ok(Some((reserved, headers))) => {
-                self.quota = Some(reserved);
-                self.rate_headers = headers;
-            }
-            Ok(None) => {}
+        let entry = match door.enter(&rules, &mut facts, grant.as_ref()).await {
+            Ok(entry) => entry,
             Err(refusal) => return self.refuse(refusal).await,
-        }
+        };
+        self.served = Some(entry.served);
+        self.rate_headers = entry.rate_headers;
+        self.store_key = entry.store_key;
+        let request = facts.meta;
         let model = request.route.model.as_deref().unwrap_or("").to_string();
         let tx = self.tx.clone();
         let gone = async move { tx.closed().await };
-        let fallback = request
-            .route
-            .model
-            .as_deref()
-            .and_then(|m| self.rules.admission.models.fallback(m));
-        let (lease, waited) = match self.epp.shared.admit(request, fallback, gone).await {
+        let fallback = Door::fallback(&rules, &request);
+        let (lease, waited) = match door.gate.admit(request, fallback, gone).await {
             Ok(granted) => {
                 if let Some(m) = granted.fell_back {
                     self.fell_back(m);
@@ -443,11 +418,10 @@ impl Exchange {
             }
             Err(AdmitError::Rejected(r)) => {
                 // Never sent: it leaves its quotas' windows.
-                if let Some(q) = self.quota.take() {
-                    q.settle(None);
+                if let Some(served) = self.served.take() {
+                    served.finish(AnswerEnd::NEVER_SENT);
                 }
-                let served = || self.epp.shared.model_names(&self.rules.admission.models);
-                return self.refuse(Refusal::from_reject(r, &model, served)).await;
+                return self.refuse(door.turned_away(&rules, r, &model)).await;
             }
             Err(AdmitError::ClientGone) => {
                 self.epp.decisions.with_label_values(&["client-gone"]).inc();
@@ -455,7 +429,9 @@ impl Exchange {
             }
         };
         let destination = lease.addr().to_string();
-        self.lease = Some(lease);
+        if let Some(served) = &mut self.served {
+            served.bind(lease);
+        }
         self.epp.decisions.with_label_values(&["picked"]).inc();
         debug!(
             endpoint = %destination,
@@ -539,42 +515,26 @@ impl Exchange {
         }
     }
 
-    /// What flow control needs to know of the request: the admission step
-    /// every door shares (an API key, when keys are on, fixes the tenant
-    /// and caps the priority, as at the proxy); and its conversation named
-    /// by its prompts, for the session store.
-    fn request_meta(&mut self) -> Result<(RequestMeta, Option<TurnKeys>), Refusal> {
-        let grant = match &self.rules.api_keys {
-            Some(keys) => Some(
-                keys.authenticate(self.headers.get(AUTHORIZATION))
-                    .map_err(Refusal::from)?
-                    .clone(),
-            ),
-            None => None,
-        };
-        self.grant.clone_from(&grant);
+    /// The request's facts, read as at every door (an API key, when keys
+    /// are on, fixes the tenant and caps the priority, as at the proxy),
+    /// with the API key's grant; its subset hint narrows its route.
+    fn request_facts(&mut self) -> Result<(RequestFacts, Option<Grant>), Refusal> {
+        let headers = &self.headers;
+        let grant = Door::authenticate(&self.rules, || headers.get(AUTHORIZATION))?;
         let caller = grant.as_ref().map_or(Caller::Anonymous, Caller::Key);
         let body = (!self.body.is_empty()).then_some(self.body.as_slice());
-        let headers = &self.headers;
-        let facts = self.rules.admission.inference(
-            FlowHeaders::read(|name| headers.get(name)),
-            body,
-            caller,
-            &*self.epp.shared,
-        )?;
+        let flow_headers = FlowHeaders::read(|name| headers.get(name));
+        let mut facts = (self.epp.door).facts(&self.rules, flow_headers, body, caller)?;
         self.streamed = facts.stream;
         self.tokens = facts.tokens;
-        self.prompt_bytes = facts.prompt_bytes;
-        self.tenant = Some(Arc::clone(&facts.meta.flow.fairness_id));
         self.served_model.clone_from(&facts.resolved.model);
         if let Some(name) = facts.resolved.rewritten_name(&facts.model) {
             self.rename_body(name);
         }
-        let mut meta = facts.meta;
         if let Some(entries) = &self.subset {
-            meta.route.subset = Some(self.resolve_subset(entries).into());
+            facts.meta.route.subset = Some(self.resolve_subset(entries).into());
         }
-        Ok((meta, facts.turn))
+        Ok((facts, grant))
     }
 
     /// The subset hint as sorted endpoint addresses: `ip:port` entries as
@@ -596,7 +556,8 @@ impl Exchange {
         if !bare.is_empty() {
             addrs.extend(
                 self.epp
-                    .shared
+                    .door
+                    .gate
                     .endpoint_addrs()
                     .into_iter()
                     .filter(|a| bare.contains(&a.ip())),
@@ -610,7 +571,7 @@ impl Exchange {
     /// Answers the request itself (Envoy sends this to the client).
     async fn refuse(&mut self, r: Refusal) -> Result<(), Gone> {
         self.decided = true;
-        let m = &self.epp.shared.metrics;
+        let m = &self.epp.door.gate.metrics;
         self.epp.decisions.with_label_values(&[r.reason]).inc();
         m.record_outcome(r.status.as_u16(), r.reason);
         info!(

@@ -43,7 +43,6 @@ mod wire;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use crate::rules::LiveRules;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
@@ -52,7 +51,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::gate::FleetGate;
+use crate::door::Door;
 
 /// Request header (and `envoy.lb` metadata key) naming the chosen endpoint.
 use exchange::Exchange;
@@ -75,20 +74,15 @@ const HEALTH_NAMES: [&str; 3] = [
 
 /// The EPP gRPC service, sharing the proxy's state.
 pub struct Epp {
-    pub shared: Arc<FleetGate>,
-    /// API keys (in `authorization`, as Envoy passes it on) and how a
-    /// request's facts are read: the same rules as at the proxy, reloaded
-    /// on SIGHUP.
-    pub rules: Arc<LiveRules>,
+    /// The way in every door shares (API keys in `authorization`, as
+    /// Envoy passes it on; the rules, quotas and session store as at the
+    /// proxy).
+    pub door: Door,
     pub max_request_bytes: usize,
     pub retry_after: std::time::Duration,
     /// `flowgate_epp_requests_total`: `picked`, or why the request was
     /// answered by Flowgate itself ([`decisions_metric`]).
     pub decisions: prometheus::IntCounterVec,
-    /// Quotas per tenant and key, as at the proxy.
-    pub quotas: Arc<crate::quotas::Quotas>,
-    /// Session bindings shared with other balancers, as at the proxy.
-    pub session_store: Option<Arc<crate::session_store::SessionStore>>,
 }
 
 /// `flowgate_epp_requests_total`, registered with the balancer's metrics.

@@ -30,9 +30,9 @@ use flowgate::{
 use tokio::sync::{oneshot, Notify};
 use tracing::warn;
 
-mod settle;
+mod served;
 
-pub use settle::{RequestEnd, SlotEnd};
+pub use served::{AnswerEnd, Served, SlotEnd};
 
 use crate::observe::history::History;
 use crate::observe::metrics::Metrics;

@@ -255,26 +255,24 @@ async fn a_requests_end_accounts_what_was_sent_then_frees_its_slot() {
         cached: 0,
         cache_said: false,
     };
-    let end = |lease, sent, slot| RequestEnd {
-        tenant: Some(&tenant),
-        key: None,
+    let estimate = flowgate::tokens::TokenEstimate::default();
+    let served = |lease| {
+        let mut served = Served::new(&shared, &tenant, None, estimate, 28);
+        served.bind(lease);
+        served
+    };
+    let end = |sent, slot| AnswerEnd {
         sent,
         said: Some(used),
-        estimate: TokenUsage::default(),
-        prompt_bytes: 28,
         timing: None,
-        quota: None,
-        lease: Some(lease),
         slot,
     };
-    let lease = take_the_slot(&shared).await;
-    shared.settle(end(lease, false, SlotEnd::Free));
+    served(take_the_slot(&shared).await).finish(end(false, SlotEnd::Free));
     assert!(
         shared.usage(Duration::from_secs(60)).is_empty(),
         "never sent"
     );
-    let lease = take_the_slot(&shared).await;
-    shared.settle(end(lease, true, SlotEnd::Free));
+    served(take_the_slot(&shared).await).finish(end(true, SlotEnd::Free));
     let usage = shared.usage(Duration::from_secs(60));
     assert_eq!(usage.len(), 1);
     let spent = &usage[0].spent;
@@ -283,9 +281,13 @@ async fn a_requests_end_accounts_what_was_sent_then_frees_its_slot() {
         (1, 7, 3),
         "{usage:?}"
     );
+    // Dropped unfinished (refused, or its task gone): never sent, so it
+    // accounts nothing, and its slot is free again.
+    drop(served(take_the_slot(&shared).await));
+    let usage = shared.usage(Duration::from_secs(60));
+    assert_eq!(usage[0].spent.requests, 1, "{usage:?}");
     // Freed: the one slot is taken again at once; orphaned, it is not.
-    let lease = take_the_slot(&shared).await;
-    shared.settle(end(lease, true, SlotEnd::Orphaned { streamed: false }));
+    served(take_the_slot(&shared).await).finish(end(true, SlotEnd::Orphaned { streamed: false }));
     let waiting = shared.admit(request(), None, std::future::pending());
     assert!(
         tokio::time::timeout(Duration::from_millis(50), waiting)

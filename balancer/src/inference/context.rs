@@ -10,10 +10,9 @@ use flowgate::tokens::TokenEstimate;
 use flowgate::{EndpointId, RequestMeta};
 
 use crate::connection::parking;
-use crate::gate::{ActiveRequest, AdmitError, Admitted, LeaseGuard};
+use crate::gate::{ActiveRequest, AdmitError, Admitted, LeaseGuard, Served};
 use crate::observe::meter::ResponseMeter;
 use crate::observe::traces::RequestTrace;
-use crate::quotas::Reserved;
 use crate::rules::DoorRules;
 
 /// Whether an answer carries the scoring of its endpoint
@@ -63,7 +62,9 @@ pub struct RequestCtx {
     /// The whole request body when it is longer than Pingora's retry buffer
     /// (which then holds only its tail), sent by `request_body_filter`.
     pub(super) body: Option<Bytes>,
-    pub(super) lease: Option<LeaseGuard>,
+    /// What it holds once let in (its quotas' reservation, its slot),
+    /// settled when it ends.
+    pub(super) served: Option<Served>,
     pub(super) upstream: Option<SocketAddr>,
     pub(super) waited: Duration,
     /// Set for requests that count as inference outcomes in metrics.
@@ -129,9 +130,7 @@ pub struct RequestCtx {
     pub(super) request_id_given: bool,
     /// What the request's API key grants, when keys are required.
     pub(crate) grant: Option<Grant>,
-    /// What its quotas reserved, settled when it ends, and their state for
-    /// the `x-ratelimit-*` headers.
-    pub(super) quota: Option<Reserved>,
+    /// Its quotas' state, for the `x-ratelimit-*` headers.
     pub(super) rate_headers: Vec<(&'static str, String)>,
     /// The rules as they were when the request arrived.
     pub(crate) rules: Arc<DoorRules>,
@@ -152,7 +151,7 @@ impl RequestCtx {
         RequestCtx {
             start: Instant::now(),
             body: None,
-            lease: None,
+            served: None,
             upstream: None,
             waited: Duration::ZERO,
             inference: false,
@@ -184,7 +183,6 @@ impl RequestCtx {
             request_id: String::new(),
             request_id_given: false,
             grant: None,
-            quota: None,
             rate_headers: Vec::new(),
             rules,
             meter: ResponseMeter::default(),
@@ -192,5 +190,10 @@ impl RequestCtx {
             parked: std::sync::Mutex::new(None),
             resume: None,
         }
+    }
+
+    /// Its slot, while it holds one.
+    pub(super) fn lease(&self) -> Option<&LeaseGuard> {
+        self.served.as_ref()?.lease()
     }
 }

@@ -1,9 +1,9 @@
 //! The end of a request at the proxy: whose fault a failure was, what it
-//! spent settled in the order every door uses ([`FleetGate::settle`]: usage,
+//! spent settled in the order every door uses ([`Served::finish`]: usage,
 //! quotas, token-fair charge, then the slot), its outcome counted, and its
 //! access log line written.
 //!
-//! [`FleetGate::settle`]: crate::gate::FleetGate::settle
+//! [`Served::finish`]: crate::gate::Served::finish
 
 use flowgate::blame;
 use flowgate::session::{self, SessionLabel};
@@ -14,7 +14,7 @@ use tracing::info;
 use super::context::Ending;
 use super::{Inference, RequestCtx};
 use crate::connection;
-use crate::gate::{RequestEnd, SlotEnd};
+use crate::gate::{AnswerEnd, SlotEnd};
 
 impl Inference {
     /// A request is over (Pingora's `logging` hook): settles what it
@@ -38,38 +38,29 @@ impl Inference {
         }
         let said = ctx.meter.said();
         let usage = said.usage;
-        // What the answer spent (a stream cut short: what was sent).
-        let spent = ctx
-            .meter
-            .spent(usage, ctx.tokens.prompt, ctx.upstream_status);
         let client_left = e.is_some_and(|e| e.esource() == &ErrorSource::Downstream);
-        self.shared.settle(RequestEnd {
-            tenant: ctx.fairness_id.as_ref(),
-            key: ctx.grant.as_ref().map(|g| &g.key_id),
-            sent: ctx.upstream_status.is_some(),
-            said: spent,
-            estimate: ctx.tokens.as_used(),
-            prompt_bytes: ctx.prompt_bytes,
-            // Only a whole, successful answer shows the engine's speed: an
-            // error comes back fast, a client that left cut the answer short.
-            timing: (ctx.upstream_status.is_some_and(|s| s < 400) && !client_left)
-                .then(|| {
-                    ctx.meter
-                        .timing(&said, ctx.sent_at, std::time::Instant::now())
-                })
-                .flatten(),
-            quota: ctx.quota.take(),
-            lease: ctx.lease.take(),
-            // The client left before its answer ended: the engine may still
-            // be working on it, so its slot is not free yet.
-            slot: if client_left {
-                SlotEnd::Orphaned {
-                    streamed: ctx.stream || ctx.meter.streaming,
-                }
-            } else {
-                SlotEnd::Free
-            },
-        });
+        if let Some(served) = ctx.served.take() {
+            served.finish(AnswerEnd {
+                sent: ctx.upstream_status.is_some(),
+                // What the answer spent (a stream cut short: what was sent).
+                said: (ctx.meter).spent(usage, ctx.tokens.prompt, ctx.upstream_status),
+                // Only a whole, successful answer shows the engine's speed:
+                // an error comes back fast, a client that left cut the
+                // answer short.
+                timing: (ctx.upstream_status.is_some_and(|s| s < 400) && !client_left)
+                    .then(|| (ctx.meter).timing(&said, ctx.sent_at, std::time::Instant::now()))
+                    .flatten(),
+                // The client left before its answer ended: the engine may
+                // still be working on it, so its slot is not free yet.
+                slot: if client_left {
+                    SlotEnd::Orphaned {
+                        streamed: ctx.stream || ctx.meter.streaming,
+                    }
+                } else {
+                    SlotEnd::Free
+                },
+            });
+        }
         if ctx.upstream_status.is_some_and(|s| s < 400) {
             self.bind_response(ctx);
             self.share_session(ctx);
@@ -92,16 +83,19 @@ impl Inference {
         self.trace_end(ctx, status, reason);
         let ttft = ctx.meter.time_to_first_token(ctx.start);
         if ctx.inference {
-            self.shared.metrics.record_outcome(status, reason);
+            self.door.gate.metrics.record_outcome(status, reason);
             if ctx.upstream_status.is_some_and(|s| s < 400) {
                 if let (Some(u), Some(model)) = (usage, ctx.served_model.as_deref()) {
-                    self.shared.learn_tokens(model, ctx.prompt_bytes, u.prompt);
+                    self.door
+                        .gate
+                        .learn_tokens(model, ctx.prompt_bytes, u.prompt);
                 }
                 let tpot = ctx.meter.time_per_output_token(usage);
                 let model = self
-                    .shared
+                    .door
+                    .gate
                     .model_label(ctx.served_model.as_deref().unwrap_or(&ctx.model));
-                self.shared.metrics.answer(model, ttft, tpot, usage);
+                self.door.gate.metrics.answer(model, ttft, tpot, usage);
             }
         }
         info!(
@@ -137,7 +131,7 @@ impl Inference {
     /// binding's idle time starts again).
     fn share_session(&self, ctx: &RequestCtx) {
         if let (Some(store), Some(key), Some(addr)) =
-            (&self.session_store, ctx.store_key, ctx.upstream)
+            (&self.door.session_store, ctx.store_key, ctx.upstream)
         {
             store.record(key, addr);
         }
@@ -154,7 +148,7 @@ impl Inference {
             return;
         };
         if let Some(key) = session::response_key(tenant, id) {
-            self.shared.bind_session(key, addr);
+            self.door.gate.bind_session(key, addr);
         }
     }
 }

@@ -15,7 +15,7 @@ use flowgate::openai::error_body;
 /// The answer to a request the balancer does not proxy; `None`: proxy it.
 /// `route` is what its path names.
 pub(super) async fn route(
-    door: &Inference,
+    port: &Inference,
     session: &mut Session,
     ctx: &mut RequestCtx,
     route: PathRoute,
@@ -30,7 +30,7 @@ pub(super) async fn route(
     ctx.ending = Ending::Local;
     let is_batch_api = route == PathRoute::BatchApi;
     if is_batch_api || route == PathRoute::AsyncApi {
-        let Some(queue) = &door.async_queue else {
+        let Some(queue) = &port.async_queue else {
             let message = if is_batch_api {
                 "the Batch API needs the async path: start the balancer with --async-dir"
             } else {
@@ -46,8 +46,8 @@ pub(super) async fn route(
         let async_door = AsyncDoor {
             queue,
             admission: &ctx.rules.admission,
-            body: door.body_limits,
-            metrics: &door.shared.metrics,
+            body: port.body_limits,
+            metrics: &port.door.gate.metrics,
             grant: ctx.grant.as_ref(),
             request_id: &ctx.request_id,
         };
@@ -73,7 +73,7 @@ pub(super) async fn route(
     let answer = match route {
         // Readiness: 503 from SIGTERM on (the drain delay included).
         PathRoute::Ready if get => {
-            if door.shared.is_ready() {
+            if port.door.gate.is_ready() {
                 Answer::json(StatusCode::OK, br#"{"status":"ok"}"#.to_vec())
             } else {
                 Answer::json(
@@ -85,7 +85,7 @@ pub(super) async fn route(
         // Liveness: the process serves; 200 until it exits.
         PathRoute::Live if get => Answer::json(StatusCode::OK, br#"{"status":"ok"}"#.to_vec()),
         PathRoute::Ready | PathRoute::Live | PathRoute::Models if !get => not_allowed("GET"),
-        PathRoute::Models => Answer::json(StatusCode::OK, models_body(door, ctx)),
+        PathRoute::Models => Answer::json(StatusCode::OK, models_body(port, ctx)),
         PathRoute::Inference { .. } => not_allowed("POST"),
         // Unknown (the async and Batch APIs were answered above).
         _ => Answer::json(
@@ -102,9 +102,8 @@ pub(super) async fn route(
 
 /// `/v1/models`: every model (and alias) a live endpoint serves, and the
 /// names of the operator's model rules.
-fn models_body(door: &Inference, ctx: &RequestCtx) -> Vec<u8> {
-    let data: Vec<serde_json::Value> = door
-        .shared
+fn models_body(port: &Inference, ctx: &RequestCtx) -> Vec<u8> {
+    let data: Vec<serde_json::Value> = (port.door.gate)
         .model_names(&ctx.rules.admission.models)
         .into_iter()
         .map(|id| serde_json::json!({"id": id, "object": "model", "created": 0, "owned_by": "flowgate"}))

@@ -15,8 +15,10 @@
 //! - [`request_id`]: the `x-request-id` of each request.
 //! - [`routes`]: which paths are inference routes, and which take a slot.
 //!
-//! A request's facts come from [`flowgate::admission`], as at every door;
-//! every answer the balancer gives itself goes through
+//! A request comes in as at every door ([`crate::door`]: who calls, its
+//! facts, its session and quotas, then a slot, held by one
+//! [`crate::gate::Served`] that settles its end); every answer the
+//! balancer gives itself goes through
 //! [`crate::reply::Answer`] in one place ([`Inference::answer`]).
 //!
 //! Retries: a connection failure, an upstream error before the response
@@ -47,7 +49,6 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use flowgate::admission::{renamed, Caller, FlowHeaders};
 use flowgate::blame::{self, Verdict};
-use flowgate::models::Fallback;
 use flowgate::session::SessionLabel;
 use flowgate::RequestMeta;
 use flowgate::SessionSource;
@@ -69,11 +70,10 @@ pub(crate) use routes::RouteKind;
 use crate::asyncq::{self, AsyncQueue};
 use crate::connection;
 use crate::connection::parking::{Parked, Resumed};
-use crate::gate::{AdmitError, Admitted, FleetGate, Submitted};
+use crate::door::Door;
+use crate::gate::{AdmitError, Admitted, AnswerEnd, Submitted};
 use crate::observe::traces::Traces;
-use crate::quotas::Quotas;
 use crate::reply::{Answer, Refusal, REQUEST_ID_HEADER};
-use crate::rules::LiveRules;
 
 /// Response header: milliseconds the request waited for an endpoint.
 const WAIT_HEADER: &str = "x-flowgate-wait-ms";
@@ -89,24 +89,19 @@ pub(crate) const SCORES_HEADER: &str = "x-flowgate-scores";
 const MAX_ERROR_BODY: usize = 16 * 1024;
 
 pub struct Inference {
-    pub shared: Arc<FleetGate>,
+    /// The way in every door shares: the gate, the rules, quotas and the
+    /// session store.
+    pub door: Door,
     /// The largest body and how long it may take to arrive.
     pub body_limits: BodyLimits,
     /// The async path, when on.
     pub async_queue: Option<Arc<AsyncQueue>>,
-    /// API keys and how a request's facts are read (the same rules at
-    /// every door), reloaded on SIGHUP.
-    pub rules: Arc<LiveRules>,
     pub connect_timeout: Duration,
     pub retry_after: Duration,
     /// Attempts on other endpoints after a failure before the first byte.
     pub retries: u32,
     /// Generates request ids.
     pub request_ids: RequestIds,
-    /// Quotas per tenant and key.
-    pub quotas: Arc<Quotas>,
-    /// Session bindings shared with the other balancers, when configured.
-    pub session_store: Option<Arc<crate::session_store::SessionStore>>,
     /// OpenTelemetry traces, when on.
     pub traces: Option<Arc<Traces>>,
 }
@@ -134,9 +129,10 @@ impl Inference {
         ctx: &mut RequestCtx,
         request: RequestMeta,
     ) -> Result<std::result::Result<(), Refusal>> {
-        let fallback = fallback_of(ctx, &request);
+        let fallback = Door::fallback(&ctx.rules, &request);
         let outcome = self
-            .shared
+            .door
+            .gate
             .admit(request, fallback, client_gone(session))
             .await;
         self.admitted(ctx, outcome)
@@ -152,8 +148,8 @@ impl Inference {
         request: RequestMeta,
         body: &Bytes,
     ) -> Result<std::result::Result<Step, Refusal>> {
-        let fallback = fallback_of(ctx, &request);
-        let outcome = match self.shared.submit(request, fallback) {
+        let fallback = Door::fallback(&ctx.rules, &request);
+        let outcome = match self.door.gate.submit(request, fallback) {
             Submitted::Done(outcome) => outcome,
             Submitted::Queued(waiting) => match body::replay(session, body) {
                 Some(replay) => {
@@ -180,7 +176,7 @@ impl Inference {
         outcome: std::result::Result<Admitted, AdmitError>,
     ) -> Result<std::result::Result<Step, Refusal>> {
         if let Err(refusal) =
-            body::read_body(session, self.body_limits, &self.shared.metrics).await?
+            body::read_body(session, self.body_limits, &self.door.gate.metrics).await?
         {
             return Ok(Err(refusal));
         }
@@ -198,7 +194,11 @@ impl Inference {
         match outcome {
             Ok(admitted) => {
                 ctx.upstream = Some(admitted.lease.addr());
-                ctx.lease = Some(admitted.lease);
+                match &mut ctx.served {
+                    Some(served) => served.bind(admitted.lease),
+                    // Never: a request waits for a slot once it entered.
+                    None => admitted.lease.release(),
+                }
                 ctx.waited += admitted.waited;
                 ctx.upstream_status = None;
                 if let Some(m) = admitted.fell_back {
@@ -207,9 +207,9 @@ impl Inference {
                 self.trace_bound(ctx, admitted.waited);
                 Ok(Ok(()))
             }
-            Err(AdmitError::Rejected(r)) => Ok(Err(Refusal::from_reject(r, &ctx.model, || {
-                self.shared.model_names(&ctx.rules.admission.models)
-            }))),
+            Err(AdmitError::Rejected(r)) => {
+                Ok(Err(self.door.turned_away(&ctx.rules, r, &ctx.model)))
+            }
             Err(AdmitError::ClientGone) => {
                 ctx.ending = Ending::ClientGone;
                 Err(Error::explain(
@@ -266,15 +266,16 @@ impl Inference {
             q.is_dispatcher(req.headers.get(asyncq::TOKEN_HEADER).map(|v| v.as_bytes()))
         });
         let route = PathRoute::of(req.uri.path());
-        if let (Some(keys), false) = (&ctx.rules.api_keys, from_dispatcher) {
-            if !route.is_health() {
-                let authorization = req.headers.get(http::header::AUTHORIZATION);
-                match keys.authenticate(authorization.map(|v| v.as_bytes())) {
-                    Ok(grant) => ctx.grant = Some(grant.clone()),
-                    Err(e) => {
-                        ctx.inference = true;
-                        return Ok(Err(Refusal::from(e)));
-                    }
+        if !from_dispatcher && !route.is_health() {
+            let authorization = || {
+                let value = req.headers.get(http::header::AUTHORIZATION);
+                value.map(|v| v.as_bytes())
+            };
+            match Door::authenticate(&ctx.rules, authorization) {
+                Ok(grant) => ctx.grant = grant,
+                Err(refusal) => {
+                    ctx.inference = true;
+                    return Ok(Err(refusal));
                 }
             }
         }
@@ -282,7 +283,8 @@ impl Inference {
             return Ok(answer);
         }
         ctx.inference = true;
-        let body = match body::read_body(session, self.body_limits, &self.shared.metrics).await? {
+        let body = match body::read_body(session, self.body_limits, &self.door.gate.metrics).await?
+        {
             Ok(body) => body,
             Err(refusal) => return Ok(Err(refusal)),
         };
@@ -303,18 +305,14 @@ impl Inference {
         } else {
             Explain::No
         };
-        let facts =
-            ctx.rules
-                .admission
-                .inference(flow_headers, Some(&body.bytes), caller, &*self.shared);
+        let door = &self.door;
+        let facts = door.facts(&ctx.rules, flow_headers, Some(&body.bytes), caller);
         let mut facts = match facts {
             Ok(facts) => facts,
-            Err(refused) => {
-                // The access log names the model even of a refused request.
-                return Ok(Err(refused.into()));
-            }
+            // The access log names the model even of a refused request.
+            Err(refusal) => return Ok(Err(refusal)),
         };
-        ctx.model = facts.model;
+        ctx.model = std::mem::take(&mut facts.model);
         ctx.served_model.clone_from(&facts.resolved.model);
         ctx.stream = facts.stream;
         ctx.tokens = facts.tokens;
@@ -322,11 +320,6 @@ impl Inference {
         ctx.fairness_id = Some(Arc::clone(&facts.meta.flow.fairness_id));
         ctx.priority = facts.meta.flow.priority;
         ctx.session = facts.meta.route.session;
-        if let Some(store) = &self.session_store {
-            // Where another balancer may have sent this conversation last:
-            // its session's last turn, or a keyless one's previous turn.
-            ctx.store_key = (store.follow(facts.turn, &self.shared, &mut facts.meta.route)).await;
-        }
         // A Responses answer's id names where a later turn continuing it
         // (`previous_response_id`) should go.
         ctx.meter.want_id = matches!(
@@ -352,41 +345,26 @@ impl Inference {
         if route.inference() == Some(RouteKind::Slotless) {
             // No slot, no queue, no retry: a live server of the model
             // answers it at once.
-            return Ok(match self.shared.slotless(&facts.meta.route) {
+            return Ok(match door.gate.slotless(&facts.meta.route) {
                 Ok(addr) => {
                     ctx.upstream = Some(addr);
                     Ok(Step::Proxy)
                 }
-                Err(r) => Err(Refusal::from_reject(r, &ctx.model, || {
-                    self.shared.model_names(&ctx.rules.admission.models)
-                })),
+                Err(r) => Err(door.turned_away(&ctx.rules, r, &ctx.model)),
             });
         }
-        let quota = self.quotas.admit(
-            &ctx.rules.quotas,
-            &facts.meta.flow.fairness_id,
-            ctx.grant.as_ref(),
-            ctx.tokens,
-        );
-        match quota.await {
-            Ok(Some((reserved, headers))) => {
-                ctx.quota = Some(reserved);
-                ctx.rate_headers = headers;
-            }
-            Ok(None) => {}
+        let entry = match door.enter(&ctx.rules, &mut facts, ctx.grant.as_ref()).await {
+            Ok(entry) => entry,
             Err(refusal) => return Ok(Err(refusal)),
-        }
+        };
+        ctx.served = Some(entry.served);
+        ctx.rate_headers = entry.rate_headers;
+        ctx.store_key = entry.store_key;
         ctx.meta = Some(facts.meta.clone());
         self.trace_admitted(ctx);
         self.first_slot(session, ctx, facts.meta, &replay_body)
             .await
     }
-}
-
-/// The fallback chain of the model `request` asks for, if it has one.
-fn fallback_of<'a>(ctx: &'a RequestCtx, request: &RequestMeta) -> Option<&'a Fallback> {
-    let model = request.route.model.as_deref()?;
-    ctx.rules.admission.models.fallback(model)
 }
 
 /// Resolves when the client closes the connection (or sends bytes it
@@ -410,7 +388,7 @@ impl ProxyHttp for Inference {
     type CTX = RequestCtx;
 
     fn new_ctx(&self) -> RequestCtx {
-        RequestCtx::new(self.rules.get())
+        RequestCtx::new(self.door.rules.get())
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
@@ -418,7 +396,7 @@ impl ProxyHttp for Inference {
         let step = match ctx.resume.take() {
             Some(outcome) => self.resume(session, ctx, outcome).await?,
             None => {
-                ctx.active = Some(self.shared.request_started());
+                ctx.active = Some(self.door.gate.request_started());
                 (ctx.request_id, ctx.request_id_given) = self
                     .request_ids
                     .for_request(session.req_header().headers.get(REQUEST_ID_HEADER));
@@ -439,8 +417,8 @@ impl ProxyHttp for Inference {
         if !proxy {
             // Answered here, never served: it leaves its quotas' windows
             // before the client sees the answer.
-            if let Some(reserved) = ctx.quota.take() {
-                reserved.settle(None);
+            if let Some(served) = ctx.served.take() {
+                served.finish(AnswerEnd::NEVER_SENT);
             }
         }
         self.answer(session, ctx, step).await?;
@@ -458,7 +436,7 @@ impl ProxyHttp for Inference {
                 Error::explain(ErrorType::InternalError, "retry without a request")
             })?;
             // The retry waits no longer than the request had left.
-            let ttl = self.shared.ttl(request.ttl);
+            let ttl = self.door.gate.ttl(request.ttl);
             request.ttl = Some(
                 ttl.saturating_sub(ctx.start.elapsed())
                     .max(Duration::from_millis(1)),
@@ -543,7 +521,8 @@ impl ProxyHttp for Inference {
             // fault. Neither endpoint counts; this answer is the client's.
             ctx.suspect = None;
             ctx.ending = Ending::RequestRejected;
-            self.shared
+            self.door
+                .gate
                 .metrics
                 .upstream_error(Ending::RequestRejected.as_str());
             return Ok(());
@@ -551,13 +530,14 @@ impl ProxyHttp for Inference {
         if verdict == Verdict::RequestRejected {
             ctx.rejected = true;
             ctx.ending = Ending::RequestRejected;
-            self.shared
+            self.door
+                .gate
                 .metrics
                 .upstream_error(Ending::RequestRejected.as_str());
             return Ok(());
         }
-        self.shared.metrics.upstream_error("status-5xx");
-        let failed = ctx.lease.as_ref().map(|l| (l.endpoint(), l.addr()));
+        self.door.gate.metrics.upstream_error("status-5xx");
+        let failed = ctx.lease().map(|l| (l.endpoint(), l.addr()));
         if self.begin_retry(ctx, "status-5xx") {
             // Nothing went to the client yet: drop this answer and try
             // another endpoint (see `error_while_proxy`); this one counts
@@ -583,7 +563,7 @@ impl ProxyHttp for Inference {
     ) -> Box<Error> {
         self.blame_suspect(ctx);
         self.record_outcome(ctx, false);
-        self.shared.metrics.upstream_error("connect");
+        self.door.gate.metrics.upstream_error("connect");
         let retry = self.begin_retry(ctx, "connect");
         e.set_retry(retry);
         e
@@ -614,7 +594,7 @@ impl ProxyHttp for Inference {
             // endpoint's failure: once more on a fresh connection to the
             // same endpoint, with the slot it holds.
             ctx.stale_retried = true;
-            self.shared.metrics.upstream_retry("stale-connection");
+            self.door.gate.metrics.upstream_retry("stale-connection");
             e.set_retry(true);
             return e;
         }
@@ -624,7 +604,7 @@ impl ProxyHttp for Inference {
             } else {
                 "mid-response"
             };
-            self.shared.metrics.upstream_error(kind);
+            self.door.gate.metrics.upstream_error(kind);
         }
         if e.esource() == &ErrorSource::Upstream && before_answer {
             self.blame_suspect(ctx);
@@ -651,9 +631,9 @@ impl ProxyHttp for Inference {
             upstream_response.insert_header(*name, value.as_str())?;
         }
         // A name the header cannot carry is left out, not an error.
-        let served = match (&ctx.served_model, &ctx.lease) {
+        let served = match (&ctx.served_model, ctx.lease()) {
             (Some(m), _) => http::HeaderValue::from_str(m).ok(),
-            (None, Some(lease)) => (self.shared.served_model(lease.endpoint()))
+            (None, Some(lease)) => (self.door.gate.served_model(lease.endpoint()))
                 .and_then(|m| http::HeaderValue::try_from(m).ok()),
             (None, None) => None,
         };
@@ -665,7 +645,7 @@ impl ProxyHttp for Inference {
             Explain::Denied => upstream_response.insert_header(SCORES_HEADER, "denied")?,
             Explain::Yes => {
                 if let Some(meta) = &ctx.meta {
-                    let x = self.shared.explain(&meta.route);
+                    let x = self.door.gate.explain(&meta.route);
                     let scores = serde_json::json!({
                         "endpoint": ctx.upstream,
                         "session": ctx.session.map(|s| SessionLabel(Some(s)).to_string()),
@@ -725,7 +705,7 @@ impl ProxyHttp for Inference {
             } else {
                 let refusal = if downstream {
                     // The client's request could not be sent as it was framed.
-                    body::bad_framing(&self.shared.metrics, e)
+                    body::bad_framing(&self.door.gate.metrics, e)
                 } else {
                     let mut r = Refusal::new(
                         StatusCode::BAD_GATEWAY,

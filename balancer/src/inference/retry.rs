@@ -5,12 +5,13 @@
 use pingora_core::{Error, ErrorSource};
 
 use super::{Inference, RequestCtx};
+use crate::gate::Served;
 
 impl Inference {
     /// Feeds the circuit breaker of the endpoint the request holds.
     pub(super) fn record_outcome(&self, ctx: &RequestCtx, ok: bool) {
-        if let Some(lease) = &ctx.lease {
-            self.shared.record_outcome(lease, ok);
+        if let Some(lease) = ctx.lease() {
+            self.door.gate.record_outcome(lease, ok);
         }
     }
 
@@ -18,7 +19,9 @@ impl Inference {
     /// endpoint that gave it.
     pub(super) fn blame_suspect(&self, ctx: &mut RequestCtx) {
         if let Some((endpoint, addr)) = ctx.suspect.take() {
-            self.shared.record_endpoint_outcome(endpoint, addr, false);
+            self.door
+                .gate
+                .record_endpoint_outcome(endpoint, addr, false);
         }
     }
 
@@ -31,15 +34,15 @@ impl Inference {
             return false;
         }
         let Some(meta) = &ctx.meta else { return false };
-        if !self.shared.has_alternative(&meta.route, ctx.upstream) {
+        if !self.door.gate.has_alternative(&meta.route, ctx.upstream) {
             return false;
         }
         ctx.retries += 1;
         ctx.retry_pending = true;
-        if let Some(lease) = ctx.lease.take() {
+        if let Some(lease) = ctx.served.as_mut().and_then(Served::take_lease) {
             lease.release();
         }
-        self.shared.metrics.upstream_retry(reason);
+        self.door.gate.metrics.upstream_retry(reason);
         true
     }
 }

@@ -40,7 +40,7 @@ impl Inference {
             attributes.push(KeyValue::new("flowgate.session", format!("{s:016x}")));
         }
         trace.child(traces, "admission", ctx.start, Instant::now(), attributes);
-        ctx.waiting_ahead = self.shared.buffered();
+        ctx.waiting_ahead = self.door.gate.buffered();
     }
 
     /// The request got its slot after waiting `waited`: its wait in flow
@@ -67,7 +67,7 @@ impl Inference {
         };
         let mut attributes = vec![KeyValue::new("flowgate.endpoint", addr.to_string())];
         if let Some(meta) = &ctx.meta {
-            let x = self.shared.explain(&meta.route);
+            let x = self.door.gate.explain(&meta.route);
             if let Some(winner) = x.candidates.iter().find(|c| c.addr == addr) {
                 attributes.push(KeyValue::new("flowgate.score", winner.score));
                 attributes.push(KeyValue::new(

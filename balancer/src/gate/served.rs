@@ -1,0 +1,160 @@
+//! What a request that was let in holds until it ends ([`Served`]), and
+//! its end, settled in one order for every door (the proxy's `logging`
+//! hook, an EPP stream's response end or its stream's end) and for one
+//! that no door finished (its task dropped).
+
+use std::sync::Arc;
+
+use flowgate::endpoint::{CacheSeen, Timing};
+use flowgate::tokens::{TokenEstimate, TokenUsage};
+
+use super::{AnswerSeen, FleetGate, LeaseGuard};
+use crate::quotas::Reserved;
+
+/// A request let in at a door: its quotas' reservation and, once it has
+/// one, its slot, with what settling them needs (its tenant, its API
+/// key's id, its estimate). Settled exactly once: by [`Served::finish`]
+/// with what its answer said, or, dropped unfinished, as never sent — it
+/// leaves its quotas' windows and gives its slot back.
+pub struct Served {
+    gate: Arc<FleetGate>,
+    tenant: Arc<str>,
+    key: Option<Arc<str>>,
+    /// What a sent request counts for when its answer did not say.
+    estimate: TokenUsage,
+    /// Its prompt text's length (to place the engine's cached tokens in
+    /// the prompt: cache truth).
+    prompt_bytes: u64,
+    quota: Option<Reserved>,
+    lease: Option<LeaseGuard>,
+}
+
+/// How a request's answer ended.
+#[derive(Debug, Clone, Copy)]
+pub struct AnswerEnd {
+    /// It reached an engine (an answer, or part of one, came back).
+    pub sent: bool,
+    /// What the answer said it spent (for one cut short: what was sent);
+    /// `None` when it did not say.
+    pub said: Option<TokenUsage>,
+    /// How long the engine took, as the answer showed it.
+    pub timing: Option<Timing>,
+    /// How its slot comes back.
+    pub slot: SlotEnd,
+}
+
+impl AnswerEnd {
+    /// It never reached an engine.
+    pub const NEVER_SENT: AnswerEnd = AnswerEnd {
+        sent: false,
+        said: None,
+        timing: None,
+        slot: SlotEnd::Free,
+    };
+}
+
+/// How a request's slot comes back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotEnd {
+    /// The answer ended: free now.
+    Free,
+    /// Its client left before the answer ended: the engine may still work
+    /// on it, so it stays busy until the engine is done (`streamed` answers
+    /// stop with their client).
+    Orphaned { streamed: bool },
+}
+
+impl Served {
+    /// A request of `tenant` (and API key `key`) let in with its token
+    /// `estimate`; it holds nothing yet.
+    pub fn new(
+        gate: &Arc<FleetGate>,
+        tenant: &Arc<str>,
+        key: Option<&Arc<str>>,
+        estimate: TokenEstimate,
+        prompt_bytes: u64,
+    ) -> Served {
+        Served {
+            gate: Arc::clone(gate),
+            tenant: Arc::clone(tenant),
+            key: key.cloned(),
+            estimate: estimate.as_used(),
+            prompt_bytes,
+            quota: None,
+            lease: None,
+        }
+    }
+
+    /// It holds its quotas' reservation.
+    pub fn reserved(&mut self, quota: Reserved) {
+        self.quota = Some(quota);
+    }
+
+    /// It holds a slot (a retry's next one, once the last was given back).
+    pub fn bind(&mut self, lease: LeaseGuard) {
+        self.lease = Some(lease);
+    }
+
+    pub fn lease(&self) -> Option<&LeaseGuard> {
+        self.lease.as_ref()
+    }
+
+    /// Its slot, taken to give back early (a failed attempt before a retry).
+    pub fn take_lease(&mut self) -> Option<LeaseGuard> {
+        self.lease.take()
+    }
+
+    /// The request ended as `end` says.
+    pub fn finish(mut self, end: AnswerEnd) {
+        self.settle(end);
+    }
+
+    /// Settles in the order that keeps every number true at every instant:
+    /// the usage it spent is accounted, its quotas count what it spent (a
+    /// request never sent leaves their windows), its flow's token-fair
+    /// charge becomes what it spent, and only then is its slot given back
+    /// — once a request no longer counts in flight, its usage and quotas
+    /// are up to date. Whatever it held is taken: a second call settles
+    /// nothing.
+    fn settle(&mut self, end: AnswerEnd) {
+        let AnswerEnd {
+            sent,
+            said,
+            timing,
+            slot,
+        } = end;
+        let said = said.filter(|_| sent);
+        if let Some(said) = said {
+            (self.gate).record_usage(&self.tenant, self.key.as_ref(), said);
+        }
+        let spent = sent.then(|| said.unwrap_or(self.estimate));
+        if let Some(quota) = self.quota.take() {
+            quota.settle(spent);
+        }
+        if let Some(mut lease) = self.lease.take() {
+            if let Some(spent) = spent {
+                lease.settle(spent.total());
+            }
+            lease.saw(AnswerSeen {
+                cache: said.filter(|s| s.cache_said).map(|said| CacheSeen {
+                    prompt_tokens: said.prompt,
+                    cached_tokens: said.cached,
+                    prompt_bytes: self.prompt_bytes,
+                }),
+                timing,
+            });
+            match slot {
+                SlotEnd::Free => lease.release(),
+                SlotEnd::Orphaned { streamed } => lease.orphan(streamed),
+            }
+        }
+    }
+}
+
+impl Drop for Served {
+    /// No door finished it (refused before it was sent, or its task was
+    /// dropped): settled as never sent.
+    fn drop(&mut self) {
+        self.settle(AnswerEnd::NEVER_SENT);
+    }
+}

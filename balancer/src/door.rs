@@ -92,7 +92,7 @@ impl Door {
         };
         let tenant = &facts.meta.flow.fairness_id;
         let key = grant.map(|g| &g.key_id);
-        let mut served = Served::new(&self.gate, tenant, key, facts.tokens, facts.prompt_bytes);
+        let mut served = Served::new(tenant, key, facts.tokens, facts.prompt_bytes);
         let quota = self
             .quotas
             .admit(&rules.quotas, tenant, grant, facts.tokens);

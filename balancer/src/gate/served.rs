@@ -8,7 +8,7 @@ use std::sync::Arc;
 use flowgate::endpoint::{CacheSeen, Timing};
 use flowgate::tokens::{TokenEstimate, TokenUsage};
 
-use super::{AnswerSeen, FleetGate, LeaseGuard};
+use super::{AnswerSeen, LeaseGuard};
 use crate::quotas::Reserved;
 
 /// A request let in at a door: its quotas' reservation and, once it has
@@ -17,7 +17,6 @@ use crate::quotas::Reserved;
 /// with what its answer said, or, dropped unfinished, as never sent — it
 /// leaves its quotas' windows and gives its slot back.
 pub struct Served {
-    gate: Arc<FleetGate>,
     tenant: Arc<str>,
     key: Option<Arc<str>>,
     /// What a sent request counts for when its answer did not say.
@@ -68,14 +67,12 @@ impl Served {
     /// A request of `tenant` (and API key `key`) let in with its token
     /// `estimate`; it holds nothing yet.
     pub fn new(
-        gate: &Arc<FleetGate>,
         tenant: &Arc<str>,
         key: Option<&Arc<str>>,
         estimate: TokenEstimate,
         prompt_bytes: u64,
     ) -> Served {
         Served {
-            gate: Arc::clone(gate),
             tenant: Arc::clone(tenant),
             key: key.cloned(),
             estimate: estimate.as_used(),
@@ -124,8 +121,9 @@ impl Served {
             slot,
         } = end;
         let said = said.filter(|_| sent);
-        if let Some(said) = said {
-            (self.gate).record_usage(&self.tenant, self.key.as_ref(), said);
+        // Only a request that held a slot was sent.
+        if let (Some(said), Some(lease)) = (said, &self.lease) {
+            (lease.shared).record_usage(&self.tenant, self.key.as_ref(), said);
         }
         let spent = sent.then(|| said.unwrap_or(self.estimate));
         if let Some(quota) = self.quota.take() {

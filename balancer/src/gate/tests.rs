@@ -257,7 +257,7 @@ async fn a_requests_end_accounts_what_was_sent_then_frees_its_slot() {
     };
     let estimate = flowgate::tokens::TokenEstimate::default();
     let served = |lease| {
-        let mut served = Served::new(&shared, &tenant, None, estimate, 28);
+        let mut served = Served::new(&tenant, None, estimate, 28);
         served.bind(lease);
         served
     };

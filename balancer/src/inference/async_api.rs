@@ -8,12 +8,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use flowgate::admission::{self, AdmissionRules, FlowHeaders, Grant};
 use http::{Method, StatusCode};
-use pingora_core::Result;
 use pingora_http::ResponseHeader;
 use pingora_proxy::Session;
 use serde_json::Value;
 
 use super::body::{self, BodyLimits};
+use super::halt::Flow;
 use super::routes::{self, RouteKind};
 use super::Step;
 use crate::asyncq::{self, AsyncQueue};
@@ -51,7 +51,7 @@ impl AsyncDoor<'_> {
         &self,
         session: &Session,
         model: &str,
-    ) -> std::result::Result<(asyncq::Caller, i32), Refusal> {
+    ) -> Result<(asyncq::Caller, i32), Refusal> {
         let headers = &session.req_header().headers;
         let caller = self
             .grant
@@ -74,22 +74,15 @@ impl AsyncDoor<'_> {
     }
 
     /// The request body, read whole.
-    pub(super) async fn read_body(
-        &self,
-        session: &mut Session,
-    ) -> Result<std::result::Result<Bytes, Refusal>> {
+    pub(super) async fn read_body(&self, session: &mut Session) -> Flow<Bytes> {
         Ok(body::read_body(session, self.body, self.metrics)
             .await?
-            .map(|b| b.bytes))
+            .bytes)
     }
 
     /// `GET /v1/async/requests/{id}/events`: the request's view as an SSE
     /// `status` event now and at every change, until it is final.
-    async fn events(
-        &self,
-        session: &mut Session,
-        id: &str,
-    ) -> Result<std::result::Result<Step, Refusal>> {
+    async fn events(&self, session: &mut Session, id: &str) -> Flow<Step> {
         let mut seen = None;
         let mut started = false;
         loop {
@@ -103,23 +96,24 @@ impl AsyncDoor<'_> {
                     if started {
                         // End the stream cleanly: the client reconnects.
                         session.write_response_body(None, true).await?;
-                        return Ok(Ok(Step::Answered));
+                        return Ok(Step::Answered);
                     }
-                    return Ok(Err(Refusal::new(
+                    return Err(Refusal::new(
                         StatusCode::INTERNAL_SERVER_ERROR,
                         "server_error",
                         "queue_error",
                         e,
-                    )));
+                    )
+                    .into());
                 }
             };
             let Some(job) = job else {
                 if !started {
-                    return Ok(Err(unknown_request(id)));
+                    return Err(unknown_request(id).into());
                 }
                 // Purged while watched (retention ended).
                 session.write_response_body(None, true).await?;
-                return Ok(Ok(Step::Answered));
+                return Ok(Step::Answered);
             };
             if !started {
                 started = true;
@@ -143,7 +137,7 @@ impl AsyncDoor<'_> {
                 .write_response_body(Some(Bytes::from(chunk)), last)
                 .await?;
             if last {
-                return Ok(Ok(Step::Answered));
+                return Ok(Step::Answered);
             }
         }
     }
@@ -169,11 +163,7 @@ pub(super) fn query_param(query: &str, name: &str) -> Option<String> {
 }
 
 /// `?limit=`: `default` when absent, else a number in `1..=max` (400 beyond).
-pub(super) fn parse_limit(
-    query: &str,
-    default: usize,
-    max: usize,
-) -> std::result::Result<usize, Refusal> {
+pub(super) fn parse_limit(query: &str, default: usize, max: usize) -> Result<usize, Refusal> {
     match query_param(query, "limit") {
         None => Ok(default),
         Some(l) => l
@@ -185,7 +175,7 @@ pub(super) fn parse_limit(
 }
 
 /// `?wait=`: zero when absent, else a duration up to [`ASYNC_MAX_WAIT`].
-fn parse_wait(query: &str) -> std::result::Result<Duration, Refusal> {
+fn parse_wait(query: &str) -> Result<Duration, Refusal> {
     match query_param(query, "wait") {
         None => Ok(Duration::ZERO),
         Some(w) => flowgate::duration::parse_duration_at_most(&w, ASYNC_MAX_WAIT)
@@ -194,7 +184,7 @@ fn parse_wait(query: &str) -> std::result::Result<Duration, Refusal> {
 }
 
 /// `x-flowgate-async-deadline` as a Unix-ms instant from `now_ms`.
-fn parse_deadline(value: &str, now_ms: u64) -> std::result::Result<u64, Refusal> {
+fn parse_deadline(value: &str, now_ms: u64) -> Result<u64, Refusal> {
     flowgate::duration::parse_duration_at_most(value, ASYNC_MAX_DEADLINE)
         .map(|d| now_ms.saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX)))
         .map_err(|e| bad_input("bad_deadline", format!("{ASYNC_DEADLINE_HEADER}: {e}")))
@@ -229,13 +219,10 @@ pub(super) async fn route(
     session: &mut Session,
     method: &Method,
     path: &str,
-) -> Result<std::result::Result<Step, Refusal>> {
+) -> Flow<Step> {
     let rest = &path["/v1/async".len()..];
     let query = session.req_header().uri.query().unwrap_or("").to_string();
-    let wait = match parse_wait(&query) {
-        Ok(wait) => wait,
-        Err(r) => return Ok(Err(r)),
-    };
+    let wait = parse_wait(&query)?;
     let scope = door.scope();
     if let (&Method::GET, Some(id)) = (
         method,
@@ -245,12 +232,9 @@ pub(super) async fn route(
         return door.events(session, id).await;
     }
     if rest == "/results" && *method == Method::GET {
-        let limit = match parse_limit(&query, 100, 1000) {
-            Ok(limit) => limit,
-            Err(r) => return Ok(Err(r)),
-        };
+        let limit = parse_limit(&query, 100, 1000)?;
         let after = query_param(&query, "after");
-        return Ok(match door.queue.results(after, limit, wait, scope).await {
+        return match door.queue.results(after, limit, wait, scope).await {
             Ok(page) => {
                 let data: Vec<Value> = page
                     .found
@@ -272,13 +256,15 @@ pub(super) async fn route(
                 StatusCode::BAD_REQUEST,
                 "bad_cursor",
                 "after must be a cursor from next_cursor".into(),
-            )),
+            )
+            .into()),
             Err(e) => Err(api_error(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "queue_error",
                 e.to_string(),
-            )),
-        });
+            )
+            .into()),
+        };
     }
     if let Some(id) = rest.strip_prefix("/requests/") {
         let found = match *method {
@@ -294,54 +280,39 @@ pub(super) async fn route(
                     ),
                 )
                 .with_header("allow", "GET, DELETE".to_string());
-                return Ok(Ok(Step::Answer(not_allowed)));
+                return Ok(Step::Answer(not_allowed));
             }
         };
-        return Ok(match found {
+        return match found {
             Ok(Some(job)) => Ok(json(StatusCode::OK, &asyncq::view(&job))),
             // Another tenant's request reads exactly as an unknown one.
-            Ok(None) => Err(unknown_request(id)),
-            Err(e) => Err(api_error(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "queue_error",
-                e,
-            )),
-        });
+            Ok(None) => Err(unknown_request(id).into()),
+            Err(e) => Err(api_error(StatusCode::INTERNAL_SERVER_ERROR, "queue_error", e).into()),
+        };
     }
     // `/v1/async/chat/completions` is for `/v1/chat/completions`.
     let target = format!("/v1{rest}");
     // Only what takes a slot is worth queueing.
     if !(routes::kind(&target) == Some(RouteKind::Slot) && *method == Method::POST) {
-        return Ok(Err(api_error(
+        return Err(api_error(
             StatusCode::NOT_FOUND,
             "not_found",
             format!("no route for {method} {path}"),
-        )));
+        )
+        .into());
     }
     submit(door, session, target).await
 }
 
 /// `POST /v1/async/{inference path}`: queues the request.
-async fn submit(
-    door: &AsyncDoor<'_>,
-    session: &mut Session,
-    target: String,
-) -> Result<std::result::Result<Step, Refusal>> {
-    let body = match door.read_body(session).await? {
-        Ok(body) => body,
-        Err(refusal) => return Ok(Err(refusal)),
-    };
-    let facts = match admission::body_facts(&body, &door.admission.prefix) {
-        Ok(facts) => facts,
-        Err(bad) => return Ok(Err(admission::Refused::BadBody(bad).into())),
-    };
+async fn submit(door: &AsyncDoor<'_>, session: &mut Session, target: String) -> Flow<Step> {
+    let body = door.read_body(session).await?;
+    let facts = admission::body_facts(&body, &door.admission.prefix)
+        .map_err(|bad| Refusal::from(admission::Refused::BadBody(bad)))?;
     let model = facts.model.clone();
-    let (caller, priority) = match door.caller(session, &model) {
-        Ok(found) => found,
-        Err(r) => return Ok(Err(r)),
-    };
+    let (caller, priority) = door.caller(session, &model)?;
     let headers = &session.req_header().headers;
-    let text = |name: &str| -> std::result::Result<Option<String>, Refusal> {
+    let text = |name: &str| -> Result<Option<String>, Refusal> {
         match headers.get(name) {
             None => Ok(None),
             Some(v) => v
@@ -350,23 +321,20 @@ async fn submit(
                 .map_err(|_| bad_input("bad_header", format!("{name}: not visible ASCII"))),
         }
     };
-    let deadline_ms = match text(ASYNC_DEADLINE_HEADER)
-        .and_then(|d| d.map(|d| parse_deadline(&d, asyncq::now_ms())).transpose())
-    {
-        Ok(d) => d,
-        Err(r) => return Ok(Err(r)),
-    };
-    let idempotency_key = match text("idempotency-key") {
-        Ok(Some(k)) if k.len() > MAX_IDEMPOTENCY_KEY => {
-            return Ok(Err(bad_input(
+    let deadline_ms = text(ASYNC_DEADLINE_HEADER)?
+        .map(|d| parse_deadline(&d, asyncq::now_ms()))
+        .transpose()?;
+    let idempotency_key = match text("idempotency-key")? {
+        Some(k) if k.len() > MAX_IDEMPOTENCY_KEY => {
+            return Err(bad_input(
                 "bad_idempotency_key",
                 format!("idempotency-key: longer than {MAX_IDEMPOTENCY_KEY} bytes"),
-            )))
+            )
+            .into())
         }
-        Ok(k) => k
+        k => k
             .filter(|k| !k.is_empty())
             .map(|k| asyncq::scoped_idempotency_key(&k, caller.scope())),
-        Err(r) => return Ok(Err(r)),
     };
     // Its session, from the headers of the submit and the body, scoped to
     // the tenant it is delivered under: stored hashed, delivered with it.
@@ -384,24 +352,23 @@ async fn submit(
         deadline_ms,
         session,
     };
-    Ok(match door.queue.submit(job).await {
-        Ok((job, _)) => Ok(json(StatusCode::ACCEPTED, &asyncq::view(&job))),
-        Err(asyncq::SubmitError::Full(n)) => Err(api_error(
+    let refused = match door.queue.submit(job).await {
+        Ok((job, _)) => return Ok(json(StatusCode::ACCEPTED, &asyncq::view(&job))),
+        Err(asyncq::SubmitError::Full(n)) => api_error(
             StatusCode::TOO_MANY_REQUESTS,
             "async_queue_full",
             format!("the async queue holds its maximum of {n} requests"),
-        )),
-        Err(asyncq::SubmitError::TooLarge(n)) => Err(api_error(
+        ),
+        Err(asyncq::SubmitError::TooLarge(n)) => api_error(
             StatusCode::PAYLOAD_TOO_LARGE,
             "request_too_large",
             format!("the request body exceeds {n} bytes"),
-        )),
-        Err(asyncq::SubmitError::Storage(e)) => Err(api_error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "queue_error",
-            e,
-        )),
-    })
+        ),
+        Err(asyncq::SubmitError::Storage(e)) => {
+            api_error(StatusCode::INTERNAL_SERVER_ERROR, "queue_error", e)
+        }
+    };
+    Err(refused.into())
 }
 
 #[cfg(test)]

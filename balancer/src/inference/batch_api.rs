@@ -3,14 +3,14 @@
 
 use bytes::Bytes;
 use http::{Method, StatusCode};
-use pingora_core::Result;
 use pingora_proxy::Session;
 use serde_json::Value;
 
 use super::async_api::{api_error, parse_limit, query_param, AsyncDoor};
+use super::halt::Flow;
 use super::Step;
 use crate::asyncq::{self, batch::ApiError};
-use crate::reply::{Answer, Refusal};
+use crate::reply::Answer;
 
 /// OpenAI's bounds on a file's `expires_after[seconds]`: 1 hour to 30 days.
 const FILE_EXPIRY_SECONDS: std::ops::RangeInclusive<u64> = 3600..=2_592_000;
@@ -22,7 +22,7 @@ pub(super) async fn route(
     session: &mut Session,
     method: &Method,
     path: &str,
-) -> Result<std::result::Result<Step, Refusal>> {
+) -> Flow<Step> {
     let queue = std::sync::Arc::clone(door.queue);
     let segs: Vec<String> = path
         .trim_start_matches("/v1/")
@@ -30,10 +30,7 @@ pub(super) async fn route(
         .map(str::to_string)
         .collect();
     let body = if *method == Method::POST {
-        match door.read_body(session).await? {
-            Ok(body) => body,
-            Err(refusal) => return Ok(Err(refusal)),
-        }
+        door.read_body(session).await?
     } else {
         Bytes::new()
     };
@@ -46,14 +43,8 @@ pub(super) async fn route(
     let query = session.req_header().uri.query().unwrap_or("").to_string();
     // A batch's tenant and priority come from its creation request (its
     // lines may name several models: model priorities do not apply).
-    let (caller, priority) = match door.caller(session, "") {
-        Ok(found) => found,
-        Err(r) => return Ok(Err(r)),
-    };
-    let limit = match parse_limit(&query, 20, 100) {
-        Ok(limit) => limit,
-        Err(r) => return Ok(Err(r)),
-    };
+    let (caller, priority) = door.caller(session, "")?;
+    let limit = parse_limit(&query, 20, 100)?;
     let call = BatchCall {
         method: method.clone(),
         segs,
@@ -66,7 +57,7 @@ pub(super) async fn route(
     };
     // The store syncs to disk: off the proxy's threads.
     let answer = tokio::task::spawn_blocking(move || call.answer(&queue)).await;
-    Ok(match answer {
+    match answer {
         Ok(Ok((v, None))) => Ok(Step::Answer(Answer::json(
             StatusCode::OK,
             v.to_string().into_bytes(),
@@ -79,14 +70,15 @@ pub(super) async fn route(
         })),
         Ok(Err(ApiError(status, code, message))) => {
             let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            Err(api_error(status, code, message))
+            Err(api_error(status, code, message).into())
         }
         Err(e) => Err(api_error(
             StatusCode::INTERNAL_SERVER_ERROR,
             "queue_error",
             e.to_string(),
-        )),
-    })
+        )
+        .into()),
+    }
 }
 
 /// One Batch API request, read off the connection.
@@ -107,7 +99,7 @@ impl BatchCall {
     fn answer(
         self,
         queue: &std::sync::Arc<asyncq::AsyncQueue>,
-    ) -> std::result::Result<(Value, Option<Vec<u8>>), ApiError> {
+    ) -> Result<(Value, Option<Vec<u8>>), ApiError> {
         let BatchCall {
             method,
             segs,
@@ -184,10 +176,7 @@ impl BatchCall {
 }
 
 /// A file's `expires_after` form fields (`anchor` must be `created_at`).
-fn parse_file_expiry(
-    anchor: Option<&str>,
-    seconds: Option<&str>,
-) -> std::result::Result<Option<u64>, ApiError> {
+fn parse_file_expiry(anchor: Option<&str>, seconds: Option<&str>) -> Result<Option<u64>, ApiError> {
     let bad = |m: String| ApiError(400, "invalid_expires_after", m);
     match (anchor, seconds) {
         (None, None) => Ok(None),

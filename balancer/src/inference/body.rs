@@ -13,9 +13,10 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http::StatusCode;
-use pingora_core::{Error, ErrorType, Result};
+use pingora_core::{Error, ErrorType};
 use pingora_proxy::Session;
 
+use super::halt::Flow;
 use crate::observe::metrics::Metrics;
 use crate::reply::Refusal;
 
@@ -66,18 +67,13 @@ pub fn bad_framing(metrics: &Metrics, e: &Error) -> Refusal {
 }
 
 /// Reads the whole request body within the client body timeout (408
-/// after). `Err` is a client that went away (nobody to answer); `Ok(Err)`
-/// a refusal to answer.
-pub async fn read_body(
-    session: &mut Session,
-    limits: BodyLimits,
-    metrics: &Metrics,
-) -> Result<std::result::Result<Body, Refusal>> {
+/// after): a client that went away (nobody to answer), or a refusal.
+pub async fn read_body(session: &mut Session, limits: BodyLimits, metrics: &Metrics) -> Flow<Body> {
     match tokio::time::timeout(limits.timeout, read_all(session, limits.max_bytes, metrics)).await {
         Ok(read) => read,
         Err(_) => {
             metrics.clients.refusal("body_timeout");
-            Ok(Err(Refusal::new(
+            Err(Refusal::new(
                 StatusCode::REQUEST_TIMEOUT,
                 "invalid_request_error",
                 "body_timeout",
@@ -85,18 +81,15 @@ pub async fn read_body(
                     "the request body did not arrive within {:?}",
                     limits.timeout
                 ),
-            )))
+            )
+            .into())
         }
     }
 }
 
 /// Refuses bodies over `max` before reading them if the client announced
 /// the size.
-async fn read_all(
-    session: &mut Session,
-    max: usize,
-    metrics: &Metrics,
-) -> Result<std::result::Result<Body, Refusal>> {
+async fn read_all(session: &mut Session, max: usize, metrics: &Metrics) -> Flow<Body> {
     let declared = match session
         .req_header()
         .headers
@@ -105,18 +98,19 @@ async fn read_all(
         Some(v) => match v.to_str().ok().and_then(|s| s.trim().parse::<usize>().ok()) {
             Some(n) => Some(n),
             None => {
-                return Ok(Err(Refusal::new(
+                return Err(Refusal::new(
                     StatusCode::BAD_REQUEST,
                     "invalid_request_error",
                     "bad_content_length",
                     "Content-Length is not a number".into(),
-                )))
+                )
+                .into())
             }
         },
         None => None,
     };
     if declared.is_some_and(|n| n > max) {
-        return Ok(Err(Refusal::too_large(max)));
+        return Err(Refusal::too_large(max).into());
     }
     let expects_continue = session
         .req_header()
@@ -140,13 +134,13 @@ async fn read_all(
         let read = match session.read_request_body().await {
             Ok(read) => read,
             // The client went away: nobody to answer.
-            Err(e) if client_went_away(&e) => return Err(e),
-            Err(e) => return Ok(Err(bad_framing(metrics, &e))),
+            Err(e) if client_went_away(&e) => return Err(e.into()),
+            Err(e) => return Err(bad_framing(metrics, &e).into()),
         };
         match read {
             Some(chunk) => {
                 if buf.len() + chunk.len() > max {
-                    return Ok(Err(Refusal::too_large(max)));
+                    return Err(Refusal::too_large(max).into());
                 }
                 buf.extend_from_slice(&chunk);
             }
@@ -156,7 +150,7 @@ async fn read_all(
     // Pingora drops a retry buffer that overflows, which only a chunked
     // body (armed from its first byte, length unknown) can make it do.
     if declared.is_none() && buf.len() > PINGORA_RETRY_BUFFER {
-        return Ok(Err(Refusal::new(
+        return Err(Refusal::new(
             StatusCode::LENGTH_REQUIRED,
             "invalid_request_error",
             "length_required",
@@ -164,12 +158,13 @@ async fn read_all(
                 "chunked request bodies over {PINGORA_RETRY_BUFFER} bytes are not supported: \
                  send a Content-Length header"
             ),
-        )));
+        )
+        .into());
     }
-    Ok(Ok(Body {
+    Ok(Body {
         bytes: buf.freeze(),
         in_retry_buffer: whole,
-    }))
+    })
 }
 
 /// The request's bytes to replay when it may park

@@ -2,11 +2,11 @@
 //! the async API, the Batch API, and `404` / `405` for the rest.
 
 use http::{Method, StatusCode};
-use pingora_core::Result;
 use pingora_proxy::Session;
 
 use super::async_api::{self, AsyncDoor};
 use super::context::Ending;
+use super::halt::Flow;
 use super::routes::PathRoute;
 use super::{batch_api, Inference, RequestCtx, Step};
 use crate::reply::{Answer, Refusal};
@@ -19,7 +19,7 @@ pub(super) async fn route(
     session: &mut Session,
     ctx: &mut RequestCtx,
     route: PathRoute,
-) -> Result<Option<std::result::Result<Step, Refusal>>> {
+) -> Flow<Option<Step>> {
     let req = session.req_header();
     // The hot path first, without copying the method and path.
     if req.method == Method::POST && route.inference().is_some() {
@@ -36,12 +36,13 @@ pub(super) async fn route(
             } else {
                 "the async path is off: start the balancer with --async-dir"
             };
-            return Ok(Some(Err(Refusal::new(
+            return Err(Refusal::new(
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",
                 "async_disabled",
                 message.into(),
-            ))));
+            )
+            .into());
         };
         let async_door = AsyncDoor {
             queue,
@@ -97,7 +98,7 @@ pub(super) async fn route(
             ),
         ),
     };
-    Ok(Some(Ok(Step::Answer(answer))))
+    Ok(Some(Step::Answer(answer)))
 }
 
 /// `/v1/models`: every model (and alias) a live endpoint serves, and the

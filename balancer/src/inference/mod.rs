@@ -36,6 +36,7 @@ mod batch_api;
 mod body;
 mod context;
 mod finish;
+mod halt;
 mod local;
 mod request_id;
 mod retry;
@@ -63,6 +64,7 @@ use tracing::debug;
 pub use body::BodyLimits;
 pub use context::RequestCtx;
 use context::{Ending, Explain};
+use halt::{Flow, Halt};
 pub use request_id::RequestIds;
 use routes::PathRoute;
 pub(crate) use routes::RouteKind;
@@ -120,15 +122,15 @@ pub(crate) enum Step {
 }
 
 impl Inference {
-    /// Waits in flow control for a slot: `Ok(Ok(()))`, the request holds a
-    /// lease for `ctx.upstream`; `Ok(Err)`, flow control refused it; `Err`,
-    /// the client left while it waited.
+    /// Waits in flow control for a slot: `Ok`, the request holds a lease
+    /// for `ctx.upstream`; else flow control refused it, or the client left
+    /// while it waited.
     async fn wait_for_slot(
         &self,
         session: &mut Session,
         ctx: &mut RequestCtx,
         request: RequestMeta,
-    ) -> Result<std::result::Result<(), Refusal>> {
+    ) -> Flow<()> {
         let fallback = Door::fallback(&ctx.rules, &request);
         let outcome = self
             .door
@@ -147,7 +149,7 @@ impl Inference {
         ctx: &mut RequestCtx,
         request: RequestMeta,
         body: &Bytes,
-    ) -> Result<std::result::Result<Step, Refusal>> {
+    ) -> Flow<Step> {
         let fallback = Door::fallback(&ctx.rules, &request);
         let outcome = match self.door.gate.submit(request, fallback) {
             Submitted::Done(outcome) => outcome,
@@ -159,12 +161,12 @@ impl Inference {
                     let parked = Parked::new(Box::new(parked), waiting, replay);
                     *ctx.parked.get_mut().unwrap_or_else(|e| e.into_inner()) =
                         Some(Box::new(parked));
-                    return Ok(Ok(Step::Parked));
+                    return Ok(Step::Parked);
                 }
                 None => waiting.wait(client_gone(session)).await,
             },
         };
-        Ok(self.admitted(ctx, outcome)?.map(|()| Step::Proxy))
+        self.admitted(ctx, outcome).map(|()| Step::Proxy)
     }
 
     /// A parked request is back in the proxy with the outcome of its wait.
@@ -174,23 +176,19 @@ impl Inference {
         session: &mut Session,
         ctx: &mut RequestCtx,
         outcome: std::result::Result<Admitted, AdmitError>,
-    ) -> Result<std::result::Result<Step, Refusal>> {
-        if let Err(refusal) =
-            body::read_body(session, self.body_limits, &self.door.gate.metrics).await?
-        {
-            return Ok(Err(refusal));
-        }
-        Ok(self.admitted(ctx, outcome)?.map(|()| Step::Proxy))
+    ) -> Flow<Step> {
+        body::read_body(session, self.body_limits, &self.door.gate.metrics).await?;
+        self.admitted(ctx, outcome).map(|()| Step::Proxy)
     }
 
-    /// What the end of a wait means for the request: `Ok(Ok(()))`, it holds
-    /// a lease for `ctx.upstream`; `Ok(Err)`, flow control refused it;
-    /// `Err`, the client left while it waited.
+    /// What the end of a wait means for the request: `Ok`, it holds a
+    /// lease for `ctx.upstream`; else flow control refused it, or the
+    /// client left while it waited.
     fn admitted(
         &self,
         ctx: &mut RequestCtx,
         outcome: std::result::Result<Admitted, AdmitError>,
-    ) -> Result<std::result::Result<(), Refusal>> {
+    ) -> Flow<()> {
         match outcome {
             Ok(admitted) => {
                 ctx.upstream = Some(admitted.lease.addr());
@@ -205,10 +203,10 @@ impl Inference {
                     self.fell_back(ctx, m);
                 }
                 self.trace_bound(ctx, admitted.waited);
-                Ok(Ok(()))
+                Ok(())
             }
             Err(AdmitError::Rejected(r)) => {
-                Ok(Err(self.door.turned_away(&ctx.rules, r, &ctx.model)))
+                Err(self.door.turned_away(&ctx.rules, r, &ctx.model).into())
             }
             Err(AdmitError::ClientGone) => {
                 ctx.ending = Ending::ClientGone;
@@ -216,7 +214,8 @@ impl Inference {
                     ErrorType::ConnectionClosed,
                     "client disconnected while its request was buffered",
                 )
-                .into_down())
+                .into_down()
+                .into())
             }
         }
     }
@@ -256,11 +255,7 @@ impl Inference {
 
     /// Everything before the proxying: who calls, the local routes, the
     /// body, the request's facts, a slot.
-    async fn first_step(
-        &self,
-        session: &mut Session,
-        ctx: &mut RequestCtx,
-    ) -> Result<std::result::Result<Step, Refusal>> {
+    async fn first_step(&self, session: &mut Session, ctx: &mut RequestCtx) -> Flow<Step> {
         let req = session.req_header();
         let from_dispatcher = self.async_queue.as_ref().is_some_and(|q| {
             q.is_dispatcher(req.headers.get(asyncq::TOKEN_HEADER).map(|v| v.as_bytes()))
@@ -275,7 +270,7 @@ impl Inference {
                 Ok(grant) => ctx.grant = grant,
                 Err(refusal) => {
                     ctx.inference = true;
-                    return Ok(Err(refusal));
+                    return Err(refusal.into());
                 }
             }
         }
@@ -283,11 +278,7 @@ impl Inference {
             return Ok(answer);
         }
         ctx.inference = true;
-        let body = match body::read_body(session, self.body_limits, &self.door.gate.metrics).await?
-        {
-            Ok(body) => body,
-            Err(refusal) => return Ok(Err(refusal)),
-        };
+        let body = body::read_body(session, self.body_limits, &self.door.gate.metrics).await?;
         let caller = match (&ctx.grant, &self.async_queue) {
             (_, Some(q)) if from_dispatcher => Caller::AsyncDispatcher { band: q.priority() },
             (Some(g), _) => Caller::Key(g),
@@ -306,12 +297,7 @@ impl Inference {
             Explain::No
         };
         let door = &self.door;
-        let facts = door.facts(&ctx.rules, flow_headers, Some(&body.bytes), caller);
-        let mut facts = match facts {
-            Ok(facts) => facts,
-            // The access log names the model even of a refused request.
-            Err(refusal) => return Ok(Err(refusal)),
-        };
+        let mut facts = door.facts(&ctx.rules, flow_headers, Some(&body.bytes), caller)?;
         ctx.model = std::mem::take(&mut facts.model);
         ctx.served_model.clone_from(&facts.resolved.model);
         ctx.stream = facts.stream;
@@ -345,18 +331,17 @@ impl Inference {
         if route.inference() == Some(RouteKind::Slotless) {
             // No slot, no queue, no retry: a live server of the model
             // answers it at once.
-            return Ok(match door.gate.slotless(&facts.meta.route) {
+            return match door.gate.slotless(&facts.meta.route) {
                 Ok(addr) => {
                     ctx.upstream = Some(addr);
                     Ok(Step::Proxy)
                 }
-                Err(r) => Err(door.turned_away(&ctx.rules, r, &ctx.model)),
-            });
+                Err(r) => Err(door.turned_away(&ctx.rules, r, &ctx.model).into()),
+            };
         }
-        let entry = match door.enter(&ctx.rules, &mut facts, ctx.grant.as_ref()).await {
-            Ok(entry) => entry,
-            Err(refusal) => return Ok(Err(refusal)),
-        };
+        let entry = door
+            .enter(&ctx.rules, &mut facts, ctx.grant.as_ref())
+            .await?;
         ctx.served = Some(entry.served);
         ctx.rate_headers = entry.rate_headers;
         ctx.store_key = entry.store_key;
@@ -394,19 +379,20 @@ impl ProxyHttp for Inference {
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
         connection::head_done(session);
         let step = match ctx.resume.take() {
-            Some(outcome) => self.resume(session, ctx, outcome).await?,
+            Some(outcome) => self.resume(session, ctx, outcome).await,
             None => {
                 ctx.active = Some(self.door.gate.request_started());
                 (ctx.request_id, ctx.request_id_given) = self
                     .request_ids
                     .for_request(session.req_header().headers.get(REQUEST_ID_HEADER));
                 self.trace_begin(session, ctx);
-                self.first_step(session, ctx).await?
+                self.first_step(session, ctx).await
             }
         };
         let step = match step {
             Ok(step) => step,
-            Err(refusal) => self.refusal(ctx, &refusal),
+            Err(Halt::Refused(refusal)) => self.refusal(ctx, &refusal),
+            Err(Halt::Failed(e)) => return Err(e),
         };
         let proxy = matches!(step, Step::Proxy);
         if matches!(step, Step::Parked) {
@@ -442,14 +428,18 @@ impl ProxyHttp for Inference {
                     .max(Duration::from_millis(1)),
             );
             request.route.avoid = ctx.upstream;
-            if let Err(refusal) = self.wait_for_slot(session, ctx, request).await? {
-                // The balancer answers the client itself (503/504/...).
-                let step = self.refusal(ctx, &refusal);
-                self.answer(session, ctx, step).await?;
-                return Err(Error::explain(
-                    ErrorType::HTTPStatus(0),
-                    "retry refused by flow control; the client was answered",
-                ));
+            match self.wait_for_slot(session, ctx, request).await {
+                Ok(()) => {}
+                Err(Halt::Failed(e)) => return Err(e),
+                Err(Halt::Refused(refusal)) => {
+                    // The balancer answers the client itself (503/504/...).
+                    let step = self.refusal(ctx, &refusal);
+                    self.answer(session, ctx, step).await?;
+                    return Err(Error::explain(
+                        ErrorType::HTTPStatus(0),
+                        "retry refused by flow control; the client was answered",
+                    ));
+                }
             }
         }
         let addr = ctx.upstream.ok_or_else(|| {

@@ -42,11 +42,13 @@ use pingora_core::protocols::{
 use pingora_core::server::ShutdownWatch;
 use pingora_proxy::Session;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Sleep;
 use tracing::debug;
 
 use crate::gate::FleetGate;
+use crate::observe::clients::OpenConnection;
+use parking::Parked;
 
 pub mod parking;
 
@@ -144,34 +146,63 @@ async fn refuse_connection(mut stream: Stream, max_connections: usize) {
     .await;
 }
 
+/// What an open client connection holds until it closes, whichever task
+/// serves it: its permit under the connection cap, and its count.
+struct Held {
+    _permit: OwnedSemaphorePermit,
+    _open: OpenConnection,
+}
+
+/// The keep-alive of the next request on a connection: none once the
+/// balancer is shutting down.
+fn keepalive(shutdown: &ShutdownWatch) -> Option<u64> {
+    (!*shutdown.borrow()).then_some(HTTP1_KEEPALIVE_SECS)
+}
+
 impl<A: HttpServerApp + Send + Sync + 'static> Limited<A> {
     /// An HTTP/1 connection's requests, one after the other, as Pingora's
-    /// own loop serves them, and the requests that parked while waiting
-    /// for a slot ([`parking`]). The loop stays here, so that the permit
-    /// covers the whole connection.
-    async fn serve_http1(&self, stream: Stream, shutdown: &ShutdownWatch) {
-        let keepalive = || (!*shutdown.borrow()).then_some(HTTP1_KEEPALIVE_SECS);
-        let mut session = ServerSession::new_http1(stream);
-        session.set_keepalive(keepalive());
+    /// own loop serves them, until the connection closes (`None`) or one
+    /// of its requests parks to wait for a slot ([`parking`]): then the
+    /// connection and its parked request are returned.
+    async fn serve_http1(
+        &self,
+        mut session: ServerSession,
+        shutdown: &ShutdownWatch,
+    ) -> Option<(Stream, Box<Parked>)> {
         loop {
-            let Some(reused) = self.inner.process_new_http(session, shutdown).await else {
+            let reused = self.inner.process_new_http(session, shutdown).await?;
+            let (stream, mut settings) = reused.consume();
+            if let Some(parked) = parking::take_parked(settings.as_mut()) {
+                return Some((stream, parked));
+            }
+            session = ServerSession::new_http1(stream);
+            if let Some(settings) = settings {
+                settings.apply_to_session(&mut session);
+            }
+        }
+    }
+
+    /// A connection whose request parked, in a task of its own: the
+    /// request waits for its slot, comes back into the proxy, and the
+    /// connection's next requests are served here, parking again as they
+    /// must. The task is the size of what it holds (~1 KB), where
+    /// Pingora's task for a connection is sized for a TLS handshake and
+    /// its whole connection loop (~8.8 KB) and now ends: what a waiting
+    /// request costs is what it holds.
+    async fn wait_parked(
+        self: Arc<Self>,
+        mut stream: Stream,
+        mut parked: Box<Parked>,
+        shutdown: ShutdownWatch,
+        _held: Held,
+    ) {
+        loop {
+            let (resumed, replay) = parked.wait(&mut stream).await;
+            let session = resumed.into_session(stream, replay, keepalive(&shutdown));
+            let Some(next) = self.serve_http1(session, &shutdown).await else {
                 return;
             };
-            let (mut stream, mut settings) = reused.consume();
-            session = match parking::take_parked(settings.as_mut()) {
-                Some(parked) => {
-                    // Boxed: only a parked request's task holds this state.
-                    let (resumed, replay) = Box::pin(parked.wait(&mut stream)).await;
-                    resumed.into_session(stream, replay, keepalive())
-                }
-                None => {
-                    let mut next = ServerSession::new_http1(stream);
-                    if let Some(settings) = settings {
-                        settings.apply_to_session(&mut next);
-                    }
-                    next
-                }
-            };
+            (stream, parked) = next;
         }
     }
 }
@@ -184,14 +215,17 @@ impl<A: HttpServerApp + Send + Sync + 'static> ServerApp for Limited<A> {
         shutdown: &ShutdownWatch,
     ) -> Option<Stream> {
         let metrics = &self.shared.metrics;
-        let Ok(_permit) = Arc::clone(&self.permits).try_acquire_owned() else {
+        let Ok(permit) = Arc::clone(&self.permits).try_acquire_owned() else {
             metrics.clients.refusal("too_many_connections");
             // Boxed: this future lives as long as the connection, and the
             // refusal's buffers would otherwise be part of every one.
             Box::pin(refuse_connection(stream, self.limits.max_connections)).await;
             return None;
         };
-        let _open = metrics.clients.opened();
+        let held = Held {
+            _permit: permit,
+            _open: metrics.clients.opened(),
+        };
         let guarded: Stream = Box::new(Guarded::new(stream, self.limits, Arc::clone(&self.shared)));
         if matches!(guarded.selected_alpn_proto(), Some(ALPN::H2)) {
             // HTTP/2 (by ALPN): Pingora's connection loop, its streams'
@@ -201,8 +235,16 @@ impl<A: HttpServerApp + Send + Sync + 'static> ServerApp for Limited<A> {
                 next = self.inner.process_new(stream, shutdown).await;
             }
         } else {
-            self.serve_http1(guarded, shutdown).await;
+            let mut session = ServerSession::new_http1(guarded);
+            session.set_keepalive(keepalive(shutdown));
+            if let Some((stream, parked)) = self.serve_http1(session, shutdown).await {
+                let serve = Arc::clone(self).wait_parked(stream, parked, shutdown.clone(), held);
+                tokio::spawn(serve);
+                // Pingora's task for the connection ends here.
+                return None;
+            }
         }
+        drop(held);
         None
     }
 

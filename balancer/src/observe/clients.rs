@@ -47,9 +47,9 @@ impl ClientMetrics {
     }
 
     /// Counts an open client connection until the guard is dropped.
-    pub fn opened(&self) -> OpenConnection<'_> {
+    pub fn opened(&self) -> OpenConnection {
         self.connections.inc();
-        OpenConnection(&self.connections)
+        OpenConnection(self.connections.clone())
     }
 
     /// Counts a connection or request a client limit refused.
@@ -58,10 +58,11 @@ impl ClientMetrics {
     }
 }
 
-/// Counts an open client connection until dropped.
-pub struct OpenConnection<'a>(&'a IntGauge);
+/// Counts an open client connection until dropped (it may move to another
+/// task with its connection).
+pub struct OpenConnection(IntGauge);
 
-impl Drop for OpenConnection<'_> {
+impl Drop for OpenConnection {
     fn drop(&mut self) {
         self.0.dec();
     }

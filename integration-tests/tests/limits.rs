@@ -197,3 +197,60 @@ async fn connections_over_the_cap_get_503_until_one_closes() {
     })
     .await;
 }
+
+/// A connection whose request waits for a slot (parked outside the proxy,
+/// in a task of its own) keeps its place under the connection cap while it
+/// waits, is answered on that connection once the slot frees, serves its
+/// next request there, and gives its place back when it closes.
+#[tokio::test]
+async fn a_connection_whose_request_waits_keeps_its_place_under_the_cap() {
+    let (b, _sim, _agent) = fleet(
+        &["--max-connections", "2"],
+        &["--slots", "1", "--ttft-ms", "800", "--output-tokens", "1"],
+    )
+    .await;
+    wait_for("no client connection", Duration::from_secs(5), || async {
+        (metric(&b, "flowgate_client_connections", &[]).await == 0.0).then_some(())
+    })
+    .await;
+    let body = chat_body().to_string();
+    let chat = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut serving = connect(b.inference).await;
+    serving.write_all(chat.as_bytes()).await.unwrap();
+    b.wait_in_flight(1, Duration::from_secs(5)).await;
+    let mut waiting = connect(b.inference).await;
+    waiting.write_all(chat.as_bytes()).await.unwrap();
+    b.wait_buffered(1).await;
+    assert_eq!(metric(&b, "flowgate_client_connections", &[]).await, 2.0);
+
+    let mut third = connect(b.inference).await;
+    third.write_all(HEALTH).await.unwrap();
+    assert_refused(
+        &read_to_close(&mut third).await,
+        "503",
+        "too_many_connections",
+    );
+
+    assert!(read_response(&mut serving)
+        .await
+        .starts_with("HTTP/1.1 200"));
+    assert!(read_response(&mut waiting)
+        .await
+        .starts_with("HTTP/1.1 200"));
+    waiting.write_all(HEALTH).await.unwrap();
+    assert!(read_response(&mut waiting)
+        .await
+        .starts_with("HTTP/1.1 200"));
+    assert_eq!(metric(&b, "flowgate_client_connections", &[]).await, 2.0);
+    drop(waiting);
+    wait_for(
+        "the waited connection's place back",
+        Duration::from_secs(5),
+        || async { (metric(&b, "flowgate_client_connections", &[]).await == 1.0).then_some(()) },
+    )
+    .await;
+}

@@ -10,8 +10,10 @@
 //!    (its context, its bytes as they came, its place in the queues),
 //!    becomes the connection's user context.
 //! 2. Pingora hands the connection back to [`super::Limited`], which
-//!    waits there ([`Parked::wait`]) in the connection's own task: the queues
-//!    are the same, only where the waiter sleeps changed.
+//!    moves it to a task of its own, the size of what it holds, and lets
+//!    Pingora's task for the connection end; the request waits there
+//!    ([`Parked::wait`]): the queues are the same, only where the waiter
+//!    sleeps changed.
 //! 3. When the wait ends, the request re-enters the proxy as the next
 //!    request on its connection ([`Resumed::into_session`]): its bytes are
 //!    fed to Pingora's parser from memory, and its context, with the wait's

@@ -199,7 +199,8 @@ impl<A: HttpServerApp + Send + Sync + 'static> Limited<A> {
         loop {
             let (resumed, replay) = parked.wait(&mut stream).await;
             let session = resumed.into_session(stream, replay, keepalive(&shutdown));
-            let Some(next) = self.serve_http1(session, &shutdown).await else {
+            // Boxed: the task keeps only what a waiting request needs.
+            let Some(next) = Box::pin(self.serve_http1(session, &shutdown)).await else {
                 return;
             };
             (stream, parked) = next;

@@ -191,9 +191,10 @@ async fn an_abandoned_waiting_request_leaves_the_queue_counted_as_gone() {
 /// (504): five minutes of the paused clock, none of the test's.
 #[tokio::test(start_paused = true)]
 async fn a_queued_request_waits_its_time_to_live_then_times_out() {
-    let mut config = DispatcherConfig::default();
-    config.max_ttl = Duration::from_secs(600);
-    let shared = FleetGate::new(config);
+    let shared = FleetGate::new(DispatcherConfig {
+        max_ttl: Duration::from_secs(600),
+        ..DispatcherConfig::default()
+    });
     let mut a = agent("a", 1, "");
     a.models.clear();
     shared.report(a).unwrap();

@@ -379,7 +379,7 @@ impl ProxyHttp for Inference {
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
         connection::head_done(session);
         let step = match ctx.resume.take() {
-            Some(outcome) => self.resume(session, ctx, outcome).await,
+            Some(outcome) => self.resume(session, ctx, *outcome).await,
             None => {
                 ctx.active = Some(self.door.gate.request_started());
                 (ctx.request_id, ctx.request_id_given) = self
@@ -755,7 +755,7 @@ impl ProxyHttp for Inference {
             } = *resumed;
             if let Ok(parked) = parked.downcast::<RequestCtx>() {
                 *ctx = *parked;
-                ctx.resume = Some(outcome);
+                ctx.resume = Some(Box::new(outcome));
             }
         }
     }

@@ -85,8 +85,12 @@ impl Door {
         grant: Option<&Grant>,
     ) -> Result<Entry, Refusal> {
         let store_key = match &self.session_store {
+            // Boxed: a Redis round trip's future, which a request's future
+            // (that Pingora boxes and moves whole) would otherwise carry
+            // with no store configured too.
             Some(store) => {
-                (store.follow(facts.turn.take(), &self.gate, &mut facts.meta.route)).await
+                let route = &mut facts.meta.route;
+                Box::pin(store.follow(facts.turn.take(), &self.gate, route)).await
             }
             None => None,
         };

@@ -345,7 +345,9 @@ impl Quotas {
         if subjects.is_empty() {
             return Ok(None);
         }
-        match self.hold(subjects, estimate).await {
+        // Boxed: the shared store's round trip makes a large future, which
+        // every request's (that Pingora boxes and moves whole) would carry.
+        match Box::pin(self.hold(subjects, estimate)).await {
             Ok((held, status)) => {
                 let reserved = Reserved {
                     quotas: Arc::clone(self),

@@ -12,19 +12,15 @@ use super::{batch_api, Inference, RequestCtx, Step};
 use crate::reply::{Answer, Refusal};
 use flowgate::openai::error_body;
 
-/// The answer to a request the balancer does not proxy; `None`: proxy it.
-/// `route` is what its path names.
+/// The answer to a request that is not a POST to an inference route: the
+/// balancer answers it itself. `route` is what its path names.
 pub(super) async fn route(
     port: &Inference,
     session: &mut Session,
     ctx: &mut RequestCtx,
     route: PathRoute,
-) -> Flow<Option<Step>> {
+) -> Flow<Step> {
     let req = session.req_header();
-    // The hot path first, without copying the method and path.
-    if req.method == Method::POST && route.inference().is_some() {
-        return Ok(None);
-    }
     let method = req.method.clone();
     let path = req.uri.path().to_string();
     ctx.ending = Ending::Local;
@@ -57,7 +53,7 @@ pub(super) async fn route(
         } else {
             async_api::route(&async_door, session, &method, &path).await?
         };
-        return Ok(Some(answer));
+        return Ok(answer);
     }
     let not_allowed = |allow: &'static str| {
         Answer::json(
@@ -98,7 +94,7 @@ pub(super) async fn route(
             ),
         ),
     };
-    Ok(Some(Step::Answer(answer)))
+    Ok(Step::Answer(answer))
 }
 
 /// `/v1/models`: every model (and alias) a live endpoint serves, and the

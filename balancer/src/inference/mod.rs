@@ -163,7 +163,8 @@ impl Inference {
                         Some(Box::new(parked));
                     return Ok(Step::Parked);
                 }
-                None => waiting.wait(client_gone(session)).await,
+                // Boxed, as every wait that is not the hot path.
+                None => Box::pin(waiting.wait(client_gone(session))).await,
             },
         };
         self.admitted(ctx, outcome).map(|()| Step::Proxy)
@@ -237,7 +238,9 @@ impl Inference {
             Step::Proxy | Step::Answered | Step::Parked => return Ok(()),
             Step::Answer(a) => a,
         };
-        answer.write(session, &ctx.request_id).await
+        // Boxed: a proxied request never writes one, and its future would
+        // otherwise carry the write's.
+        Box::pin(answer.write(session, &ctx.request_id)).await
     }
 
     /// A refusal's answer; its reason labels the metrics and access log.
@@ -274,8 +277,10 @@ impl Inference {
                 }
             }
         }
-        if let Some(answer) = local::route(self, session, ctx, route).await? {
-            return Ok(answer);
+        if session.req_header().method != http::Method::POST || route.inference().is_none() {
+            // Boxed: the async and Batch APIs' futures are large, and every
+            // request's future (which Pingora boxes) would carry them.
+            return Box::pin(local::route(self, session, ctx, route)).await;
         }
         ctx.inference = true;
         let body = body::read_body(session, self.body_limits, &self.door.gate.metrics).await?;
@@ -379,7 +384,7 @@ impl ProxyHttp for Inference {
     async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
         connection::head_done(session);
         let step = match ctx.resume.take() {
-            Some(outcome) => self.resume(session, ctx, *outcome).await,
+            Some(outcome) => Box::pin(self.resume(session, ctx, *outcome)).await,
             None => {
                 ctx.active = Some(self.door.gate.request_started());
                 (ctx.request_id, ctx.request_id_given) = self
@@ -428,7 +433,9 @@ impl ProxyHttp for Inference {
                     .max(Duration::from_millis(1)),
             );
             request.route.avoid = ctx.upstream;
-            match self.wait_for_slot(session, ctx, request).await {
+            // Boxed: a retry's wait is rare, and its future would make
+            // every request's `upstream_peer` future (boxed by Pingora) large.
+            match Box::pin(self.wait_for_slot(session, ctx, request)).await {
                 Ok(()) => {}
                 Err(Halt::Failed(e)) => return Err(e),
                 Err(Halt::Refused(refusal)) => {

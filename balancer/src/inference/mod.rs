@@ -324,8 +324,8 @@ impl Inference {
         // Keep a second copy only when the retry buffer cannot replay it
         // all, or the model in it is (or may be, by a fallback) renamed.
         let rename_to = facts.resolved.rewritten_name(&ctx.model);
-        let may_fall_back = (facts.resolved.model.as_deref())
-            .is_some_and(|m| ctx.rules.admission.models.fallback(m).is_some());
+        // (The route's model is the resolved one.)
+        let may_fall_back = Door::fallback(&ctx.rules, &facts.meta).is_some();
         let keep = !body.in_retry_buffer || rename_to.is_some() || may_fall_back;
         let replay_body = body.bytes.clone();
         ctx.body = keep.then_some(body.bytes);

@@ -157,7 +157,7 @@ impl Inference {
                 Some(replay) => {
                     // The proxy's context now only carries the parked
                     // request to `persist_connection_context`.
-                    let parked = std::mem::replace(ctx, self.new_ctx());
+                    let parked = std::mem::replace(ctx, RequestCtx::new(self.door.rules.get()));
                     let parked = Parked::new(Box::new(parked), waiting, replay);
                     *ctx.parked.get_mut().unwrap_or_else(|e| e.into_inner()) =
                         Some(Box::new(parked));
@@ -375,13 +375,13 @@ fn rename_body(ctx: &mut RequestCtx, model: &str) {
 
 #[async_trait]
 impl ProxyHttp for Inference {
-    type CTX = RequestCtx;
+    type CTX = Box<RequestCtx>;
 
-    fn new_ctx(&self) -> RequestCtx {
-        RequestCtx::new(self.door.rules.get())
+    fn new_ctx(&self) -> Self::CTX {
+        Box::new(RequestCtx::new(self.door.rules.get()))
     }
 
-    async fn request_filter(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<bool> {
+    async fn request_filter(&self, session: &mut Session, ctx: &mut Self::CTX) -> Result<bool> {
         connection::head_done(session);
         let step = match ctx.resume.take() {
             Some(outcome) => Box::pin(self.resume(session, ctx, *outcome)).await,
@@ -419,7 +419,7 @@ impl ProxyHttp for Inference {
     async fn upstream_peer(
         &self,
         session: &mut Session,
-        ctx: &mut RequestCtx,
+        ctx: &mut Self::CTX,
     ) -> Result<Box<HttpPeer>> {
         if ctx.retry_pending {
             ctx.retry_pending = false;
@@ -464,7 +464,7 @@ impl ProxyHttp for Inference {
         &self,
         _session: &mut Session,
         upstream_request: &mut pingora_http::RequestHeader,
-        ctx: &mut RequestCtx,
+        ctx: &mut Self::CTX,
     ) -> Result<()> {
         // The balancer already answered `100 Continue` and holds the body.
         upstream_request.remove_header(&http::header::EXPECT);
@@ -497,7 +497,7 @@ impl ProxyHttp for Inference {
         &self,
         _session: &mut Session,
         upstream_response: &mut ResponseHeader,
-        ctx: &mut RequestCtx,
+        ctx: &mut Self::CTX,
     ) -> Result<()> {
         let status = upstream_response.status.as_u16();
         ctx.upstream_status = Some(status);
@@ -555,7 +555,7 @@ impl ProxyHttp for Inference {
         &self,
         _session: &mut Session,
         _peer: &HttpPeer,
-        ctx: &mut RequestCtx,
+        ctx: &mut Self::CTX,
         mut e: Box<Error>,
     ) -> Box<Error> {
         self.blame_suspect(ctx);
@@ -571,7 +571,7 @@ impl ProxyHttp for Inference {
         peer: &HttpPeer,
         session: &mut Session,
         e: Box<Error>,
-        ctx: &mut RequestCtx,
+        ctx: &mut Self::CTX,
         upstream_reused: bool,
     ) -> Box<Error> {
         let mut e = e.more_context(format!("Peer: {}", peer.address()));
@@ -619,7 +619,7 @@ impl ProxyHttp for Inference {
         &self,
         _session: &mut Session,
         upstream_response: &mut ResponseHeader,
-        ctx: &mut RequestCtx,
+        ctx: &mut Self::CTX,
     ) -> Result<()> {
         // How long the request waited in flow control before it was sent.
         upstream_response.insert_header(WAIT_HEADER, ctx.waited.as_millis().to_string())?;
@@ -660,7 +660,7 @@ impl ProxyHttp for Inference {
         _session: &mut Session,
         body: &mut Option<Bytes>,
         _end_of_stream: bool,
-        ctx: &mut RequestCtx,
+        ctx: &mut Self::CTX,
     ) -> Result<Option<Duration>> {
         if let Some(chunk) = body {
             ctx.meter.on_chunk(chunk, Instant::now());
@@ -678,7 +678,7 @@ impl ProxyHttp for Inference {
         _session: &mut Session,
         body: &mut Option<Bytes>,
         end_of_stream: bool,
-        ctx: &mut RequestCtx,
+        ctx: &mut Self::CTX,
     ) -> Result<()> {
         // Pingora hands us the retry buffer once, with end_of_stream set, on
         // every attempt; when that is only the body's tail, send the whole
@@ -693,7 +693,7 @@ impl ProxyHttp for Inference {
         &self,
         session: &mut Session,
         e: &Error,
-        ctx: &mut RequestCtx,
+        ctx: &mut Self::CTX,
     ) -> FailToProxy {
         let downstream = e.esource() == &ErrorSource::Downstream;
         let code =
@@ -725,7 +725,7 @@ impl ProxyHttp for Inference {
         }
     }
 
-    fn suppress_error_log(&self, _session: &Session, ctx: &RequestCtx, e: &Error) -> bool {
+    fn suppress_error_log(&self, _session: &Session, ctx: &Self::CTX, e: &Error) -> bool {
         // The client's doing (it left, or framed its request wrong) is not
         // the balancer's error: the access log line says what happened,
         // with the request id.
@@ -739,7 +739,7 @@ impl ProxyHttp for Inference {
     fn persist_connection_context(
         &self,
         _session: &Session,
-        ctx: &RequestCtx,
+        ctx: &Self::CTX,
     ) -> Option<Box<dyn std::any::Any + Send + Sync>> {
         let parked = ctx
             .parked
@@ -752,7 +752,7 @@ impl ProxyHttp for Inference {
     fn on_connection_reuse(
         &self,
         _session: &mut Session,
-        ctx: &mut RequestCtx,
+        ctx: &mut Self::CTX,
         prev: Box<dyn std::any::Any + Send + Sync>,
     ) {
         if let Ok(resumed) = prev.downcast::<Resumed>() {
@@ -761,13 +761,13 @@ impl ProxyHttp for Inference {
                 outcome,
             } = *resumed;
             if let Ok(parked) = parked.downcast::<RequestCtx>() {
-                *ctx = *parked;
+                *ctx = parked;
                 ctx.resume = Some(Box::new(outcome));
             }
         }
     }
 
-    async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut RequestCtx) {
+    async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Self::CTX) {
         self.finish(session, e, ctx);
     }
 }

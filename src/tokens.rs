@@ -21,7 +21,8 @@
 //!
 //! The access log shows the estimate beside the answer's actual usage.
 
-use std::collections::HashMap;
+// Keyed by the fleet's model names: a fast hasher.
+use foldhash::HashMap;
 use std::sync::Arc;
 
 /// Bytes of prompt text per token before a model's answers taught better:

@@ -16,6 +16,12 @@ use pingora_core::upstreams::peer::HttpPeer;
 use pingora_core::Result;
 use pingora_proxy::{ProxyHttp, Session};
 
+/// The balancer's allocator, so that the distance between the two is what
+/// Flowgate's own code adds.
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 struct RoundRobin {
     backends: Vec<SocketAddr>,
     next: AtomicUsize,

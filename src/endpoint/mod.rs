@@ -51,7 +51,9 @@ pub use explain::{CandidateScore, Explanation, MAX_EXPLAINED};
 pub(crate) use placement::{Home, Waits};
 use ranking::{Rank, Ranking};
 
-use std::collections::HashMap;
+// Keyed by endpoint ids, addresses, agents' and models' names (the fleet's,
+// not clients'): a fast hasher, looked up several times per request.
+use foldhash::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -281,10 +283,10 @@ impl EndpointLedger {
         EndpointLedger {
             saturation,
             scheduling,
-            endpoints: HashMap::new(),
-            by_addr: HashMap::new(),
-            by_agent: HashMap::new(),
-            models: HashMap::new(),
+            endpoints: HashMap::default(),
+            by_addr: HashMap::default(),
+            by_agent: HashMap::default(),
+            models: HashMap::default(),
             next_id: 0,
             ties: TieBreaker::new(scheduling.seed),
             ranking: Ranking::default(),

@@ -22,7 +22,10 @@
 //! turns, as a random choice would on average, without looking at each.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
+
+// Keyed by endpoint ids and models' names (the fleet's): a fast hasher.
+use foldhash::HashMap;
 use std::iter::Peekable;
 use std::sync::Arc;
 

@@ -4,7 +4,8 @@
 //! that describe current state (buffer, endpoints) are filled from a
 //! snapshot at scrape time, so a departed endpoint leaves no stale series.
 
-use std::collections::HashMap;
+// Bounded (known models' labels): a fast hasher, looked up per answer.
+use foldhash::HashMap;
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
@@ -213,7 +214,7 @@ impl Metrics {
             clients: ClientMetrics::new(&registry),
             tenants: super::tenants::TenantMetrics::new(&registry),
             registry,
-            models: Mutex::new(HashMap::new()),
+            models: Mutex::new(HashMap::default()),
             served: OnceLock::new(),
         }
     }

@@ -5,7 +5,8 @@
 //! is counted as [`flowgate::usage::OTHER`]. `GET /api/v1/usage` has
 //! the full picture by window.
 
-use std::collections::HashMap;
+// Bounded (MAX_TENANT_LABELS): a fast hasher, looked up per answer.
+use foldhash::HashMap;
 use std::sync::{Mutex, OnceLock};
 
 use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
@@ -82,7 +83,7 @@ impl TenantMetrics {
             other: OnceLock::new(),
             tokens,
             requests,
-            labelled: Mutex::new(HashMap::new()),
+            labelled: Mutex::new(HashMap::default()),
         }
     }
 

@@ -306,25 +306,35 @@ fn first_id(text: &[u8]) -> Option<Box<[u8]>> {
 /// parses; `"usage": null` (stream chunks before the last) is skipped.
 /// The keys are found forwards (memmem's forward search is vectorised,
 /// its reverse one goes byte by byte: 4 instructions a byte over the 8 KiB
-/// tail of every stream) and tried from the last.
+/// tail of every stream); the last is tried first, and only when it does
+/// not parse are the ones before it gathered, from the last.
 fn find_usage<T: serde::de::DeserializeOwned>(text: &[u8], key: &Finder<'_>) -> Option<T> {
-    let found: Vec<usize> = key.find_iter(text).collect();
-    for at in found.into_iter().rev() {
-        let rest = &text[at + key.needle().len()..];
-        let Some(rest) = rest.trim_ascii_start().strip_prefix(b":") else {
-            continue;
-        };
-        let rest = rest.trim_ascii_start();
-        if rest.first() != Some(&b'{') {
-            continue;
-        }
-        if let Some(len) = object_len(rest) {
-            if let Ok(u) = serde_json::from_slice::<T>(&rest[..len]) {
-                return Some(u);
-            }
-        }
+    let last = key.find_iter(text).last()?;
+    if let Some(found) = object_after(text, last, key) {
+        return Some(found);
     }
-    None
+    // The key cannot overlap itself (it starts with a quote): every one
+    // before the last ends before it.
+    let before: Vec<usize> = key.find_iter(&text[..last]).collect();
+    before
+        .into_iter()
+        .rev()
+        .find_map(|at| object_after(text, at, key))
+}
+
+/// The object after `key` found at `at` in `text`, if one follows it and
+/// parses.
+fn object_after<T: serde::de::DeserializeOwned>(
+    text: &[u8],
+    at: usize,
+    key: &Finder<'_>,
+) -> Option<T> {
+    let rest = text[at + key.needle().len()..].trim_ascii_start();
+    let rest = rest.strip_prefix(b":")?.trim_ascii_start();
+    if rest.first() != Some(&b'{') {
+        return None;
+    }
+    serde_json::from_slice::<T>(&rest[..object_len(rest)?]).ok()
 }
 
 /// Length of the JSON object at the start of `s`, strings taken into
@@ -384,6 +394,33 @@ mod tests {
         );
         assert_eq!(m.time_to_first_token(t0), None, "not a stream");
         assert_eq!(m.time_per_output_token(m.usage()), None);
+    }
+
+    #[test]
+    fn the_last_usage_that_parses_is_the_one_read() {
+        let whole = br#"{"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}"#;
+        let read = |text: &[u8]| find_usage::<WireUsage>(text, &USAGE).map(TokenUsage::from);
+        let five = read(whole).expect("a whole usage object");
+        assert_eq!((five.prompt, five.completion), (5, 1));
+        // After it: a null one, a cut-off one, a key that is no object.
+        for after in [
+            &br#"data: {"usage": null}"#[..],
+            br#"data: {"usage":{"prompt_tokens":9"#,
+            br#"{"content":""usage" alone"}"#,
+        ] {
+            let text = [&whole[..], b"\n\n", after].concat();
+            assert_eq!(
+                read(&text),
+                Some(five),
+                "{}",
+                String::from_utf8_lossy(after)
+            );
+        }
+        // Before it: the later one wins.
+        let later = br#"{"usage":{"prompt_tokens":7,"completion_tokens":2,"total_tokens":9}}"#;
+        let seven = read(&[&whole[..], later].concat()).expect("two objects");
+        assert_eq!((seven.prompt, seven.completion), (7, 2));
+        assert_eq!(read(br#"{"usage": null}"#), None);
     }
 
     #[test]

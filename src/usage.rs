@@ -127,20 +127,24 @@ impl UsageLedger {
             self.buckets.pop_front();
         }
         let bucket = self.buckets.back_mut().expect("pushed above");
-        let entry: Entry = (Arc::clone(tenant), key.cloned());
-        let entry = if bucket.spent.contains_key(&entry)
-            || bucket.spent.len() < MAX_ENTRIES_PER_BUCKET - 1
-        {
-            entry
-        } else {
-            (Arc::from(OTHER), None)
-        };
-        bucket.spent.entry(entry).or_default().add(&Spent {
+        let spent = Spent {
             requests: 1,
             prompt_tokens: tokens.prompt,
             completion_tokens: tokens.completion,
             cached_tokens: tokens.cached.min(tokens.prompt),
-        });
+        };
+        let entry: Entry = (Arc::clone(tenant), key.cloned());
+        // A pair seen this minute (most answers) is found with one hash.
+        if let Some(pair) = bucket.spent.get_mut(&entry) {
+            pair.add(&spent);
+            return;
+        }
+        let entry = if bucket.spent.len() < MAX_ENTRIES_PER_BUCKET - 1 {
+            entry
+        } else {
+            (Arc::from(OTHER), None)
+        };
+        bucket.spent.entry(entry).or_default().add(&spent);
     }
 
     /// Spending per tenant over the last `window` ([`covered`]: whole

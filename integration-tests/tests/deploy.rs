@@ -91,8 +91,9 @@ fn the_dockerfile_builds_both_binaries_and_runs_them_as_a_user() {
     for needed in [
         "-p flowgate-balancer",
         "-p flowgate-agent",
-        "target/release/balancer",
-        "target/release/agent",
+        "--profile dist",
+        "target/dist/balancer",
+        "target/dist/agent",
         "ENTRYPOINT [\"balancer\"]",
     ] {
         assert!(dockerfile.contains(needed), "Dockerfile lacks {needed}");

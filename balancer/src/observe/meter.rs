@@ -334,38 +334,9 @@ fn object_after<T: serde::de::DeserializeOwned>(
     if rest.first() != Some(&b'{') {
         return None;
     }
-    serde_json::from_slice::<T>(&rest[..object_len(rest)?]).ok()
-}
-
-/// Length of the JSON object at the start of `s`, strings taken into
-/// account; `None` if it does not end within `s`.
-fn object_len(s: &[u8]) -> Option<usize> {
-    let mut depth = 0usize;
-    let mut in_string = false;
-    let mut escaped = false;
-    for (i, &b) in s.iter().enumerate() {
-        if in_string {
-            match (escaped, b) {
-                (true, _) => escaped = false,
-                (false, b'\\') => escaped = true,
-                (false, b'"') => in_string = false,
-                _ => {}
-            }
-            continue;
-        }
-        match b {
-            b'"' => in_string = true,
-            b'{' => depth += 1,
-            b'}' => {
-                depth = depth.checked_sub(1)?;
-                if depth == 0 {
-                    return Some(i + 1);
-                }
-            }
-            _ => {}
-        }
-    }
-    None
+    // One value from the start of `rest`; what follows it is not read (a
+    // whole-slice parse would need the object's end found first).
+    T::deserialize(&mut serde_json::Deserializer::from_slice(rest)).ok()
 }
 
 #[cfg(test)]

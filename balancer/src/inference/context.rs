@@ -141,9 +141,8 @@ pub struct RequestCtx {
     /// This context only carries a parked request to the connection
     /// (taken by `persist_connection_context`, which gets `&RequestCtx`).
     pub(super) parked: std::sync::Mutex<Option<Box<parking::Parked>>>,
-    /// A parked request is back: how its wait ended (boxed: only a parked
-    /// request has one, and every request's context is moved whole).
-    pub(super) resume: Option<Box<std::result::Result<Admitted, AdmitError>>>,
+    /// A parked request is back: how its wait ended.
+    pub(super) resume: Option<std::result::Result<Admitted, AdmitError>>,
 }
 
 impl RequestCtx {

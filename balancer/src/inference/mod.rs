@@ -375,6 +375,9 @@ fn rename_body(ctx: &mut RequestCtx, model: &str) {
 
 #[async_trait]
 impl ProxyHttp for Inference {
+    /// Boxed: Pingora keeps the context inside each request's future and
+    /// copies that future whole several times per request; a pointer
+    /// there is 1.4 KB less to copy (BENCHMARKS.md, session 23).
     type CTX = Box<RequestCtx>;
 
     fn new_ctx(&self) -> Self::CTX {
@@ -384,7 +387,7 @@ impl ProxyHttp for Inference {
     async fn request_filter(&self, session: &mut Session, ctx: &mut Self::CTX) -> Result<bool> {
         connection::head_done(session);
         let step = match ctx.resume.take() {
-            Some(outcome) => Box::pin(self.resume(session, ctx, *outcome)).await,
+            Some(outcome) => Box::pin(self.resume(session, ctx, outcome)).await,
             None => {
                 ctx.active = Some(self.door.gate.request_started());
                 (ctx.request_id, ctx.request_id_given) = self
@@ -762,7 +765,7 @@ impl ProxyHttp for Inference {
             } = *resumed;
             if let Ok(parked) = parked.downcast::<RequestCtx>() {
                 *ctx = parked;
-                ctx.resume = Some(Box::new(outcome));
+                ctx.resume = Some(outcome);
             }
         }
     }

@@ -335,8 +335,12 @@ fn object_after<T: serde::de::DeserializeOwned>(
         return None;
     }
     // One value from the start of `rest`; what follows it is not read (a
-    // whole-slice parse would need the object's end found first).
-    T::deserialize(&mut serde_json::Deserializer::from_slice(rest)).ok()
+    // whole-slice parse would need the object's end found first). Its
+    // UTF-8 checked once, not key by key (as for a request body).
+    match std::str::from_utf8(rest) {
+        Ok(text) => T::deserialize(&mut serde_json::Deserializer::from_str(text)).ok(),
+        Err(_) => T::deserialize(&mut serde_json::Deserializer::from_slice(rest)).ok(),
+    }
 }
 
 #[cfg(test)]

@@ -126,7 +126,7 @@ pub struct RequestCtx {
     pub(super) rejected: bool,
     pub(super) error_body: Vec<u8>,
     /// `x-request-id`, and whether the client sent it.
-    pub(crate) request_id: String,
+    pub(crate) request_id: super::RequestId,
     pub(super) request_id_given: bool,
     /// What the request's API key grants, when keys are required.
     pub(crate) grant: Option<Grant>,
@@ -180,7 +180,7 @@ impl RequestCtx {
             suspect: None,
             rejected: false,
             error_body: Vec::new(),
-            request_id: String::new(),
+            request_id: super::RequestId::default(),
             request_id_given: false,
             grant: None,
             rate_headers: Vec::new(),

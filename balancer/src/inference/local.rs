@@ -46,7 +46,7 @@ pub(super) async fn route(
             body: port.body_limits,
             metrics: &port.door.gate.metrics,
             grant: ctx.grant.as_ref(),
-            request_id: &ctx.request_id,
+            request_id: ctx.request_id.as_str(),
         };
         let answer = if is_batch_api {
             batch_api::route(&async_door, session, &method, &path).await?

@@ -65,7 +65,7 @@ pub use body::BodyLimits;
 pub use context::RequestCtx;
 use context::{Ending, Explain};
 use halt::{Flow, Halt};
-pub use request_id::RequestIds;
+pub use request_id::{RequestId, RequestIds};
 use routes::PathRoute;
 pub(crate) use routes::RouteKind;
 
@@ -76,6 +76,10 @@ use crate::door::Door;
 use crate::gate::{AdmitError, Admitted, AnswerEnd, Submitted};
 use crate::observe::traces::Traces;
 use crate::reply::{Answer, Refusal, REQUEST_ID_HEADER};
+
+/// [`REQUEST_ID_HEADER`] as a name the header map looks up without
+/// parsing it first.
+static REQUEST_ID_NAME: http::HeaderName = http::HeaderName::from_static(REQUEST_ID_HEADER);
 
 /// Response header: milliseconds the request waited for an endpoint.
 const WAIT_HEADER: &str = "x-flowgate-wait-ms";
@@ -240,7 +244,7 @@ impl Inference {
         };
         // Boxed: a proxied request never writes one, and its future would
         // otherwise carry the write's.
-        Box::pin(answer.write(session, &ctx.request_id)).await
+        Box::pin(answer.write(session, ctx.request_id.as_str())).await
     }
 
     /// A refusal's answer; its reason labels the metrics and access log.
@@ -392,7 +396,7 @@ impl ProxyHttp for Inference {
                 ctx.active = Some(self.door.gate.request_started());
                 (ctx.request_id, ctx.request_id_given) = self
                     .request_ids
-                    .for_request(session.req_header().headers.get(REQUEST_ID_HEADER));
+                    .for_request(session.req_header().headers.get(&REQUEST_ID_NAME));
                 self.trace_begin(session, ctx);
                 self.first_step(session, ctx).await
             }
@@ -479,7 +483,7 @@ impl ProxyHttp for Inference {
             upstream_request.remove_header(asyncq::TOKEN_HEADER);
         }
         if !ctx.request_id_given {
-            upstream_request.insert_header(REQUEST_ID_HEADER, ctx.request_id.as_str())?;
+            upstream_request.insert_header(REQUEST_ID_HEADER, ctx.request_id.header())?;
         }
         ctx.sent_at = Some(Instant::now());
         self.trace_upstream(upstream_request, ctx)?;
@@ -625,8 +629,9 @@ impl ProxyHttp for Inference {
         ctx: &mut Self::CTX,
     ) -> Result<()> {
         // How long the request waited in flow control before it was sent.
-        upstream_response.insert_header(WAIT_HEADER, ctx.waited.as_millis().to_string())?;
-        upstream_response.insert_header(REQUEST_ID_HEADER, ctx.request_id.as_str())?;
+        let waited = u64::try_from(ctx.waited.as_millis()).unwrap_or(u64::MAX);
+        upstream_response.insert_header(WAIT_HEADER, http::HeaderValue::from(waited))?;
+        upstream_response.insert_header(REQUEST_ID_HEADER, ctx.request_id.header())?;
         for (name, value) in &ctx.rate_headers {
             upstream_response.insert_header(*name, value.as_str())?;
         }

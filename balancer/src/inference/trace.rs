@@ -108,7 +108,7 @@ impl Inference {
             return;
         };
         let mut attributes = vec![
-            KeyValue::new("flowgate.request_id", ctx.request_id.clone()),
+            KeyValue::new("flowgate.request_id", ctx.request_id.as_str().to_owned()),
             KeyValue::new("flowgate.retries", i64::from(ctx.retries)),
         ];
         if !reason.is_empty() {

@@ -194,8 +194,11 @@ impl ResponseMeter {
         let Some(last) = self.tail.back() else {
             return Said::default();
         };
-        if let Some(text) = self.last_events() {
-            return said_in(find_usage(&text, &USAGE), find_usage(&text, &TIMINGS));
+        if let Some(events) = self.last_events() {
+            // At most the tail's worth, as for any body: an event can be
+            // as long as an upstream makes it.
+            let text = &events[events.len().saturating_sub(TAIL)..];
+            return said_in(find_usage(text, &USAGE), find_usage(text, &TIMINGS));
         }
         let last = &last[last.len().saturating_sub(TAIL)..];
         let mut usage = find_usage::<WireUsage>(last, &USAGE);

@@ -2,8 +2,8 @@
 //! without holding it back: when the first and last bytes passed, how many
 //! SSE events a stream carried, and the `usage` object (prompt and
 //! completion tokens) that OpenAI-style answers end with: the last one of a
-//! JSON body, or the final chunk of a stream asked for with
-//! `stream_options.include_usage`.
+//! JSON body, or of a stream's last three events (OpenAI's chat sends one
+//! only when asked with `stream_options.include_usage`).
 
 use std::borrow::Cow;
 use std::collections::VecDeque;

@@ -639,6 +639,13 @@ impl<T> Dispatcher<T> {
         self.ledger.model_reported(model)
     }
 
+    /// The names [`Self::model_reported`] knows: a report may add to them,
+    /// nothing takes one away, so a copy taken when their number changes
+    /// stays the same set.
+    pub fn reported_models(&self) -> impl ExactSizeIterator<Item = &Arc<str>> {
+        self.ledger.reported_models()
+    }
+
     /// Where a request for `model` falls back to, now: `None` while an
     /// eligible endpoint (busy or not) serves `model` itself, else the
     /// first model of `chain` that has one (none has: `None`, it waits
@@ -658,12 +665,6 @@ impl<T> Dispatcher<T> {
     /// The first model of `chain` an eligible endpoint serves.
     pub fn first_live<'a>(&self, chain: &'a [Arc<str>], now: Instant) -> Option<&'a Arc<str>> {
         chain.iter().find(|m| self.ledger.model_live(m, now))
-    }
-
-    /// The first model an endpoint's agent reports (the engine's own id):
-    /// which model answered a request that named none.
-    pub fn first_model_of(&self, endpoint: EndpointId) -> Option<&str> {
-        self.ledger.first_model_of(endpoint)
     }
 
     /// What this balancer tells an endpoint's agent in its answer to a

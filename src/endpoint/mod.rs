@@ -33,6 +33,7 @@ mod cache_truth;
 mod cost;
 mod explain;
 mod homes;
+mod models;
 mod placement;
 mod ranking;
 mod saturation;
@@ -101,6 +102,9 @@ pub struct Lease {
     /// Leading prompt blocks the endpoint's prefix index held when it was
     /// chosen: the cache hit the balancer expected ([`CacheTruth`]).
     pub predicted_blocks: u32,
+    /// The first model its agent reports (the engine's own id): which model
+    /// answers a request that named none.
+    pub model: Option<Arc<str>>,
 }
 
 #[derive(Debug, Clone)]
@@ -536,11 +540,15 @@ impl EndpointLedger {
         if let Some(session) = route.session {
             self.sessions.bind(session, ep.addr, now);
         }
+        let model = ep.agent.as_ref().and_then(|a| a.report.models.first());
+        let model = model.and_then(|m| self.models.get_key_value(m.as_str()));
         let lease = Lease {
             endpoint: ep.id,
             addr: ep.addr,
             tokens,
             predicted_blocks,
+            // The name as kept among the reported ones: shared, not copied.
+            model: model.map(|(name, _)| Arc::clone(name)),
         };
         self.rerank(chosen);
         Pick::Lease(lease)
@@ -597,34 +605,6 @@ impl EndpointLedger {
     ) -> bool {
         self.serving(route)
             .any(|e| Some(e.addr) != except && e.eligible(now))
-    }
-
-    /// Whether an eligible endpoint (it may be busy) serves `model`.
-    pub(crate) fn model_live(&self, model: &str, now: Instant) -> bool {
-        self.ranking
-            .members(Some(model))
-            .any(|id| self.endpoints.get(&id).is_some_and(|e| e.eligible(now)))
-    }
-
-    /// Whether requests for `model` are accepted: it is served or was
-    /// lately, any endpoint will do (`None`, or an agent listing no models),
-    /// or no agent is registered at all (the fleet may be scaling up from
-    /// zero, so requests wait for it).
-    pub(crate) fn model_known(&self, model: Option<&str>, now: Instant) -> bool {
-        let Some(m) = model else { return true };
-        if self.ranking.is_empty() {
-            return true;
-        }
-        self.ranking.members(Some(m)).next().is_some()
-            || self
-                .models
-                .get(m)
-                .is_some_and(|seen| now.saturating_duration_since(*seen) < MODEL_MEMORY)
-    }
-
-    /// Whether some agent reported serving `model` within [`MODEL_MEMORY`].
-    pub(crate) fn model_reported(&self, model: &str) -> bool {
-        self.models.contains_key(model)
     }
 
     /// Gives a slot back. Consuming the lease makes a double release a
@@ -687,12 +667,6 @@ impl EndpointLedger {
         }
     }
 
-    /// The first model an endpoint's agent reports (the engine's own id).
-    pub(crate) fn first_model_of(&self, id: EndpointId) -> Option<&str> {
-        let agent = self.endpoints.get(&id)?.agent.as_ref()?;
-        agent.report.models.first().map(String::as_str)
-    }
-
     /// Whether any endpoint could take work now or after its load drains.
     pub(crate) fn any_eligible(&self, now: Instant) -> bool {
         self.ranking
@@ -731,21 +705,6 @@ impl EndpointLedger {
             .values()
             .map(|e| u64::from(e.in_flight))
             .sum()
-    }
-
-    /// Every model name (served models and aliases) the agents that are
-    /// not stale report, sorted, each once.
-    pub(crate) fn served_models(&self, now: Instant) -> Vec<String> {
-        let mut models: Vec<String> = self
-            .endpoints
-            .values()
-            .filter_map(|e| e.agent.as_ref())
-            .filter(|a| now < Endpoint::stale_deadline(a))
-            .flat_map(|a| a.report.models.iter().cloned())
-            .collect();
-        models.sort_unstable();
-        models.dedup();
-        models
     }
 
     pub(crate) fn snapshot(&self, now: Instant) -> Vec<EndpointSnapshot> {

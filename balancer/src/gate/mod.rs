@@ -15,24 +15,24 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
-use flowgate::endpoint::{CacheSeen, Timing};
-use flowgate::flow::Charge;
 use flowgate::models::Fallback;
 use flowgate::tokens::{TokenRatios, TokenUsage};
 use flowgate::usage::{TenantUsage, UsageLedger};
 use flowgate::{
-    Admission, AgentReport, Dispatcher, DispatcherConfig, EndpointId, Lease, Reject, ReportOutcome,
+    Admission, AgentReport, Dispatcher, DispatcherConfig, EndpointId, Reject, ReportOutcome,
     RequestMeta, Route, Snapshot,
 };
 use tokio::sync::{oneshot, Notify};
 use tracing::warn;
 
+mod lease;
 mod served;
 
-pub use served::{AnswerEnd, Served, SlotEnd};
+pub use lease::{AnswerSeen, LeaseGuard, SlotEnd};
+pub use served::{AnswerEnd, Served};
 
 use crate::observe::history::History;
 use crate::observe::metrics::Metrics;
@@ -63,11 +63,16 @@ pub struct FleetGate {
     token_ratios: Mutex<TokenRatios>,
     /// Tokens and requests spent per tenant and key, by minute.
     usage: Mutex<UsageLedger>,
+    /// The model names agents reported, copied out of the dispatcher when
+    /// a report adds one: a request asks whether its model is one (for
+    /// the model rules, its metric label, its token ratio) without taking
+    /// the dispatcher's lock, which every request already takes twice.
+    reported_models: RwLock<foldhash::HashSet<Arc<str>>>,
 }
 
 impl flowgate::admission::FleetView for FleetGate {
     fn is_served(&self, model: &str) -> bool {
-        self.lock().model_reported(model)
+        self.is_reported(model)
     }
 
     fn draw(&self) -> u64 {
@@ -109,108 +114,6 @@ pub enum AdmitError {
     ClientGone,
 }
 
-/// A slot on one endpoint, given back exactly once: by [`LeaseGuard::release`]
-/// or, if the request task is dropped, by `Drop`.
-pub struct LeaseGuard {
-    shared: Arc<FleetGate>,
-    lease: Option<Lease>,
-    /// What its flow was charged when it left the queues (token fairness).
-    charge: Option<Charge>,
-    /// What the answer showed of the engine (its cache, its speed),
-    /// recorded when the slot is given back, under the same lock.
-    seen: AnswerSeen,
-}
-
-/// What an answer showed of its engine.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct AnswerSeen {
-    /// What it said it found in its prefix cache, when it said.
-    pub cache: Option<CacheSeen>,
-    /// How long its parts took.
-    pub timing: Option<Timing>,
-}
-
-impl AnswerSeen {
-    /// Records it in the ledger (before `lease` is given back).
-    fn record(self, d: &mut Dispatcher<Waker>, lease: &Lease) {
-        if let Some(cache) = self.cache {
-            d.observe_cache(lease, cache);
-        }
-        if let Some(timing) = &self.timing {
-            d.observe_timing(lease, timing);
-        }
-    }
-}
-
-impl LeaseGuard {
-    fn new(shared: &Arc<FleetGate>, lease: Lease) -> Self {
-        LeaseGuard {
-            shared: Arc::clone(shared),
-            lease: Some(lease),
-            charge: None,
-            seen: AnswerSeen::default(),
-        }
-    }
-
-    /// What the answer showed of the engine.
-    pub fn saw(&mut self, seen: AnswerSeen) {
-        self.seen = seen;
-    }
-
-    /// Settles the token-fair charge of its flow to the tokens the answer
-    /// used (what was sent, for one cut short); once.
-    pub fn settle(&mut self, actual: u64) {
-        if let Some(charge) = self.charge.take() {
-            self.shared.lock().settle(&charge, actual);
-        }
-    }
-
-    pub fn addr(&self) -> SocketAddr {
-        self.lease.as_ref().expect("lease held until release").addr
-    }
-
-    pub fn endpoint(&self) -> EndpointId {
-        self.lease
-            .as_ref()
-            .expect("lease held until release")
-            .endpoint
-    }
-
-    pub fn release(mut self) {
-        self.release_inner();
-    }
-
-    /// Gives the slot back for a request whose client left before its
-    /// answer ended: it stays counted busy while the engine may still work
-    /// on it (`streamed` answers stop with the client; see
-    /// [`flowgate::endpoint`]'s accounting rules).
-    pub fn orphan(mut self, streamed: bool) {
-        if let Some(lease) = self.lease.take() {
-            let seen = std::mem::take(&mut self.seen);
-            self.shared.with_dispatch(|d| {
-                seen.record(d, &lease);
-                d.orphan(lease, streamed, now());
-            });
-        }
-    }
-
-    fn release_inner(&mut self) {
-        if let Some(lease) = self.lease.take() {
-            let seen = std::mem::take(&mut self.seen);
-            self.shared.with_dispatch(|d| {
-                seen.record(d, &lease);
-                d.release(lease);
-            });
-        }
-    }
-}
-
-impl Drop for LeaseGuard {
-    fn drop(&mut self) {
-        self.release_inner();
-    }
-}
-
 impl FleetGate {
     pub fn new(config: DispatcherConfig) -> Arc<Self> {
         Arc::new(FleetGate {
@@ -223,7 +126,15 @@ impl FleetGate {
             draws: AtomicU64::new(0),
             token_ratios: Mutex::new(TokenRatios::default()),
             usage: Mutex::new(UsageLedger::new(now())),
+            reported_models: RwLock::default(),
         })
+    }
+
+    /// Whether an agent reported serving `model` ([`Dispatcher::model_reported`]).
+    fn is_reported(&self, model: &str) -> bool {
+        (self.reported_models.read())
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .contains(model)
     }
 
     fn lock(&self) -> MutexGuard<'_, Dispatcher<Waker>> {
@@ -418,7 +329,7 @@ impl FleetGate {
     /// its `prompt_bytes` of prompt text were `prompt_tokens` tokens. Only
     /// models an agent reports are learned (a client cannot add entries).
     pub fn learn_tokens(&self, model: &str, prompt_bytes: u64, prompt_tokens: u64) {
-        if self.lock().model_reported(model) {
+        if self.is_reported(model) {
             let mut ratios = self.ratios();
             ratios.learn(model, prompt_bytes, prompt_tokens);
             let ratio = ratios.bytes_per_token(Some(model));
@@ -462,12 +373,6 @@ impl FleetGate {
         self.lock().bind_session(session, addr, now());
     }
 
-    /// The model that answered a request sent to any endpoint: the first
-    /// model the endpoint's agent reports (the engine's own id).
-    pub fn served_model(&self, endpoint: EndpointId) -> Option<String> {
-        self.lock().first_model_of(endpoint).map(str::to_string)
-    }
-
     /// Where a request that takes no slot goes now (see
     /// [`flowgate::Dispatcher::slotless`]).
     pub fn slotless(&self, route: &Route) -> Result<SocketAddr, Reject> {
@@ -502,7 +407,7 @@ impl FleetGate {
     /// The metric label for a request's model: the name when an agent
     /// reports serving it, else `other` (a client cannot add series).
     pub fn model_label<'a>(&self, model: &'a str) -> &'a str {
-        if self.lock().model_reported(model) {
+        if self.is_reported(model) {
             model
         } else {
             "other"
@@ -518,7 +423,17 @@ impl FleetGate {
         self: &Arc<Self>,
         report: AgentReport,
     ) -> Result<ReportOutcome, flowgate::protocol::ReportError> {
-        self.with_dispatch(|d| d.report(report, now()))
+        self.with_dispatch(|d| {
+            let outcome = d.report(report, now());
+            let names = d.reported_models();
+            // Read first: requests read the copy, a report rarely adds a name.
+            if names.len() != self.reported_models.read().map_or(0, |k| k.len()) {
+                let mut copy = (self.reported_models.write())
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                *copy = names.cloned().collect();
+            }
+            outcome
+        })
     }
 
     /// Addresses of the registered endpoints.

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use flowgate::endpoint::{CacheSeen, Timing};
 use flowgate::tokens::{TokenEstimate, TokenUsage};
 
-use super::{AnswerSeen, LeaseGuard};
+use super::{AnswerSeen, LeaseGuard, SlotEnd};
 use crate::quotas::Reserved;
 
 /// A request let in at a door: its quotas' reservation and, once it has
@@ -50,17 +50,6 @@ impl AnswerEnd {
         timing: None,
         slot: SlotEnd::Free,
     };
-}
-
-/// How a request's slot comes back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SlotEnd {
-    /// The answer ended: free now.
-    Free,
-    /// Its client left before the answer ended: the engine may still work
-    /// on it, so it stays busy until the engine is done (`streamed` answers
-    /// stop with their client).
-    Orphaned { streamed: bool },
 }
 
 impl Served {
@@ -129,22 +118,16 @@ impl Served {
         if let Some(quota) = self.quota.take() {
             quota.settle(spent);
         }
-        if let Some(mut lease) = self.lease.take() {
-            if let Some(spent) = spent {
-                lease.settle(spent.total());
-            }
-            lease.saw(AnswerSeen {
+        if let Some(lease) = self.lease.take() {
+            let seen = AnswerSeen {
                 cache: said.filter(|s| s.cache_said).map(|said| CacheSeen {
                     prompt_tokens: said.prompt,
                     cached_tokens: said.cached,
                     prompt_bytes: self.prompt_bytes,
                 }),
                 timing,
-            });
-            match slot {
-                SlotEnd::Free => lease.release(),
-                SlotEnd::Orphaned { streamed } => lease.orphan(streamed),
-            }
+            };
+            lease.end(spent.map(|s| s.total()), seen, slot);
         }
     }
 }

@@ -297,3 +297,28 @@ async fn a_requests_end_accounts_what_was_sent_then_frees_its_slot() {
         "the engine may still be working on the orphaned request"
     );
 }
+
+/// The models agents report are known to a request without the
+/// dispatcher's lock: a name reported once stays known (also after its
+/// agent left), an unreported one is a metric's `other`; a lease names the
+/// model of the endpoint it was taken on.
+#[tokio::test(start_paused = true)]
+async fn reported_models_are_known_without_the_dispatchers_lock() {
+    let shared = FleetGate::new(DispatcherConfig::default());
+    assert_eq!(shared.model_label("m1"), "other");
+    shared.report(agent("a", 1, "m1")).unwrap();
+    assert_eq!(shared.model_label("m1"), "m1");
+    assert!(!flowgate::admission::FleetView::is_served(&*shared, "m2"));
+    shared.report(agent("b", 2, "m2")).unwrap();
+    assert!(flowgate::admission::FleetView::is_served(&*shared, "m2"));
+    let lease = shared
+        .admit(for_model("m2"), None, std::future::pending())
+        .await
+        .expect("b's slot is free")
+        .lease;
+    assert_eq!(lease.served_model(), Some("m2"));
+    drop(lease);
+    assert!(shared.deregister("a"));
+    assert_eq!(shared.model_label("m1"), "m1", "names are never forgotten");
+    assert_eq!(shared.model_label("m3"), "other");
+}

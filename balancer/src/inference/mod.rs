@@ -513,7 +513,8 @@ impl ProxyHttp for Inference {
             .get(http::header::CONTENT_TYPE)
             .map_or(&b""[..], |v| v.as_bytes());
         ctx.meter.streaming = content_type.starts_with(b"text/event-stream");
-        let json = blame::is_json_content_type(content_type);
+        // Only a 5xx's verdict reads its content type.
+        let json = status >= 500 && blame::is_json_content_type(content_type);
         let verdict = blame::verdict(status, json);
         if verdict == Verdict::Fine {
             self.blame_suspect(ctx);
@@ -638,8 +639,9 @@ impl ProxyHttp for Inference {
         // A name the header cannot carry is left out, not an error.
         let served = match (&ctx.served_model, ctx.lease()) {
             (Some(m), _) => http::HeaderValue::from_str(m).ok(),
-            (None, Some(lease)) => (self.door.gate.served_model(lease.endpoint()))
-                .and_then(|m| http::HeaderValue::try_from(m).ok()),
+            (None, Some(lease)) => lease
+                .served_model()
+                .and_then(|m| http::HeaderValue::from_str(m).ok()),
             (None, None) => None,
         };
         if let Some(served) = served {

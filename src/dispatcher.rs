@@ -563,6 +563,12 @@ impl<T> Dispatcher<T> {
         self.ledger.record_outcome(endpoint, ok, now)
     }
 
+    /// Endpoints whose circuit breaker remembers a failure: while there
+    /// are none, a success has nothing to record (a caller may skip it).
+    pub fn failing_endpoints(&self) -> usize {
+        self.ledger.failing()
+    }
+
     /// Whether a retry has somewhere to go: an eligible endpoint other than
     /// `failed` that fits `route` (it may be busy).
     pub fn has_alternative(&self, route: &Route, failed: Option<SocketAddr>, now: Instant) -> bool {

@@ -64,6 +64,11 @@ impl Breaker {
     pub(super) fn success(&mut self) {
         *self = Breaker::default();
     }
+
+    /// It remembers no failure: a success would change nothing.
+    pub(super) fn is_clear(&self) -> bool {
+        self.consecutive_failures == 0 && self.trips == 0 && self.open_until.is_none()
+    }
 }
 
 impl EndpointLedger {
@@ -73,11 +78,24 @@ impl EndpointLedger {
         let Some(ep) = self.endpoints.get_mut(&endpoint) else {
             return false;
         };
-        if ok {
+        let was_clear = ep.breaker.is_clear();
+        let opened = if ok {
             ep.breaker.success();
             false
         } else {
             ep.breaker.failure(now, &self.scheduling.breaker)
+        };
+        match (was_clear, ep.breaker.is_clear()) {
+            (true, false) => self.failing += 1,
+            (false, true) => self.failing -= 1,
+            _ => {}
         }
+        opened
+    }
+
+    /// Endpoints whose breaker remembers a failure: while there are none,
+    /// a success need not be recorded.
+    pub(crate) fn failing(&self) -> usize {
+        self.failing
     }
 }

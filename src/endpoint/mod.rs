@@ -274,6 +274,9 @@ pub(crate) struct EndpointLedger {
     holders: PrefixHolders<EndpointId>,
     /// The endpoint each session's last turn went to.
     sessions: SessionTable,
+    /// Endpoints whose circuit breaker remembers a failure ([`breaker`]):
+    /// while there are none, a success has nothing to record.
+    failing: usize,
 }
 
 impl Default for EndpointLedger {
@@ -297,6 +300,7 @@ impl EndpointLedger {
             reranks: 0,
             holders: PrefixHolders::default(),
             sessions: SessionTable::new(&scheduling.sessions),
+            failing: 0,
         }
     }
 
@@ -465,6 +469,7 @@ impl EndpointLedger {
         self.ranking.remove(id);
         if let Some(ep) = self.endpoints.remove(&id) {
             self.by_addr.remove(&ep.addr);
+            self.failing -= usize::from(!ep.breaker.is_clear());
             for h in ep.prefix.hashes() {
                 self.holders.change(h, id, false);
             }

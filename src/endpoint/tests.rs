@@ -223,6 +223,40 @@ fn stale_agents_get_no_work_and_are_dropped_after_in_flight_finishes() {
     assert_eq!(r.snapshot(stale).len(), 1, "one more lease is out");
 }
 
+/// The count of endpoints whose breaker remembers a failure (what lets a
+/// success skip the lock while it is 0) follows failures, successes, and
+/// endpoints forgotten.
+#[test]
+fn endpoints_remembering_a_failure_are_counted() {
+    let t0 = Instant::now();
+    let mut r = EndpointLedger::default();
+    for (agent, port) in [("a", 1), ("b", 2)] {
+        let (rep, at) = report_for(agent, port, 4, &[]);
+        r.apply_report(rep, at, t0);
+    }
+    let snapshot = r.snapshot(t0);
+    let ids: Vec<EndpointId> = snapshot.iter().map(|e| e.id).collect();
+    let first_agent = snapshot[0].agent.as_ref().unwrap().agent_id.clone();
+    assert_eq!(r.failing(), 0);
+    r.record_outcome(ids[0], true, t0);
+    assert_eq!(
+        r.failing(),
+        0,
+        "a success on a clear breaker changes nothing"
+    );
+    r.record_outcome(ids[0], false, t0);
+    r.record_outcome(ids[0], false, t0);
+    r.record_outcome(ids[1], false, t0);
+    assert_eq!(r.failing(), 2);
+    r.record_outcome(ids[1], true, t0);
+    assert_eq!(r.failing(), 1);
+    // Open, then back after its backoff: still remembered until a success.
+    r.record_outcome(ids[0], false, t0);
+    assert_eq!(r.failing(), 1);
+    assert!(r.deregister(&first_agent));
+    assert_eq!(r.failing(), 0, "a forgotten endpoint is not counted");
+}
+
 #[test]
 fn deregistered_endpoint_is_forgotten_when_idle_and_rejoins_with_its_count() {
     let now = Instant::now();

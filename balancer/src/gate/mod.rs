@@ -14,7 +14,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
@@ -68,6 +68,10 @@ pub struct FleetGate {
     /// the model rules, its metric label, its token ratio) without taking
     /// the dispatcher's lock, which every request already takes twice.
     reported_models: RwLock<foldhash::HashSet<Arc<str>>>,
+    /// The dispatcher's count of endpoints whose circuit breaker remembers
+    /// a failure, as of the last outcome recorded (an endpoint forgotten
+    /// since may leave it high, never low).
+    failing: AtomicUsize,
 }
 
 impl flowgate::admission::FleetView for FleetGate {
@@ -127,6 +131,7 @@ impl FleetGate {
             token_ratios: Mutex::new(TokenRatios::default()),
             usage: Mutex::new(UsageLedger::new(now())),
             reported_models: RwLock::default(),
+            failing: AtomicUsize::new(0),
         })
     }
 
@@ -394,7 +399,17 @@ impl FleetGate {
     /// [`FleetGate::record_outcome`] for an endpoint whose slot was already
     /// given back (a failure counted only once a retry elsewhere ended).
     pub fn record_endpoint_outcome(&self, endpoint: EndpointId, addr: SocketAddr, ok: bool) {
-        let opened = self.lock().record_outcome(endpoint, ok, now());
+        if ok && self.failing.load(Ordering::Relaxed) == 0 {
+            // No breaker remembers a failure: the lock is not worth taking.
+            // (A failure being recorded meanwhile orders after this.)
+            return;
+        }
+        let opened = {
+            let mut d = self.lock();
+            let opened = d.record_outcome(endpoint, ok, now());
+            self.failing.store(d.failing_endpoints(), Ordering::Relaxed);
+            opened
+        };
         if opened {
             self.metrics.fleet.circuit_opened.inc();
             warn!(

@@ -639,15 +639,10 @@ impl<T> Dispatcher<T> {
         self.queues.flows()
     }
 
-    /// Whether an agent reports serving `model` (now or within the model
-    /// memory): only such names become metric labels.
-    pub fn model_reported(&self, model: &str) -> bool {
-        self.ledger.model_reported(model)
-    }
-
-    /// The names [`Self::model_reported`] knows: a report may add to them,
-    /// nothing takes one away, so a copy taken when their number changes
-    /// stays the same set.
+    /// Every model name an agent reported: only such names become metric
+    /// labels or learn token ratios. A report may add to them, nothing
+    /// takes one away, so a copy taken when their number changes stays the
+    /// same set.
     pub fn reported_models(&self) -> impl ExactSizeIterator<Item = &Arc<str>> {
         self.ledger.reported_models()
     }

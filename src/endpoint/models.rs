@@ -31,13 +31,8 @@ impl EndpointLedger {
                 .is_some_and(|seen| now.saturating_duration_since(*seen) < super::MODEL_MEMORY)
     }
 
-    /// Whether an agent ever reported serving `model` (names are never
-    /// forgotten: at most [`super::MAX_MODEL_NAMES`] are kept).
-    pub(crate) fn model_reported(&self, model: &str) -> bool {
-        self.models.contains_key(model)
-    }
-
-    /// Every model name an agent reported (never forgotten; bounded).
+    /// Every model name an agent reported (names are never forgotten: at
+    /// most [`super::MAX_MODEL_NAMES`] are kept).
     pub(crate) fn reported_models(&self) -> impl ExactSizeIterator<Item = &Arc<str>> {
         self.models.keys()
     }

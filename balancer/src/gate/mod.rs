@@ -135,7 +135,7 @@ impl FleetGate {
         })
     }
 
-    /// Whether an agent reported serving `model` ([`Dispatcher::model_reported`]).
+    /// Whether an agent reported serving `model` ([`Dispatcher::reported_models`]).
     fn is_reported(&self, model: &str) -> bool {
         (self.reported_models.read())
             .unwrap_or_else(std::sync::PoisonError::into_inner)

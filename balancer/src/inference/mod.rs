@@ -636,14 +636,11 @@ impl ProxyHttp for Inference {
         for (name, value) in &ctx.rate_headers {
             upstream_response.insert_header(*name, value.as_str())?;
         }
-        // A name the header cannot carry is left out, not an error.
-        let served = match (&ctx.served_model, ctx.lease()) {
-            (Some(m), _) => http::HeaderValue::from_str(m).ok(),
-            (None, Some(lease)) => lease
-                .served_model()
-                .and_then(|m| http::HeaderValue::from_str(m).ok()),
-            (None, None) => None,
-        };
+        // The model the rules chose, else the one its endpoint reports. A
+        // name the header cannot carry is left out, not an error.
+        let served = (ctx.served_model.as_deref())
+            .or_else(|| ctx.lease()?.served_model())
+            .and_then(|m| http::HeaderValue::from_str(m).ok());
         if let Some(served) = served {
             upstream_response.insert_header(SERVED_MODEL_HEADER, served)?;
         }

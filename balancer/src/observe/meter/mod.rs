@@ -139,13 +139,12 @@ impl ResponseMeter {
         self.first.get_or_insert(now);
         self.last = Some(now);
         if self.streaming {
-            let (base, mut events, mut starts) = (self.seen, self.events, self.event_starts);
+            let base = self.seen;
             data_lines(chunk, !self.mid_line, |at| {
-                events = events.saturating_add(1);
-                starts.rotate_left(1);
-                starts[LAST_EVENTS - 1] = base + at as u64;
+                self.events = self.events.saturating_add(1);
+                self.event_starts.rotate_left(1);
+                self.event_starts[LAST_EVENTS - 1] = base + at as u64;
             });
-            (self.events, self.event_starts) = (events, starts);
             self.mid_line = !chunk.ends_with(b"\n") && !chunk.ends_with(b"\r");
         }
         self.seen += chunk.len() as u64;

@@ -2,6 +2,19 @@ use super::*;
 
 const MS: Duration = Duration::from_millis(1);
 
+/// A stream's meter after `pieces`, each a chunk.
+fn streamed<'a>(pieces: impl IntoIterator<Item = &'a [u8]>) -> ResponseMeter {
+    let mut m = ResponseMeter {
+        streaming: true,
+        ..ResponseMeter::default()
+    };
+    let t0 = Instant::now();
+    for p in pieces {
+        m.on_chunk(&Bytes::copy_from_slice(p), t0);
+    }
+    m
+}
+
 #[test]
 fn usage_is_found_at_the_end_of_a_json_answer() {
     let body = br#"{"choices":[{"message":{"content":"usage: {not this}"}}],
@@ -28,18 +41,10 @@ fn usage_is_found_at_the_end_of_a_json_answer() {
 fn events_are_the_data_lines_wherever_the_chunks_split() {
     let stream: &[u8] = b"data: {\"text\":\"say data: x\\n\"}\n\nevent: e\ndata: {}\r\n\r\n\
 data:{}\r\rdata: [DONE]\n\n";
-    let t0 = Instant::now();
     let count = |cuts: &[usize]| {
-        let mut m = ResponseMeter {
-            streaming: true,
-            ..ResponseMeter::default()
-        };
-        let mut from = 0;
-        for &to in cuts.iter().chain([&stream.len()]) {
-            m.on_chunk(&Bytes::copy_from_slice(&stream[from..to]), t0);
-            from = to;
-        }
-        m.events
+        let ends = cuts.iter().copied().chain([stream.len()]);
+        let starts = [0].into_iter().chain(cuts.iter().copied());
+        streamed(starts.zip(ends).map(|(from, to)| &stream[from..to])).events
     };
     assert_eq!(
         count(&[]),
@@ -172,16 +177,9 @@ fn streams_give_ttft_tpot_and_their_final_usage() {
 
 #[test]
 fn a_streams_usage_is_read_from_its_last_events_wherever_they_split() {
-    let t0 = Instant::now();
     let meter = |pieces: &[&[u8]]| {
-        let mut m = ResponseMeter {
-            streaming: true,
-            ..ResponseMeter::default()
-        };
-        pieces
-            .iter()
-            .for_each(|p| m.on_chunk(&Bytes::copy_from_slice(p), t0));
-        m.usage().map(|u| (u.prompt, u.completion))
+        let usage = streamed(pieces.iter().copied()).usage();
+        usage.map(|u| (u.prompt, u.completion))
     };
     // Anthropic Messages: the usage in `message_delta`, then
     // `message_stop`.

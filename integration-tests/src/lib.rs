@@ -2,3 +2,4 @@
 //! and the benchmark binaries.
 
 pub mod envoy;
+pub mod sim_cache;

@@ -17,13 +17,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use flowgate::prefix::{block_hashes, PrefixConfig, PrefixLru};
+use flowgate::prefix::PrefixLru;
+use flowgate_integration_tests::sim_cache::{self, BLOCK_BYTES};
 use tokio::sync::oneshot;
 
-/// Bytes per simulated token.
-pub const BYTES_PER_TOKEN: u64 = 4;
-/// Prefix cache block: 64 bytes = 16 tokens.
-const BLOCK_BYTES: usize = 64;
+pub use sim_cache::BYTES_PER_TOKEN;
 
 #[derive(Debug, Clone, Copy)]
 pub struct EngineConfig {
@@ -215,18 +213,13 @@ impl Engine {
     /// Looks the prompt up in the prefix cache, then caches it. Returns the
     /// prompt tokens, the cached ones, and the extra prefill time.
     pub fn prefill(&self, prompt: &[u8]) -> (u64, u64, Duration) {
-        let tokens = (prompt.len() as u64 / BYTES_PER_TOKEN).max(1);
-        let config = PrefixConfig {
-            block_bytes: BLOCK_BYTES,
-            max_blocks: usize::MAX,
-            capacity_blocks: usize::MAX,
-        };
+        let tokens = sim_cache::tokens(prompt.len());
         let cached = if self.config.prefix_cache_tokens > 0 {
-            let blocks = block_hashes(prompt, &config);
+            let blocks = sim_cache::blocks(prompt);
             let mut cache = self.cache.lock().unwrap();
             let matched = cache.matched(&blocks);
             cache.insert(&blocks);
-            (matched * BLOCK_BYTES) as u64 / BYTES_PER_TOKEN
+            sim_cache::cached_tokens(matched)
         } else {
             0
         };

@@ -550,23 +550,7 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
     }
 
     // The prompt as the balancer reads it (its hash is the prefix cache's key).
-    let prompt_json = |name| {
-        use serde::Deserialize;
-        let v = parsed.get(name)?;
-        flowgate::openai::PromptJson::deserialize(v).ok()
-    };
-    let (messages, prompt, input) = (
-        prompt_json("messages"),
-        prompt_json("prompt"),
-        prompt_json("input"),
-    );
-    let fields = flowgate::openai::PromptFields {
-        messages: messages.as_ref(),
-        prompt: prompt.as_ref(),
-        input: input.as_ref(),
-        ..Default::default()
-    };
-    let prompt = flowgate::openai::prompt_text(&fields, usize::MAX);
+    let prompt = flowgate_integration_tests::sim_cache::prompt_text(&parsed);
     let asked_tokens = ["max_tokens", "max_completion_tokens"]
         .iter()
         .find_map(|k| parsed.get(*k).and_then(serde_json::Value::as_u64));

@@ -3,7 +3,9 @@
 //!
 //! - `loadgen run`: closed-loop clients send streamed chat requests to a
 //!   router for a while and print one JSON line: throughput, TTFT
-//!   percentiles by class, requests per tenant.
+//!   percentiles by class, requests per tenant, and the hit ratio no
+//!   placement could beat on the prompts it sent (`ceiling_hit_ratio`,
+//!   llm-sim's cache arithmetic: `flowgate_integration_tests::sim_cache`).
 //! - `loadgen proxy`: a minimal reverse proxy with `round-robin` or
 //!   `least-in-flight` balancing and no queue of its own, the baselines
 //!   (see `proxy.rs`).
@@ -26,6 +28,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use clap::{Parser, Subcommand, ValueEnum};
+use flowgate_integration_tests::sim_cache::{self, Ceiling};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 
@@ -403,6 +406,8 @@ struct Samples {
     /// tenant → successful requests.
     per_tenant: BTreeMap<String, u64>,
     errors: BTreeMap<u16, u64>,
+    /// The hit ratio no placement can beat on the prompts sent.
+    ceiling: Ceiling,
 }
 
 async fn run(args: RunArgs) {
@@ -480,6 +485,8 @@ async fn run(args: RunArgs) {
                 if let Some(n) = max_tokens {
                     body["max_tokens"] = json!(n);
                 }
+                let prompt_text = sim_cache::prompt_text(&body);
+                samples.lock().unwrap().ceiling.add(&prompt_text);
                 let mut req = client
                     .post(&url)
                     .header("x-gateway-inference-fairness-id", &tenant)
@@ -563,7 +570,8 @@ async fn run(args: RunArgs) {
         "{}",
         json!({"workload": format!("{:?}", args.workload), "seconds": secs,
                "throughput_rps": total as f64 / secs, "classes": classes,
-               "per_tenant": s.per_tenant, "errors": errors})
+               "per_tenant": s.per_tenant, "errors": errors,
+               "ceiling_hit_ratio": s.ceiling.hit_ratio()})
     );
 }
 

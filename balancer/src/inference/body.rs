@@ -120,13 +120,17 @@ async fn read_all(session: &mut Session, max: usize, metrics: &Metrics) -> Flow<
     if expects_continue {
         session.write_continue_response().await?;
     }
-    let mut buf = BytesMut::with_capacity(declared.unwrap_or(0));
+    // A body that comes in one chunk (most: Pingora reads it with the
+    // head) is kept as that chunk; only a second one makes a copy.
+    let mut first: Option<Bytes> = None;
+    let mut buf = BytesMut::new();
     let mut armed = false;
     // The retry buffer is armed before the first byte (and so holds the
     // whole body) when the body is short or its length unknown.
     let whole = declared.is_none_or(|n| n <= PINGORA_RETRY_BUFFER);
     loop {
-        let remaining = declared.map_or(0, |n| n.saturating_sub(buf.len()));
+        let read_so_far = first.as_ref().map_or(buf.len(), Bytes::len);
+        let remaining = declared.map_or(0, |n| n.saturating_sub(read_so_far));
         if !armed && (declared.is_none() || remaining <= PINGORA_RETRY_BUFFER) {
             session.enable_retry_buffering();
             armed = true;
@@ -139,17 +143,26 @@ async fn read_all(session: &mut Session, max: usize, metrics: &Metrics) -> Flow<
         };
         match read {
             Some(chunk) => {
-                if buf.len() + chunk.len() > max {
+                if read_so_far + chunk.len() > max {
                     return Err(Refusal::too_large(max).into());
                 }
-                buf.extend_from_slice(&chunk);
+                if let Some(earlier) = first.take() {
+                    buf.reserve(declared.unwrap_or(0).max(earlier.len() + chunk.len()));
+                    buf.extend_from_slice(&earlier);
+                    buf.extend_from_slice(&chunk);
+                } else if buf.is_empty() {
+                    first = Some(chunk);
+                } else {
+                    buf.extend_from_slice(&chunk);
+                }
             }
             None => break,
         }
     }
+    let bytes = first.unwrap_or_else(|| buf.freeze());
     // Pingora drops a retry buffer that overflows, which only a chunked
     // body (armed from its first byte, length unknown) can make it do.
-    if declared.is_none() && buf.len() > PINGORA_RETRY_BUFFER {
+    if declared.is_none() && bytes.len() > PINGORA_RETRY_BUFFER {
         return Err(Refusal::new(
             StatusCode::LENGTH_REQUIRED,
             "invalid_request_error",
@@ -162,7 +175,7 @@ async fn read_all(session: &mut Session, max: usize, metrics: &Metrics) -> Flow<
         .into());
     }
     Ok(Body {
-        bytes: buf.freeze(),
+        bytes,
         in_retry_buffer: whole,
     })
 }

@@ -197,11 +197,11 @@ impl ResponseMeter {
             // At most the tail's worth, as for any body: an event can be
             // as long as an upstream makes it.
             let text = &events[events.len().saturating_sub(TAIL)..];
-            return said_in(find_usage(text, &USAGE), find_usage(text, &TIMINGS));
+            let (usage, timings) = usage_and_timings(text);
+            return said_in(usage, timings);
         }
         let last = &last[last.len().saturating_sub(TAIL)..];
-        let mut usage = find_usage::<WireUsage>(last, &USAGE);
-        let mut timings = find_usage::<Timings>(last, &TIMINGS);
+        let (mut usage, mut timings) = usage_and_timings(last);
         // A usage object the last chunk alone holds is the last one of the
         // joined tail too (and llama.cpp sends its timings in that chunk):
         // only one that began in an earlier chunk needs the chunks joined,
@@ -210,10 +210,9 @@ impl ResponseMeter {
             let mut joined = Vec::with_capacity(self.tail_len);
             self.tail.iter().for_each(|c| joined.extend_from_slice(c));
             let text = &joined[joined.len().saturating_sub(TAIL)..];
-            usage = find_usage::<WireUsage>(text, &USAGE);
-            if timings.is_none() {
-                timings = find_usage::<Timings>(text, &TIMINGS);
-            }
+            let (joined_usage, joined_timings) = usage_and_timings(text);
+            usage = joined_usage;
+            timings = timings.or(joined_timings);
         }
         said_in(usage, timings)
     }
@@ -374,6 +373,18 @@ fn first_id(text: &[u8]) -> Option<Box<[u8]>> {
     (end > 0 && rest[end] == b'"').then(|| rest[..end].into())
 }
 
+/// The last usage object of `text` and llama.cpp's `timings`. llama.cpp
+/// writes `timings` after `usage`, in its answers and in its last stream
+/// event alike, so once a usage object is found only what follows it is
+/// searched for them (the tail searched once, not twice); without one,
+/// all of it (llama.cpp's native routes and streams without usage).
+fn usage_and_timings(text: &[u8]) -> (Option<WireUsage>, Option<Timings>) {
+    match find_usage_at::<WireUsage>(text, &USAGE) {
+        Some((at, usage)) => (Some(usage), find_usage(&text[at..], &TIMINGS)),
+        None => (None, find_usage(text, &TIMINGS)),
+    }
+}
+
 /// The last `"usage": {...}` (or other `key`) object in `text` that
 /// parses; `"usage": null` (stream chunks before the last) is skipped.
 /// The keys are found forwards (memmem's forward search is vectorised,
@@ -381,9 +392,17 @@ fn first_id(text: &[u8]) -> Option<Box<[u8]>> {
 /// tail of every stream); the last is tried first, and only when it does
 /// not parse are the ones before it gathered, from the last.
 fn find_usage<T: serde::de::DeserializeOwned>(text: &[u8], key: &Finder<'_>) -> Option<T> {
+    find_usage_at(text, key).map(|(_, found)| found)
+}
+
+/// [`find_usage`], with where in `text` its key was found.
+fn find_usage_at<T: serde::de::DeserializeOwned>(
+    text: &[u8],
+    key: &Finder<'_>,
+) -> Option<(usize, T)> {
     let last = key.find_iter(text).last()?;
     if let Some(found) = object_after(text, last, key) {
-        return Some(found);
+        return Some((last, found));
     }
     // The key cannot overlap itself (it starts with a quote): every one
     // before the last ends before it.
@@ -391,7 +410,7 @@ fn find_usage<T: serde::de::DeserializeOwned>(text: &[u8], key: &Finder<'_>) -> 
     before
         .into_iter()
         .rev()
-        .find_map(|at| object_after(text, at, key))
+        .find_map(|at| Some((at, object_after(text, at, key)?)))
 }
 
 /// The object after `key` found at `at` in `text`, if one follows it and

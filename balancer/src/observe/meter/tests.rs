@@ -411,3 +411,20 @@ fn an_answer_shows_its_engines_speed() {
     let t = m.timing(&m.said(), Some(t0), t0).unwrap();
     assert_eq!((t.prefill, t.decode), (None, None));
 }
+
+#[test]
+fn llamacpp_timings_after_its_usage_are_read_with_it() {
+    // llama-server's answers, whole and streamed: usage, then timings
+    // (as captured from a real one, trimmed).
+    let whole = &br#"{"choices":[],"object":"chat.completion","usage":{"completion_tokens":20,"prompt_tokens":23,"total_tokens":43,"prompt_tokens_details":{"cached_tokens":3}},"id":"chatcmpl-1","timings":{"cache_n":3,"prompt_n":20,"prompt_ms":417.3,"predicted_n":20,"predicted_ms":1014.5}}"#[..];
+    let streamed = &b"data: {\"choices\":[],\"usage\":{\"completion_tokens\":20,\"prompt_tokens\":23,\"prompt_tokens_details\":{\"cached_tokens\":3}},\"timings\":{\"cache_n\":3,\"prompt_n\":20,\"prompt_ms\":417.3,\"predicted_n\":20,\"predicted_ms\":1014.5}}\n\ndata: [DONE]\n\n"[..];
+    for body in [whole, streamed] {
+        let mut m = ResponseMeter::default();
+        m.on_chunk(&Bytes::copy_from_slice(body), Instant::now());
+        let said = m.said();
+        let u = said.usage.expect("usage");
+        assert_eq!((u.prompt, u.completion, u.cached), (23, 20, 3));
+        let t = said.timings.expect("timings");
+        assert_eq!((t.prompt_n, t.predicted_n, t.cache_n), (20, 20, Some(3)));
+    }
+}

@@ -19,6 +19,7 @@
 //! - `loadgen epp`: Envoy's side of EPP mode at a fixed request rate, and
 //!   the decision latency it sees (`scripts/bench/epp`; see `epp.rs`).
 
+mod agentic;
 mod epp;
 mod proxy;
 
@@ -29,6 +30,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use clap::{Parser, Subcommand, ValueEnum};
 use flowgate_integration_tests::sim_cache::{self, Ceiling};
+
+use agentic::Conversation;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 
@@ -148,6 +151,20 @@ struct RunArgs {
     /// the last size. Default: groups of 8
     #[arg(long, value_delimiter = ',')]
     groups: Vec<usize>,
+    /// `agentic`: open loop, conversations started at this rate per
+    /// second (Poisson arrivals), each running its turns and ending; the
+    /// groups are as `--clients` closed-loop clients would hold them.
+    /// Default: closed loop, `--clients` conversations at a time
+    #[arg(long, value_parser = positive_rate)]
+    conversation_rate: Option<f64>,
+}
+
+/// A rate of conversations per second: finite and above zero.
+fn positive_rate(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(r) if r.is_finite() && r > 0.0 => Ok(r),
+        _ => Err(format!("{s:?} is not a rate above zero")),
+    }
 }
 
 /// The system-prompt group of client `i` (see `RunArgs::groups`).
@@ -410,27 +427,124 @@ struct Samples {
     ceiling: Ceiling,
 }
 
+/// What every request of a run shares: where it goes, how it is built,
+/// where its outcome is recorded.
+struct Sender {
+    client: reqwest::Client,
+    url: String,
+    model: String,
+    max_tokens: Option<u32>,
+    session_header: String,
+    samples: Arc<Mutex<Samples>>,
+    /// Requests that finish after it do not count.
+    until: Instant,
+}
+
+impl Sender {
+    /// Sends one streamed chat request of `messages` for `tenant` (a batch
+    /// request with `batch`; its conversation's `key` in the session
+    /// header, when both are set), reads the answer to its end and records
+    /// it.
+    async fn send(&self, messages: Vec<Value>, tenant: &str, batch: bool, key: &str) {
+        let mut body = json!({"stream": true, "messages": messages});
+        if !self.model.is_empty() {
+            body["model"] = json!(self.model);
+        }
+        if let Some(n) = self.max_tokens {
+            body["max_tokens"] = json!(n);
+        }
+        let prompt_text = sim_cache::prompt_text(&body);
+        self.samples.lock().unwrap().ceiling.add(&prompt_text);
+        let mut req = self
+            .client
+            .post(&self.url)
+            .header("x-gateway-inference-fairness-id", tenant)
+            .json(&body);
+        if batch {
+            req = req.header("x-gateway-inference-objective", "batch");
+        }
+        if !key.is_empty() && !self.session_header.is_empty() {
+            req = req.header(self.session_header.as_str(), key);
+        }
+        let sent = Instant::now();
+        let outcome = match req.send().await {
+            Ok(resp) if resp.status().is_success() => {
+                let mut body = resp.bytes_stream();
+                let mut ttft = None;
+                let mut ok = true;
+                while let Some(chunk) = body.next().await {
+                    match chunk {
+                        Ok(c) if ttft.is_none() && !c.is_empty() => {
+                            ttft = Some(sent.elapsed().as_secs_f64())
+                        }
+                        Ok(_) => {}
+                        Err(_) => ok = false,
+                    }
+                }
+                ttft.filter(|_| ok)
+                    .map(|t| (t, sent.elapsed().as_secs_f64()))
+                    .ok_or(0)
+            }
+            Ok(resp) => Err(resp.status().as_u16()),
+            Err(_) => Err(0),
+        };
+        let mut s = self.samples.lock().unwrap();
+        match outcome {
+            Ok((ttft, total)) => {
+                if Instant::now() <= self.until {
+                    let class = if batch { "batch" } else { "interactive" };
+                    s.ttft.entry(class).or_default().push(ttft);
+                    s.total.entry(class).or_default().push(total);
+                    *s.per_tenant.entry(tenant.to_string()).or_default() += 1;
+                }
+            }
+            Err(code) => *s.errors.entry(code).or_default() += 1,
+        }
+    }
+}
+
 async fn run(args: RunArgs) {
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(1024)
         .build()
         .expect("http client");
-    let url = format!("{}/v1/chat/completions", args.target.trim_end_matches('/'));
     let samples = Arc::new(Mutex::new(Samples::default()));
     let start = Instant::now();
     let until = start + Duration::from_secs(args.seconds);
+    let sender = Arc::new(Sender {
+        client,
+        url: format!("{}/v1/chat/completions", args.target.trim_end_matches('/')),
+        model: args.model.clone(),
+        max_tokens: args.max_tokens,
+        session_header: args.session_header.clone(),
+        samples: Arc::clone(&samples),
+        until,
+    });
     let mut tasks = Vec::new();
     let batch_clients = if args.workload == Workload::ChatBatch {
         args.clients
     } else {
         0
     };
-    for i in 0..args.clients + batch_clients {
+    let open_rate = args
+        .conversation_rate
+        .filter(|_| args.workload == Workload::Agentic);
+    if let Some(rate) = open_rate {
+        let open = agentic::open_loop(
+            Arc::clone(&sender),
+            rate,
+            args.clients,
+            args.groups.clone(),
+            args.seed,
+            until,
+        );
+        tasks.push(tokio::spawn(open));
+    }
+    let closed_clients = if open_rate.is_some() { 0 } else { args.clients };
+    for i in 0..closed_clients + batch_clients {
         let batch = i >= args.clients;
-        let (client, url, samples) = (client.clone(), url.clone(), Arc::clone(&samples));
-        let workload = args.workload;
-        let (model, max_tokens, repeat) = (args.model.clone(), args.max_tokens, args.system_repeat);
-        let session_header = args.session_header.clone();
+        let sender = Arc::clone(&sender);
+        let (workload, repeat) = (args.workload, args.system_repeat);
         let group = group_of(i, &args.groups);
         let mut rng = Rng((args.seed << 16) ^ ((i as u64 + 1) * 0x9E37_79B9));
         tasks.push(tokio::spawn(async move {
@@ -441,24 +555,23 @@ async fn run(args: RunArgs) {
             };
             let mut messages: Vec<serde_json::Value> = Vec::new();
             let mut n = 0u64;
-            // Agentic: this conversation's number, turns left, key.
-            let (mut conversation, mut turns_left, mut key) = (0u64, 0u64, String::new());
+            // This client's conversations so far, and the one it holds.
+            let (mut conversations, mut key) = (0u64, String::new());
+            let mut agent: Option<Conversation> = None;
             while Instant::now() < until {
                 n += 1;
                 let prompt = if workload == Workload::Agentic {
-                    if turns_left == 0 {
-                        conversation += 1;
-                        turns_left = 8 + rng.below(5);
-                        key = format!("agent-{i}-{conversation}-{}", rng.below(1 << 32));
-                        let first =
-                            format!("Task {key}: {}", "fix the failing build step. ".repeat(37));
-                        messages = vec![
-                            json!({"role": "system", "content": system_prompt(group, 80)}),
-                            json!({"role": "user", "content": first}),
-                        ];
+                    let turn = agent.as_mut().and_then(Conversation::next_turn);
+                    match turn {
+                        Some(turn) => turn,
+                        None => {
+                            conversations += 1;
+                            let name = format!("{i}-{conversations}");
+                            let started = agent.insert(Conversation::new(&name, group, &mut rng));
+                            key.clone_from(&started.key);
+                            started.next_turn().expect("a new conversation has turns")
+                        }
                     }
-                    turns_left -= 1;
-                    messages.clone()
                 } else if workload == Workload::Fixed {
                     vec![json!({"role": "user", "content": "hi"})]
                 } else if batch || workload == Workload::Random {
@@ -468,8 +581,8 @@ async fn run(args: RunArgs) {
                         "content": format!("{unique}{}", "lorem ipsum dolor ".repeat(len / 18))})]
                 } else {
                     if messages.is_empty() || messages.len() > 2 * TURNS {
-                        conversation += 1;
-                        key = format!("chat-{i}-{conversation}-{}", rng.below(1 << 32));
+                        conversations += 1;
+                        key = format!("chat-{i}-{conversations}-{}", rng.below(1 << 32));
                         let k = (i + rng.below(2) as usize) % SYSTEM_PROMPTS;
                         messages =
                             vec![json!({"role": "system", "content": system_prompt(k, repeat)})];
@@ -478,72 +591,12 @@ async fn run(args: RunArgs) {
                         "content": format!("Question {n} from client {i}?")}));
                     messages.clone()
                 };
-                let mut body = json!({"stream": true, "messages": prompt});
-                if !model.is_empty() {
-                    body["model"] = json!(model);
-                }
-                if let Some(n) = max_tokens {
-                    body["max_tokens"] = json!(n);
-                }
-                let prompt_text = sim_cache::prompt_text(&body);
-                samples.lock().unwrap().ceiling.add(&prompt_text);
-                let mut req = client
-                    .post(&url)
-                    .header("x-gateway-inference-fairness-id", &tenant)
-                    .json(&body);
-                if batch {
-                    req = req.header("x-gateway-inference-objective", "batch");
-                }
-                if !key.is_empty() && !session_header.is_empty() {
-                    req = req.header(session_header.as_str(), key.as_str());
-                }
-                let sent = Instant::now();
-                let outcome = match req.send().await {
-                    Ok(resp) if resp.status().is_success() => {
-                        let mut body = resp.bytes_stream();
-                        let mut ttft = None;
-                        let mut ok = true;
-                        while let Some(chunk) = body.next().await {
-                            match chunk {
-                                Ok(c) if ttft.is_none() && !c.is_empty() => {
-                                    ttft = Some(sent.elapsed().as_secs_f64())
-                                }
-                                Ok(_) => {}
-                                Err(_) => ok = false,
-                            }
-                        }
-                        ttft.filter(|_| ok)
-                            .map(|t| (t, sent.elapsed().as_secs_f64()))
-                            .ok_or(0)
-                    }
-                    Ok(resp) => Err(resp.status().as_u16()),
-                    Err(_) => Err(0),
-                };
-                let mut s = samples.lock().unwrap();
-                match outcome {
-                    Ok((ttft, total)) => {
-                        // Requests that finish after the end do not count.
-                        if Instant::now() <= until {
-                            let class = if batch { "batch" } else { "interactive" };
-                            s.ttft.entry(class).or_default().push(ttft);
-                            s.total.entry(class).or_default().push(total);
-                            *s.per_tenant.entry(tenant.clone()).or_default() += 1;
-                        }
-                    }
-                    Err(code) => *s.errors.entry(code).or_default() += 1,
-                }
-                drop(s);
+                sender.send(prompt, &tenant, batch, &key).await;
                 if !batch && matches!(workload, Workload::Chat | Workload::ChatBatch) {
                     messages.push(json!({"role": "assistant", "content": "Noted."}));
                 }
-                if workload == Workload::Agentic {
-                    // The answer, then what the tool said: 1-2 KB.
-                    let tool = format!(
-                        "$ make test # {n}\n{}",
-                        "ok test_case passed in 3ms\n".repeat(40 + rng.below(40) as usize)
-                    );
-                    messages.push(json!({"role": "assistant", "content": "Running the tests."}));
-                    messages.push(json!({"role": "user", "content": tool}));
+                if let Some(agent) = agent.as_mut() {
+                    agent.answered(n, &mut rng);
                 }
             }
         }));

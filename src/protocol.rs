@@ -98,6 +98,13 @@ pub struct AgentReport {
     /// them, less the busy ones the balancer did not send.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slot_share: Option<u32>,
+    /// How many balancers the agent reports to. A balancer that every
+    /// agent names as the only one places a conversation's first turn
+    /// beside its prompt's cached beginning; with others (or an agent
+    /// that does not say) at its session's rendezvous home, which every
+    /// balancer computes alike (see [`crate::session`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub balancers: Option<u32>,
 }
 
 /// Why a report was refused. Mapped to HTTP 400 at the edge.
@@ -235,6 +242,7 @@ pub(crate) mod tests {
             draining: false,
             last_error: None,
             slot_share: None,
+            balancers: None,
         }
     }
 

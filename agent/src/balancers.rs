@@ -217,8 +217,12 @@ impl Balancers {
     /// Divides the slots by what the balancers last answered, and hands
     /// `report` with each one's share to every balancer's task; returns
     /// its number.
-    pub fn publish(&mut self, report: AgentReport) -> u64 {
+    pub fn publish(&mut self, mut report: AgentReport) -> u64 {
         self.published += 1;
+        // Every balancer named, answering or not: one that stopped may be
+        // back at any moment, and until it is left out of the division the
+        // others still share the fleet with it.
+        report.balancers = Some(u32::try_from(self.by_addr.len()).unwrap_or(u32::MAX));
         let shares = self.shares.as_mut().map(|ledger| {
             for (addr, b) in &self.by_addr {
                 let answer = b.answer.lock().unwrap_or_else(|e| e.into_inner());
@@ -382,5 +386,34 @@ mod tests {
         assert!(names(&args(&["b"])).is_err());
         assert!(names(&args(&["http://b:1/x"])).is_err());
         assert!(names(&args(&[" , "])).is_err());
+    }
+
+    fn report() -> AgentReport {
+        serde_json::from_value(serde_json::json!({
+            "protocol_version": flowgate::PROTOCOL_VERSION, "agent_id": "a", "name": "a",
+            "backend": "llamacpp", "external_addr": "127.0.0.1:9", "models": [],
+            "health": "ready", "slots_total": 4, "slots_busy": 0, "requests_waiting": 0,
+            "monitoring_interval_ms": 1000
+        }))
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn every_report_says_how_many_balancers_it_goes_to() {
+        let mut b = Balancers::new(Client::new(), "a".into(), None, true);
+        let said = |b: &Balancers| {
+            let latest = b.latest.borrow();
+            latest.as_ref().map(|(_, r, _)| r.balancers)
+        };
+        // Ports nothing listens on: named balancers count, answering or not.
+        let mut resolved = Resolved::new();
+        resolved.insert("one".into(), ["127.0.0.1:9".parse().unwrap()].into());
+        b.apply(&resolved);
+        b.publish(report());
+        assert_eq!(said(&b), Some(Some(1)));
+        resolved.insert("two".into(), ["127.0.0.1:10".parse().unwrap()].into());
+        b.apply(&resolved);
+        b.publish(report());
+        assert_eq!(said(&b), Some(Some(2)));
     }
 }

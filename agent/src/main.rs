@@ -230,6 +230,7 @@ fn report_of(
         draining,
         last_error: status.last_error,
         slot_share: None,
+        balancers: None,
     }
 }
 

@@ -22,5 +22,6 @@ pub fn report(i: u32, slots: u32) -> AgentReport {
         draining: false,
         last_error: None,
         slot_share: None,
+        balancers: None,
     }
 }

@@ -7,7 +7,9 @@
 //! others makes every turn of each of its conversations wait longer (9
 //! against 7 conversations per server: ×1.22 the mean wait, BENCHMARKS.md).
 //! When a slot is free the first turn goes to the session's rendezvous home
-//! ([`super::selection`]) or wherever a slot is. When none is, the slot that
+//! ([`super::selection`]; on a balancer alone in the fleet, beside its
+//! cached prompt when an endpoint holds its beginning) or wherever a slot
+//! is. When none is, the slot that
 //! frees first would be luck; instead, a session named by its client whose
 //! first turn must queue is given its home as it arrives: among the
 //! endpoints of its model within one request of the least work per slot

@@ -277,6 +277,9 @@ pub(crate) struct EndpointLedger {
     /// Endpoints whose circuit breaker remembers a failure ([`breaker`]):
     /// while there are none, a success has nothing to record.
     failing: usize,
+    /// Until when some agent said it reports to other balancers too, or
+    /// did not say ([`EndpointLedger::alone`]).
+    shared_until: Option<Instant>,
 }
 
 impl Default for EndpointLedger {
@@ -301,6 +304,7 @@ impl EndpointLedger {
             holders: PrefixHolders::default(),
             sessions: SessionTable::new(&scheduling.sessions),
             failing: 0,
+            shared_until: None,
         }
     }
 
@@ -439,6 +443,11 @@ impl EndpointLedger {
                 }
             }
         }
+        if report.balancers != Some(1) {
+            // As long as the agent is not stale.
+            let until = now + report.monitoring_interval() * STALE_AFTER_INTERVALS;
+            self.shared_until = Some(self.shared_until.map_or(until, |t| t.max(until)));
+        }
         self.by_agent.insert(report.agent_id.clone(), id);
         self.ranking.set_models(id, &report.models);
         ep.agent = Some(AgentState {
@@ -447,6 +456,13 @@ impl EndpointLedger {
         });
         self.rerank(id);
         outcome
+    }
+
+    /// Whether this balancer is the fleet's only one: every agent that
+    /// reported within its staleness window names no other. Then no other
+    /// balancer needs to find a conversation where it would look for it.
+    pub(crate) fn alone(&self, now: Instant) -> bool {
+        self.shared_until.is_none_or(|until| now >= until)
     }
 
     fn detach_agent_from(&mut self, id: EndpointId) {

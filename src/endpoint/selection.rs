@@ -215,9 +215,13 @@ impl EndpointLedger {
                         self.sessions.release(session);
                     }
                     // A conversation found by its prompt, no longer where
-                    // it was, goes by its prompt as any keyless request.
+                    // it was, goes by its prompt as any keyless request;
+                    // so does one whose prompt is cached, on a balancer
+                    // alone in the fleet.
                     match self.session_home(route, session, now) {
-                        Some(home) if !route.session_by_prompt => {
+                        Some(home)
+                            if !route.session_by_prompt && !self.goes_by_prompt(route, now) =>
+                        {
                             return Choice::Endpoint(home);
                         }
                         _ => None,
@@ -245,7 +249,9 @@ impl EndpointLedger {
     /// same fleet, so a conversation spread over several balancers by a
     /// front load balancer lands on one endpoint without any state shared
     /// between them. A saturated home is not waited for (no cache is known
-    /// there yet): the turn is placed by score and bound where it goes.
+    /// there yet): the turn is placed by score and bound where it goes. A
+    /// balancer alone in the fleet sends it by score as well when its
+    /// prompt is cached somewhere ([`EndpointLedger::choose`]).
     pub(super) fn session_home(
         &self,
         route: &Route,
@@ -257,6 +263,21 @@ impl EndpointLedger {
             .filter(|e| e.eligible(now))
             .max_by_key(|e| crate::session::rendezvous(session, e.addr))?;
         home.takes(route, now, &self.saturation).then_some(home.id)
+    }
+
+    /// Whether a session this balancer has not bound goes where its prompt
+    /// is cached rather than to its home: when no other balancer shares
+    /// the fleet (none needs to find the conversation at its home) and
+    /// some endpoint holds the prompt's first block (a system prompt its
+    /// group shares, or the conversation's own earlier turns). The turn is
+    /// then placed as a keyless one is, beside what it shares, instead of
+    /// prefilling a group's system prompt on one more server.
+    fn goes_by_prompt(&self, route: &Route, now: Instant) -> bool {
+        self.alone(now)
+            && route
+                .prefix
+                .first()
+                .is_some_and(|block| !self.holders.of(*block).is_empty())
     }
 
     /// Where `session`'s last turn went, as its next turn sees it (read

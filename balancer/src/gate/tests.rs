@@ -34,6 +34,7 @@ fn agent(id: &str, port: u16, model: &str) -> AgentReport {
         draining: false,
         last_error: None,
         slot_share: None,
+        balancers: None,
     }
 }
 

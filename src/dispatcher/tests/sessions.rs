@@ -320,6 +320,62 @@ fn two_balancers_send_a_new_session_to_the_same_home() {
     );
 }
 
+/// Four 4-slot endpoints whose agents each report to `balancers`
+/// balancers.
+fn four_servers_of(d: &mut Dispatcher<&'static str>, balancers: u32, now: Instant) {
+    for (id, port) in [("a", 1), ("b", 2), ("c", 3), ("d", 4)] {
+        let mut r = model_server(id, port, 4, &[]);
+        r.balancers = Some(balancers);
+        d.report(r, now).unwrap();
+    }
+}
+
+#[test]
+fn alone_a_new_session_goes_beside_its_cached_prompt_and_with_others_home() {
+    let t0 = Instant::now();
+    // A group's system prompt, then each conversation's own first message.
+    let first_turn = |session: u64| {
+        let mut r = in_session("t", session);
+        r.route.prefix = vec![0x5157, 0x5e55 ^ session];
+        r
+    };
+    for balancers in [1, 2] {
+        let mut d = dispatcher(30);
+        four_servers_of(&mut d, balancers, t0);
+        // The group's first conversation caches the system prompt, and
+        // runs on.
+        let running = ready(d.submit(first_turn(0), "first", t0));
+        let beside = (1..41u64)
+            .filter(|&session| {
+                let l = ready(d.submit(first_turn(session), "turn", t0));
+                let there = l.addr == running.addr;
+                d.release(l);
+                there
+            })
+            .count();
+        if balancers == 1 {
+            assert_eq!(beside, 40, "alone: every one beside the cached prompt");
+        } else {
+            // Rendezvous homes, the same on every balancer: a quarter.
+            assert!((4..=20).contains(&beside), "{beside} of 40 at home");
+        }
+        d.release(running);
+    }
+    // Another balancer named by one agent makes the fleet shared until that
+    // agent's report goes stale (three intervals of 1 s).
+    let mut d = dispatcher(30);
+    four_servers_of(&mut d, 1, t0);
+    assert!(d.ledger.alone(t0));
+    let mut r = model_server("a", 1, 4, &[]);
+    r.balancers = Some(2);
+    d.report(r, t0).unwrap();
+    assert!(!d.ledger.alone(t0 + Duration::from_millis(2_900)));
+    assert!(d.ledger.alone(t0 + Duration::from_secs(3)));
+    // An agent that does not say counts as one with others.
+    d.report(model_server("b", 2, 4, &[]), t0).unwrap();
+    assert!(!d.ledger.alone(t0 + Duration::from_secs(1)));
+}
+
 #[test]
 fn a_saturated_home_is_not_waited_for_and_one_leaving_moves_only_its_sessions() {
     let t0 = Instant::now();

@@ -32,6 +32,8 @@ pub(crate) async fn report_loop(base: String, cli: Cli, sims: Vec<(SocketAddr, A
                 draining: false,
                 last_error: None,
                 slot_share: None,
+                // `--report-to` names one balancer.
+                balancers: Some(1),
             };
             let mut req = client
                 .post(format!("{base}/api/v1/agents/{agent_id}/report"))

@@ -75,7 +75,8 @@ impl EndpointLedger {
             None if route.session_by_prompt || self.scheduling.sessions.max_sessions == 0 => {
                 return None;
             }
-            // Its rendezvous home takes it: the dispatch places it there.
+            // Its rendezvous home could take it: the dispatch places it
+            // (there, or by its prompt on a balancer alone in the fleet).
             None if self.session_home(route, session, now).is_some() => return None,
             None => {
                 let prompt = self.prompt_tokens(route);

@@ -443,17 +443,18 @@ impl EndpointLedger {
                 }
             }
         }
-        if report.balancers != Some(1) {
-            // As long as the agent is not stale.
-            let until = now + report.monitoring_interval() * STALE_AFTER_INTERVALS;
-            self.shared_until = Some(self.shared_until.map_or(until, |t| t.max(until)));
-        }
         self.by_agent.insert(report.agent_id.clone(), id);
         self.ranking.set_models(id, &report.models);
-        ep.agent = Some(AgentState {
+        let agent = AgentState {
             report,
             received_at: now,
-        });
+        };
+        if agent.report.balancers != Some(1) {
+            // As long as this agent is not stale.
+            let until = Endpoint::stale_deadline(&agent);
+            self.shared_until = Some(self.shared_until.map_or(until, |t| t.max(until)));
+        }
+        ep.agent = Some(agent);
         self.rerank(id);
         outcome
     }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::{group_of, system_prompt, Rng, Sender, TENANTS};
+use crate::{group_of, system_prompt, Rng, Sender};
 
 /// One conversation: its key and what it has said so far.
 pub struct Conversation {
@@ -80,7 +80,7 @@ pub async fn open_loop(
         }
         tokio::time::sleep_until(next.into()).await;
         let group = group_of(k % clients.max(1), &groups);
-        let tenant = format!("tenant-{}", k % TENANTS);
+        let tenant = sender.tenant(k);
         let sender = Arc::clone(&sender);
         let mut rng = Rng((seed << 16) ^ ((k as u64 + 1) * 0x9E37_79B9));
         conversations.push(tokio::spawn(async move {

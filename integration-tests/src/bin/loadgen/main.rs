@@ -157,6 +157,17 @@ struct RunArgs {
     /// Default: closed loop, `--clients` conversations at a time
     #[arg(long, value_parser = positive_rate)]
     conversation_rate: Option<f64>,
+    /// Tenants the clients (or conversations) take in turn, in
+    /// `x-gateway-inference-fairness-id`: `tenant-0` ..
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..))]
+    tenants: u16,
+    /// Write one JSON line per answered request to this file: when it was
+    /// sent (seconds into the run), its TTFT and total time, its session
+    /// key, its message count, and where Flowgate says it went (the
+    /// request asks `x-flowgate-debug: scores`; the balancer must allow it,
+    /// `scheduling.explain`)
+    #[arg(long)]
+    trace: Option<std::path::PathBuf>,
 }
 
 /// A rate of conversations per second: finite and above zero.
@@ -403,7 +414,6 @@ impl Rng {
     }
 }
 
-const TENANTS: usize = 4;
 const SYSTEM_PROMPTS: usize = 8;
 const TURNS: usize = 6;
 
@@ -425,6 +435,8 @@ struct Samples {
     errors: BTreeMap<u16, u64>,
     /// The hit ratio no placement can beat on the prompts sent.
     ceiling: Ceiling,
+    /// `--trace`: one JSON line per answered request.
+    trace: Vec<String>,
 }
 
 /// What every request of a run shares: where it goes, how it is built,
@@ -438,9 +450,18 @@ struct Sender {
     samples: Arc<Mutex<Samples>>,
     /// Requests that finish after it do not count.
     until: Instant,
+    /// When the run started (`--trace` times are from it).
+    start: Instant,
+    tenants: usize,
+    trace: bool,
 }
 
 impl Sender {
+    /// The tenant of the `k`th client or conversation.
+    fn tenant(&self, k: usize) -> String {
+        format!("tenant-{}", k % self.tenants)
+    }
+
     /// Sends one streamed chat request of `messages` for `tenant` (a batch
     /// request with `batch`; its conversation's `key` in the session
     /// header, when both are set), reads the answer to its end and records
@@ -466,9 +487,25 @@ impl Sender {
         if !key.is_empty() && !self.session_header.is_empty() {
             req = req.header(self.session_header.as_str(), key);
         }
+        if self.trace {
+            req = req.header("x-flowgate-debug", "scores");
+        }
+        let turn_messages = body["messages"].as_array().map_or(0, Vec::len);
         let sent = Instant::now();
+        let mut went = (Value::Null, Value::Null);
         let outcome = match req.send().await {
             Ok(resp) if resp.status().is_success() => {
+                if self.trace {
+                    let header = |name| resp.headers().get(name).and_then(|v| v.to_str().ok());
+                    went = (
+                        header("x-flowgate-scores")
+                            .and_then(|v| serde_json::from_str::<Value>(v).ok())
+                            .map_or(Value::Null, |v| v["endpoint"].clone()),
+                        header("x-flowgate-wait-ms")
+                            .and_then(|v| v.parse::<u64>().ok())
+                            .map_or(Value::Null, Value::from),
+                    );
+                }
                 let mut body = resp.bytes_stream();
                 let mut ttft = None;
                 let mut ok = true;
@@ -491,6 +528,12 @@ impl Sender {
         let mut s = self.samples.lock().unwrap();
         match outcome {
             Ok((ttft, total)) => {
+                if self.trace {
+                    let line = json!({"sent_s": (sent - self.start).as_secs_f64(), "ttft_s": ttft,
+                        "total_s": total, "session": key, "messages": turn_messages,
+                        "endpoint": went.0, "wait_ms": went.1});
+                    s.trace.push(line.to_string());
+                }
                 if Instant::now() <= self.until {
                     let class = if batch { "batch" } else { "interactive" };
                     s.ttft.entry(class).or_default().push(ttft);
@@ -519,6 +562,9 @@ async fn run(args: RunArgs) {
         session_header: args.session_header.clone(),
         samples: Arc::clone(&samples),
         until,
+        start,
+        tenants: usize::from(args.tenants),
+        trace: args.trace.is_some(),
     });
     let mut tasks = Vec::new();
     let batch_clients = if args.workload == Workload::ChatBatch {
@@ -551,7 +597,7 @@ async fn run(args: RunArgs) {
             let tenant = if batch {
                 "batch".to_string()
             } else {
-                format!("tenant-{}", i % TENANTS)
+                sender.tenant(i)
             };
             let mut messages: Vec<serde_json::Value> = Vec::new();
             let mut n = 0u64;
@@ -605,6 +651,14 @@ async fn run(args: RunArgs) {
         let _ = t.await;
     }
     let s = samples.lock().unwrap();
+    if let Some(path) = &args.trace {
+        let mut lines = s.trace.join("\n");
+        lines.push('\n');
+        if let Err(e) = std::fs::write(path, lines) {
+            eprintln!("loadgen: cannot write the trace to {}: {e}", path.display());
+            std::process::exit(1);
+        }
+    }
     let secs = args.seconds as f64;
     let mut classes = serde_json::Map::new();
     for (class, v) in &s.ttft {

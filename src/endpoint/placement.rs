@@ -219,7 +219,7 @@ impl EndpointLedger {
                 // Its conversation is on a saturated endpoint.
                 SessionPlace::Saturated(id) => bound = Some(id),
                 SessionPlace::Gone | SessionPlace::None
-                    if self.session_home(route, session, now).is_some() =>
+                    if self.goes_home(route, session, now).is_some() =>
                 {
                     return Home::Yes
                 }

@@ -218,14 +218,10 @@ impl EndpointLedger {
                     // it was, goes by its prompt as any keyless request;
                     // so does one whose prompt is cached, on a balancer
                     // alone in the fleet.
-                    match self.session_home(route, session, now) {
-                        Some(home)
-                            if !route.session_by_prompt && !self.goes_by_prompt(route, now) =>
-                        {
-                            return Choice::Endpoint(home);
-                        }
-                        _ => None,
+                    if let Some(home) = self.goes_home(route, session, now) {
+                        return Choice::Endpoint(home);
                     }
+                    None
                 }
             },
         };
@@ -263,6 +259,22 @@ impl EndpointLedger {
             .filter(|e| e.eligible(now))
             .max_by_key(|e| crate::session::rendezvous(session, e.addr))?;
         home.takes(route, now, &self.saturation).then_some(home.id)
+    }
+
+    /// The rendezvous home a session this balancer has not bound goes to
+    /// now, if any: while the home takes it, unless the session was found
+    /// by its prompt or its prompt is cached on a balancer alone in the
+    /// fleet (then the scorers place it, beside its cache).
+    pub(super) fn goes_home(
+        &self,
+        route: &Route,
+        session: u64,
+        now: Instant,
+    ) -> Option<EndpointId> {
+        if route.session_by_prompt || self.goes_by_prompt(route, now) {
+            return None;
+        }
+        self.session_home(route, session, now)
     }
 
     /// Whether a session this balancer has not bound goes where its prompt

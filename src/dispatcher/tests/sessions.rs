@@ -376,6 +376,59 @@ fn alone_a_new_session_goes_beside_its_cached_prompt_and_with_others_home() {
     assert!(!d.ledger.alone(t0 + Duration::from_secs(1)));
 }
 
+/// On a balancer alone in the fleet, a new conversation whose group's
+/// prompt a busy endpoint holds waits for it when that is predicted
+/// quicker, even while its rendezvous home is free: the dispatch pass that
+/// serves requests at home first does not take it for one.
+#[test]
+fn alone_a_first_turn_held_for_its_cached_prompt_is_not_at_its_home() {
+    let t0 = Instant::now();
+    let first_turn = |session: u64| {
+        let mut r = in_session("t", session);
+        r.route.prefix = vec![0x5157, 0x5e55 ^ session];
+        r
+    };
+    let mut d = dispatcher(30);
+    for (id, port) in [("a", 1), ("b", 2), ("c", 3)] {
+        let mut r = model_server(id, port, 1, &[]);
+        r.balancers = Some(1);
+        d.report(r, t0).unwrap();
+    }
+    // The group's first conversation caches the system prompt, and runs.
+    let running = ready(d.submit(first_turn(0), "first", t0));
+    // A conversation of the same group whose rendezvous home is free.
+    let session = (1..100u64)
+        .find(|&s| {
+            let home = (1..=3u16)
+                .map(|port| std::net::SocketAddr::from(([127, 0, 0, 1], port)))
+                .max_by_key(|&addr| crate::session::rendezvous(s, addr));
+            home != Some(running.addr)
+        })
+        .expect("some session's home is another endpoint");
+    assert!(matches!(
+        d.submit(first_turn(session), "second", t0),
+        Admission::Queued { .. }
+    ));
+    assert!(d.dispatch(t0).is_empty(), "held for the cached prompt");
+    // A request of no session comes; the pass that serves requests at home
+    // first runs (some request is held).
+    assert!(matches!(
+        d.submit(anon(), "other", t0 + 10 * MS),
+        Admission::Queued { .. }
+    ));
+    let done = d.dispatch(t0 + 10 * MS);
+    let waiters: Vec<&str> = done.iter().map(|d| d.waiter).collect();
+    assert_eq!(waiters, ["other"], "the held first turn still waits");
+    let other = done.into_iter().next().unwrap().result.unwrap();
+    d.release(running);
+    let done = d.dispatch(t0 + 20 * MS);
+    assert_eq!(done.len(), 1);
+    let lease = done.into_iter().next().unwrap().result.unwrap();
+    assert_eq!(lease.addr.port(), 1, "served beside its group's prompt");
+    d.release(lease);
+    d.release(other);
+}
+
 #[test]
 fn a_saturated_home_is_not_waited_for_and_one_leaving_moves_only_its_sessions() {
     let t0 = Instant::now();

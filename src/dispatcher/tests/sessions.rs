@@ -330,15 +330,17 @@ fn four_servers_of(d: &mut Dispatcher<&'static str>, balancers: u32, now: Instan
     }
 }
 
+/// The first turn of a conversation of a group: the group's system
+/// prompt, then the conversation's own first message.
+fn first_turn(session: u64) -> RequestMeta {
+    let mut r = in_session("t", session);
+    r.route.prefix = vec![0x5157, 0x5e55 ^ session];
+    r
+}
+
 #[test]
 fn alone_a_new_session_goes_beside_its_cached_prompt_and_with_others_home() {
     let t0 = Instant::now();
-    // A group's system prompt, then each conversation's own first message.
-    let first_turn = |session: u64| {
-        let mut r = in_session("t", session);
-        r.route.prefix = vec![0x5157, 0x5e55 ^ session];
-        r
-    };
     for balancers in [1, 2] {
         let mut d = dispatcher(30);
         four_servers_of(&mut d, balancers, t0);
@@ -383,11 +385,6 @@ fn alone_a_new_session_goes_beside_its_cached_prompt_and_with_others_home() {
 #[test]
 fn alone_a_first_turn_held_for_its_cached_prompt_is_not_at_its_home() {
     let t0 = Instant::now();
-    let first_turn = |session: u64| {
-        let mut r = in_session("t", session);
-        r.route.prefix = vec![0x5157, 0x5e55 ^ session];
-        r
-    };
     let mut d = dispatcher(30);
     for (id, port) in [("a", 1), ("b", 2), ("c", 3)] {
         let mut r = model_server(id, port, 1, &[]);

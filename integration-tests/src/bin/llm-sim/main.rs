@@ -189,6 +189,9 @@ struct Stats {
 
 struct Sim {
     cli: Cli,
+    /// `x-sim-server` on every answer: the address this server listens on,
+    /// so a load generator sees where any router sent a request.
+    server: hyper::header::HeaderValue,
     started: Instant,
     engine: Arc<Engine>,
     processing: AtomicU64,
@@ -407,7 +410,8 @@ impl Sim {
 
 async fn route(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
     let path = req.uri().path().to_string();
-    let resp = match (req.method(), path.as_str()) {
+    let server = sim.server.clone();
+    let mut resp = match (req.method(), path.as_str()) {
         (&Method::GET, "/health") => {
             if sim.started.elapsed() < Duration::from_millis(sim.cli.loading_ms) {
                 json_resp(
@@ -451,6 +455,7 @@ async fn route(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>, 
             json!({"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}}),
         ),
     };
+    resp.headers_mut().insert("x-sim-server", server);
     Ok(resp)
 }
 
@@ -705,6 +710,8 @@ async fn serve(cli: Cli) {
                 decode_slowdown: cli.decode_slowdown,
             }),
             cli: cli.clone(),
+            server: hyper::header::HeaderValue::from_str(&addr.to_string())
+                .expect("a socket address is a header value"),
             started: Instant::now(),
             processing: AtomicU64::new(0),
             deferred: AtomicU64::new(0),

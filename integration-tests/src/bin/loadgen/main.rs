@@ -163,9 +163,10 @@ struct RunArgs {
     tenants: u16,
     /// Write one JSON line per answered request to this file: when it was
     /// sent (seconds into the run), its TTFT and total time, its session
-    /// key, its message count, and where Flowgate says it went (the
-    /// request asks `x-flowgate-debug: scores`; the balancer must allow it,
-    /// `scheduling.explain`)
+    /// key, its message count, and where it went: the endpoint Flowgate
+    /// names (the request asks `x-flowgate-debug: scores`; the balancer
+    /// must allow it, `scheduling.explain`), else llm-sim's `x-sim-server`
+    /// when the router passes it on
     #[arg(long)]
     trace: Option<std::path::PathBuf>,
 }
@@ -500,7 +501,9 @@ impl Sender {
                     went = (
                         header("x-flowgate-scores")
                             .and_then(|v| serde_json::from_str::<Value>(v).ok())
-                            .map_or(Value::Null, |v| v["endpoint"].clone()),
+                            .map(|v| v["endpoint"].clone())
+                            .or_else(|| header("x-sim-server").map(Value::from))
+                            .unwrap_or(Value::Null),
                         header("x-flowgate-wait-ms")
                             .and_then(|v| v.parse::<u64>().ok())
                             .map_or(Value::Null, Value::from),

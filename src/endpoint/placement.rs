@@ -219,7 +219,7 @@ impl EndpointLedger {
                 // Its conversation is on a saturated endpoint.
                 SessionPlace::Saturated(id) => bound = Some(id),
                 SessionPlace::Gone | SessionPlace::None
-                    if self.goes_home(route, session, now).is_some() =>
+                    if self.at_rendezvous_home(route, session, now) =>
                 {
                     return Home::Yes
                 }

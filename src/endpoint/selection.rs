@@ -218,8 +218,10 @@ impl EndpointLedger {
                     // it was, goes by its prompt as any keyless request;
                     // so does one whose prompt is cached, on a balancer
                     // alone in the fleet.
-                    if let Some(home) = self.goes_home(route, session, now) {
-                        return Choice::Endpoint(home);
+                    if !route.session_by_prompt {
+                        if let Some(home) = self.goes_home(route, session, now) {
+                            return Choice::Endpoint(home);
+                        }
                     }
                     None
                 }
@@ -261,20 +263,32 @@ impl EndpointLedger {
         home.takes(route, now, &self.saturation).then_some(home.id)
     }
 
-    /// The rendezvous home a session this balancer has not bound goes to
-    /// now, if any: while the home takes it, unless the session was found
-    /// by its prompt or its prompt is cached on a balancer alone in the
-    /// fleet (then the scorers place it, beside its cache).
+    /// The rendezvous home the first turn of a session named by its
+    /// client goes to now, if any: while the home takes it, unless its
+    /// prompt is cached on a balancer alone in the fleet (then the scorers
+    /// place it, beside its cache).
     pub(super) fn goes_home(
         &self,
         route: &Route,
         session: u64,
         now: Instant,
     ) -> Option<EndpointId> {
-        if route.session_by_prompt || self.goes_by_prompt(route, now) {
+        if self.goes_by_prompt(route, now) {
             return None;
         }
         self.session_home(route, session, now)
+    }
+
+    /// Whether a session this balancer has not bound is at home now, for
+    /// the dispatch step that serves requests at home first: a client's
+    /// first turn where it goes ([`EndpointLedger::goes_home`]); a
+    /// conversation found by its prompt while its rendezvous home takes it.
+    pub(super) fn at_rendezvous_home(&self, route: &Route, session: u64, now: Instant) -> bool {
+        if route.session_by_prompt {
+            self.session_home(route, session, now).is_some()
+        } else {
+            self.goes_home(route, session, now).is_some()
+        }
     }
 
     /// Whether a session this balancer has not bound goes where its prompt

@@ -267,12 +267,7 @@ impl EndpointLedger {
     /// client goes to now, if any: while the home takes it, unless its
     /// prompt is cached on a balancer alone in the fleet (then the scorers
     /// place it, beside its cache).
-    pub(super) fn goes_home(
-        &self,
-        route: &Route,
-        session: u64,
-        now: Instant,
-    ) -> Option<EndpointId> {
+    fn goes_home(&self, route: &Route, session: u64, now: Instant) -> Option<EndpointId> {
         if self.goes_by_prompt(route, now) {
             return None;
         }

@@ -24,8 +24,9 @@
 //!   pass counted in its wait) waits for that endpoint rather than be
 //!   prefilled again elsewhere, at most `scheduling.affinity_hold` and half
 //!   its time left to its deadline from the first time it was passed over;
-//!   meanwhile the next requests of its flow (up to [`LOOK_AHEAD`]) and
-//!   other flows of its band may take the free slot.
+//!   meanwhile the next requests of its flow (up to [`LOOK_AHEAD`], or
+//!   [`BEHIND_HOLDS`] when none of those takes it) and other flows of its
+//!   band may take the free slot.
 //! - At home first: a free slot goes first to a queued request of the
 //!   highest waiting priority that is at home there (no busy endpoint holds
 //!   more of its prompt, its session's endpoint takes it), before a request
@@ -91,6 +92,14 @@ const LOOK_AHEAD: usize = 4;
 /// Affinity holds per dispatch pass, which bounds its cost; past it,
 /// requests go where there is room.
 const MAX_HOLDS_PER_PASS: usize = 32;
+
+/// How many requests of each flow a pass looks at once the first
+/// [`LOOK_AHEAD`] of every flow found no request to take a free slot (all
+/// held for a busy endpoint, or busy): past every request a pass may hold,
+/// so a slot no request looked at wants does not idle while a request
+/// behind them would take it. Only then: a tenant's requests pass its
+/// held ones no further while others could go.
+const BEHIND_HOLDS: usize = LOOK_AHEAD + MAX_HOLDS_PER_PASS;
 
 /// Everything the dispatcher needs to know.
 #[derive(Debug, Clone, PartialEq)]
@@ -378,17 +387,27 @@ impl<T> Dispatcher<T> {
         // Requests held for each endpoint in this pass: the next one held
         // for it waits behind them.
         let mut waits = Waits::default();
+        let mut depth = LOOK_AHEAD;
         loop {
             let next = if stuck.is_empty() && held.is_empty() {
                 self.queues.peek()
             } else {
-                self.queues.peek_where(LOOK_AHEAD, |ticket, w| {
+                self.queues.peek_where(depth, |ticket, w| {
                     w.priority >= floor
                         && !held.contains(&ticket)
                         && !stuck.iter().any(|r| r.same_targets(&w.route))
                 })
             };
-            let Some(ticket) = next else { break };
+            let Some(ticket) = next else {
+                // Every request looked at waits for another endpoint, yet
+                // a slot is free: one behind them takes it rather than
+                // let it idle (no request looked at wants it).
+                if depth == LOOK_AHEAD && !held.is_empty() && self.ledger.any_available(now) {
+                    depth = BEHIND_HOLDS;
+                    continue;
+                }
+                break;
+            };
             if !held.is_empty() {
                 if let Some(slow) = self.unfairly_passed(held.iter().copied(), ticket) {
                     held.remove(&slow);

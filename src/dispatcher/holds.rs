@@ -168,3 +168,14 @@ impl<T> Dispatcher<T> {
         std::mem::take(&mut self.new_holds)
     }
 }
+
+#[cfg(test)]
+impl<T> Dispatcher<T> {
+    /// Whether a queued request is in an affinity hold now.
+    pub(crate) fn in_hold(&self, ticket: Ticket, now: Instant) -> bool {
+        self.queues
+            .get(ticket)
+            .and_then(|w| w.hold_until)
+            .is_some_and(|end| now < end)
+    }
+}

@@ -2,7 +2,8 @@
 //! busy server that has its prompt exactly while that is predicted to be
 //! sooner than a prefill elsewhere (the wait-or-go rule), never past its
 //! bound or half its time left, never letting lower priorities pass; and a
-//! property test that a free slot idles only for a held request.
+//! property test that a free slot idles only while every request that
+//! may take it is held.
 
 use super::*;
 
@@ -241,6 +242,32 @@ fn requests_for_one_busy_server_wait_only_while_its_queue_beats_a_prefill() {
 }
 
 #[test]
+fn a_slot_no_held_request_wants_goes_to_a_request_behind_them_in_their_flow() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    d.report(model_server("a", 1, 1, &[]), t0).unwrap();
+    let home = ready(d.submit(with_prompt("t", 0, &[1, 2, 3]), "first", t0));
+    // One tenant: more of its requests wait for a's cache (each is
+    // quicker there than prefilling again, as in the test above) than a
+    // pass looks at in a flow before it gives up.
+    let turns = ["turn-1", "turn-2", "turn-3", "turn-4", "turn-5", "turn-6"];
+    for turn in turns {
+        queued(d.submit(with_prompt("t", 0, &[1, 2, 3, 4]), turn, t0));
+    }
+    queued(d.submit(with_prompt("t", 0, &[70]), "fresh", t0));
+    d.report(model_server("b", 2, 1, &[]), t0).unwrap();
+    // b frees: none of the held turns wants it, the request behind them
+    // does, and b does not idle until a's hold ends.
+    assert_eq!(granted(&d.dispatch(t0)), ["fresh"]);
+    d.release(home);
+    assert_eq!(
+        granted(&d.dispatch(t0)),
+        ["turn-1"],
+        "a's cache still waited for"
+    );
+}
+
+#[test]
 fn a_held_request_keeps_lower_priorities_waiting() {
     let t0 = Instant::now();
     let mut d = dispatcher(30);
@@ -329,8 +356,8 @@ mod properties {
         /// engines whose costs change: whatever happens, every request
         /// ends once, none is served after its deadline, none passes a
         /// waiting request of higher priority, a free slot idles only
-        /// while a request is held for another server, and no hold lasts
-        /// past its bound.
+        /// while every request of the highest waiting priority is held
+        /// for another server, and no hold lasts past its bound.
         #[test]
         fn a_free_slot_idles_only_for_a_held_request_and_priorities_stay_strict(
             ops in proptest::collection::vec(op(), 1..200),
@@ -348,6 +375,7 @@ mod properties {
             let mut ended: HashSet<usize> = HashSet::new();
             // id → (priority, deadline) of requests queued now.
             let mut waiting: BTreeMap<usize, (i32, Instant)> = BTreeMap::new();
+            let mut tickets: HashMap<usize, Ticket> = HashMap::new();
             let mut leases: Vec<Lease> = Vec::new();
             for op in ops {
                 match op {
@@ -365,8 +393,9 @@ mod properties {
                                 ended.insert(id);
                                 leases.push(lease);
                             }
-                            Admission::Queued { .. } => {
+                            Admission::Queued { ticket, .. } => {
                                 waiting.insert(id, (i32::from(priority), deadline));
+                                tickets.insert(id, ticket);
                             }
                             Admission::Rejected(_) => {
                                 ended.insert(id);
@@ -416,10 +445,16 @@ mod properties {
                     .endpoints(now)
                     .into_iter()
                     .find(|e| e.eligible && e.saturation.is_none());
-                prop_assert!(
-                    waiting.is_empty() || free.is_none() || hold_end.is_some(),
-                    "{} wait while {:?} is free and nothing is held", waiting.len(), free
-                );
+                // Of the requests that may take it (the highest waiting
+                // priority), each one waits for another server's cache.
+                if free.is_some() {
+                    for (id, (priority, _)) in &waiting {
+                        prop_assert!(
+                            Some(*priority) < highest_waiting || d.in_hold(tickets[id], now),
+                            "request {} waits, not held, while {:?} is free", id, free
+                        );
+                    }
+                }
                 prop_assert_eq!(d.buffered(), waiting.len());
             }
             for l in leases.drain(..) {

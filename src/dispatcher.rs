@@ -33,7 +33,9 @@
 //!   cached elsewhere would take it and prefill cold; a request passed so
 //!   starts the same hold clock and, once it is over, is passed no more.
 //!   When that endpoint frees a slot, the held request takes it before any
-//!   other request of its priority. A hold never lets lower priority pass,
+//!   other request of its priority (one that would now spill, prefill cold
+//!   what the busy endpoint holds, first waits out its spill delay, a clock
+//!   of its own like a hold's). A hold never lets lower priority pass,
 //!   nor a tenant get more than a few of its requests ahead of the waiting
 //!   request's tenant under token fairness
 //!   ([`FlowQueues::passing_is_unfair`]: then the waiting request takes the
@@ -48,7 +50,8 @@
 //!   hard mode until its TTL), then goes elsewhere and is bound there. A
 //!   session named by its client whose first turn must queue is given its
 //!   home as it arrives (one of the least loaded endpoints: `endpoint`'s
-//!   homes), and an endpoint's freed slot goes first to the oldest request
+//!   homes), or, held for an endpoint's cache (or waiting out its spill
+//!   delay), that endpoint; and an endpoint's freed slot goes first to the oldest request
 //!   queued for it by its session, as its engine's own queue would serve
 //!   them, unless that would pass the request next in fair order unfairly
 //!   ([`homed`]).
@@ -69,7 +72,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::endpoint::{
-    EndpointId, EndpointLedger, EndpointSnapshot, Lease, Pick, ReportOutcome, Route,
+    EndpointId, EndpointLedger, EndpointSnapshot, Holding, Lease, Pick, ReportOutcome, Route,
     SaturationConfig, SchedulingConfig, Waits,
 };
 use crate::flow::{
@@ -218,6 +221,9 @@ struct Waiting<T> {
     hold_until: Option<Instant>,
     /// When it must be answered: a hold ends well before.
     deadline: Instant,
+    /// Set when it would first spill (prefill cold what a busy endpoint
+    /// holds): it may from then on ([`crate::endpoint`]'s spill delay).
+    spill_at: Option<Instant>,
     /// Counted among the affinity holds.
     counted: bool,
     priority: i32,
@@ -297,9 +303,13 @@ impl<T> Dispatcher<T> {
         if self.queues.is_empty() {
             let waits = Waits::default();
             let may_hold = self.hard_session(&request.route) || !hold.is_zero();
+            let holding = Holding {
+                waits: &waits,
+                may_spill: false,
+            };
             if let Pick::Lease(lease) =
                 self.ledger
-                    .pick(&request.route, now, may_hold.then_some(&waits))
+                    .pick(&request.route, now, may_hold.then_some(holding))
             {
                 return Admission::Ready(lease);
             }
@@ -327,6 +337,7 @@ impl<T> Dispatcher<T> {
             handle,
             route: request.route,
             hold_until: None,
+            spill_at: None,
             deadline,
             counted: false,
             priority: place.key.priority,
@@ -424,18 +435,28 @@ impl<T> Dispatcher<T> {
                 || (!hold.is_zero()
                     && waiting.hold_until.is_none_or(|end| now < end)
                     && held.len() < MAX_HOLDS_PER_PASS);
+            let holding = Holding {
+                waits: &waits,
+                may_spill: waiting.spill_at.is_some_and(|at| at <= now),
+            };
             match self
                 .ledger
-                .pick(&waiting.route, now, may_hold.then_some(&waits))
+                .pick(&waiting.route, now, may_hold.then_some(holding))
             {
                 Pick::Lease(lease) => {
                     self.grant(ticket, lease, now, &mut out);
                 }
                 Pick::Hold(endpoint) => {
-                    waits.add(endpoint);
                     floor = floor.max(waiting.priority);
                     held.insert(ticket);
                     self.start_hold(ticket, now, true);
+                    self.held_for(ticket, endpoint, now, &mut waits);
+                }
+                Pick::Delay(after, holder) => {
+                    floor = floor.max(waiting.priority);
+                    held.insert(ticket);
+                    self.start_spill_clock(ticket, after, now);
+                    self.held_for(ticket, holder, now, &mut waits);
                 }
                 Pick::Busy => {
                     // Nothing free at all: no other request can go either.
@@ -447,35 +468,6 @@ impl<T> Dispatcher<T> {
             }
         }
         out
-    }
-
-    /// The earliest of `waiting` (requests waiting for a busy endpoint's
-    /// cache) whose tenant `ahead` would pass by more than fairness allows
-    /// ([`crate::flow::FlowQueues::passing_is_unfair`]): it should take the
-    /// free slot instead.
-    fn unfairly_passed(
-        &self,
-        waiting: impl Iterator<Item = Ticket>,
-        ahead: Ticket,
-    ) -> Option<Ticket> {
-        waiting
-            .filter(|&slow| self.queues.passing_is_unfair(slow, ahead))
-            .min_by_key(|t| t.seq())
-    }
-
-    /// Dispatches a request to whichever endpoint takes it now, without
-    /// waiting for another; false when none can.
-    fn go_now(&mut self, ticket: Ticket, now: Instant, out: &mut Vec<Done<T>>) -> bool {
-        let Some(waiting) = self.queues.get(ticket) else {
-            return false;
-        };
-        match self.ledger.pick(&waiting.route, now, None) {
-            Pick::Lease(lease) => {
-                self.grant(ticket, lease, now, out);
-                true
-            }
-            Pick::Hold(_) | Pick::Busy => false,
-        }
     }
 
     /// Takes a granted request out of the queues, with its lease.

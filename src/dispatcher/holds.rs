@@ -3,10 +3,10 @@
 //! offered (held requests first, then requests at home there). See the
 //! dispatcher's module docs for the rules.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use super::{Dispatcher, Done, LOOK_AHEAD, MAX_HOLDS_PER_PASS};
-use crate::endpoint::{Home, Pick, Route, Waits};
+use super::{Dispatcher, Done, BEHIND_HOLDS, LOOK_AHEAD, MAX_HOLDS_PER_PASS};
+use crate::endpoint::{EndpointId, Holding, Home, Pick, Route, Waits};
 use crate::flow::Ticket;
 
 /// Holds begun since the last [`Dispatcher::take_new_holds`].
@@ -51,13 +51,54 @@ impl<T> Dispatcher<T> {
             if !self.ledger.any_available(now) {
                 return;
             }
-            match self.ledger.pick(&waiting.route, now, Some(&waits)) {
+            // A held request that would now spill (prefill cold what the
+            // endpoint it waits for holds) goes once its spill delay is
+            // over: a popular prompt spreads when its queue costs more
+            // than a prefill, before the requests at home there.
+            let holding = Holding {
+                waits: &waits,
+                may_spill: waiting.spill_at.is_some_and(|at| at <= now),
+            };
+            match self.ledger.pick(&waiting.route, now, Some(holding)) {
                 Pick::Lease(lease) => {
                     self.grant(ticket, lease, now, out);
                 }
-                Pick::Hold(endpoint) => waits.add(endpoint),
+                Pick::Hold(endpoint) => self.held_for(ticket, endpoint, now, &mut waits),
+                Pick::Delay(after, holder) => {
+                    self.start_spill_clock(ticket, after, now);
+                    self.held_for(ticket, holder, now, &mut waits);
+                }
                 Pick::Busy => {}
             }
+        }
+    }
+
+    /// The earliest of `waiting` (requests waiting for a busy endpoint's
+    /// cache) whose tenant `ahead` would pass by more than fairness allows
+    /// ([`crate::flow::FlowQueues::passing_is_unfair`]): it should take the
+    /// free slot instead.
+    pub(super) fn unfairly_passed(
+        &self,
+        waiting: impl Iterator<Item = Ticket>,
+        ahead: Ticket,
+    ) -> Option<Ticket> {
+        waiting
+            .filter(|&slow| self.queues.passing_is_unfair(slow, ahead))
+            .min_by_key(|t| t.seq())
+    }
+
+    /// Dispatches a request to whichever endpoint takes it now, without
+    /// waiting for another; false when none can.
+    pub(super) fn go_now(&mut self, ticket: Ticket, now: Instant, out: &mut Vec<Done<T>>) -> bool {
+        let Some(waiting) = self.queues.get(ticket) else {
+            return false;
+        };
+        match self.ledger.pick(&waiting.route, now, None) {
+            Pick::Lease(lease) => {
+                self.grant(ticket, lease, now, out);
+                true
+            }
+            Pick::Hold(_) | Pick::Delay(..) | Pick::Busy => false,
         }
     }
 
@@ -108,10 +149,11 @@ impl<T> Dispatcher<T> {
         };
         let hard = self.config.scheduling.sessions.hard;
         let mut passed: Vec<(Ticket, bool)> = Vec::new();
+        let mut depth = LOOK_AHEAD;
         while self.ledger.any_available(now) {
             let ledger = &self.ledger;
             let mut stuck: Vec<Route> = Vec::new();
-            let next = self.queues.peek_where(LOOK_AHEAD, |ticket, w| {
+            let next = self.queues.peek_where(depth, |ticket, w| {
                 if w.priority < top || stuck.iter().any(|r| r.same_targets(&w.route)) {
                     return false;
                 }
@@ -131,7 +173,16 @@ impl<T> Dispatcher<T> {
                     }
                 }
             });
-            let Some(ticket) = next else { break };
+            let Some(ticket) = next else {
+                // None of the first few of any flow is at home on a free
+                // endpoint: one behind them may be (a burst's other
+                // groups, behind one group's turns held for their cache).
+                if depth == LOOK_AHEAD {
+                    depth = BEHIND_HOLDS;
+                    continue;
+                }
+                break;
+            };
             // A request passed over by one from a tenant too far ahead of
             // its own takes the slot instead (to prefill elsewhere).
             if let Some(slow) = self.unfairly_passed(passed.iter().map(|&(t, _)| t), ticket) {
@@ -148,6 +199,48 @@ impl<T> Dispatcher<T> {
         }
         for (ticket, chose) in passed {
             self.start_hold(ticket, now, chose);
+        }
+    }
+
+    /// `ticket` is held for `endpoint` (the wait-or-go rule): a first turn
+    /// without a home gets that one ([`crate::endpoint::EndpointLedger::home_held`])
+    /// and takes its slots in turn with the turns queued for it. The
+    /// requests behind it in this pass wait behind it there: counted in
+    /// `waits`, unless counted already as queued for it.
+    pub(super) fn held_for(
+        &mut self,
+        ticket: Ticket,
+        endpoint: EndpointId,
+        now: Instant,
+        waits: &mut Waits,
+    ) {
+        let Some(waiting) = self.queues.get_mut(ticket) else {
+            return;
+        };
+        if waiting.home.is_none() && self.ledger.home_held(&waiting.route, endpoint, now) {
+            waiting.home = Some(endpoint);
+            self.homed.insert((endpoint, ticket.seq()), ticket);
+        }
+        if waiting.home != Some(endpoint) {
+            waits.add(endpoint);
+        }
+    }
+
+    /// Starts the spill clock of a request that would prefill cold what a
+    /// busy endpoint holds, unless it began before: it may spill `after`
+    /// from now, bounded as a hold is (the owner's timer runs the pass
+    /// then).
+    pub(super) fn start_spill_clock(&mut self, ticket: Ticket, after: Duration, now: Instant) {
+        let hold = self.config.scheduling.affinity_hold;
+        let Some(waiting) = self.queues.get_mut(ticket) else {
+            return;
+        };
+        if waiting.spill_at.is_none() {
+            let left = waiting.deadline.saturating_duration_since(now) / 2;
+            let at = now + after.min(hold).min(left);
+            waiting.spill_at = Some(at);
+            self.holds.insert((at, ticket.seq()), ticket);
+            self.new_holds.clocks += 1;
         }
     }
 
@@ -171,11 +264,14 @@ impl<T> Dispatcher<T> {
 
 #[cfg(test)]
 impl<T> Dispatcher<T> {
-    /// Whether a queued request is in an affinity hold now.
+    /// Whether a queued request is in an affinity hold, or waits out its
+    /// spill delay, now.
     pub(crate) fn in_hold(&self, ticket: Ticket, now: Instant) -> bool {
-        self.queues
-            .get(ticket)
-            .and_then(|w| w.hold_until)
-            .is_some_and(|end| now < end)
+        self.queues.get(ticket).is_some_and(|w| {
+            [w.hold_until, w.spill_at]
+                .into_iter()
+                .flatten()
+                .any(|end| now < end)
+        })
     }
 }

@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use super::placement::WaitOrGo;
 use super::{Endpoint, EndpointLedger, Route, Waits};
 use crate::scorer::ScoreTerms;
 
@@ -121,10 +122,12 @@ impl EndpointLedger {
         let waits_for = if self.scheduling.affinity_hold.is_zero() {
             None
         } else {
-            choice
-                .and_then(id_of)
-                .and_then(|go| self.wait_target(route, go, bound, &Waits::default(), now))
-                .map(|id| self.endpoints[&id].addr)
+            choice.and_then(id_of).and_then(|go| {
+                match self.wait_target(route, go, bound, &Waits::default(), now) {
+                    WaitOrGo::Wait(id) => Some(self.endpoints[&id].addr),
+                    WaitOrGo::Spill { .. } | WaitOrGo::Go => None,
+                }
+            })
         };
         let more = candidates.len().saturating_sub(MAX_EXPLAINED);
         candidates.truncate(MAX_EXPLAINED);

@@ -7,9 +7,12 @@
 //! others makes every turn of each of its conversations wait longer (9
 //! against 7 conversations per server: ×1.22 the mean wait, BENCHMARKS.md).
 //! When a slot is free the first turn goes to the session's rendezvous home
-//! ([`super::selection`]; on a balancer alone in the fleet, beside its
-//! cached prompt when an endpoint holds its beginning) or wherever a slot
-//! is. When none is, the slot that
+//! ([`super::selection`]; on a balancer alone in the fleet, by the scorers
+//! and the wait-or-go rule, as a keyless request: beside its cached prompt,
+//! or on the freest endpoint) or wherever a slot is; held for a busy
+//! endpoint's cache by that rule, or waiting out its spill delay, it is
+//! given that endpoint as its home ([`EndpointLedger::home_held`]). When
+//! no endpoint can take it, the slot that
 //! frees first would be luck; instead, a session named by its client whose
 //! first turn must queue is given its home as it arrives: among the
 //! endpoints of its model within one request of the least work per slot
@@ -61,60 +64,112 @@ impl EndpointLedger {
     /// The endpoint a request entering the queues waits for by its
     /// session, counted there until it leaves them
     /// ([`EndpointLedger::left_queue`]): its session's endpoint, or, for a
-    /// session named by its client that none serves yet, the least loaded
-    /// endpoint of its model, to which the session is bound now (module
-    /// docs). `None`: no session, sessions off, or nowhere to go.
+    /// session named by its client that none serves yet and that the
+    /// dispatch cannot place now ([`EndpointLedger::places_now`]), the
+    /// home [`EndpointLedger::home_by_load`] gives it. `None`: no session,
+    /// sessions off, or no home yet (the wait-or-go rule may give it one:
+    /// [`EndpointLedger::home_held`]).
     pub(crate) fn queued_for(&mut self, route: &Route, now: Instant) -> Option<EndpointId> {
         let session = route.session?;
-        let bound = match self.session_endpoint(route, session, now) {
-            SessionPlace::Takes(id) | SessionPlace::Saturated(id) => Some(id),
-            SessionPlace::Gone | SessionPlace::None => None,
-        };
-        let id = match bound {
-            Some(id) => id,
-            None if route.session_by_prompt || self.scheduling.sessions.max_sessions == 0 => {
-                return None;
+        match self.session_endpoint(route, session, now) {
+            SessionPlace::Takes(id) | SessionPlace::Saturated(id) => {
+                if let Some(e) = self.endpoints.get_mut(&id) {
+                    e.queued_home += 1;
+                }
+                Some(id)
             }
-            // Its rendezvous home could take it: the dispatch places it
-            // (there, or by its prompt on a balancer alone in the fleet).
-            None if self.session_home(route, session, now).is_some() => return None,
-            None => {
-                let prompt = self.prompt_tokens(route);
-                let scored = self.scheduling.scorers.prefix_cache > 0.0;
-                let ttft = |e: &Endpoint| {
-                    let matched = if scored {
-                        e.prefix.matched(&route.prefix)
-                    } else {
-                        0
-                    };
-                    e.predicted_queued_wait_ms()
-                        + e.predicted_prefill_ms(prompt - self.cached_tokens(route, matched))
-                };
-                let candidates = || {
-                    self.serving(route)
-                        .filter(|e| e.eligible(now) && e.agent.is_some())
-                };
-                let least = candidates().map(Endpoint::load).min_by(f64::total_cmp)?;
-                // Within one request of the least loaded, the quickest.
-                let home = candidates()
-                    .filter(|e| e.load() - e.one_request() <= least + 1e-9)
-                    .map(|e| (ttft(e), e))
-                    .min_by(|(a_ms, a), (b_ms, b)| {
-                        a_ms.total_cmp(b_ms).then_with(|| {
-                            crate::session::rendezvous(session, b.addr)
-                                .cmp(&crate::session::rendezvous(session, a.addr))
-                        })
-                    })
-                    .map(|(_, e)| e)?;
-                let (id, addr) = (home.id, home.addr);
-                self.sessions.bind(session, addr, now);
-                id
+            SessionPlace::Gone | SessionPlace::None => {
+                // Its rendezvous home could take it: the dispatch places
+                // it there.
+                if !self.wants_home(route, now) || self.places_now(route, session, now) {
+                    return None;
+                }
+                self.home_by_load(route, now)
             }
-        };
-        if let Some(e) = self.endpoints.get_mut(&id) {
-            e.queued_home += 1;
         }
-        Some(id)
+    }
+
+    /// Whether the dispatch places a queued first turn without a home: on
+    /// a balancer alone in the fleet while some endpoint takes it (it
+    /// queued behind others, or waits for a busy endpoint's cache by the
+    /// wait-or-go rule, or its spill delay: a home by load now would
+    /// overrule that rule with whichever slot is free this instant); with
+    /// other balancers, while its rendezvous home takes it.
+    fn places_now(&self, route: &Route, session: u64, now: Instant) -> bool {
+        if self.alone(now) {
+            self.choose_by_score(route, now).is_some()
+        } else {
+            self.session_home(route, session, now).is_some()
+        }
+    }
+
+    /// Whether `route` is the first turn of a session named by its client
+    /// that no endpoint serves (sessions on): one a home is given to.
+    fn wants_home(&self, route: &Route, now: Instant) -> bool {
+        route.session.is_some_and(|session| {
+            !route.session_by_prompt
+                && self.scheduling.sessions.max_sessions > 0
+                && matches!(
+                    self.session_endpoint(route, session, now),
+                    SessionPlace::None | SessionPlace::Gone
+                )
+        })
+    }
+
+    /// The home of a first turn named by its client that must queue:
+    /// among the endpoints of its model within one request of the least
+    /// work per slot, the one predicted to give it its first token soonest
+    /// (module docs); the session is bound to it and the turn counted
+    /// there. `None`: nowhere to go.
+    fn home_by_load(&mut self, route: &Route, now: Instant) -> Option<EndpointId> {
+        let session = route.session?;
+        let prompt = self.prompt_tokens(route);
+        let scored = self.scheduling.scorers.prefix_cache > 0.0;
+        let ttft = |e: &Endpoint| {
+            let matched = if scored {
+                e.prefix.matched(&route.prefix)
+            } else {
+                0
+            };
+            e.predicted_queued_wait_ms()
+                + e.predicted_prefill_ms(prompt - self.cached_tokens(route, matched))
+        };
+        let candidates = || {
+            self.serving(route)
+                .filter(|e| e.eligible(now) && e.agent.is_some())
+        };
+        let least = candidates().map(Endpoint::load).min_by(f64::total_cmp)?;
+        // Within one request of the least loaded, the quickest.
+        let home = candidates()
+            .filter(|e| e.load() - e.one_request() <= least + 1e-9)
+            .map(|e| (ttft(e), e))
+            .min_by(|(a_ms, a), (b_ms, b)| {
+                a_ms.total_cmp(b_ms).then_with(|| {
+                    crate::session::rendezvous(session, b.addr)
+                        .cmp(&crate::session::rendezvous(session, a.addr))
+                })
+            })
+            .map(|(_, e)| e.id)?;
+        self.home_at(route, home, now).then_some(home)
+    }
+
+    /// A first turn of a session named by its client, queued without a
+    /// home, is held for `id` by the wait-or-go rule (its group's prompt is
+    /// cached there): `id` becomes its home, and it is counted there as
+    /// queued for it, so homes given by load meanwhile see the requests
+    /// already waiting for that endpoint. False when it is no such turn.
+    pub(crate) fn home_held(&mut self, route: &Route, id: EndpointId, now: Instant) -> bool {
+        self.wants_home(route, now) && self.home_at(route, id, now)
+    }
+
+    /// Binds `route`'s session to `id` and counts the turn queued there.
+    fn home_at(&mut self, route: &Route, id: EndpointId, now: Instant) -> bool {
+        let (Some(session), Some(e)) = (route.session, self.endpoints.get_mut(&id)) else {
+            return false;
+        };
+        e.queued_home += 1;
+        self.sessions.bind(session, e.addr, now);
+        true
     }
 
     /// The endpoints that can take work now (of any model): few at

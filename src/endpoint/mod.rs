@@ -49,7 +49,7 @@ use breaker::Breaker;
 pub use cache_truth::{CacheSeen, CacheTruth};
 pub use cost::{CostModel, CostSnapshot, Estimate, Timing};
 pub use explain::{CandidateScore, Explanation, MAX_EXPLAINED};
-pub(crate) use placement::{Home, Waits};
+pub(crate) use placement::{Holding, Home, Waits};
 use ranking::{Rank, Ranking};
 
 // Keyed by endpoint ids, addresses, agents' and models' names (the fleet's,
@@ -544,10 +544,11 @@ impl EndpointLedger {
 
     /// Takes a slot on the endpoint [`EndpointLedger::choose`] picks for
     /// `route`, if any (see there for `hold`).
-    pub(crate) fn pick(&mut self, route: &Route, now: Instant, hold: Option<&Waits>) -> Pick {
+    pub(crate) fn pick(&mut self, route: &Route, now: Instant, hold: Option<Holding<'_>>) -> Pick {
         let chosen = match self.choose(route, now, hold) {
             Choice::Endpoint(id) => id,
             Choice::Hold(id) => return Pick::Hold(id),
+            Choice::Delay(after, holder) => return Pick::Delay(after, holder),
             Choice::Busy => return Pick::Busy,
         };
         let ep = self.endpoints.get_mut(&chosen).expect("candidate exists");

@@ -8,9 +8,17 @@
 //!   cache: uncached tokens × its prefill time per token;
 //! - waiting costs the wait for a slot there, (requests before it + 1) ×
 //!   its service time ÷ its slots (the requests before it: those already
-//!   held for it in this dispatch pass and its engine's own queue), plus the
-//!   prefill of what it does not cache (nothing, for the endpoint a
-//!   session's conversation is on).
+//!   held for it in this dispatch pass, those queued for it by their
+//!   sessions and its engine's own queue), plus the prefill of what it does
+//!   not cache (nothing, for the endpoint a session's conversation is on).
+//!
+//! Going while a saturated endpoint holds more of the prompt is a spill:
+//! it waits first 1 % of the prefill it will pay ([`spill_delay`]), so that
+//! the requests at home on the free endpoint that come meanwhile take it
+//! first (the dispatcher serves those before it). A burst of conversations
+//! starting at once then puts each group where its prompt is, instead of
+//! the first group's spills taking every free server before the other
+//! groups' first turns arrive.
 //!
 //! Every rate is the endpoint's own, learned from its answers
 //! ([`super::CostModel`]). So a long conversation waits for its server,
@@ -22,7 +30,7 @@
 //! tried: it moved conversations away from their cache under load and cost
 //! throughput; see BENCHMARKS.md.)
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::selection::SessionPlace;
 use super::{Endpoint, EndpointId, EndpointLedger, Route};
@@ -52,6 +60,44 @@ pub(crate) struct Waits {
     held: Vec<(EndpointId, u32)>,
 }
 
+/// What a request placed by the wait-or-go rule may do in a dispatch pass
+/// ([`EndpointLedger::pick`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Holding<'a> {
+    /// The requests held so far in the pass.
+    pub waits: &'a Waits,
+    /// Whether it may prefill cold now what a busy endpoint holds: its
+    /// spill delay is over ([`spill_delay`]).
+    pub may_spill: bool,
+}
+
+/// What the wait-or-go rule says of a request some endpoint takes now.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) enum WaitOrGo {
+    /// Wait for this saturated endpoint.
+    Wait(EndpointId),
+    /// Go, although a saturated endpoint holds more of its prompt (the
+    /// quickest of those, `holder`): a spill, which prefills `cold_ms`
+    /// again.
+    Spill { cold_ms: f64, holder: EndpointId },
+    /// Go: no saturated endpoint would serve it sooner by its cache.
+    Go,
+}
+
+/// Of a spill's predicted cold prefill, the share it waits first (1 %).
+const SPILL_PATIENCE: f64 = 0.01;
+
+/// How long a request waits before it spills (prefills cold what a busy
+/// endpoint holds, because waiting for that one costs more): 1 % of that
+/// prefill. Requests at home on the free endpoint that come meanwhile (a
+/// burst of conversations starting at once: its other groups' first
+/// turns) take the slot first; placed one by one as they came, the first
+/// group's spills would take every free server before the others arrive,
+/// and each of those would then prefill two or three groups' prompts cold.
+pub(super) fn spill_delay(cold_ms: f64) -> Duration {
+    Duration::from_secs_f64((cold_ms * SPILL_PATIENCE).clamp(0.0, 60_000.0) / 1_000.0)
+}
+
 impl Waits {
     /// Requests held for `id` so far.
     pub(crate) fn ahead(&self, id: EndpointId) -> u32 {
@@ -73,13 +119,14 @@ impl Waits {
 impl Endpoint {
     /// Predicted wait for a slot here: 0 when it takes the request now;
     /// else one service time per slot for each request it must serve
-    /// first (`ahead` held for it, its engine's queue) and this one.
+    /// first (`ahead` held for it in this pass, those queued for it by
+    /// their sessions, its engine's queue) and this one.
     pub(super) fn predicted_wait_ms(&self, takes: bool, ahead: u32) -> f64 {
         if takes {
             return 0.0;
         }
         let queued = self.agent.as_ref().map_or(0, |a| a.report.requests_waiting);
-        let before = f64::from(ahead) + f64::from(queued) + 1.0;
+        let before = f64::from(ahead) + f64::from(self.queued_home) + f64::from(queued) + 1.0;
         before * self.cost.service_ms.ms() / f64::from(self.slots_total().max(1))
     }
 
@@ -118,9 +165,9 @@ impl EndpointLedger {
         bound: Option<EndpointId>,
         waits: &Waits,
         now: Instant,
-    ) -> Option<EndpointId> {
-        if bound.is_some() && route.waits_hard(self.scheduling.sessions.hard) {
-            return bound;
+    ) -> WaitOrGo {
+        if let Some(id) = bound.filter(|_| route.waits_hard(self.scheduling.sessions.hard)) {
+            return WaitOrGo::Wait(id);
         }
         let prompt = self.prompt_tokens(route);
         let scored = self.scheduling.scorers.prefix_cache > 0.0 && !route.prefix.is_empty();
@@ -133,7 +180,7 @@ impl EndpointLedger {
         let go_ms =
             go_endpoint.predicted_prefill_ms(prompt - self.cached_tokens(route, go_matched));
         if go_ms <= 0.0 {
-            return None;
+            return WaitOrGo::Go;
         }
         let ttft = |e: &Endpoint, cached: u64| {
             e.predicted_wait_ms(false, waits.ahead(e.id)) + e.predicted_prefill_ms(prompt - cached)
@@ -142,7 +189,7 @@ impl EndpointLedger {
         let mut best: Option<(f64, EndpointId)> = None;
         let mut consider = |e: &Endpoint, cached: u64| {
             let ms = ttft(e, cached);
-            if ms < go_ms && best.is_none_or(|b| (ms, e.id) < b) {
+            if best.is_none_or(|b| (ms, e.id) < b) {
                 best = Some((ms, e.id));
             }
         };
@@ -154,7 +201,14 @@ impl EndpointLedger {
                 consider(e, self.cached_tokens(route, matched));
             });
         }
-        best.map(|(_, id)| id)
+        match best {
+            Some((ms, id)) if ms < go_ms => WaitOrGo::Wait(id),
+            Some((_, holder)) => WaitOrGo::Spill {
+                cold_ms: go_ms,
+                holder,
+            },
+            None => WaitOrGo::Go,
+        }
     }
 
     /// Calls `f` with each saturated (eligible) endpoint that holds more
@@ -239,9 +293,10 @@ impl EndpointLedger {
             return Home::Yes;
         }
         let waits = !self.scheduling.affinity_hold.is_zero()
-            && self
-                .wait_target(route, go, bound, &Waits::default(), now)
-                .is_some();
+            && matches!(
+                self.wait_target(route, go, bound, &Waits::default(), now),
+                WaitOrGo::Wait(_)
+            );
         Home::Elsewhere { waits }
     }
 }
@@ -300,10 +355,14 @@ mod tests {
     }
 
     fn choice(ledger: &mut EndpointLedger, route: &Route, waits: &Waits, now: Instant) -> u16 {
-        match ledger.choose(route, now, Some(waits)) {
+        let holding = Holding {
+            waits,
+            may_spill: true,
+        };
+        match ledger.choose(route, now, Some(holding)) {
             super::super::Choice::Hold(id) => ledger.endpoints[&id].addr.port() + 100,
             super::super::Choice::Endpoint(id) => ledger.endpoints[&id].addr.port(),
-            super::super::Choice::Busy => 0,
+            super::super::Choice::Delay(..) | super::super::Choice::Busy => 0,
         }
     }
     const HOLD_FOR_A: u16 = 101;

@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::placement::Waits;
+use super::placement::{spill_delay, Holding, WaitOrGo};
 use super::{BreakerConfig, Endpoint, EndpointId, EndpointLedger, Lease, SaturationConfig};
 use crate::prefix::PrefixConfig;
 use crate::scorer::{Candidate, ScorerWeights};
@@ -99,6 +99,10 @@ pub(super) enum Choice {
     Endpoint(EndpointId),
     /// Better wait for this saturated endpoint ([`super::placement`]).
     Hold(EndpointId),
+    /// Go where it would prefill cold what a busy endpoint (the second)
+    /// holds, but not before this spill delay
+    /// ([`super::placement::spill_delay`]).
+    Delay(Duration, EndpointId),
     /// No endpoint can take it now.
     Busy,
 }
@@ -123,6 +127,9 @@ pub(crate) enum Pick {
     Lease(Lease),
     /// Better wait for this saturated endpoint ([`super::placement`]).
     Hold(EndpointId),
+    /// It would prefill cold what a busy endpoint (the second) holds: not
+    /// before this spill delay ([`super::placement::spill_delay`]).
+    Delay(Duration, EndpointId),
     /// No endpoint can take it now.
     Busy,
 }
@@ -204,7 +211,12 @@ impl EndpointLedger {
     /// prompt's blocks ([`crate::prefix::PrefixHolders`]) can beat it with
     /// their prefix term, and they are looked at deepest match first until
     /// none could.
-    pub(super) fn choose(&mut self, route: &Route, now: Instant, hold: Option<&Waits>) -> Choice {
+    pub(super) fn choose(
+        &mut self,
+        route: &Route,
+        now: Instant,
+        hold: Option<Holding<'_>>,
+    ) -> Choice {
         let bound = match route.session {
             None => None,
             Some(session) => match self.session_endpoint(route, session, now) {
@@ -216,8 +228,8 @@ impl EndpointLedger {
                     }
                     // A conversation found by its prompt, no longer where
                     // it was, goes by its prompt as any keyless request;
-                    // so does one whose prompt is cached, on a balancer
-                    // alone in the fleet.
+                    // so does a first turn on a balancer alone in the
+                    // fleet.
                     if !route.session_by_prompt {
                         if let Some(home) = self.goes_home(route, session, now) {
                             return Choice::Endpoint(home);
@@ -233,9 +245,15 @@ impl EndpointLedger {
         };
         // Nothing is free: no reason to hold yet.
         let Some(go) = go else { return Choice::Busy };
-        match hold.and_then(|waits| self.wait_target(route, go, bound, waits, now)) {
-            Some(id) => Choice::Hold(id),
-            None => Choice::Endpoint(go),
+        let Some(hold) = hold else {
+            return Choice::Endpoint(go);
+        };
+        match self.wait_target(route, go, bound, hold.waits, now) {
+            WaitOrGo::Wait(id) => Choice::Hold(id),
+            WaitOrGo::Spill { cold_ms, holder } if !hold.may_spill => {
+                Choice::Delay(spill_delay(cold_ms), holder)
+            }
+            WaitOrGo::Spill { .. } | WaitOrGo::Go => Choice::Endpoint(go),
         }
     }
 
@@ -248,8 +266,8 @@ impl EndpointLedger {
     /// front load balancer lands on one endpoint without any state shared
     /// between them. A saturated home is not waited for (no cache is known
     /// there yet): the turn is placed by score and bound where it goes. A
-    /// balancer alone in the fleet sends it by score as well when its
-    /// prompt is cached somewhere ([`EndpointLedger::choose`]).
+    /// balancer alone in the fleet places every first turn by score
+    /// ([`EndpointLedger::goes_home`]).
     pub(super) fn session_home(
         &self,
         route: &Route,
@@ -264,11 +282,15 @@ impl EndpointLedger {
     }
 
     /// The rendezvous home the first turn of a session named by its
-    /// client goes to now, if any: while the home takes it, unless its
-    /// prompt is cached on a balancer alone in the fleet (then the scorers
-    /// place it, beside its cache).
+    /// client goes to now, if any: while the home takes it, where other
+    /// balancers share the fleet (each must find the conversation where
+    /// the others send it). A balancer alone in the fleet has no one to
+    /// agree with: it places the turn as a keyless one, by the scorers and
+    /// the wait-or-go rule, beside its group's cached prompt or on the
+    /// freest endpoint, so groups that start at once start apart rather
+    /// than where their hashes happen to meet.
     fn goes_home(&self, route: &Route, session: u64, now: Instant) -> Option<EndpointId> {
-        if self.goes_by_prompt(route, now) {
+        if self.alone(now) {
             return None;
         }
         self.session_home(route, session, now)
@@ -284,21 +306,6 @@ impl EndpointLedger {
         } else {
             self.goes_home(route, session, now).is_some()
         }
-    }
-
-    /// Whether a session this balancer has not bound goes where its prompt
-    /// is cached rather than to its home: when no other balancer shares
-    /// the fleet (none needs to find the conversation at its home) and
-    /// some endpoint holds the prompt's first block (a system prompt its
-    /// group shares, or the conversation's own earlier turns). The turn is
-    /// then placed as a keyless one is, beside what it shares, instead of
-    /// prefilling a group's system prompt on one more server.
-    fn goes_by_prompt(&self, route: &Route, now: Instant) -> bool {
-        self.alone(now)
-            && route
-                .prefix
-                .first()
-                .is_some_and(|block| !self.holders.of(*block).is_empty())
     }
 
     /// Where `session`'s last turn went, as its next turn sees it (read

@@ -8,7 +8,7 @@ impl EndpointLedger {
     fn acquire(&mut self, route: &Route, now: Instant) -> Option<Lease> {
         match self.pick(route, now, None) {
             Pick::Lease(lease) => Some(lease),
-            Pick::Hold(_) | Pick::Busy => None,
+            Pick::Hold(_) | Pick::Delay(..) | Pick::Busy => None,
         }
     }
 }
@@ -711,9 +711,10 @@ proptest::proptest! {
                     };
                     let want = expected(&r, &route, now, may_hold);
                     let waits = Waits::default();
-                    let hold = may_hold.then_some(&waits);
+                    let hold = may_hold.then_some(Holding { waits: &waits, may_spill: true });
                     match r.choose(&route, now, hold) {
                         Choice::Busy => proptest::prop_assert_eq!(want, Expected::Busy),
+                        Choice::Delay(..) => proptest::prop_assert!(false, "a spill is allowed"),
                         Choice::Hold(id) => {
                             proptest::prop_assert!(
                                 matches!(want, Expected::Hold | Expected::HoldOrBest(_)),

@@ -687,6 +687,7 @@ fn round_robin_shares_are_equal_between_greedy_flows() {
     }
 }
 
+mod burst;
 mod holds;
 mod properties;
 mod sessions;

@@ -33,9 +33,9 @@
 //!   cached elsewhere would take it and prefill cold; a request passed so
 //!   starts the same hold clock and, once it is over, is passed no more.
 //!   When that endpoint frees a slot, the held request takes it before any
-//!   other request of its priority (one that would now spill, prefill cold
-//!   what the busy endpoint holds, first waits out its spill delay, a clock
-//!   of its own like a hold's). A hold never lets lower priority pass,
+//!   other request of its priority (a session's turn that would now spill,
+//!   prefill cold what the busy endpoint holds, first waits out its spill
+//!   delay, a clock of its own like a hold's). A hold never lets lower priority pass,
 //!   nor a tenant get more than a few of its requests ahead of the waiting
 //!   request's tenant under token fairness
 //!   ([`FlowQueues::passing_is_unfair`]: then the waiting request takes the

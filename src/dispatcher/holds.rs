@@ -52,9 +52,9 @@ impl<T> Dispatcher<T> {
                 return;
             }
             // A held request that would now spill (prefill cold what the
-            // endpoint it waits for holds) goes once its spill delay is
-            // over: a popular prompt spreads when its queue costs more
-            // than a prefill, before the requests at home there.
+            // endpoint it waited for holds) goes, a session's turn once its
+            // spill delay is over: a popular prompt spreads when its queue
+            // costs more than a prefill, before the requests at home there.
             let holding = Holding {
                 waits: &waits,
                 may_spill: waiting.spill_at.is_some_and(|at| at <= now),

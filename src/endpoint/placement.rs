@@ -12,13 +12,15 @@
 //!   sessions and its engine's own queue), plus the prefill of what it does
 //!   not cache (nothing, for the endpoint a session's conversation is on).
 //!
-//! Going while a saturated endpoint holds more of the prompt is a spill:
-//! it waits first 1 % of the prefill it will pay ([`spill_delay`]), so that
-//! the requests at home on the free endpoint that come meanwhile take it
-//! first (the dispatcher serves those before it). A burst of conversations
-//! starting at once then puts each group where its prompt is, instead of
-//! the first group's spills taking every free server before the other
-//! groups' first turns arrive.
+//! Going while a saturated endpoint holds more of the prompt is a spill. A
+//! turn of a session its client names (where it goes, its conversation
+//! stays) waits first 1 % of the prefill it will pay ([`spill_delay`]), so
+//! that the requests at home on the free endpoint that come meanwhile take
+//! it first (the dispatcher serves those before it). A burst of
+//! conversations starting at once then puts its groups where their prompt
+//! is, instead of the first group's spills taking every free server before
+//! the other groups' first turns arrive. A keyless request spills at once:
+//! its next turn is placed anew by its prompt.
 //!
 //! Every rate is the endpoint's own, learned from its answers
 //! ([`super::CostModel`]). So a long conversation waits for its server,
@@ -417,6 +419,56 @@ mod tests {
         busy_report.requests_waiting = 6;
         ledger.apply_report(busy_report, on_a.addr, now);
         assert_eq!(choice(&mut ledger, &route, &Waits::default(), now), GO_TO_B);
+    }
+
+    #[test]
+    fn a_sessions_spill_waits_one_percent_of_its_prefill_a_keyless_one_goes_at_once() {
+        let now = Instant::now();
+        // As `a_busy_with`, on a balancer alone in the fleet (a session's
+        // first turn is placed by score, not at its rendezvous home).
+        let mut ledger = EndpointLedger::default();
+        for (id, port) in [("a", 1), ("b", 2)] {
+            let addr = format!("127.0.0.1:{port}");
+            let mut r = report(id, &addr, 1);
+            r.balancers = Some(1);
+            ledger.apply_report(r, addr.parse().unwrap(), now);
+        }
+        let Pick::Lease(on_a) = ledger.pick(&prompt(40, 0), now, None) else {
+            panic!("a free endpoint takes it");
+        };
+        assert_eq!(on_a.addr.port(), 1);
+        learn(&mut ledger, &on_a, 1_000, 400);
+        // Six held for a before it: waiting (2,928 ms) costs more than
+        // prefilling its 2,688 tokens on b.
+        let mut waits = Waits::default();
+        for _ in 0..6 {
+            waits.add(on_a.endpoint);
+        }
+        let keyless = prompt(42, 0);
+        let mut turn = prompt(42, 0);
+        turn.session = Some(7);
+        let not_yet = Holding {
+            waits: &waits,
+            may_spill: false,
+        };
+        assert!(matches!(
+            ledger.choose(&keyless, now, Some(not_yet)),
+            super::super::Choice::Endpoint(id) if id != on_a.endpoint
+        ));
+        // A session's turn waits 1 % of that prefill first, counted as
+        // waiting for a meanwhile; then it goes.
+        assert_eq!(
+            ledger.choose(&turn, now, Some(not_yet)),
+            super::super::Choice::Delay(Duration::from_micros(26_880), on_a.endpoint)
+        );
+        let over = Holding {
+            waits: &waits,
+            may_spill: true,
+        };
+        assert!(matches!(
+            ledger.choose(&turn, now, Some(over)),
+            super::super::Choice::Endpoint(id) if id != on_a.endpoint
+        ));
     }
 
     #[test]

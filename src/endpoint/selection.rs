@@ -250,7 +250,12 @@ impl EndpointLedger {
         };
         match self.wait_target(route, go, bound, hold.waits, now) {
             WaitOrGo::Wait(id) => Choice::Hold(id),
-            WaitOrGo::Spill { cold_ms, holder } if !hold.may_spill => {
+            // Only a session's turn waits before it spills: where it goes,
+            // its conversation stays (a keyless request is placed anew by
+            // its prompt each time).
+            WaitOrGo::Spill { cold_ms, holder }
+                if !hold.may_spill && self.names_a_session(route) =>
+            {
                 Choice::Delay(spill_delay(cold_ms), holder)
             }
             WaitOrGo::Spill { .. } | WaitOrGo::Go => Choice::Endpoint(go),
@@ -306,6 +311,14 @@ impl EndpointLedger {
         } else {
             self.goes_home(route, session, now).is_some()
         }
+    }
+
+    /// Whether `route` is a turn of a session named by its client (not one
+    /// found by its prompt), sessions on.
+    fn names_a_session(&self, route: &Route) -> bool {
+        route.session.is_some()
+            && !route.session_by_prompt
+            && self.scheduling.sessions.max_sessions > 0
     }
 
     /// Where `session`'s last turn went, as its next turn sees it (read

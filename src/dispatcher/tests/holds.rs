@@ -226,8 +226,7 @@ fn requests_for_one_busy_server_wait_only_while_its_queue_beats_a_prefill() {
     // costs 16,384 ms of prefill (1 ms per token, the default); waiting
     // for a costs 4,096 ms plus 1,000 ms (its default service time, one
     // slot) for itself and each request held for a before it: the first
-    // twelve wait, the thirteenth goes, after its spill delay (1 % of the
-    // prefill it pays: 164 ms).
+    // twelve wait, the thirteenth goes.
     let tenants = [
         "t0", "t1", "t2", "t3", "t4", "t5", "t6", "t7", "t8", "t9", "t10", "t11", "t12",
     ];
@@ -235,49 +234,11 @@ fn requests_for_one_busy_server_wait_only_while_its_queue_beats_a_prefill() {
         queued(d.submit(with_prompt(t, 0, &[1, 2, 3, 4]), t, t0));
     }
     // b was busy until now: the pass sees all thirteen.
-    assert!(d.dispatch(t0).is_empty());
-    let spill_at = t0 + Duration::from_micros(163_840);
-    assert_eq!(d.next_hold_end(), Some(spill_at));
-    let done = d.dispatch(spill_at);
+    let done = d.dispatch(t0);
     assert_eq!(granted(&done), ["t12"]);
     d.release(done.into_iter().next().unwrap().result.unwrap());
     d.release(home);
-    assert_eq!(
-        granted(&d.dispatch(spill_at)).len(),
-        9,
-        "a's slot and b's eight"
-    );
-}
-
-#[test]
-fn a_spill_waits_its_delay_and_a_request_at_home_takes_the_free_slot_first() {
-    let t0 = Instant::now();
-    let mut d = dispatcher(30);
-    d.report(model_server("a", 1, 1, &[]), t0).unwrap();
-    let home = ready(d.submit(with_prompt("t", 0, &[1, 2, 3]), "first", t0));
-    d.report(model_server("b", 2, 1, &[]), t0).unwrap();
-    // As above: twelve wait for a, the thirteenth would prefill its
-    // prompt on b again (16,384 ms), after 1 % of that.
-    let tenants = [
-        "t0", "t1", "t2", "t3", "t4", "t5", "t6", "t7", "t8", "t9", "t10", "t11", "t12",
-    ];
-    for t in tenants {
-        queued(d.submit(with_prompt(t, 0, &[1, 2, 3, 4]), t, t0));
-    }
-    assert!(d.dispatch(t0).is_empty());
-    let spill_at = t0 + Duration::from_micros(163_840);
-    assert_eq!(d.next_hold_end(), Some(spill_at));
-    // A request at home on b (its prompt cached nowhere) comes meanwhile,
-    // behind them all: b is its.
-    let fresh = 100 * MS;
-    queued(d.submit(with_prompt("u", 0, &[70]), "fresh", t0 + fresh));
-    let done = d.dispatch(t0 + fresh);
-    assert_eq!(granted(&done), ["fresh"]);
-    assert!(d.dispatch(spill_at).is_empty(), "b is taken");
-    // b frees once the delay is over: the thirteenth spills there.
-    d.release(done.into_iter().next().unwrap().result.unwrap());
-    assert_eq!(granted(&d.dispatch(spill_at + MS)), ["t12"]);
-    d.release(home);
+    assert_eq!(granted(&d.dispatch(t0)).len(), 9, "a's slot and b's eight");
 }
 
 #[test]

@@ -34,12 +34,17 @@ impl<T> Dispatcher<T> {
         };
         // Entries of requests that left are skipped (and dropped later by
         // `next_hold_end`); tickets are never reused.
-        let held: Vec<Ticket> = self
-            .holds
-            .values()
-            .take(MAX_HOLDS_PER_PASS)
-            .copied()
-            .collect();
+        // A request may have two clocks (its hold's and its spill delay's):
+        // it is offered once.
+        let mut held: Vec<Ticket> = Vec::new();
+        for &ticket in self.holds.values() {
+            if held.len() == MAX_HOLDS_PER_PASS {
+                break;
+            }
+            if !held.contains(&ticket) {
+                held.push(ticket);
+            }
+        }
         let mut waits = Waits::default();
         for ticket in held {
             let Some(waiting) = self.queues.get(ticket) else {

@@ -79,8 +79,6 @@ impl EndpointLedger {
                 Some(id)
             }
             SessionPlace::Gone | SessionPlace::None => {
-                // Its rendezvous home could take it: the dispatch places
-                // it there.
                 if !self.wants_home(route, now) || self.places_now(route, session, now) {
                     return None;
                 }

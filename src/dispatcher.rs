@@ -232,6 +232,15 @@ struct Waiting<T> {
     home: Option<EndpointId>,
 }
 
+impl<T> Waiting<T> {
+    /// When a clock started now that runs at most `longest` ends (a hold,
+    /// a spill delay): never past half the time the request has left, so
+    /// it still has time to be served elsewhere.
+    fn clock_end(&self, now: Instant, longest: Duration) -> Instant {
+        now + longest.min(self.deadline.saturating_duration_since(now) / 2)
+    }
+}
+
 /// The queues plus the endpoint ledger.
 #[derive(Debug)]
 pub struct Dispatcher<T> {

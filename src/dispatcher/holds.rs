@@ -119,7 +119,7 @@ impl<T> Dispatcher<T> {
             return;
         };
         if waiting.hold_until.is_none() {
-            let end = now + hold.min(waiting.deadline.saturating_duration_since(now) / 2);
+            let end = waiting.clock_end(now, hold);
             waiting.hold_until = Some(end);
             self.holds.insert((end, ticket.seq()), ticket);
             self.new_holds.clocks += 1;
@@ -241,8 +241,7 @@ impl<T> Dispatcher<T> {
             return;
         };
         if waiting.spill_at.is_none() {
-            let left = waiting.deadline.saturating_duration_since(now) / 2;
-            let at = now + after.min(hold).min(left);
+            let at = waiting.clock_end(now, after.min(hold));
             waiting.spill_at = Some(at);
             self.holds.insert((at, ticket.seq()), ticket);
             self.new_holds.clocks += 1;

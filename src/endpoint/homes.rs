@@ -79,7 +79,7 @@ impl EndpointLedger {
                 Some(id)
             }
             SessionPlace::Gone | SessionPlace::None => {
-                if !self.wants_home(route, now) || self.places_now(route, session, now) {
+                if !self.names_a_session(route) || self.places_now(route, session, now) {
                     return None;
                 }
                 self.home_by_load(route, now)
@@ -104,14 +104,13 @@ impl EndpointLedger {
     /// Whether `route` is the first turn of a session named by its client
     /// that no endpoint serves (sessions on): one a home is given to.
     fn wants_home(&self, route: &Route, now: Instant) -> bool {
-        route.session.is_some_and(|session| {
-            !route.session_by_prompt
-                && self.scheduling.sessions.max_sessions > 0
-                && matches!(
+        self.names_a_session(route)
+            && route.session.is_some_and(|session| {
+                matches!(
                     self.session_endpoint(route, session, now),
                     SessionPlace::None | SessionPlace::Gone
                 )
-        })
+            })
     }
 
     /// The home of a first turn named by its client that must queue:

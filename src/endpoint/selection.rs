@@ -315,7 +315,7 @@ impl EndpointLedger {
 
     /// Whether `route` is a turn of a session named by its client (not one
     /// found by its prompt), sessions on.
-    fn names_a_session(&self, route: &Route) -> bool {
+    pub(super) fn names_a_session(&self, route: &Route) -> bool {
         route.session.is_some()
             && !route.session_by_prompt
             && self.scheduling.sessions.max_sessions > 0

@@ -99,6 +99,11 @@ async fn read_body(
             Ok(Some(chunk)) => {
                 if body.len() + chunk.len() > limit {
                     warn!(path = %session.req_header().uri.path(), "refused a body over {limit} bytes");
+                    // Read on (and drop) what the client is still sending,
+                    // up to as much again, so that it gets to read the
+                    // answer: closing on an unread body resets the
+                    // connection under a client still writing it.
+                    drain_body(session, limit).await;
                     return Err(error(
                         StatusCode::PAYLOAD_TOO_LARGE,
                         "request_too_large",
@@ -115,6 +120,18 @@ async fn read_body(
                     &format!("could not read the body: {e}"),
                 ))
             }
+        }
+    }
+}
+
+/// Reads and drops up to `most` more bytes of a refused body; stops at its
+/// end, at an error, or past `most` (then the connection closes on it).
+async fn drain_body(session: &mut ServerSession, most: usize) {
+    let mut dropped = 0;
+    while dropped <= most {
+        match session.read_request_body().await {
+            Ok(Some(chunk)) => dropped += chunk.len(),
+            Ok(None) | Err(_) => return,
         }
     }
 }

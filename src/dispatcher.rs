@@ -230,6 +230,10 @@ struct Waiting<T> {
     /// The endpoint it is counted as queued for by its session
     /// ([`EndpointLedger::queued_for`]).
     home: Option<EndpointId>,
+    /// The busy endpoint it was last held for by the wait-or-go rule (or
+    /// waited out its spill delay beside): counted as waiting for it when
+    /// a spill would pass the requests at home elsewhere.
+    held: Option<EndpointId>,
 }
 
 impl<T> Waiting<T> {
@@ -347,6 +351,7 @@ impl<T> Dispatcher<T> {
             route: request.route,
             hold_until: None,
             spill_at: None,
+            held: None,
             deadline,
             counted: false,
             priority: place.key.priority,

@@ -9,6 +9,21 @@ use super::{Dispatcher, Done, BEHIND_HOLDS, LOOK_AHEAD, MAX_HOLDS_PER_PASS};
 use crate::endpoint::{EndpointId, Holding, Home, Pick, Route, Waits};
 use crate::flow::Ticket;
 
+/// Queued requests a spill's pass counts at most ([`Dispatcher::wanted`]):
+/// the queue's head, where the slots that free soon go, at a bounded cost
+/// (one placement query each) however long the queue.
+const WANTED_SCAN: usize = 4 * MAX_HOLDS_PER_PASS;
+
+/// Requests waiting in the highest priority, by what they wait for
+/// ([`Dispatcher::wanted`]).
+#[derive(Debug, Default)]
+struct Wanted {
+    /// Held for an endpoint, or queued for it by their session.
+    by_endpoint: Waits,
+    /// Neither, and a free endpoint serves them as well as any.
+    at_home_free: u32,
+}
+
 /// Holds begun since the last [`Dispatcher::take_new_holds`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HoldsBegun {
@@ -46,6 +61,7 @@ impl<T> Dispatcher<T> {
             }
         }
         let mut waits = Waits::default();
+        let mut wanted: Option<Wanted> = None;
         for ticket in held {
             let Some(waiting) = self.queues.get(ticket) else {
                 continue;
@@ -57,12 +73,20 @@ impl<T> Dispatcher<T> {
                 return;
             }
             // A held request that would now spill (prefill cold what the
-            // endpoint it waited for holds) goes, a session's turn once its
-            // spill delay is over: a popular prompt spreads when its queue
-            // costs more than a prefill, before the requests at home there.
+            // endpoint it waited for holds) goes once its spill delay is
+            // over, before the requests at home where it goes only for a
+            // longer queue than theirs ([`Dispatcher::spill_passes`]).
+            let spill_over = waiting.spill_at.is_some_and(|at| at <= now);
+            let holder = waiting.held;
+            let may_spill = spill_over
+                && holder.is_none_or(|holder| {
+                    let wanted = wanted.get_or_insert_with(|| self.wanted(top, now));
+                    self.spill_passes(wanted, holder, now)
+                });
+            let waiting = self.queues.get(ticket).expect("offered just above");
             let holding = Holding {
                 waits: &waits,
-                may_spill: waiting.spill_at.is_some_and(|at| at <= now),
+                may_spill,
             };
             match self.ledger.pick(&waiting.route, now, Some(holding)) {
                 Pick::Lease(lease) => {
@@ -76,6 +100,51 @@ impl<T> Dispatcher<T> {
                 Pick::Busy => {}
             }
         }
+    }
+
+    /// The requests of priority `top` among the first [`BEHIND_HOLDS`] of
+    /// each flow, at most [`WANTED_SCAN`] of them, by the endpoint they
+    /// wait for.
+    fn wanted(&mut self, top: i32, now: Instant) -> Wanted {
+        let mut wanted = Wanted::default();
+        let mut looked = 0;
+        let ledger = &self.ledger;
+        self.queues.peek_where(BEHIND_HOLDS, |_, w| {
+            if w.priority >= top {
+                match w.home.or(w.held) {
+                    Some(endpoint) => wanted.by_endpoint.add(endpoint),
+                    None if ledger.at_home(&w.route, now) == Home::Yes => {
+                        wanted.at_home_free += 1;
+                    }
+                    None => {}
+                }
+            }
+            looked += 1;
+            // Counted, not taken: every one is looked at, up to the bound.
+            looked == WANTED_SCAN
+        });
+        wanted
+    }
+
+    /// Whether a request whose spill delay is over may spill now from
+    /// `holder` (the busy endpoint that holds its prompt) before the
+    /// requests that wait for the free endpoints: only while more wait for
+    /// `holder` than for them. A popular prompt spreads once its queue is
+    /// the longer (skewed groups: the largest takes a second server); a
+    /// burst of conversations starting at once does not spread its first
+    /// group over the servers the others' cached prompts are on (spills
+    /// that passed them made each server prefill two or three groups'
+    /// prompts cold). A free slot none of them wants still goes to the
+    /// spill, in the main pass.
+    fn spill_passes(&self, wanted: &Wanted, holder: EndpointId, now: Instant) -> bool {
+        let for_free: u32 = self
+            .ledger
+            .available_ids(now)
+            .into_iter()
+            .filter(|&id| id != holder)
+            .map(|id| wanted.by_endpoint.ahead(id))
+            .sum();
+        wanted.by_endpoint.ahead(holder) > wanted.at_home_free + for_free
     }
 
     /// The earliest of `waiting` (requests waiting for a busy endpoint's
@@ -222,6 +291,7 @@ impl<T> Dispatcher<T> {
         let Some(waiting) = self.queues.get_mut(ticket) else {
             return;
         };
+        waiting.held = Some(endpoint);
         if waiting.home.is_none() && self.ledger.home_held(&waiting.route, endpoint, now) {
             waiting.home = Some(endpoint);
             self.homed.insert((endpoint, ticket.seq()), ticket);

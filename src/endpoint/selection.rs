@@ -250,12 +250,7 @@ impl EndpointLedger {
         };
         match self.wait_target(route, go, bound, hold.waits, now) {
             WaitOrGo::Wait(id) => Choice::Hold(id),
-            // Only a session's turn waits before it spills: where it goes,
-            // its conversation stays (a keyless request is placed anew by
-            // its prompt each time).
-            WaitOrGo::Spill { cold_ms, holder }
-                if !hold.may_spill && self.names_a_session(route) =>
-            {
+            WaitOrGo::Spill { cold_ms, holder } if !hold.may_spill => {
                 Choice::Delay(spill_delay(cold_ms), holder)
             }
             WaitOrGo::Spill { .. } | WaitOrGo::Go => Choice::Endpoint(go),

@@ -6,7 +6,9 @@
 //! decode, each answer telling the balancer its timings. The peers that
 //! commit each request on arrival put every group on one server; first
 //! turns placed one by one by their sessions' homes used to start three or
-//! four groups cold on every server.
+//! four groups cold on every server, and keyless ones, whose spills took
+//! every free server before the other groups' first turns came, two or
+//! three.
 
 use super::*;
 use crate::endpoint::Timing;
@@ -171,11 +173,32 @@ fn in_a_skewed_burst_of_keyed_conversations_the_small_groups_start_once() {
 }
 
 #[test]
-fn a_burst_of_keyless_conversations_is_served_whole() {
+fn in_a_burst_of_keyless_conversations_each_server_prefills_one_group() {
     for order in &ORDERS {
         let served = burst(order, &[8, 8, 8, 8], false);
         assert_eq!(served.values().map(Vec::len).sum::<usize>(), 32);
+        // Each group's first turn starts it on the freest server; its
+        // other turns wait for it (or out their spill delay) while the
+        // other groups' first turns come, and spill later only past a
+        // server's own, shorter queue.
         let colds = colds_per_server(&served);
-        assert!(colds.iter().all(|&c| c <= 3), "{order:?}: {served:?}");
+        assert_eq!(colds, [1, 1, 1, 1], "{order:?}: {served:?}");
     }
+}
+
+#[test]
+fn in_a_skewed_burst_of_keyless_conversations_the_largest_group_spreads() {
+    let order: Vec<u64> = (0..32).collect();
+    let served = burst(&order, &[16, 8, 4, 4], false);
+    assert_eq!(served.values().map(Vec::len).sum::<usize>(), 32);
+    // Its queue is the longest: it spills past the others' (waiting for
+    // its server only, it would keep one server busy while three idled,
+    // as `cache_aware` does); no server prefills more than two groups.
+    let servers_of_largest = served
+        .values()
+        .filter(|starts| starts.iter().any(|&(g, cold)| g == 0 && cold))
+        .count();
+    assert!(servers_of_largest >= 2, "{served:?}");
+    let colds = colds_per_server(&served);
+    assert!(colds.iter().all(|&c| c <= 2), "{served:?}");
 }

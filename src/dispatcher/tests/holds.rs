@@ -233,12 +233,70 @@ fn requests_for_one_busy_server_wait_only_while_its_queue_beats_a_prefill() {
     for t in tenants {
         queued(d.submit(with_prompt(t, 0, &[1, 2, 3, 4]), t, t0));
     }
-    // b was busy until now: the pass sees all thirteen.
-    let done = d.dispatch(t0);
+    // b was busy until now: the pass sees all thirteen. The thirteenth
+    // waits 1 % of its prefill before it spills (164 ms), then goes: more
+    // wait for a than for b.
+    assert!(d.dispatch(t0).is_empty());
+    let spill_at = t0 + Duration::from_micros(163_840);
+    assert_eq!(d.next_hold_end(), Some(spill_at));
+    let done = d.dispatch(spill_at);
     assert_eq!(granted(&done), ["t12"]);
     d.release(done.into_iter().next().unwrap().result.unwrap());
     d.release(home);
     assert_eq!(granted(&d.dispatch(t0)).len(), 9, "a's slot and b's eight");
+}
+
+#[test]
+fn a_spill_passes_the_requests_waiting_for_the_free_server_only_for_a_longer_queue() {
+    let t0 = Instant::now();
+    let ms = |n: u64| t0 + Duration::from_millis(n);
+    let lease = |done: Vec<Done<&'static str>>| done.into_iter().next().unwrap().result.unwrap();
+    // Holds as long as the default's; round robin: token fairness would
+    // let a request passed too often take the slot (another rule).
+    let mut c = round_robin(60);
+    c.scheduling.affinity_hold = Duration::from_secs(5);
+    let mut d = Dispatcher::new(c);
+    // a caches p's prompt, b q's; both busy.
+    d.report(model_server("a", 1, 1, &[]), t0).unwrap();
+    let on_a = ready(d.submit(with_prompt("p", 0, &[1, 2, 3]), "first-p", t0));
+    d.report(model_server("b", 2, 1, &[]), t0).unwrap();
+    let mut on_b = ready(d.submit(with_prompt("q", 0, &[70, 71, 72]), "first-q", t0));
+    assert_eq!(on_b.addr.port(), 2);
+    // Thirteen requests for p's prompt (the thirteenth would spill, as in
+    // the test above), fifteen for q's: each tenant its own.
+    const P: [&str; 13] = [
+        "p0", "p1", "p2", "p3", "p4", "p5", "p6", "p7", "p8", "p9", "p10", "p11", "p12",
+    ];
+    const Q: [&str; 15] = [
+        "q0", "q1", "q2", "q3", "q4", "q5", "q6", "q7", "q8", "q9", "q10", "q11", "q12", "q13",
+        "q14",
+    ];
+    for p in P {
+        queued(d.submit(with_prompt(p, 0, &[1, 2, 3, 4]), p, t0));
+    }
+    for q in Q {
+        queued(d.submit(with_prompt(q, 0, &[70, 71, 72, 73]), q, t0));
+    }
+    // b frees: the first twelve are held for a, the thirteenth waits out
+    // its spill delay, b serves its own.
+    d.release(on_b);
+    let done = d.dispatch(ms(0));
+    assert_eq!(granted(&done), ["q0"]);
+    on_b = lease(done);
+    assert_eq!(d.next_hold_end(), Some(t0 + Duration::from_micros(163_840)));
+    assert!(d.dispatch(ms(164)).is_empty(), "nothing is free");
+    // Its delay is over, but as many wait for b as for a, or more: b's
+    // own take its slot, each a cached prefill there.
+    for (at, next) in [(200, "q1"), (300, "q2")] {
+        d.release(on_b);
+        let done = d.dispatch(ms(at));
+        assert_eq!(granted(&done), [next], "at {at} ms");
+        on_b = lease(done);
+    }
+    // Thirteen wait for a, twelve for b: the spill goes.
+    d.release(on_b);
+    assert_eq!(granted(&d.dispatch(ms(400))), ["p12"]);
+    d.release(on_a);
 }
 
 #[test]

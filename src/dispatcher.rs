@@ -31,11 +31,14 @@
 //!   highest waiting priority that is at home there (no busy endpoint holds
 //!   more of its prompt, its session's endpoint takes it), before a request
 //!   cached elsewhere would take it and prefill cold; a request passed so
-//!   starts the same hold clock and, once it is over, is passed no more.
+//!   starts the same hold clock and, once it is over, is passed no more
+//!   (this step asks at most [`MAX_HOLDS_PER_PASS`] requests a pass).
 //!   When that endpoint frees a slot, the held request takes it before any
-//!   other request of its priority (a session's turn that would now spill,
-//!   prefill cold what the busy endpoint holds, first waits out its spill
-//!   delay, a clock of its own like a hold's). A hold never lets lower priority pass,
+//!   other request of its priority. A request that would now spill
+//!   (prefill cold what the busy endpoint holds) first waits out its spill
+//!   delay, a clock of its own like a hold's, and then passes the requests
+//!   waiting for the free endpoint only while more wait for the busy one
+//!   (`holds`' `spill_passes`). A hold never lets lower priority pass,
 //!   nor a tenant get more than a few of its requests ahead of the waiting
 //!   request's tenant under token fairness
 //!   ([`FlowQueues::passing_is_unfair`]: then the waiting request takes the

@@ -41,7 +41,7 @@ type Served = BTreeMap<u16, Vec<(u64, bool)>>;
 
 /// Runs the first turns of the conversations in `order` (groups of the
 /// sizes in `groups`, tenants in turn as the bench's clients), 70 µs
-/// apart, until every one has had its first token.
+/// apart, until every one has had its first token (asserted).
 fn burst(order: &[u64], groups: &[u64], keyed: bool) -> Served {
     let t0 = Instant::now();
     let group_of = |c: u64| {
@@ -126,6 +126,8 @@ fn burst(order: &[u64], groups: &[u64], keyed: bool) -> Served {
             start(done.result.expect("served"), done.waiter, now, &mut running);
         }
     }
+    // Every first turn started, once.
+    assert_eq!(served.values().map(Vec::len).sum::<usize>(), order.len());
     served
 }
 
@@ -140,7 +142,6 @@ fn colds_per_server(served: &Served) -> Vec<usize> {
 fn in_a_burst_of_keyed_conversations_no_server_prefills_more_than_two_groups() {
     for order in &ORDERS {
         let served = burst(order, &[8, 8, 8, 8], true);
-        assert_eq!(served.values().map(Vec::len).sum::<usize>(), 32);
         // Each first turn used to go to its session's rendezvous home or
         // the least loaded server of the moment: three or four groups'
         // prompts prefilled cold on every server. Placed by their cached
@@ -176,7 +177,6 @@ fn in_a_skewed_burst_of_keyed_conversations_the_small_groups_start_once() {
 fn in_a_burst_of_keyless_conversations_each_server_prefills_one_group() {
     for order in &ORDERS {
         let served = burst(order, &[8, 8, 8, 8], false);
-        assert_eq!(served.values().map(Vec::len).sum::<usize>(), 32);
         // Each group's first turn starts it on the freest server; its
         // other turns wait for it (or out their spill delay) while the
         // other groups' first turns come, and spill later only past a
@@ -190,7 +190,6 @@ fn in_a_burst_of_keyless_conversations_each_server_prefills_one_group() {
 fn in_a_skewed_burst_of_keyless_conversations_the_largest_group_spreads() {
     let order: Vec<u64> = (0..32).collect();
     let served = burst(&order, &[16, 8, 4, 4], false);
-    assert_eq!(served.values().map(Vec::len).sum::<usize>(), 32);
     // Its queue is the longest: it spills past the others' (waiting for
     // its server only, it would keep one server busy while three idled,
     // as `cache_aware` does); no server prefills more than two groups.

@@ -37,8 +37,9 @@
 //!   other request of its priority. A request that would now spill
 //!   (prefill cold what the busy endpoint holds) first waits out its spill
 //!   delay, a clock of its own like a hold's, and then passes the requests
-//!   waiting for the free endpoint only while more wait for the busy one
-//!   (`holds`' `spill_passes`). A hold never lets lower priority pass,
+//!   waiting for the free endpoint only where that evens out the work
+//!   ([`crate::endpoint`]'s `spill_evens_out`). A hold never lets lower
+//!   priority pass,
 //!   nor a tenant get more than a few of its requests ahead of the waiting
 //!   request's tenant under token fairness
 //!   ([`FlowQueues::passing_is_unfair`]: then the waiting request takes the

@@ -11,23 +11,13 @@ use crate::flow::Ticket;
 
 /// Queued requests a dispatch pass asks where they are at home at most,
 /// in each of its steps that do ([`Dispatcher::place_at_home`],
-/// [`Dispatcher::wanted`]): as many as a pass may hold, from the queues'
+/// [`Dispatcher::waiting_for`]): as many as a pass may hold, from the queues'
 /// head, where the slots that free soon go. Each question is a placement
 /// query; unbounded, with 1,000 tenants 10,000 requests deep, a pass
 /// asked up to 36,000 (2.7 ms a request at 1,000 endpoints,
 /// `benches/scale.rs`). The slots this step leaves go in the queues'
 /// order.
 const HOME_SCAN: usize = MAX_HOLDS_PER_PASS;
-
-/// Requests waiting in the highest priority, by what they wait for
-/// ([`Dispatcher::wanted`]).
-#[derive(Debug, Default)]
-struct Wanted {
-    /// Held for an endpoint, or queued for it by their session.
-    by_endpoint: Waits,
-    /// Neither, and a free endpoint serves them as well as any.
-    at_home_free: u32,
-}
 
 /// Holds begun since the last [`Dispatcher::take_new_holds`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -66,7 +56,7 @@ impl<T> Dispatcher<T> {
             }
         }
         let mut waits = Waits::default();
-        let mut wanted: Option<Wanted> = None;
+        let mut waiting_for: Option<Waits> = None;
         for ticket in held {
             let Some(waiting) = self.queues.get(ticket) else {
                 continue;
@@ -79,14 +69,15 @@ impl<T> Dispatcher<T> {
             }
             // A held request that would now spill (prefill cold what the
             // endpoint it waited for holds) goes once its spill delay is
-            // over, before the requests at home where it goes only for a
-            // longer queue than theirs ([`Dispatcher::spill_passes`]).
+            // over, before the requests waiting for the free endpoint only
+            // where that evens out the work
+            // ([`crate::endpoint::EndpointLedger::spill_evens_out`]).
             let spill_over = waiting.spill_at.is_some_and(|at| at <= now);
-            let holder = waiting.held;
             let may_spill = spill_over
-                && holder.is_none_or(|holder| {
-                    let wanted = wanted.get_or_insert_with(|| self.wanted(top, now));
-                    self.spill_passes(wanted, holder, now)
+                && waiting.held.is_none_or(|holder| {
+                    let waiting_for = waiting_for.get_or_insert_with(|| self.waiting_for(top, now));
+                    let route = &self.queues.get(ticket).expect("offered just above").route;
+                    self.ledger.spill_evens_out(route, holder, waiting_for, now)
                 });
             let waiting = self.queues.get(ticket).expect("offered just above");
             let holding = Holding {
@@ -108,48 +99,25 @@ impl<T> Dispatcher<T> {
     }
 
     /// The requests of priority `top` among the first [`BEHIND_HOLDS`] of
-    /// each flow, at most [`HOME_SCAN`] of them, by the endpoint they wait
-    /// for.
-    fn wanted(&mut self, top: i32, now: Instant) -> Wanted {
-        let mut wanted = Wanted::default();
+    /// each flow, at most [`HOME_SCAN`] of them, by the endpoint each waits
+    /// for: its session's, the one it was held for, or the one holding
+    /// most of its prompt.
+    fn waiting_for(&mut self, top: i32, now: Instant) -> Waits {
+        let mut waiting_for = Waits::default();
         let mut looked = 0;
         let ledger = &self.ledger;
         self.queues.peek_where(BEHIND_HOLDS, |_, w| {
             if w.priority >= top {
-                match w.home.or(w.held) {
-                    Some(endpoint) => wanted.by_endpoint.add(endpoint),
-                    None if ledger.at_home(&w.route, now) == Home::Yes => {
-                        wanted.at_home_free += 1;
-                    }
-                    None => {}
+                let endpoint = w.home.or(w.held);
+                if let Some(e) = endpoint.or_else(|| ledger.prompt_holder(&w.route, now)) {
+                    waiting_for.add(e);
                 }
             }
             looked += 1;
             // Counted, not taken: every one is looked at, up to the bound.
             looked == HOME_SCAN
         });
-        wanted
-    }
-
-    /// Whether a request whose spill delay is over may spill now from
-    /// `holder` (the busy endpoint that holds its prompt) before the
-    /// requests that wait for the free endpoints: only while more wait for
-    /// `holder` than for them. A popular prompt spreads once its queue is
-    /// the longer (skewed groups: the largest takes a second server); a
-    /// burst of conversations starting at once does not spread its first
-    /// group over the servers the others' cached prompts are on (spills
-    /// that passed them made each server prefill two or three groups'
-    /// prompts cold). A free slot none of them wants still goes to the
-    /// spill, in the main pass.
-    fn spill_passes(&self, wanted: &Wanted, holder: EndpointId, now: Instant) -> bool {
-        let for_free: u32 = self
-            .ledger
-            .available_ids(now)
-            .into_iter()
-            .filter(|&id| id != holder)
-            .map(|id| wanted.by_endpoint.ahead(id))
-            .sum();
-        wanted.by_endpoint.ahead(holder) > wanted.at_home_free + for_free
+        waiting_for
     }
 
     /// The earliest of `waiting` (requests waiting for a busy endpoint's

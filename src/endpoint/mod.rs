@@ -28,6 +28,7 @@
 //! [`saturation`] says who takes no new work, [`breaker`] takes failing
 //! endpoints out for a while; this file keeps the ledger.
 
+mod balance;
 mod breaker;
 mod cache_truth;
 mod cost;

@@ -14,15 +14,15 @@
 //!
 //! Going while a saturated endpoint holds more of the prompt is a spill. A
 //! spill waits first 1 % of the prefill it will pay ([`spill_delay`]), and
-//! then passes the requests that wait for the free endpoint (held for it,
-//! queued for it by their sessions, or served there as well as anywhere)
-//! only while more requests wait for the endpoint it spills from (the
-//! dispatcher's `spill_passes`). A burst of conversations starting at once
-//! then puts each group where its prompt is, instead of the first group's
+//! then passes the requests that wait for the free endpoint only where
+//! that evens out the work: from an endpoint carrying at least one request
+//! per slot more than the mean to one carrying at least one fewer
+//! ([`super::balance`]). A burst of conversations starting at once then
+//! puts each group where its prompt is, instead of the first group's
 //! spills taking every free server before the other groups' first turns
 //! arrive (each server then prefilled two or three groups' prompts cold);
-//! and a popular prompt still spreads to a second server once its queue is
-//! the longer.
+//! a popular prompt spreads to the servers below their share, and a group
+//! of its fair share stays on its server.
 //!
 //! Every rate is the endpoint's own, learned from its answers
 //! ([`super::CostModel`]). So a long conversation waits for its server,

@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 
 /// Orders in which 32 first turns (conversation `c` of group `c / 8`)
 /// reached a balancer in bench runs: one group first, groups interleaved.
-const ORDERS: [[u64; 32]; 4] = [
+pub(super) const ORDERS: [[u64; 32]; 4] = [
     [
         13, 0, 14, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 23, 24, 25, 26, 27, 28, 29, 30, 31, 19,
         16, 17, 18, 21, 20, 22, 15,
@@ -35,6 +35,43 @@ const ORDERS: [[u64; 32]; 4] = [
     ],
 ];
 
+/// The group of conversation `c`, of groups of the sizes in `groups`.
+pub(super) fn group_of(groups: &[u64], c: u64) -> u64 {
+    let mut end = 0;
+    groups
+        .iter()
+        .position(|n| {
+            end += n;
+            c < end
+        })
+        .expect("in a group") as u64
+}
+
+/// A dispatcher in front of four servers of two slots (ports 1 to 4), on
+/// a balancer alone, whose agents report once a minute.
+pub(super) fn four_servers(c: DispatcherConfig, t0: Instant) -> Dispatcher<u64> {
+    let mut d = Dispatcher::new(c);
+    for (id, port) in [("a", 1), ("b", 2), ("c", 3), ("d", 4)] {
+        let mut r = model_server(id, port, 2, &[]);
+        r.balancers = Some(1);
+        r.monitoring_interval_ms = 60_000;
+        d.report(r, t0).unwrap();
+    }
+    d
+}
+
+/// What an engine says of an answer that prefilled `tokens` in
+/// `prefill_ms`, then decoded 11 tokens in 210 ms.
+pub(super) fn answer(tokens: u64, prefill_ms: u64) -> Timing {
+    Timing {
+        prefilled_tokens: tokens,
+        prefill: Some(Duration::from_millis(prefill_ms)),
+        output_tokens: 11,
+        decode: Some(Duration::from_millis(210)),
+        service: Some(Duration::from_millis(prefill_ms + 210)),
+    }
+}
+
 /// Where each server's first turns came from: (group, cold) in the order
 /// it started them.
 type Served = BTreeMap<u16, Vec<(u64, bool)>>;
@@ -44,26 +81,11 @@ type Served = BTreeMap<u16, Vec<(u64, bool)>>;
 /// apart, until every one has had its first token (asserted).
 fn burst(order: &[u64], groups: &[u64], keyed: bool) -> Served {
     let t0 = Instant::now();
-    let group_of = |c: u64| {
-        let mut end = 0;
-        groups
-            .iter()
-            .position(|n| {
-                end += n;
-                c < end
-            })
-            .expect("in a group") as u64
-    };
+    let group_of = |c: u64| group_of(groups, c);
     let mut c = config(100);
     c.scheduling.prefix.block_bytes = 256;
     c.scheduling.affinity_hold = Duration::from_secs(5);
-    let mut d: Dispatcher<u64> = Dispatcher::new(c);
-    for (id, port) in [("a", 1), ("b", 2), ("c", 3), ("d", 4)] {
-        let mut r = model_server(id, port, 2, &[]);
-        r.balancers = Some(1);
-        r.monitoring_interval_ms = 60_000;
-        d.report(r, t0).unwrap();
-    }
+    let mut d = four_servers(c, t0);
     // A 4 KB system prompt (16 blocks) and a 1 KB first message: 1,300
     // tokens, 1,024 of them the group's.
     let first_turn = |c: u64| {
@@ -89,14 +111,8 @@ fn burst(order: &[u64], groups: &[u64], keyed: bool) -> Served {
             .entry(lease.addr.port())
             .or_default()
             .push((group_of(c), cold));
-        let timing = Timing {
-            prefilled_tokens: tokens,
-            prefill: Some(Duration::from_millis(prefill)),
-            output_tokens: 11,
-            decode: Some(Duration::from_millis(210)),
-            service: Some(Duration::from_millis(prefill + 210)),
-        };
-        running.push((now + Duration::from_millis(prefill + 210), lease, timing));
+        let timing = answer(tokens, prefill);
+        running.push((now + timing.service.expect("set"), lease, timing));
     };
     let mut now = t0;
     for (i, &c) in order.iter().enumerate() {

@@ -247,7 +247,7 @@ fn requests_for_one_busy_server_wait_only_while_its_queue_beats_a_prefill() {
 }
 
 #[test]
-fn a_spill_passes_the_requests_waiting_for_the_free_server_only_for_a_longer_queue() {
+fn a_spill_passes_the_requests_waiting_for_the_free_server_only_to_even_out_the_work() {
     let t0 = Instant::now();
     let ms = |n: u64| t0 + Duration::from_millis(n);
     let lease = |done: Vec<Done<&'static str>>| done.into_iter().next().unwrap().result.unwrap();
@@ -285,15 +285,16 @@ fn a_spill_passes_the_requests_waiting_for_the_free_server_only_for_a_longer_que
     on_b = lease(done);
     assert_eq!(d.next_hold_end(), Some(t0 + Duration::from_micros(163_840)));
     assert!(d.dispatch(ms(164)).is_empty(), "nothing is free");
-    // Its delay is over, but as many wait for b as for a, or more: b's
-    // own take its slot, each a cached prefill there.
+    // Its delay is over, but a carries no more than its share (the mean
+    // of requests in flight and waiting, a's and b's) until b's queue is
+    // two shorter: b's own take its slot, each a cached prefill there.
     for (at, next) in [(200, "q1"), (300, "q2")] {
         d.release(on_b);
         let done = d.dispatch(ms(at));
         assert_eq!(granted(&done), [next], "at {at} ms");
         on_b = lease(done);
     }
-    // Thirteen wait for a, twelve for b: the spill goes.
+    // Fourteen on a, twelve on b: the spill goes.
     d.release(on_b);
     assert_eq!(granted(&d.dispatch(ms(400))), ["p12"]);
     d.release(on_a);

@@ -1,0 +1,98 @@
+//! Conversations' balance: which spills may pass the requests that wait
+//! for the free endpoint.
+//!
+//! A conversation's turns re-send its history, so each turn waits for the
+//! endpoint that served the one before (its cache, or its session): where
+//! its first turn lands, its whole life waits. The wait-or-go rule
+//! ([`super::placement`]) weighs one turn's own time; left to it, a burst
+//! of conversations of unequal groups (one system prompt shared by half of
+//! them) leaves the largest group's server with more conversations than
+//! the others for good, and spills from a group of its fair share moved
+//! that group's conversations onto servers that were the small groups'
+//! (the skewed groups: 10, 6, 8 and 8 conversations on four
+//! servers under a controlled clock, where 8 each was possible). So a
+//! held request whose spill delay is over passes the requests waiting for
+//! a free endpoint only to even out the work: from an endpoint carrying at
+//! least one request per slot more than the mean of those serving its
+//! model (requests in flight, and the queued requests waiting for each) to
+//! one carrying at least one fewer. A free slot none of them wants still
+//! goes to the spill, in the dispatcher's main pass.
+
+use std::time::Instant;
+
+use super::placement::Waits;
+use super::{Endpoint, EndpointId, EndpointLedger, Route};
+
+/// Slack for the comparisons of loads (sums of fractions of a request).
+const EPSILON: f64 = 1e-9;
+
+impl Endpoint {
+    /// Requests per slot: those in flight here and `waiting` for it.
+    fn load_with(&self, waiting: &Waits) -> f64 {
+        f64::from(self.in_flight.saturating_add(waiting.ahead(self.id)))
+            / f64::from(self.slots_total().max(1))
+    }
+
+    /// One request's share of this endpoint's work per slot.
+    fn per_request(&self) -> f64 {
+        1.0 / f64::from(self.slots_total().max(1))
+    }
+}
+
+impl EndpointLedger {
+    /// The endpoint serving `route` that holds the most of its leading
+    /// prompt blocks, if one holds any: the one a queued request not yet
+    /// held for an endpoint waits for. Its blocks are chained hashes, and
+    /// an endpoint forgets a prompt from its end, so the holders of its
+    /// deepest block held anywhere hold the most: found in a few lookups,
+    /// whatever the fleet's size.
+    pub(crate) fn prompt_holder(&self, route: &Route, now: Instant) -> Option<EndpointId> {
+        if self.scheduling.scorers.prefix_cache <= 0.0 {
+            return None;
+        }
+        let held = route
+            .prefix
+            .partition_point(|block| !self.holders.of(*block).is_empty());
+        let deepest = route.prefix.get(held.checked_sub(1)?)?;
+        self.holders
+            .of(*deepest)
+            .iter()
+            .filter_map(|id| self.endpoints.get(id))
+            .find(|e| e.fits(route) && e.eligible(now))
+            .map(|e| e.id)
+    }
+
+    /// Whether a spill of `route` from `holder` evens out the work (module
+    /// docs): `holder` carries at least one request per slot more than the
+    /// mean of the endpoints serving the route, and one of them that takes
+    /// work now at least one fewer. `waiting`: the queued requests by the
+    /// endpoint they wait for.
+    pub(crate) fn spill_evens_out(
+        &self,
+        route: &Route,
+        holder: EndpointId,
+        waiting: &Waits,
+        now: Instant,
+    ) -> bool {
+        let Some(h) = self.endpoints.get(&holder) else {
+            return false;
+        };
+        let config = self.saturation;
+        let (mut sum, mut n) = (0.0, 0u32);
+        // The least a free endpoint would carry with the spill.
+        let mut least_free = f64::INFINITY;
+        for e in self.serving(route).filter(|e| e.eligible(now)) {
+            let load = e.load_with(waiting);
+            sum += load;
+            n += 1;
+            if e.id != holder && e.available(now, &config) {
+                least_free = least_free.min(load + e.per_request());
+            }
+        }
+        if n == 0 {
+            return false;
+        }
+        let mean = sum / f64::from(n);
+        h.load_with(waiting) - h.per_request() >= mean - EPSILON && least_free <= mean + EPSILON
+    }
+}

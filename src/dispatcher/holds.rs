@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use super::{Dispatcher, Done, BEHIND_HOLDS, LOOK_AHEAD, MAX_HOLDS_PER_PASS};
-use crate::endpoint::{EndpointId, Holding, Home, Pick, Route, Waits};
+use crate::endpoint::{EndpointId, Holding, Home, Pick, QueuedWork, Route, Waits};
 use crate::flow::Ticket;
 
 /// Queued requests a dispatch pass asks where they are at home at most,
@@ -56,7 +56,7 @@ impl<T> Dispatcher<T> {
             }
         }
         let mut waits = Waits::default();
-        let mut waiting_for: Option<Waits> = None;
+        let mut waiting_for: Option<QueuedWork> = None;
         for ticket in held {
             let Some(waiting) = self.queues.get(ticket) else {
                 continue;
@@ -101,16 +101,17 @@ impl<T> Dispatcher<T> {
     /// The requests of priority `top` among the first [`BEHIND_HOLDS`] of
     /// each flow, at most [`HOME_SCAN`] of them, by the endpoint each waits
     /// for: its session's, the one it was held for, or the one holding
-    /// most of its prompt.
-    fn waiting_for(&mut self, top: i32, now: Instant) -> Waits {
-        let mut waiting_for = Waits::default();
+    /// most of its prompt (none: unplaced).
+    fn waiting_for(&mut self, top: i32, now: Instant) -> QueuedWork {
+        let mut waiting_for = QueuedWork::default();
         let mut looked = 0;
         let ledger = &self.ledger;
         self.queues.peek_where(BEHIND_HOLDS, |_, w| {
             if w.priority >= top {
                 let endpoint = w.home.or(w.held);
-                if let Some(e) = endpoint.or_else(|| ledger.prompt_holder(&w.route, now)) {
-                    waiting_for.add(e);
+                match endpoint.or_else(|| ledger.prompt_holder(&w.route, now)) {
+                    Some(e) => waiting_for.by_endpoint.add(e),
+                    None => waiting_for.unplaced += 1,
                 }
             }
             looked += 1;

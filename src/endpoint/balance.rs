@@ -14,9 +14,10 @@
 //! held request whose spill delay is over passes the requests waiting for
 //! a free endpoint only to even out the work: from an endpoint carrying at
 //! least one request per slot more than the mean of those serving its
-//! model (requests in flight, and the queued requests waiting for each) to
-//! one carrying at least one fewer. A free slot none of them wants still
-//! goes to the spill, in the dispatcher's main pass.
+//! model (requests in flight, and the queued requests waiting for each or
+//! not placed yet, over their slots) to one carrying at least one fewer. A
+//! free slot none of them wants still goes to the spill, in the
+//! dispatcher's main pass.
 
 use std::time::Instant;
 
@@ -26,11 +27,25 @@ use super::{Endpoint, EndpointId, EndpointLedger, Route};
 /// Slack for the comparisons of loads (sums of fractions of a request).
 const EPSILON: f64 = 1e-9;
 
+/// Queued requests by the endpoint each waits for: its session's, the one
+/// it was held for, or the one holding most of its prompt; `unplaced`: the
+/// requests none of those is known for (their prompt cached nowhere yet),
+/// work that lands somewhere all the same.
+#[derive(Debug, Default)]
+pub(crate) struct QueuedWork {
+    pub by_endpoint: Waits,
+    pub unplaced: u32,
+}
+
 impl Endpoint {
     /// Requests per slot: those in flight here and `waiting` for it.
     fn load_with(&self, waiting: &Waits) -> f64 {
-        f64::from(self.in_flight.saturating_add(waiting.ahead(self.id)))
-            / f64::from(self.slots_total().max(1))
+        f64::from(self.requests_with(waiting)) / f64::from(self.slots_total().max(1))
+    }
+
+    /// Requests in flight here and `waiting` for it.
+    fn requests_with(&self, waiting: &Waits) -> u32 {
+        self.in_flight.saturating_add(waiting.ahead(self.id))
     }
 
     /// One request's share of this endpoint's work per slot.
@@ -64,35 +79,35 @@ impl EndpointLedger {
 
     /// Whether a spill of `route` from `holder` evens out the work (module
     /// docs): `holder` carries at least one request per slot more than the
-    /// mean of the endpoints serving the route, and one of them that takes
-    /// work now at least one fewer. `waiting`: the queued requests by the
-    /// endpoint they wait for.
+    /// mean of the endpoints serving the route (requests in flight and
+    /// `queued`, over their slots), and one of them that takes work now at
+    /// least one fewer.
     pub(crate) fn spill_evens_out(
         &self,
         route: &Route,
         holder: EndpointId,
-        waiting: &Waits,
+        queued: &QueuedWork,
         now: Instant,
     ) -> bool {
         let Some(h) = self.endpoints.get(&holder) else {
             return false;
         };
         let config = self.saturation;
-        let (mut sum, mut n) = (0.0, 0u32);
+        let waiting = &queued.by_endpoint;
+        let (mut requests, mut slots) = (u64::from(queued.unplaced), 0u64);
         // The least a free endpoint would carry with the spill.
         let mut least_free = f64::INFINITY;
         for e in self.serving(route).filter(|e| e.eligible(now)) {
-            let load = e.load_with(waiting);
-            sum += load;
-            n += 1;
+            requests += u64::from(e.requests_with(waiting));
+            slots += u64::from(e.slots_total().max(1));
             if e.id != holder && e.available(now, &config) {
-                least_free = least_free.min(load + e.per_request());
+                least_free = least_free.min(e.load_with(waiting) + e.per_request());
             }
         }
-        if n == 0 {
+        if slots == 0 {
             return false;
         }
-        let mean = sum / f64::from(n);
+        let mean = requests as f64 / slots as f64;
         h.load_with(waiting) - h.per_request() >= mean - EPSILON && least_free <= mean + EPSILON
     }
 }

@@ -46,6 +46,7 @@ use selection::Choice;
 pub(crate) use selection::Pick;
 pub use selection::{Route, SchedulingConfig};
 
+pub(crate) use balance::QueuedWork;
 use breaker::Breaker;
 pub use cache_truth::{CacheSeen, CacheTruth};
 pub use cost::{CostModel, CostSnapshot, Estimate, Timing};

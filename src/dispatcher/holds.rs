@@ -9,10 +9,11 @@ use super::{Dispatcher, Done, BEHIND_HOLDS, LOOK_AHEAD, MAX_HOLDS_PER_PASS};
 use crate::endpoint::{EndpointId, Holding, Home, Pick, QueuedWork, Route, Waits};
 use crate::flow::Ticket;
 
-/// Queued requests a dispatch pass asks where they are at home at most,
-/// in each of its steps that do ([`Dispatcher::place_at_home`],
-/// [`Dispatcher::waiting_for`]): as many as a pass may hold, from the queues'
-/// head, where the slots that free soon go. Each question is a placement
+/// Queued requests a dispatch pass asks where they are at home, or which
+/// endpoint they wait for, at most, in each of its steps that do
+/// ([`Dispatcher::place_at_home`], [`Dispatcher::queued_work`]): as many
+/// as a pass may hold, from the queues' head, where the slots that free
+/// soon go. Each question is a placement
 /// query; unbounded, with 1,000 tenants 10,000 requests deep, a pass
 /// asked up to 36,000 (2.7 ms a request at 1,000 endpoints,
 /// `benches/scale.rs`). The slots this step leaves go in the queues'
@@ -56,7 +57,7 @@ impl<T> Dispatcher<T> {
             }
         }
         let mut waits = Waits::default();
-        let mut waiting_for: Option<QueuedWork> = None;
+        let mut queued: Option<QueuedWork> = None;
         for ticket in held {
             let Some(waiting) = self.queues.get(ticket) else {
                 continue;
@@ -75,9 +76,9 @@ impl<T> Dispatcher<T> {
             let spill_over = waiting.spill_at.is_some_and(|at| at <= now);
             let may_spill = spill_over
                 && waiting.held.is_none_or(|holder| {
-                    let waiting_for = waiting_for.get_or_insert_with(|| self.waiting_for(top, now));
+                    let queued = queued.get_or_insert_with(|| self.queued_work(top, now));
                     let route = &self.queues.get(ticket).expect("offered just above").route;
-                    self.ledger.spill_evens_out(route, holder, waiting_for, now)
+                    self.ledger.spill_evens_out(route, holder, queued, now)
                 });
             let waiting = self.queues.get(ticket).expect("offered just above");
             let holding = Holding {
@@ -102,23 +103,23 @@ impl<T> Dispatcher<T> {
     /// each flow, at most [`HOME_SCAN`] of them, by the endpoint each waits
     /// for: its session's, the one it was held for, or the one holding
     /// most of its prompt (none: unplaced).
-    fn waiting_for(&mut self, top: i32, now: Instant) -> QueuedWork {
-        let mut waiting_for = QueuedWork::default();
+    fn queued_work(&mut self, top: i32, now: Instant) -> QueuedWork {
+        let mut work = QueuedWork::default();
         let mut looked = 0;
         let ledger = &self.ledger;
         self.queues.peek_where(BEHIND_HOLDS, |_, w| {
             if w.priority >= top {
                 let endpoint = w.home.or(w.held);
                 match endpoint.or_else(|| ledger.prompt_holder(&w.route, now)) {
-                    Some(e) => waiting_for.by_endpoint.add(e),
-                    None => waiting_for.unplaced += 1,
+                    Some(e) => work.by_endpoint.add(e),
+                    None => work.unplaced += 1,
                 }
             }
             looked += 1;
             // Counted, not taken: every one is looked at, up to the bound.
             looked == HOME_SCAN
         });
-        waiting_for
+        work
     }
 
     /// The earliest of `waiting` (requests waiting for a busy endpoint's

@@ -4,20 +4,20 @@
 //! A conversation's turns re-send its history, so each turn waits for the
 //! endpoint that served the one before (its cache, or its session): where
 //! its first turn lands, its whole life waits. The wait-or-go rule
-//! ([`super::placement`]) weighs one turn's own time; left to it, a burst
-//! of conversations of unequal groups (one system prompt shared by half of
-//! them) leaves the largest group's server with more conversations than
-//! the others for good, and spills from a group of its fair share moved
-//! that group's conversations onto servers that were the small groups'
-//! (the skewed groups: 10, 6, 8 and 8 conversations on four
-//! servers under a controlled clock, where 8 each was possible). So a
-//! held request whose spill delay is over passes the requests waiting for
-//! a free endpoint only to even out the work: from an endpoint carrying at
-//! least one request per slot more than the mean of those serving its
-//! model (requests in flight, and the queued requests waiting for each or
-//! not placed yet, over their slots) to one carrying at least one fewer. A
-//! free slot none of them wants still goes to the spill, in the
-//! dispatcher's main pass.
+//! ([`super::placement`]) weighs one turn's own time; which spill takes a
+//! free slot first then decides where conversations live. Compared by
+//! queues of the moment (the rule before this one), a burst of unequal
+//! groups (one system prompt shared by half of them) ended with 10, 6, 8
+//! and 8 conversations on four servers under a controlled clock, where 8
+//! each was possible: the second group, its fair share, spilled onto a
+//! small group's server because its queue was the longer, while the
+//! largest group stayed on its own. So a held request whose spill delay
+//! is over passes the requests waiting for a free endpoint only to even
+//! out the work: from an endpoint carrying at least one request per slot
+//! more than the mean of those serving its model (requests in flight, and
+//! the queued requests waiting for each or not placed yet, over their
+//! slots) to one carrying at least one fewer. A free slot none of them
+//! wants still goes to the spill, in the dispatcher's main pass.
 
 use std::time::Instant;
 

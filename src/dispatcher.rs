@@ -235,8 +235,9 @@ struct Waiting<T> {
     /// ([`EndpointLedger::queued_for`]).
     home: Option<EndpointId>,
     /// The busy endpoint it was last held for by the wait-or-go rule (or
-    /// waited out its spill delay beside): counted as waiting for it when
-    /// a spill would pass the requests at home elsewhere.
+    /// waited out its spill delay beside): the one it spills from, and
+    /// where it counts in the work a spill evens out (`holds`'
+    /// `queued_work`).
     held: Option<EndpointId>,
 }
 

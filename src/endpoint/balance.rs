@@ -47,11 +47,6 @@ impl Endpoint {
     fn requests_with(&self, waiting: &Waits) -> u32 {
         self.in_flight.saturating_add(waiting.ahead(self.id))
     }
-
-    /// One request's share of this endpoint's work per slot.
-    fn per_request(&self) -> f64 {
-        1.0 / f64::from(self.slots_total().max(1))
-    }
 }
 
 impl EndpointLedger {
@@ -101,13 +96,13 @@ impl EndpointLedger {
             requests += u64::from(e.requests_with(waiting));
             slots += u64::from(e.slots_total().max(1));
             if e.id != holder && e.available(now, &config) {
-                least_free = least_free.min(e.load_with(waiting) + e.per_request());
+                least_free = least_free.min(e.load_with(waiting) + e.one_request());
             }
         }
         if slots == 0 {
             return false;
         }
         let mean = requests as f64 / slots as f64;
-        h.load_with(waiting) - h.per_request() >= mean - EPSILON && least_free <= mean + EPSILON
+        h.load_with(waiting) - h.one_request() >= mean - EPSILON && least_free <= mean + EPSILON
     }
 }

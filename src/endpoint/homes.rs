@@ -43,7 +43,7 @@ impl Endpoint {
     }
 
     /// One request's share of this endpoint's work per slot.
-    fn one_request(&self) -> f64 {
+    pub(super) fn one_request(&self) -> f64 {
         1.0 / f64::from(self.slots_total().max(1))
     }
 

@@ -91,7 +91,7 @@ fn run(
         let start = Instant::now();
         for _ in 0..BATCH {
             let lease = leases.pop().expect("a slot is busy");
-            d.release(lease);
+            d.release(lease, now);
             let admission = d.submit(request(n), n, now);
             black_box(&admission);
             n += 1;

@@ -171,7 +171,7 @@ fn saturated(case: Case, batches: usize) -> ((f64, f64), f64) {
             // 10,000 requests a second: affinity holds (200 ms) end.
             b.now += Duration::from_micros(100);
             let lease = leases.pop().expect("a slot is busy");
-            b.dispatcher.release(lease);
+            b.dispatcher.release(lease, b.now);
             black_box(b.submit());
             let mut done = b.dispatcher.dispatch(b.now);
             let granted = done.pop().expect("the freed slot is granted");
@@ -191,7 +191,7 @@ fn idle_fleet(case: Case, batches: usize) -> (f64, f64) {
         let start = Instant::now();
         for _ in 0..BATCH {
             match b.submit() {
-                Admission::Ready(lease) => b.dispatcher.release(lease),
+                Admission::Ready(lease) => b.dispatcher.release(lease, b.now),
                 other => panic!("expected a free slot, got {other:?}"),
             }
         }

@@ -554,9 +554,9 @@ impl<T> Dispatcher<T> {
         self.ledger.sessions_bound()
     }
 
-    /// Returns a slot; follow with [`Dispatcher::dispatch`].
-    pub fn release(&mut self, lease: Lease) {
-        self.ledger.release(lease);
+    /// Returns a slot at `now`; follow with [`Dispatcher::dispatch`].
+    pub fn release(&mut self, lease: Lease, now: Instant) {
+        self.ledger.release(lease, now);
     }
 
     /// Gives back the slot of a request whose client left before its answer

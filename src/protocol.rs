@@ -105,6 +105,11 @@ pub struct AgentReport {
     /// balancer computes alike (see [`crate::session`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub balancers: Option<u32>,
+    /// Milliseconds from the agent's read of the engine (the start of
+    /// it) to the report's sending: lets the balancer count its own
+    /// requests as they stood at the read (see `src/endpoint/foreign.rs`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_age_ms: Option<u64>,
 }
 
 /// Why a report was refused. Mapped to HTTP 400 at the edge.
@@ -218,6 +223,14 @@ impl AgentReport {
     pub fn monitoring_interval(&self) -> Duration {
         Duration::from_millis(self.monitoring_interval_ms)
     }
+
+    /// How old the engine read behind the report was when it was sent
+    /// (`None`: the agent does not say). Any number is taken: a read older
+    /// than the previous report counts the balancer's requests as they
+    /// stood then.
+    pub fn read_age(&self) -> Option<Duration> {
+        self.read_age_ms.map(Duration::from_millis)
+    }
 }
 
 #[cfg(test)]
@@ -243,6 +256,7 @@ pub(crate) mod tests {
             last_error: None,
             slot_share: None,
             balancers: None,
+            read_age_ms: None,
         }
     }
 

@@ -35,6 +35,7 @@ use flowgate::AgentReport;
 use reqwest::Client;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
 use tracing::{info, warn};
 
 /// How often the balancers' names are resolved again.
@@ -44,9 +45,10 @@ pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
 /// to the others.
 pub const FORGET_AFTER: u64 = 2;
 
-/// A report, numbered in the order it was published, and each balancer's
-/// share of the slots (`None`: the agent does not divide them).
-type Published = Option<(u64, Arc<AgentReport>, Option<Shares>)>;
+/// A report, numbered in the order it was published, when the engine read
+/// behind it began, and each balancer's share of the slots (`None`: the
+/// agent does not divide them).
+type Published = Option<(u64, Arc<AgentReport>, Instant, Option<Shares>)>;
 
 /// Each balancer's share of the slots.
 type Shares = Arc<BTreeMap<SocketAddr, u32>>;
@@ -66,10 +68,11 @@ struct Answer {
     /// To the last report it got: the report's number, and its demand on
     /// the endpoint or why it failed.
     last: Option<(u64, Result<Demand, Failure>)>,
-    /// The last report it accepted, and its demand then. A balancer that
-    /// refuses or fails every report (one killed: its port refuses at
-    /// once) has none newer, and leaves the division.
-    accepted: Option<(u64, Demand)>,
+    /// The last report it accepted, the engine's busy slots that report
+    /// said, and its demand then. A balancer that refuses or fails every
+    /// report (one killed: its port refuses at once) has none newer, and
+    /// leaves the division.
+    accepted: Option<(u64, u32, Demand)>,
 }
 
 /// The names given (`host:port`), split from every `--management-addr`.
@@ -215,9 +218,9 @@ impl Balancers {
     }
 
     /// Divides the slots by what the balancers last answered, and hands
-    /// `report` with each one's share to every balancer's task; returns
-    /// its number.
-    pub fn publish(&mut self, mut report: AgentReport) -> u64 {
+    /// `report` (from the engine read begun at `read_at`) with each one's
+    /// share to every balancer's task; returns its number.
+    pub fn publish(&mut self, mut report: AgentReport, read_at: Instant) -> u64 {
         self.published += 1;
         // Every balancer named, answering or not: one that stopped may be
         // back at any moment, and until it is left out of the division the
@@ -230,14 +233,13 @@ impl Balancers {
                 let refused = matches!(&answer.last, Some((_, Err(f))) if f.refused);
                 drop(answer);
                 // The last report it accepted, or when it was added.
-                let heard = accepted.map_or(b.added_after, |(n, _)| n);
+                let heard = accepted.map_or(b.added_after, |(n, _, _)| n);
                 match accepted {
                     _ if refused || heard + FORGET_AFTER < self.published => ledger.forget(addr),
                     // Its demand then; a failure since leaves it standing.
-                    Some((_, demand)) => ledger.answered(addr, demand),
+                    Some((_, busy, demand)) => ledger.answered(addr, busy, demand),
                     // A balancer not heard from yet joins idle.
-                    None if ledger.get(addr).is_none() => ledger.answered(addr, Demand::default()),
-                    None => {}
+                    None => ledger.joined(addr),
                 }
             }
             Arc::new(
@@ -248,7 +250,7 @@ impl Balancers {
             )
         });
         self.latest
-            .send_replace(Some((self.published, Arc::new(report), shares)));
+            .send_replace(Some((self.published, Arc::new(report), read_at, shares)));
         self.published
     }
 
@@ -312,12 +314,15 @@ async fn report_to(
 ) {
     let mut failing = false;
     while latest.changed().await.is_ok() {
-        let Some((n, report, shares)) = latest.borrow_and_update().clone() else {
+        let Some((n, report, read_at, shares)) = latest.borrow_and_update().clone() else {
             continue;
         };
         let mut report = (*report).clone();
         // Left out of the division (it stopped answering): no slots.
         report.slot_share = shares.map(|s| s.get(&addr).copied().unwrap_or(0));
+        // As late as can be: a report that waited for a slow balancer
+        // says so.
+        report.read_age_ms = Some(read_at.elapsed().as_millis() as u64);
         let result = send(&client, &url, &token, &report).await;
         match (&result, failing) {
             (Err(e), false) => warn!(balancer = %addr, "{}", e.message),
@@ -327,7 +332,7 @@ async fn report_to(
         failing = result.is_err();
         let mut answer = answer.lock().unwrap_or_else(|e| e.into_inner());
         if let Ok(demand) = &result {
-            answer.accepted = Some((n, *demand));
+            answer.accepted = Some((n, report.slots_busy, *demand));
         }
         answer.last = Some((n, result));
     }
@@ -403,17 +408,17 @@ mod tests {
         let mut b = Balancers::new(Client::new(), "a".into(), None, true);
         let said = |b: &Balancers| {
             let latest = b.latest.borrow();
-            latest.as_ref().map(|(_, r, _)| r.balancers)
+            latest.as_ref().map(|(_, r, _, _)| r.balancers)
         };
         // Ports nothing listens on: named balancers count, answering or not.
         let mut resolved = Resolved::new();
         resolved.insert("one".into(), ["127.0.0.1:9".parse().unwrap()].into());
         b.apply(&resolved);
-        b.publish(report());
+        b.publish(report(), Instant::now());
         assert_eq!(said(&b), Some(Some(1)));
         resolved.insert("two".into(), ["127.0.0.1:10".parse().unwrap()].into());
         b.apply(&resolved);
-        b.publish(report());
+        b.publish(report(), Instant::now());
         assert_eq!(said(&b), Some(Some(2)));
     }
 }

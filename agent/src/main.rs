@@ -231,6 +231,7 @@ fn report_of(
         last_error: status.last_error,
         slot_share: None,
         balancers: None,
+        read_age_ms: None,
     }
 }
 
@@ -337,6 +338,7 @@ async fn run(cli: Cli) -> Result<(), String> {
             info!("drained: no request in flight");
             break;
         }
+        let read_at = tokio::time::Instant::now();
         let status = backend.poll().await;
         let report = report_of(
             &cli,
@@ -351,7 +353,7 @@ async fn run(cli: Cli) -> Result<(), String> {
             .as_ref()
             .map(|e| format!("backend not ready: {e}"));
         let draining = report.draining;
-        let published = balancers.publish(report.clone());
+        let published = balancers.publish(report.clone(), read_at);
         if draining && drain_report.is_none() {
             drain_report = Some(published);
         }

@@ -23,5 +23,6 @@ pub fn report(i: u32, slots: u32) -> AgentReport {
         last_error: None,
         slot_share: None,
         balancers: None,
+        read_age_ms: None,
     }
 }

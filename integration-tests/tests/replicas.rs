@@ -346,7 +346,8 @@ async fn a_moved_conversation_is_followed_through_redis(keyed: bool) {
         .collect();
     for b in [&one, &two] {
         wait_for("the home saturated", Duration::from_secs(5), || async {
-            (saturation_at(b, &home_addr).await == "queue-depth").then_some(())
+            // Its slots taken by work no balancer sent (and its queue).
+            (!saturation_at(b, &home_addr).await.is_null()).then_some(())
         })
         .await;
     }

@@ -138,16 +138,16 @@ mod tests {
         let first = take(&mut ledger, &prompt, now);
         assert_eq!(first.predicted_blocks, 0);
         ledger.observe_cache(&first, seen(40, 0));
-        ledger.release(first);
+        ledger.release(first, now);
         // Again: the whole prompt expected, and the engine had it.
         let second = take(&mut ledger, &prompt, now);
         assert_eq!(second.predicted_blocks, 40);
         ledger.observe_cache(&second, seen(40, 38));
-        ledger.release(second);
+        ledger.release(second, now);
         // The engine lost it: a miss, and the index shrinks.
         let third = take(&mut ledger, &prompt, now);
         ledger.observe_cache(&third, seen(40, 4));
-        ledger.release(third);
+        ledger.release(third, now);
         let snap = &ledger.snapshot(now)[0];
         assert_eq!(
             snap.cache,
@@ -168,20 +168,20 @@ mod tests {
         for _ in 0..20 {
             let l = take(&mut ledger, &prompt, now);
             ledger.observe_cache(&l, seen(40, 0));
-            ledger.release(l);
+            ledger.release(l, now);
         }
         assert_eq!(ledger.snapshot(now)[0].prefix_capacity, 4);
         // ...and confirmed hits let it grow back to the configured size.
         for _ in 0..40 {
             let l = take(&mut ledger, &prompt[..4], now);
             ledger.observe_cache(&l, seen(4, 4));
-            ledger.release(l);
+            ledger.release(l, now);
         }
         assert_eq!(ledger.snapshot(now)[0].prefix_capacity, 100);
         // A cached count beyond the prompt is not believed.
         let l = take(&mut ledger, &prompt, now);
         ledger.observe_cache(&l, seen(40, 1_000));
-        ledger.release(l);
+        ledger.release(l, now);
         let c = ledger.snapshot(now)[0].cache;
         assert!(c.cached_tokens <= c.prompt_tokens);
     }

@@ -224,6 +224,6 @@ mod tests {
             format!("{before:?}"),
             "nothing booked"
         );
-        ledger.release(on_b);
+        ledger.release(on_b, now);
     }
 }

@@ -8,9 +8,8 @@
 //!   one, releasing it (by value, so only once) subtracts one. A report never
 //!   touches it, so the count cannot underflow or be forgotten.
 //! - Slots used by clients that bypass the balancer ("foreign" load) are
-//!   estimated conservatively from reports: `reported_busy` minus the most the
-//!   balancer had in flight since the previous report. A report that lags
-//!   behind a release therefore never hides a slot the balancer just freed.
+//!   the reported busy slots less the balancer's own requests running when
+//!   the agent read the engine ([`foreign`]).
 //! - An endpoint whose agent went away stays known while requests are in
 //!   flight to it (ineligible for new work) and is forgotten when they finish.
 //! - A slot is free only when the engine's slot is free. llama-server goes
@@ -33,6 +32,7 @@ mod breaker;
 mod cache_truth;
 mod cost;
 mod explain;
+mod foreign;
 mod homes;
 mod models;
 mod placement;
@@ -127,8 +127,8 @@ pub(crate) struct Endpoint {
     /// Estimated tokens of the balancer's requests in flight here (orphans
     /// included): what the token budget counts.
     pub(crate) in_flight_tokens: u64,
-    /// Highest `in_flight` since the last report (see module docs).
-    in_flight_peak: u32,
+    /// Slots taken and given back since the last report ([`foreign`]).
+    slot_log: foreign::SlotLog,
     /// Busy slots the balancer did not cause, from the last report.
     foreign_busy: u32,
     /// The agent the last take-over displaced (to tell two agents taking
@@ -189,17 +189,22 @@ impl Endpoint {
         self.in_flight_tokens = self.in_flight_tokens.saturating_sub(tokens);
     }
 
-    /// Slots the balancer may still fill: of its share of the server,
-    /// when the agent divides the slots between balancers
-    /// ([`crate::shares`]), else of every slot less the busy ones it did
-    /// not send.
+    /// Slots the balancer may still fill: every slot less its own
+    /// requests in flight and the busy ones it did not send
+    /// (`foreign_busy`, as the engine last said), and, when the agent
+    /// divides the slots between balancers ([`crate::shares`]), no more
+    /// than what its share leaves, whichever is smaller. A share is the
+    /// agent's division, a report old; the engine's busy slots are its own
+    /// word: a client that bypasses the balancers fills slots a share
+    /// still counts free until the agent sees it.
     pub(crate) fn free_slots(&self) -> u32 {
+        let seen_free = self
+            .slots_total()
+            .saturating_sub(self.in_flight)
+            .saturating_sub(self.foreign_busy);
         match self.agent.as_ref().and_then(|a| a.report.slot_share) {
-            Some(share) => share.min(self.slots_total()).saturating_sub(self.in_flight),
-            None => self
-                .slots_total()
-                .saturating_sub(self.in_flight)
-                .saturating_sub(self.foreign_busy),
+            Some(share) => seen_free.min(share.saturating_sub(self.in_flight)),
+            None => seen_free,
         }
     }
 }
@@ -395,7 +400,7 @@ impl EndpointLedger {
                         in_flight: 0,
                         queued_home: 0,
                         in_flight_tokens: 0,
-                        in_flight_peak: 0,
+                        slot_log: Default::default(),
                         foreign_busy: 0,
                         displaced: None,
                         orphans: Default::default(),
@@ -428,7 +433,10 @@ impl EndpointLedger {
                 }
             }
         };
-        ep.foreign_busy = report.slots_busy.saturating_sub(ep.in_flight_peak);
+        let own = ep
+            .slot_log
+            .own_at_read(now, report.read_age(), ep.in_flight);
+        ep.foreign_busy = report.slots_busy.saturating_sub(own);
         // Orphans the engine no longer works on: busy slots beyond what the
         // balancer's live requests explain are still orphans; the rest are
         // free (oldest first).
@@ -436,7 +444,6 @@ impl EndpointLedger {
         let running_orphans = report.slots_busy.saturating_sub(live);
         let done = (ep.orphans.len() as u32).saturating_sub(running_orphans);
         ep.free_orphans(done as usize);
-        ep.in_flight_peak = ep.in_flight;
         for m in &report.models {
             match self.models.get_mut(m.as_str()) {
                 Some(seen) => *seen = now,
@@ -557,7 +564,7 @@ impl EndpointLedger {
         let tokens = ep.token_need(&route.tokens);
         ep.in_flight += 1;
         ep.in_flight_tokens = ep.in_flight_tokens.saturating_add(tokens);
-        ep.in_flight_peak = ep.in_flight_peak.max(ep.in_flight);
+        ep.slot_log.taken(now, ep.in_flight);
         let predicted_blocks = ep.prefix.matched(&route.prefix) as u32;
         let holders = &mut self.holders;
         ep.prefix
@@ -634,13 +641,14 @@ impl EndpointLedger {
 
     /// Gives a slot back. Consuming the lease makes a double release a
     /// compile error rather than an accounting bug.
-    pub(crate) fn release(&mut self, lease: Lease) {
+    pub(crate) fn release(&mut self, lease: Lease, now: Instant) {
         let Some(ep) = self.endpoints.get_mut(&lease.endpoint) else {
             debug_assert!(false, "lease for an unknown endpoint {:?}", lease.endpoint);
             return;
         };
         debug_assert!(ep.in_flight > 0, "release without an in-flight request");
         ep.in_flight = ep.in_flight.saturating_sub(1);
+        ep.slot_log.given_back(now);
         ep.in_flight_tokens = ep.in_flight_tokens.saturating_sub(lease.tokens);
         if ep.in_flight == 0 && ep.agent.is_none() {
             self.forget(lease.endpoint);
@@ -662,7 +670,7 @@ impl EndpointLedger {
                     .is_some_and(|a| a.report.backend == crate::protocol::BackendKind::Llamacpp)
         });
         if !keeps_working {
-            self.release(lease);
+            self.release(lease, now);
             return;
         }
         let ep = self

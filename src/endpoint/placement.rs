@@ -124,13 +124,20 @@ impl Endpoint {
     /// Predicted wait for a slot here: 0 when it takes the request now;
     /// else one service time per slot for each request it must serve
     /// first (`ahead` held for it in this pass, those queued for it by
-    /// their sessions, its engine's queue) and this one.
+    /// their sessions, its engine's queue) and this one. A slot busy with
+    /// work no balancer sent counts as a request ahead too: how far along
+    /// that work is, nothing says (a client that bypasses the balancers
+    /// may hold its slots for seconds), so it is taken as a whole service.
     pub(super) fn predicted_wait_ms(&self, takes: bool, ahead: u32) -> f64 {
         if takes {
             return 0.0;
         }
         let queued = self.agent.as_ref().map_or(0, |a| a.report.requests_waiting);
-        let before = f64::from(ahead) + f64::from(self.queued_home) + f64::from(queued) + 1.0;
+        let before = f64::from(ahead)
+            + f64::from(self.queued_home)
+            + f64::from(queued)
+            + f64::from(self.foreign_busy)
+            + 1.0;
         before * self.cost.service_ms.ms() / f64::from(self.slots_total().max(1))
     }
 
@@ -482,7 +489,7 @@ mod tests {
             panic!("b takes it");
         };
         learn(&mut ledger, &on_b, 50, 400);
-        ledger.release(on_b);
+        ledger.release(on_b, now);
         assert_eq!(
             choice(&mut ledger, &prompt(42, 0), &Waits::default(), now),
             GO_TO_B

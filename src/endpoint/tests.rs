@@ -30,10 +30,10 @@ fn leases_never_exceed_reported_slots() {
     let l1 = r.acquire(&Route::default(), now).unwrap();
     let l2 = r.acquire(&Route::default(), now).unwrap();
     assert!(r.acquire(&Route::default(), now).is_none());
-    r.release(l1);
+    r.release(l1, now);
     let l3 = r.acquire(&Route::default(), now).unwrap();
-    r.release(l2);
-    r.release(l3);
+    r.release(l2, now);
+    r.release(l3, now);
     assert_eq!(r.total_in_flight(), 0);
 }
 
@@ -50,7 +50,7 @@ fn a_report_never_resets_the_in_flight_count() {
     assert!(r.acquire(&Route::default(), now).is_some(), "one slot left");
     assert!(r.acquire(&Route::default(), now).is_none(), "and only one");
     for l in leases {
-        r.release(l);
+        r.release(l, now);
     }
 }
 
@@ -60,7 +60,7 @@ fn a_lagging_report_does_not_hide_a_slot_just_freed() {
     let mut r = registry_with(2, now);
     let l1 = r.acquire(&Route::default(), now).unwrap();
     let l2 = r.acquire(&Route::default(), now).unwrap();
-    r.release(l1);
+    r.release(l1, now);
     // Scraped while both of ours were busy.
     let mut busy = report("a", "127.0.0.1:1", 2);
     busy.slots_busy = 2;
@@ -96,7 +96,7 @@ fn a_slot_whose_client_left_stays_busy_until_the_engine_is_done() {
     r.apply_report(busy, addr("127.0.0.1:1"), t2);
     assert_eq!(r.snapshot(t2)[0].orphaned, 0);
     let next = r.acquire(&Route::default(), t2).expect("free now");
-    r.release(next);
+    r.release(next, t0);
     assert_eq!(r.total_in_flight(), 0);
 }
 
@@ -116,7 +116,7 @@ fn orphans_beside_live_requests_are_freed_only_by_what_the_engine_shows() {
     rep.slots_busy = 1;
     r.apply_report(rep, addr("127.0.0.1:1"), t0);
     assert_eq!(r.total_in_flight(), 1);
-    r.release(live);
+    r.release(live, t0);
     assert_eq!(r.total_in_flight(), 0);
 }
 
@@ -177,6 +177,40 @@ fn load_from_other_clients_reduces_free_slots() {
 }
 
 #[test]
+fn a_share_never_lets_the_balancer_fill_slots_the_engine_says_are_busy() {
+    // The agent's share is a report old: it may still count free the
+    // slots a client that bypasses the balancers just took.
+    let now = Instant::now();
+    let mut r = registry_with(4, now);
+    let mut rep = report("a", "127.0.0.1:1", 4);
+    rep.slot_share = Some(4);
+    rep.slots_busy = 4; // none of them ours
+    r.apply_report(rep.clone(), addr("127.0.0.1:1"), now);
+    assert!(
+        r.acquire(&Route::default(), now).is_none(),
+        "every slot taken"
+    );
+    // Two of the client's requests end; the share is the smaller bound.
+    rep.slots_busy = 2;
+    rep.slot_share = Some(1);
+    r.apply_report(rep.clone(), addr("127.0.0.1:1"), now);
+    let l = r.acquire(&Route::default(), now).unwrap();
+    assert!(
+        r.acquire(&Route::default(), now).is_none(),
+        "its share is 1"
+    );
+    // Its own request is no stranger's: a report that counts it leaves
+    // the slot the share gives.
+    rep.slots_busy = 3;
+    rep.slot_share = Some(2);
+    r.apply_report(rep, addr("127.0.0.1:1"), now);
+    let l2 = r.acquire(&Route::default(), now).unwrap();
+    assert!(r.acquire(&Route::default(), now).is_none());
+    r.release(l, now);
+    r.release(l2, now);
+}
+
+#[test]
 fn two_agents_on_one_server_do_not_double_its_capacity() {
     let now = Instant::now();
     let mut r = registry_with(2, now);
@@ -219,7 +253,7 @@ fn stale_agents_get_no_work_and_are_dropped_after_in_flight_finishes() {
         1,
         "kept while requests are in flight"
     );
-    r.release(lease);
+    r.release(lease, t0);
     assert_eq!(r.snapshot(stale).len(), 1, "one more lease is out");
 }
 
@@ -267,7 +301,7 @@ fn deregistered_endpoint_is_forgotten_when_idle_and_rejoins_with_its_count() {
     // It comes back before the request finished: the slot is still taken.
     r.apply_report(report("a2", "127.0.0.1:1", 1), addr("127.0.0.1:1"), now);
     assert!(r.acquire(&Route::default(), now).is_none());
-    r.release(lease);
+    r.release(lease, now);
     assert!(r.acquire(&Route::default(), now).is_some());
     let mut r = registry_with(1, now);
     assert!(r.deregister("a"));
@@ -344,7 +378,7 @@ fn only_endpoints_serving_the_model_are_chosen() {
     for _ in 0..6 {
         let l = r.acquire(&route(Some("x"), &[]), now).unwrap();
         assert!(l.addr.port() == 1 || l.addr.port() == 3, "{l:?}");
-        r.release(l);
+        r.release(l, now);
     }
     assert!(r.model_known(Some("y"), now));
     assert!(r.model_known(Some("anything"), now), "c lists no models");
@@ -383,7 +417,7 @@ fn prefix_affinity_wins_until_the_endpoint_saturates() {
     let third = r.acquire(&conversation, now).unwrap();
     assert_ne!(third.addr, home);
     for l in [first, second, third] {
-        r.release(l);
+        r.release(l, now);
     }
 }
 
@@ -408,13 +442,13 @@ fn without_shared_prefixes_load_stays_balanced() {
     // Equal endpoints take turns: single requests on idle equal
     // endpoints do not always land on the same one.
     for l in leases {
-        r.release(l);
+        r.release(l, now);
     }
     let mut seen = std::collections::HashSet::new();
     for i in 0..40u64 {
         let l = r.acquire(&route(None, &[i + 1_000_000]), now).unwrap();
         seen.insert(l.addr.port());
-        r.release(l);
+        r.release(l, now);
     }
     assert_eq!(seen.len(), 4, "{seen:?}");
 }
@@ -433,7 +467,7 @@ fn a_retry_avoids_the_endpoint_that_failed() {
     for _ in 0..4 {
         let l = r.acquire(&retry, now).unwrap();
         assert_eq!(l.addr.port(), 2);
-        r.release(l);
+        r.release(l, now);
     }
     r.deregister("b");
     assert!(!r.has_eligible(&retry, None, now));
@@ -460,7 +494,7 @@ fn the_circuit_opens_after_repeated_failures_and_closes_on_its_own() {
     assert_eq!(r.snapshot(t0)[0].circuit_open_ms, Some(5000));
     let back = t0 + Duration::from_secs(5);
     let l = r.acquire(&Route::default(), back).unwrap();
-    r.release(l);
+    r.release(l, t0);
     // It fails again at once: open twice as long.
     assert!(r.record_outcome(id, false, back));
     assert!(r
@@ -469,7 +503,7 @@ fn the_circuit_opens_after_repeated_failures_and_closes_on_its_own() {
     let l = r
         .acquire(&Route::default(), back + Duration::from_secs(10))
         .unwrap();
-    r.release(l);
+    r.release(l, t0);
     // A success closes it for good.
     assert!(!r.record_outcome(id, true, back + Duration::from_secs(10)));
     assert!(!r.record_outcome(id, false, back + Duration::from_secs(10)));
@@ -739,7 +773,7 @@ proptest::proptest! {
                 }
                 Op::Release(i) if !leases.is_empty() => {
                     let l = leases.swap_remove(i % leases.len());
-                    r.release(l);
+                    r.release(l, now);
                 }
                 Op::Orphan(i) if !leases.is_empty() => {
                     let l = leases.swap_remove(i % leases.len());

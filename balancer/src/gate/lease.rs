@@ -116,7 +116,7 @@ impl LeaseGuard {
             self.shared.with_dispatch(|d| {
                 ending.record(d, &lease);
                 match slot {
-                    SlotEnd::Free => d.release(lease),
+                    SlotEnd::Free => d.release(lease, now()),
                     SlotEnd::Orphaned { streamed } => d.orphan(lease, streamed, now()),
                 }
             });

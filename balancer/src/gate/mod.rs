@@ -183,7 +183,7 @@ impl FleetGate {
                     // Release under the lock we hold (the guard's own Drop
                     // would take it again).
                     if let Some(lease) = unsent.lease.take() {
-                        d.release(lease);
+                        d.release(lease, now);
                     }
                 }
             }

@@ -35,6 +35,7 @@ fn agent(id: &str, port: u16, model: &str) -> AgentReport {
         last_error: None,
         slot_share: None,
         balancers: None,
+        read_age_ms: None,
     }
 }
 

@@ -136,7 +136,7 @@ fn burst(order: &[u64], groups: &[u64], keyed: bool) -> Served {
         if end == Some(now) {
             let (_, lease, timing) = running.remove(0);
             d.observe_timing(&lease, &timing);
-            d.release(lease);
+            d.release(lease, now);
         }
         for done in d.dispatch(now) {
             start(done.result.expect("served"), done.waiter, now, &mut running);

@@ -108,7 +108,7 @@ fn converse(order: &[u64], groups: &[u64], keyed: bool) -> Run {
             let (_, c, lease, timing, seen) = running.remove(0);
             d.observe_cache(&lease, seen);
             d.observe_timing(&lease, &timing);
-            d.release(lease);
+            d.release(lease, now);
             let conv = convs.get_mut(&c).expect("known");
             conv.turn += 1;
             if conv.turn < TURNS {

@@ -38,7 +38,7 @@ fn a_conversation_waits_for_its_busy_server_while_others_pass_it() {
     assert_eq!(d.next_hold_end(), None);
     // The other server frees: the next turn would prefill its whole prompt
     // again there, so it keeps waiting.
-    d.release(other);
+    d.release(other, t0);
     assert!(d.dispatch(t0 + 10 * MS).is_empty());
     assert_eq!(d.take_new_holds().held, 1);
     assert_eq!(d.take_new_holds().held, 0);
@@ -46,7 +46,7 @@ fn a_conversation_waits_for_its_busy_server_while_others_pass_it() {
     // Same tenant, behind it, nothing cached anywhere: it passes.
     queued(d.submit(with_prompt("t", 0, &[70]), "fresh", t0 + 15 * MS));
     assert_eq!(granted(&d.dispatch(t0 + 15 * MS)), ["fresh"]);
-    d.release(home);
+    d.release(home, t0);
     let done = d.dispatch(t0 + 20 * MS);
     assert_eq!(granted(&done), ["turn-2"]);
     assert_eq!(done[0].result.as_ref().unwrap().addr, home_addr);
@@ -75,7 +75,7 @@ fn a_waiting_turn_lets_another_tenant_pass_it_only_a_few_requests_ahead() {
     for i in 0..20u64 {
         let now = t0 + MS * i as u32;
         queued(d.submit(sized("u", &[70 + i]), "fresh", now));
-        d.release(other);
+        d.release(other, now);
         let done = d.dispatch(now);
         assert_eq!(done.len(), 1, "b's slot never idles");
         let name = done[0].waiter;
@@ -87,8 +87,8 @@ fn a_waiting_turn_lets_another_tenant_pass_it_only_a_few_requests_ahead() {
         passed += 1;
     }
     assert_eq!(passed, 8, "u passed {passed} times");
-    d.release(other);
-    d.release(home);
+    d.release(other, t0);
+    d.release(home, t0);
 }
 
 #[test]
@@ -104,14 +104,14 @@ fn a_freed_server_goes_to_the_request_held_for_it_before_the_next_in_turn() {
     let b_addr = on_b.addr;
     queued(d.submit(with_prompt("t", 0, &[1, 2, 3, 4]), "a-2", t0));
     queued(d.submit(with_prompt("u", 0, &[11, 12, 13, 14]), "b-2", t0));
-    d.release(on_c);
+    d.release(on_c, t0);
     assert!(d.dispatch(t0).is_empty(), "both wait for their servers");
     queued(d.submit(with_prompt("v", 0, &[70]), "fresh", t0));
     assert_eq!(granted(&d.dispatch(t0)), ["fresh"]);
     // Tenant t's turn comes first and its second request has nothing
     // cached anywhere, but b's slot is what b-2 has been waiting for.
     queued(d.submit(with_prompt("t", 0, &[71]), "t-next", t0));
-    d.release(on_b);
+    d.release(on_b, t0);
     let done = d.dispatch(t0 + 10 * MS);
     assert_eq!(granted(&done), ["b-2"]);
     assert_eq!(done[0].result.as_ref().unwrap().addr, b_addr);
@@ -134,7 +134,7 @@ fn a_freed_server_goes_to_its_own_conversation_before_one_cached_elsewhere() {
     );
     // b frees with only c-2 waiting: it is held for c (its long prompt).
     queued(d.submit(with_prompt("v", 0, &[21, 22, 23, 24]), "c-2", t0));
-    d.release(on_b);
+    d.release(on_b, t0);
     assert!(d.dispatch(t0).is_empty());
     assert_eq!(d.take_new_holds().held, 1);
     // a's engine has five requests of its own queued: for a-2, waiting
@@ -152,14 +152,14 @@ fn a_freed_server_goes_to_its_own_conversation_before_one_cached_elsewhere() {
     // holds do not count it; once its hold is over it takes the next free
     // slot, wherever.
     assert_eq!(d.take_new_holds(), HoldsBegun { held: 0, clocks: 1 });
-    d.release(done.into_iter().next().unwrap().result.unwrap());
+    d.release(done.into_iter().next().unwrap().result.unwrap(), t0);
     for (id, port) in [("a", 1), ("b", 2), ("c", 3)] {
         d.report(model_server(id, port, 1, &[]), t0 + 150 * MS)
             .unwrap();
     }
     // c frees too; b-3 of b's conversation comes after a-2's hold is
     // over: c-2 goes home to c, a-2 is passed no more and takes b.
-    d.release(on_c);
+    d.release(on_c, t0);
     queued(d.submit(with_prompt("u", 0, &[11, 12, 13, 14]), "b-3", t0 + 200 * MS));
     let done = d.dispatch(t0 + 200 * MS);
     let mut went: Vec<(&str, u16)> = done
@@ -168,7 +168,7 @@ fn a_freed_server_goes_to_its_own_conversation_before_one_cached_elsewhere() {
         .collect();
     went.sort_unstable();
     assert_eq!(went, [("a-2", 2), ("c-2", 3)]);
-    d.release(on_a);
+    d.release(on_a, t0);
 }
 
 #[test]
@@ -178,14 +178,14 @@ fn a_held_request_takes_any_server_once_its_hold_ends() {
     let (home, other) = two_busy_endpoints(&mut d, t0);
     queued(d.submit(with_prompt("t", 0, &[1, 2, 3, 4]), "turn-2", t0));
     let other_addr = other.addr;
-    d.release(other);
+    d.release(other, t0);
     assert!(d.dispatch(t0 + 50 * MS).is_empty(), "held");
     assert_eq!(d.next_hold_end(), Some(t0 + 250 * MS));
     assert!(d.dispatch(t0 + 249 * MS).is_empty(), "still held");
     let done = d.dispatch(t0 + 250 * MS);
     assert_eq!(granted(&done), ["turn-2"]);
     assert_eq!(done[0].result.as_ref().unwrap().addr, other_addr);
-    d.release(home);
+    d.release(home, t0);
 }
 
 #[test]
@@ -199,7 +199,7 @@ fn a_hold_ends_with_half_the_time_left_to_the_deadline() {
     turn.ttl = Some(Duration::from_secs(4));
     queued(d.submit(turn, "turn-2", t0));
     let other_addr = other.addr;
-    d.release(other);
+    d.release(other, t0);
     assert!(d.dispatch(t0 + 1_000 * MS).is_empty(), "held");
     // 3 s left at the first hold: it ends 1.5 s later, not 30 s.
     assert_eq!(d.next_hold_end(), Some(t0 + 2_500 * MS));
@@ -212,7 +212,7 @@ fn a_hold_ends_with_half_the_time_left_to_the_deadline() {
     let done = d.dispatch(t0 + 2_500 * MS);
     assert_eq!(granted(&done), ["turn-2"], "served, not expired");
     assert_eq!(done[0].result.as_ref().unwrap().addr, other_addr);
-    d.release(home);
+    d.release(home, t0);
 }
 
 #[test]
@@ -241,8 +241,8 @@ fn requests_for_one_busy_server_wait_only_while_its_queue_beats_a_prefill() {
     assert_eq!(d.next_hold_end(), Some(spill_at));
     let done = d.dispatch(spill_at);
     assert_eq!(granted(&done), ["t12"]);
-    d.release(done.into_iter().next().unwrap().result.unwrap());
-    d.release(home);
+    d.release(done.into_iter().next().unwrap().result.unwrap(), t0);
+    d.release(home, t0);
     assert_eq!(granted(&d.dispatch(t0)).len(), 9, "a's slot and b's eight");
 }
 
@@ -279,7 +279,7 @@ fn a_spill_passes_the_requests_waiting_for_the_free_server_only_to_even_out_the_
     }
     // b frees: the first twelve are held for a, the thirteenth waits out
     // its spill delay, b serves its own.
-    d.release(on_b);
+    d.release(on_b, t0);
     let done = d.dispatch(ms(0));
     assert_eq!(granted(&done), ["q0"]);
     on_b = lease(done);
@@ -289,15 +289,15 @@ fn a_spill_passes_the_requests_waiting_for_the_free_server_only_to_even_out_the_
     // of requests in flight and waiting, a's and b's) until b's queue is
     // two shorter: b's own take its slot, each a cached prefill there.
     for (at, next) in [(200, "q1"), (300, "q2")] {
-        d.release(on_b);
+        d.release(on_b, t0);
         let done = d.dispatch(ms(at));
         assert_eq!(granted(&done), [next], "at {at} ms");
         on_b = lease(done);
     }
     // Fourteen on a, twelve on b: the spill goes.
-    d.release(on_b);
+    d.release(on_b, t0);
     assert_eq!(granted(&d.dispatch(ms(400))), ["p12"]);
-    d.release(on_a);
+    d.release(on_a, t0);
 }
 
 #[test]
@@ -318,7 +318,7 @@ fn a_slot_no_held_request_wants_goes_to_a_request_behind_them_in_their_flow() {
     // b frees: none of the held turns wants it, the request behind them
     // does, and b does not idle until a's hold ends.
     assert_eq!(granted(&d.dispatch(t0)), ["fresh"]);
-    d.release(home);
+    d.release(home, t0);
     assert_eq!(
         granted(&d.dispatch(t0)),
         ["turn-1"],
@@ -333,12 +333,12 @@ fn a_held_request_keeps_lower_priorities_waiting() {
     let (home, other) = two_busy_endpoints(&mut d, t0);
     queued(d.submit(with_prompt("t", 5, &[1, 2, 3, 4]), "urgent", t0));
     queued(d.submit(with_prompt("u", 0, &[70]), "low", t0));
-    d.release(other);
+    d.release(other, t0);
     assert!(
         d.dispatch(t0).is_empty(),
         "the free slot is kept for priority 5"
     );
-    d.release(home);
+    d.release(home, t0);
     assert_eq!(granted(&d.dispatch(t0)), ["urgent", "low"]);
 }
 
@@ -351,12 +351,12 @@ fn a_zero_affinity_hold_never_holds() {
     let (home, other) = two_busy_endpoints(&mut d, t0);
     queued(d.submit(with_prompt("t", 0, &[1, 2, 3, 4]), "turn-2", t0));
     let other_addr = other.addr;
-    d.release(other);
+    d.release(other, t0);
     let done = d.dispatch(t0);
     assert_eq!(granted(&done), ["turn-2"]);
     assert_eq!(done[0].result.as_ref().unwrap().addr, other_addr);
     assert_eq!(d.next_hold_end(), None);
-    d.release(home);
+    d.release(home, t0);
 }
 
 mod properties {
@@ -470,7 +470,7 @@ mod properties {
                                 service: Some(Duration::from_millis(u64::from(ms))),
                                 ..Timing::default()
                             });
-                            d.release(l);
+                            d.release(l, now);
                         }
                     }
                     Op::Advance(ms) => now += Duration::from_millis(u64::from(ms)),
@@ -517,7 +517,7 @@ mod properties {
                 prop_assert_eq!(d.buffered(), waiting.len());
             }
             for l in leases.drain(..) {
-                d.release(l);
+                d.release(l, now);
             }
             now += Duration::from_secs(3_600);
             for done in d.dispatch(now) {

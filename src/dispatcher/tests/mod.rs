@@ -91,14 +91,14 @@ fn serve_one_by_one(d: &mut Dispatcher<&'static str>, first: Lease, n: usize) ->
     let mut lease = first;
     let mut order = Vec::new();
     for _ in 0..n {
-        d.release(lease);
+        d.release(lease, now);
         let mut done = d.dispatch(now);
         assert_eq!(done.len(), 1, "one freed slot, one wake-up");
         let g = done.pop().unwrap();
         order.push(g.waiter);
         lease = g.result.unwrap();
     }
-    d.release(lease);
+    d.release(lease, now);
     order
 }
 
@@ -393,7 +393,7 @@ fn a_granted_waiter_cannot_be_cancelled_so_its_lease_must_be_released() {
     d.report(report("a", "127.0.0.1:1", 1), t0).unwrap();
     let g = d.dispatch(t0).pop().unwrap();
     assert!(!d.cancel(t));
-    d.release(g.result.unwrap());
+    d.release(g.result.unwrap(), t0);
     assert_eq!(d.in_flight(), 0);
 }
 
@@ -462,7 +462,7 @@ fn unknown_models_are_refused_404_unless_the_fleet_is_empty() {
     );
     assert_eq!(Reject::UnknownModel.http_status(), 404);
     let lease = ready(d.submit(for_model("t", 0, "small"), "y", t0));
-    d.release(lease);
+    d.release(lease, t0);
 }
 
 #[test]
@@ -482,7 +482,7 @@ fn a_saturated_model_holds_only_its_own_requests() {
     queued(d.submit(for_model("v", 9, "large"), "l-high", t0));
     assert!(d.dispatch(t0).is_empty());
     // A freed "small" slot goes to the best "small" waiter, never to "large".
-    d.release(small);
+    d.release(small, t0);
     let done = d.dispatch(t0);
     assert_eq!(granted(&done), ["s-high"]);
     assert_eq!(done[0].result.as_ref().unwrap().addr.port(), 1);
@@ -508,7 +508,7 @@ fn a_retry_waits_for_another_endpoint_without_holding_the_others() {
     queued(d.submit(retry, "retry", t0));
     queued(d.submit(for_model("u", 0, "m"), "plain", t0));
     assert_eq!(granted(&d.dispatch(t0)), ["plain"]);
-    d.release(on_b);
+    d.release(on_b, t0);
     let done = d.dispatch(t0);
     assert_eq!(granted(&done), ["retry"]);
     assert_eq!(done[0].result.as_ref().unwrap().addr, b_addr);
@@ -541,7 +541,7 @@ fn a_subset_hint_picks_only_from_its_endpoints() {
     let done = d.dispatch(t0);
     assert_eq!(granted(&done), ["any"]);
     assert_eq!(done[0].result.as_ref().unwrap().addr.port(), 1);
-    d.release(on_b);
+    d.release(on_b, t0);
     let done = d.dispatch(t0);
     assert_eq!(granted(&done), ["for-b"]);
     assert_eq!(done[0].result.as_ref().unwrap().addr.port(), 2);
@@ -612,7 +612,7 @@ fn an_agent_hears_only_of_the_queued_requests_its_server_could_serve() {
     assert!(d.cancel(waiting[0]));
     assert_eq!((queued_at(&d, one), queued_at(&d, two)), (3, 1));
     // m2's server frees: the request for any model goes there.
-    d.release(on_two);
+    d.release(on_two, t0);
     assert_eq!(granted(&d.dispatch(t0)), ["any"]);
     assert_eq!((queued_at(&d, one), queued_at(&d, two)), (2, 0));
     assert_eq!(d.buffered(), 2);
@@ -673,7 +673,7 @@ fn round_robin_shares_are_equal_between_greedy_flows() {
     let mut served = [0usize; 3];
     for _ in 0..3_000 {
         if let Some(l) = lease.take() {
-            d.release(l);
+            d.release(l, t0);
         }
         let done = d.dispatch(t0).pop().unwrap();
         served[done.waiter] += 1;

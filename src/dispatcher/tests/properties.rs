@@ -239,7 +239,7 @@ proptest! {
                 Op::Release(i) => {
                     if !leases.is_empty() {
                         let l = leases.swap_remove(i % leases.len());
-                        d.release(l);
+                        d.release(l, now);
                     }
                 }
                 Op::Advance(ms) => now += Duration::from_millis(u64::from(ms)),
@@ -266,7 +266,7 @@ proptest! {
         }
         // Let everything finish: all that waits is either served or expires.
         for l in leases.drain(..) {
-            d.release(l);
+            d.release(l, now);
         }
         now += Duration::from_secs(3_600);
         let done = d.dispatch(now);
@@ -308,8 +308,8 @@ fn slotless_requests_go_to_the_least_loaded_live_endpoint_without_a_slot() {
     assert!(picked == busy.addr || picked == full.addr);
     assert_eq!(d.in_flight(), 2);
     assert_eq!(d.slotless(&route("nope"), t0), Err(Reject::UnknownModel));
-    d.release(busy);
-    d.release(full);
+    d.release(busy, t0);
+    d.release(full, t0);
 }
 
 #[test]
@@ -390,11 +390,11 @@ fn a_reload_changes_limits_for_new_requests_and_drops_nothing() {
     larger.flow.max_requests = 10;
     d.reconfigure(larger);
     queued(d.submit(anon(), "w4", t0));
-    d.release(lease);
+    d.release(lease, t0);
     let done = d.dispatch(t0);
     assert_eq!(done.len(), 1);
     assert_eq!(done[0].waiter, "w1", "in order as before");
-    d.release(done.into_iter().next().unwrap().result.unwrap());
+    d.release(done.into_iter().next().unwrap().result.unwrap(), t0);
 }
 
 fn costing(tenant: &str, prompt: u64, output: u64, asked: bool) -> RequestMeta {
@@ -435,9 +435,9 @@ fn a_request_waits_for_token_room_rather_than_fill_a_nearly_full_server() {
     // Nothing of the same model passes it, however small.
     queued(d.submit(costing("t", 10, 10, true), "tiny", t0));
     assert!(d.dispatch(t0).is_empty());
-    d.release(small);
+    d.release(small, t0);
     assert!(d.dispatch(t0).is_empty(), "9,000 + 5,000 still do not fit");
-    d.release(big);
+    d.release(big, t0);
     assert_eq!(granted(&d.dispatch(t0)), ["huge", "tiny"]);
     assert!(!d.cancel(huge), "it was granted");
     assert_eq!(d.endpoints(t0)[0].in_flight_tokens, 5_020);
@@ -474,7 +474,7 @@ fn an_idle_endpoint_takes_a_request_larger_than_its_budget() {
     // 8,000 is over the 5,000 budget but within capacity: it goes alone.
     let l = ready(d.submit(costing("t", 7_000, 1_000, true), "a", t0));
     queued(d.submit(costing("t", 1, 1, true), "b", t0));
-    d.release(l);
+    d.release(l, t0);
     assert_eq!(granted(&d.dispatch(t0)), ["b"]);
 }
 
@@ -495,7 +495,7 @@ fn a_request_that_can_never_fit_is_refused_413_at_once() {
     // refuse: the request goes, counted for what the server can hold.
     let l = ready(d.submit(costing("t", 9_000, 2_000, false), "y", t0));
     assert_eq!(l.tokens, 10_000);
-    d.release(l);
+    d.release(l, t0);
     // Another endpoint of unknown capacity might take it: it is admitted.
     d.report(report("u", "127.0.0.1:2", 1), t0).unwrap();
     let _z = ready(d.submit(costing("t", 9_000, 2_000, true), "z", t0));
@@ -516,10 +516,10 @@ fn llamacpp_slots_each_hold_their_share_of_the_context() {
     assert_eq!((a.tokens, b.tokens), (1024, 1024));
     // llama-server stops a larger max_tokens at the context's end: only a
     // prompt beyond a slot's context can never be served.
-    d.release(a);
-    d.release(b);
+    d.release(a, t0);
+    d.release(b, t0);
     let c = ready(d.submit(costing("t", 1000, 5000, true), "c", t0));
-    d.release(c);
+    d.release(c, t0);
     let r = rejected(d.submit(costing("t", 1025, 1, true), "d", t0));
     assert_eq!(r, Reject::TooManyTokens);
 }
@@ -561,7 +561,7 @@ proptest! {
                 _ => {
                     if !leases.is_empty() {
                         let l = leases.remove(prompt as usize % leases.len());
-                        d.release(l);
+                        d.release(l, t0);
                     }
                 }
             }
@@ -649,8 +649,9 @@ fn serve_next(
     lease: Lease,
     actual: Option<u64>,
 ) -> (&'static str, Lease) {
-    d.release(lease);
-    let mut done = d.dispatch(Instant::now());
+    let now = Instant::now();
+    d.release(lease, now);
+    let mut done = d.dispatch(now);
     assert_eq!(done.len(), 1, "one freed slot, one grant");
     let g = done.pop().unwrap();
     if let (Some(actual), Some(charge)) = (actual, &g.charge) {
@@ -688,7 +689,7 @@ fn token_shares(wh: u32, wl: u32, n: usize) -> (u64, u64, Vec<&'static str>) {
             "H {h} L {l} after {order:?}"
         );
     }
-    d.release(lease);
+    d.release(lease, t0);
     (h, l, order)
 }
 
@@ -732,7 +733,7 @@ fn a_flow_back_from_idle_banks_no_credit() {
         lease = next;
     }
     assert!(order.contains(&"H"), "{order:?}");
-    d.release(lease);
+    d.release(lease, t0);
 }
 
 #[test]
@@ -760,7 +761,7 @@ fn a_flow_that_idles_while_ahead_keeps_its_lead() {
         l_first += 1;
     }
     assert_eq!(l_first, 51);
-    d.release(lease);
+    d.release(lease, t0);
 }
 
 #[test]
@@ -781,5 +782,5 @@ fn settling_to_actual_usage_refunds_the_unused_estimate() {
     }
     let h = order.iter().filter(|w| **w == "H").count();
     assert!((4..=6).contains(&h), "{order:?}");
-    d.release(lease);
+    d.release(lease, t0);
 }

@@ -51,7 +51,7 @@ fn a_session_goes_back_to_the_endpoint_of_its_last_turn() {
             .map(|_| {
                 let l = ready(d.submit(in_session("t", session), "turn", t0));
                 let port = l.addr.port();
-                d.release(l);
+                d.release(l, t0);
                 port
             })
             .collect()
@@ -63,7 +63,7 @@ fn a_session_goes_back_to_the_endpoint_of_its_last_turn() {
         .map(|_| {
             let l = ready(d.submit(anon(), "x", t0));
             let port = l.addr.port();
-            d.release(l);
+            d.release(l, t0);
             port
         })
         .collect();
@@ -85,8 +85,8 @@ fn a_session_waits_for_its_saturated_endpoint_at_most_the_hold_then_moves() {
     assert_eq!(granted(&done), ["turn-2"]);
     let second = done.into_iter().next().unwrap().result.unwrap();
     assert_eq!(second.addr.port(), 2, "the hold is over: the free server");
-    d.release(first);
-    d.release(second);
+    d.release(first, t0);
+    d.release(second, t0);
     // Re-bound where it went: the third turn follows it to b.
     let third = ready(d.submit(in_session("t", 7), "turn-3", t0 + 300 * MS));
     assert_eq!(third.addr.port(), 2);
@@ -100,7 +100,7 @@ fn a_session_goes_back_as_soon_as_its_endpoint_frees() {
     queued(d.submit(in_session("t", 7), "turn-2", t0));
     queued(d.submit(anon(), "other", t0));
     assert_eq!(granted(&d.dispatch(t0)), ["other"], "others pass it");
-    d.release(first);
+    d.release(first, t0);
     let done = d.dispatch(t0 + 50 * MS);
     assert_eq!(granted(&done), ["turn-2"]);
     assert_eq!(done[0].result.as_ref().unwrap().addr.port(), 1);
@@ -130,7 +130,7 @@ fn a_hard_session_waits_for_its_endpoint_until_its_ttl() {
     let done = d.dispatch(t0 + 5_000 * MS);
     assert_eq!(done.len(), 1);
     assert_eq!(done[0].result.as_ref().unwrap_err(), &Reject::Timeout);
-    d.release(first);
+    d.release(first, t0);
     let done = d.dispatch(t0 + 5_001 * MS);
     assert_eq!(granted(&done), ["turn-2b"]);
     assert_eq!(done[0].result.as_ref().unwrap().addr.port(), 1);
@@ -175,21 +175,21 @@ fn a_conversation_found_by_its_prompt_but_not_bound_here_goes_by_its_prompt() {
     keyless.route.session = None;
     let first = ready(d.submit(keyless, "first", t0));
     let cached = first.addr.port();
-    d.release(first);
+    d.release(first, t0);
     let mut keyed_homes = Vec::new();
     for session in 10..18 {
         // Its binding did not take (the store named an address this
         // balancer does not know): the prompt's server, not a hash's.
         let found = ready(d.submit(turn(session, true), "found", t0));
         assert_eq!(found.addr.port(), cached, "session {session}");
-        d.release(found);
+        d.release(found, t0);
         // A named session not bound here goes to its rendezvous home
         // (another prompt, not to spread this one's blocks).
         let mut named = turn(session + 100, false);
         named.route.prefix = vec![7, 8, 9];
         let named = ready(d.submit(named, "named", t0));
         keyed_homes.push(named.addr.port());
-        d.release(named);
+        d.release(named, t0);
     }
     assert!(keyed_homes.iter().any(|p| *p != cached), "{keyed_homes:?}");
 }
@@ -210,11 +210,11 @@ fn a_gone_endpoint_releases_its_sessions() {
     let t0 = Instant::now();
     let mut d = with_sessions(SessionConfig::default());
     let first = first_turn_running(&mut d, t0);
-    d.release(first);
+    d.release(first, t0);
     assert!(d.deregister("a"));
     let second = ready(d.submit(in_session("t", 7), "turn-2", t0));
     assert_eq!(second.addr.port(), 2, "not held for a server that is gone");
-    d.release(second);
+    d.release(second, t0);
     // a comes back: the session stays where it was re-bound.
     d.report(model_server("a", 1, 1, &[]), t0).unwrap();
     let third = ready(d.submit(in_session("t", 7), "turn-3", t0));
@@ -229,7 +229,7 @@ fn an_idle_session_is_forgotten() {
         ..SessionConfig::default()
     });
     let first = first_turn_running(&mut d, t0);
-    d.release(first);
+    d.release(first, t0);
     let at = |s: u64| t0 + Duration::from_secs(s);
     // Reports at `now`; a's KV cache is half full from now on, so a
     // scores lower than b: only the session sends turns to a.
@@ -242,11 +242,11 @@ fn an_idle_session_is_forgotten() {
     report(&mut d, at(59));
     let second = ready(d.submit(in_session("t", 7), "turn-2", at(59)));
     assert_eq!(second.addr.port(), 1, "still bound");
-    d.release(second);
+    d.release(second, t0);
     report(&mut d, at(119));
     let third = ready(d.submit(in_session("t", 7), "turn-3", at(119)));
     assert_eq!(third.addr.port(), 2, "idle: placed by score");
-    d.release(third);
+    d.release(third, t0);
     let fourth = ready(d.submit(in_session("t", 7), "turn-4", at(120)));
     assert_eq!(fourth.addr.port(), 2, "and bound there");
 }
@@ -261,7 +261,7 @@ fn sessions_stay_bounded_whatever_clients_send() {
     d.report(model_server("a", 1, 4, &[]), t0).unwrap();
     for session in 0..20_000u64 {
         let l = ready(d.submit(in_session("t", session), "x", t0));
-        d.release(l);
+        d.release(l, t0);
     }
     assert_eq!(d.sessions_bound(), 1_000);
 }
@@ -278,7 +278,7 @@ fn a_response_id_binds_the_turn_that_continues_it() {
         d.bind_session(key, SocketAddr::from(([127, 0, 0, 1], port)), t0);
         let l = ready(d.submit(in_session("t", key), "next", t0));
         assert_eq!(l.addr.port(), port);
-        d.release(l);
+        d.release(l, t0);
     }
     // An address no agent reports is not bound.
     d.bind_session(99, SocketAddr::from(([127, 0, 0, 1], 9)), t0);
@@ -302,7 +302,7 @@ fn two_balancers_send_a_new_session_to_the_same_home() {
     // so its scores and turns differ.
     for _ in 0..3 {
         let l = ready(two.submit(anon(), "other", t0));
-        two.release(l);
+        two.release(l, t0);
     }
     let mut per_port = [0usize; 5];
     for session in 0..200u64 {
@@ -310,8 +310,8 @@ fn two_balancers_send_a_new_session_to_the_same_home() {
         let b = ready(two.submit(in_session("t", session), "turn", t0));
         assert_eq!(a.addr, b.addr, "session {session}");
         per_port[usize::from(a.addr.port())] += 1;
-        one.release(a);
-        two.release(b);
+        one.release(a, t0);
+        two.release(b, t0);
     }
     // Homes spread over the fleet.
     assert!(
@@ -351,7 +351,7 @@ fn alone_a_new_session_goes_beside_its_cached_prompt_and_with_others_home() {
             .filter(|&session| {
                 let l = ready(d.submit(first_turn(session), "turn", t0));
                 let there = l.addr == running.addr;
-                d.release(l);
+                d.release(l, t0);
                 there
             })
             .count();
@@ -361,7 +361,7 @@ fn alone_a_new_session_goes_beside_its_cached_prompt_and_with_others_home() {
             // Rendezvous homes, the same on every balancer: a quarter.
             assert!((4..=20).contains(&beside), "{beside} of 40 at home");
         }
-        d.release(running);
+        d.release(running, t0);
     }
     // Another balancer named by one agent makes the fleet shared until that
     // agent's report goes stale (three intervals of 1 s).
@@ -417,13 +417,13 @@ fn alone_a_first_turn_held_for_its_cached_prompt_is_not_at_its_home() {
     let waiters: Vec<&str> = done.iter().map(|d| d.waiter).collect();
     assert_eq!(waiters, ["other"], "the held first turn still waits");
     let other = done.into_iter().next().unwrap().result.unwrap();
-    d.release(running);
+    d.release(running, t0);
     let done = d.dispatch(t0 + 20 * MS);
     assert_eq!(done.len(), 1);
     let lease = done.into_iter().next().unwrap().result.unwrap();
     assert_eq!(lease.addr.port(), 1, "served beside its group's prompt");
-    d.release(lease);
-    d.release(other);
+    d.release(lease, t0);
+    d.release(other, t0);
 }
 
 #[test]
@@ -434,7 +434,7 @@ fn a_saturated_home_is_not_waited_for_and_one_leaving_moves_only_its_sessions() 
     let home_of = |d: &mut Dispatcher<&'static str>, session: u64| {
         let l = ready(d.submit(in_session("t", session), "turn", t0));
         let port = l.addr.port();
-        d.release(l);
+        d.release(l, t0);
         port
     };
     let homes: Vec<u16> = (0..40).map(|s| home_of(&mut d, 1_000 + s)).collect();
@@ -483,7 +483,7 @@ fn serve_on_one_slot(
     let port = lease.addr.port();
     let mut served = Vec::new();
     loop {
-        d.release(lease);
+        d.release(lease, now);
         let mut done = d.dispatch(now);
         let Some(next) = done.pop() else {
             return served;

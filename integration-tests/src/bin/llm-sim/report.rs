@@ -34,6 +34,8 @@ pub(crate) async fn report_loop(base: String, cli: Cli, sims: Vec<(SocketAddr, A
                 slot_share: None,
                 // `--report-to` names one balancer.
                 balancers: Some(1),
+                // Read as it is sent.
+                read_age_ms: Some(0),
             };
             let mut req = client
                 .post(format!("{base}/api/v1/agents/{agent_id}/report"))

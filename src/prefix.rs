@@ -103,6 +103,12 @@ impl PrefixLru {
         }
     }
 
+    /// The engine keeps no cache: the index forgets every block and
+    /// remembers none until it grows back ([`PrefixLru::grow`]).
+    pub fn empty_tracked(&mut self, mut changed: impl FnMut(u64, bool)) {
+        self.blocks.set_capacity(0, |h, ()| changed(h, false));
+    }
+
     /// The engine had what the index predicted: the index may grow back
     /// by `blocks` toward its configured size.
     pub fn grow(&mut self, blocks: usize) {

@@ -13,15 +13,28 @@
 //! the index assumed (it evicted that prompt, and with an LRU cache every
 //! prompt used less recently): the endpoint's index shrinks by a quarter,
 //! least recently used blocks first (see
-//! [`crate::prefix::PrefixLru::shrink_tracked`]); every confirmed hit lets
-//! it grow back by the request's blocks toward `capacityBlocks`. So the
-//! index follows the engine's real cache size instead of a configured
-//! guess, and stops steering requests toward prompts the engine no longer
-//! has.
+//! [`crate::prefix::PrefixLru::shrink_tracked`]), not below one request's
+//! blocks. An engine that reused nothing at all in its last
+//! [`COLD_ANSWERS`] answers, a predicted hit among them, keeps no cache
+//! worth following (prefix caching off, or a cache too small for one
+//! prompt): its index empties, so no prompt and no conversation draws a
+//! request to it, nor makes one wait for it. Every reused block the engine
+//! reports lets the index grow back by that much toward `capacityBlocks`
+//! (a hit it predicted, or one it did not: an emptied index predicts
+//! none). So the index follows the engine's real cache size instead of a
+//! configured guess, and stops steering requests toward prompts the engine
+//! does not have.
 
 use serde::Serialize;
 
 use super::{EndpointLedger, Lease};
+
+/// Answers in a row that reused nothing, a predicted hit among them, after
+/// which an engine counts as keeping no cache (module docs). More than one
+/// (the slot that held a prompt may have been busy, and the same prompt
+/// prefilled in another), few enough that a tenant's repeated prompt does
+/// not pile onto one server for long.
+pub const COLD_ANSWERS: u32 = 4;
 
 /// What an engine's answer said of its prefix cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,12 +59,20 @@ pub struct CacheTruth {
     pub predicted_hits: u64,
     /// Requests sent expecting a hit that the engine did not have.
     pub predicted_misses: u64,
+    /// The latest answers in a row that reused nothing.
+    pub cold_in_a_row: u32,
 }
 
 impl CacheTruth {
     /// Σcached / Σprompt; `None` before any answer said.
     pub fn hit_ratio(&self) -> Option<f64> {
         (self.prompt_tokens > 0).then(|| self.cached_tokens as f64 / self.prompt_tokens as f64)
+    }
+
+    /// Whether the engine's latest answers say it keeps no cache: nothing
+    /// is cached there to wait for.
+    pub fn keeps_nothing(&self) -> bool {
+        self.cold_in_a_row >= COLD_ANSWERS
     }
 }
 
@@ -69,22 +90,35 @@ impl EndpointLedger {
         let truth = &mut ep.cache;
         truth.prompt_tokens = truth.prompt_tokens.saturating_add(seen.prompt_tokens);
         truth.cached_tokens = truth.cached_tokens.saturating_add(cached);
-        let predicted = u64::from(lease.predicted_blocks);
-        if predicted == 0 || seen.prompt_tokens == 0 {
+        if seen.prompt_tokens == 0 {
             return;
         }
+        truth.cold_in_a_row = if cached == 0 {
+            truth.cold_in_a_row.saturating_add(1)
+        } else {
+            0
+        };
         // The cached share of the prompt, in blocks of its text.
         let cached_bytes = (u128::from(seen.prompt_bytes) * u128::from(cached)
             / u128::from(seen.prompt_tokens)) as u64;
         let cached_blocks = cached_bytes / block_bytes;
-        if cached_blocks * 2 >= predicted {
+        let predicted = u64::from(lease.predicted_blocks);
+        if predicted == 0 {
+            // Reuse the index did not predict: it keeps less than the
+            // engine does.
+            ep.prefix.grow(cached_blocks as usize);
+        } else if cached_blocks * 2 >= predicted {
             truth.predicted_hits += 1;
             ep.prefix.grow(predicted as usize);
         } else {
             truth.predicted_misses += 1;
             let (id, holders) = (ep.id, &mut self.holders);
-            ep.prefix
-                .shrink_tracked(floor, |h, holds| holders.change(h, id, holds));
+            let changed = |h, holds| holders.change(h, id, holds);
+            if truth.keeps_nothing() {
+                ep.prefix.empty_tracked(changed);
+            } else {
+                ep.prefix.shrink_tracked(floor, changed);
+            }
         }
     }
 }
@@ -156,6 +190,7 @@ mod tests {
                 cached_tokens: 42,
                 predicted_hits: 1,
                 predicted_misses: 1,
+                cold_in_a_row: 0,
             }
         );
         assert_eq!(
@@ -164,10 +199,11 @@ mod tests {
             "Σcached / Σprompt"
         );
         assert_eq!((snap.prefix_blocks, snap.prefix_capacity), (30, 30));
-        // Misses keep shrinking it, never below one request's blocks...
+        // Misses keep shrinking it, never below one request's blocks
+        // while the engine reuses something...
         for _ in 0..20 {
             let l = take(&mut ledger, &prompt, now);
-            ledger.observe_cache(&l, seen(40, 0));
+            ledger.observe_cache(&l, seen(40, 1));
             ledger.release(l, now);
         }
         assert_eq!(ledger.snapshot(now)[0].prefix_capacity, 4);
@@ -184,5 +220,54 @@ mod tests {
         ledger.release(l, now);
         let c = ledger.snapshot(now)[0].cache;
         assert!(c.cached_tokens <= c.prompt_tokens);
+    }
+
+    #[test]
+    fn an_engine_that_reuses_nothing_draws_no_request_until_it_reuses_again() {
+        let now = Instant::now();
+        let scheduling = SchedulingConfig {
+            prefix: PrefixConfig {
+                block_bytes: 4,
+                max_blocks: 4,
+                capacity_blocks: 100,
+            },
+            ..SchedulingConfig::default()
+        };
+        let mut ledger = EndpointLedger::new(SaturationConfig::default(), scheduling);
+        let addr = "127.0.0.1:1".parse().unwrap();
+        ledger.apply_report(report("a", "127.0.0.1:1", 4), addr, now);
+        // One tenant's prompt, the same every time, on an engine without a
+        // prefix cache: every answer says it reused nothing.
+        let prompt = [1, 2, 3, 4];
+        let mut predicted = Vec::new();
+        for _ in 0..COLD_ANSWERS {
+            let l = take(&mut ledger, &prompt, now);
+            predicted.push(l.predicted_blocks);
+            ledger.observe_cache(&l, seen(4, 0));
+            ledger.release(l, now);
+        }
+        assert_eq!(predicted, [0, 4, 4, 4], "the index expected the prompt");
+        let snap = &ledger.snapshot(now)[0];
+        assert!(snap.cache.keeps_nothing());
+        assert_eq!((snap.prefix_blocks, snap.prefix_capacity), (0, 0));
+        // It draws the prompt no more, however often it is sent there.
+        for _ in 0..3 {
+            let l = take(&mut ledger, &prompt, now);
+            assert_eq!(l.predicted_blocks, 0);
+            ledger.observe_cache(&l, seen(4, 0));
+            ledger.release(l, now);
+        }
+        // The engine reuses the whole prompt (its cache was turned on):
+        // the index grows back by what it reused, and follows it again.
+        let l = take(&mut ledger, &prompt, now);
+        ledger.observe_cache(&l, seen(4, 4));
+        ledger.release(l, now);
+        assert!(!ledger.snapshot(now)[0].cache.keeps_nothing());
+        let l = take(&mut ledger, &prompt, now);
+        assert_eq!(l.predicted_blocks, 0, "not recorded while it kept nothing");
+        ledger.release(l, now);
+        let l = take(&mut ledger, &prompt, now);
+        assert_eq!(l.predicted_blocks, 4);
+        ledger.release(l, now);
     }
 }

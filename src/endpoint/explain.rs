@@ -88,7 +88,7 @@ impl EndpointLedger {
             };
             let prompt = self.prompt_tokens(route);
             let cached = if session_endpoint == Some(e.addr) {
-                prompt
+                e.conversation_cached(prompt)
             } else {
                 self.cached_tokens(route, prefix_matched)
             };

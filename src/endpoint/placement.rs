@@ -141,6 +141,18 @@ impl Endpoint {
         before * self.cost.service_ms.ms() / f64::from(self.slots_total().max(1))
     }
 
+    /// Of the `prompt` tokens of a conversation whose last turn ran here,
+    /// those its engine still holds: all, unless its answers say it keeps
+    /// no cache ([`super::CacheTruth::keeps_nothing`]); then there is
+    /// nothing to wait for here.
+    pub(super) fn conversation_cached(&self, prompt: u64) -> u64 {
+        if self.cache.keeps_nothing() {
+            0
+        } else {
+            prompt
+        }
+    }
+
     /// Predicted prefill of `uncached` prompt tokens here.
     pub(super) fn predicted_prefill_ms(&self, uncached: u64) -> f64 {
         uncached as f64 * self.cost.prefill_ms_per_token.ms()
@@ -205,7 +217,7 @@ impl EndpointLedger {
             }
         };
         if let Some(e) = bound.and_then(|id| self.endpoints.get(&id)) {
-            consider(e, prompt);
+            consider(e, e.conversation_cached(prompt));
         }
         if scored {
             self.busy_holding_more(route, go_matched, now, |e, matched| {

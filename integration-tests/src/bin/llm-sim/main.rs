@@ -131,6 +131,11 @@ struct Cli {
     /// cached prompt tokens cost no prefill time. 0: no cache
     #[arg(long, value_name = "TOKENS", default_value_t = 0)]
     prefix_cache_tokens: u64,
+    /// Say `cached_tokens` in every answer's usage even without a prefix
+    /// cache (then always 0), as vLLM with `--enable-prompt-tokens-details`
+    /// and prefix caching off does
+    #[arg(long)]
+    say_cached_tokens: bool,
     /// Microseconds of prefill per uncached prompt token (4 bytes = 1 token),
     /// added to the time to first token
     #[arg(long, value_name = "US", default_value_t = 0)]
@@ -611,7 +616,8 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
     let id = sim.next_id.fetch_add(1, Ordering::Relaxed);
     let model = sim.cli.model.clone();
     // An engine with a prefix cache says what it reused.
-    let said_cached = (sim.cli.prefix_cache_tokens > 0).then_some(cached_tokens);
+    let said_cached =
+        (sim.cli.prefix_cache_tokens > 0 || sim.cli.say_cached_tokens).then_some(cached_tokens);
     let mut resp = if stream {
         // OpenAI's `stream_options.include_usage`: a last chunk with usage.
         let usage = parsed

@@ -143,8 +143,7 @@ impl Endpoint {
 
     /// Of the `prompt` tokens of a conversation whose last turn ran here,
     /// those its engine still holds: all, unless its answers say it keeps
-    /// no cache ([`super::CacheTruth::keeps_nothing`]); then there is
-    /// nothing to wait for here.
+    /// no cache ([`super::CacheTruth::keeps_nothing`]).
     pub(super) fn conversation_cached(&self, prompt: u64) -> u64 {
         if self.cache.keeps_nothing() {
             0
@@ -216,8 +215,12 @@ impl EndpointLedger {
                 best = Some((ms, e.id));
             }
         };
+        // Its conversation's endpoint, unless its engine keeps no cache:
+        // then nothing there is worth waiting for.
         if let Some(e) = bound.and_then(|id| self.endpoints.get(&id)) {
-            consider(e, e.conversation_cached(prompt));
+            if !e.cache.keeps_nothing() {
+                consider(e, prompt);
+            }
         }
         if scored {
             self.busy_holding_more(route, go_matched, now, |e, matched| {
@@ -307,7 +310,7 @@ impl EndpointLedger {
             return Home::Busy;
         };
         let scored = self.scheduling.scorers.prefix_cache > 0.0 && !route.prefix.is_empty();
-        let mut more_elsewhere = bound.is_some();
+        let mut more_elsewhere = bound.is_some_and(|id| !self.endpoints[&id].cache.keeps_nothing());
         if scored && !more_elsewhere {
             let go_matched = self.endpoints[&go].prefix.matched(&route.prefix);
             self.busy_holding_more(route, go_matched, now, |_, _| more_elsewhere = true);

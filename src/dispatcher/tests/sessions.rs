@@ -93,6 +93,40 @@ fn a_session_waits_for_its_saturated_endpoint_at_most_the_hold_then_moves() {
 }
 
 #[test]
+fn a_session_does_not_wait_for_an_engine_whose_answers_say_it_keeps_no_cache() {
+    use crate::endpoint::{CacheSeen, COLD_ANSWERS};
+    let t0 = Instant::now();
+    let mut d = with_sessions(SessionConfig::default());
+    let mut turn = first_turn_running(&mut d, t0);
+    // Its engine answers every turn: nothing of the prompt reused.
+    let nothing = CacheSeen {
+        prompt_tokens: 8_000,
+        cached_tokens: 0,
+        prompt_bytes: 32_000,
+    };
+    for n in 0..COLD_ANSWERS {
+        d.observe_cache(&turn, nothing);
+        d.release(turn, t0);
+        turn = ready(d.submit(in_session("t", 7), "turn", t0));
+        assert_eq!(turn.addr.port(), 1, "turn {n} goes back while a is free");
+    }
+    // a runs the latest turn; the next one has nothing cached to wait
+    // for there (the same turn waits while a's engine reuses: see above):
+    // it takes the free server at once.
+    let next = match d.submit(in_session("t", 7), "next", t0) {
+        Admission::Ready(lease) => lease,
+        _ => {
+            let done = d.dispatch(t0);
+            assert_eq!(granted(&done), ["next"], "not held for a");
+            done.into_iter().next().unwrap().result.unwrap()
+        }
+    };
+    assert_eq!(next.addr.port(), 2);
+    d.release(turn, t0);
+    d.release(next, t0);
+}
+
+#[test]
 fn a_session_goes_back_as_soon_as_its_endpoint_frees() {
     let t0 = Instant::now();
     let mut d = with_sessions(SessionConfig::default());

@@ -14,13 +14,14 @@
 //! prompt used less recently): the endpoint's index shrinks by a quarter,
 //! least recently used blocks first (see
 //! [`crate::prefix::PrefixLru::shrink_tracked`]), not below one request's
-//! blocks. An engine that reused nothing at all in its last
-//! [`COLD_ANSWERS`] answers, a predicted hit among them, keeps no cache
-//! worth following (prefix caching off, or a cache too small for one
-//! prompt): its index empties, so no prompt and no conversation draws a
-//! request to it, nor makes one wait for it. Every reused block the engine
-//! reports lets the index grow back by that much toward `capacityBlocks`
-//! (a hit it predicted, or one it did not: an emptied index predicts
+//! blocks. An engine that answered [`COLD_MISSES`] predicted hits in a
+//! row reusing nothing at all of them (and nothing of any other prompt
+//! meanwhile) keeps no cache worth following (prefix caching off, or a
+//! cache too small for one prompt): its index empties, so no prompt and
+//! no conversation draws a request to it, nor makes one wait for it.
+//! Every reused block the engine reports lets the index grow back by that
+//! much toward `capacityBlocks` (a hit it predicted, or one it did not: an
+//! emptied index predicts
 //! none). So the index follows the engine's real cache size instead of a
 //! configured guess, and stops steering requests toward prompts the engine
 //! does not have.
@@ -29,12 +30,14 @@ use serde::Serialize;
 
 use super::{EndpointLedger, Lease};
 
-/// Answers in a row that reused nothing, a predicted hit among them, after
-/// which an engine counts as keeping no cache (module docs). More than one
-/// (the slot that held a prompt may have been busy, and the same prompt
-/// prefilled in another), few enough that a tenant's repeated prompt does
-/// not pile onto one server for long.
-pub const COLD_ANSWERS: u32 = 4;
+/// Predicted hits in a row that the engine answered reusing nothing (and
+/// no reuse between them), after which it counts as keeping no cache
+/// (module docs). Not one: the slot that held a prompt may have been busy,
+/// or the same prompt prefilled at once in another; a cold start with
+/// conversations arriving together misses a few before the first prefill
+/// ends. Few enough that a tenant's repeated prompt does not pile onto one
+/// server for long.
+pub const COLD_MISSES: u32 = 4;
 
 /// What an engine's answer said of its prefix cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,8 +62,8 @@ pub struct CacheTruth {
     pub predicted_hits: u64,
     /// Requests sent expecting a hit that the engine did not have.
     pub predicted_misses: u64,
-    /// The latest answers in a row that reused nothing.
-    pub cold_in_a_row: u32,
+    /// Predicted hits answered in a row reusing nothing, no reuse between.
+    pub cold_misses_in_a_row: u32,
 }
 
 impl CacheTruth {
@@ -72,7 +75,7 @@ impl CacheTruth {
     /// Whether the engine's latest answers say it keeps no cache: nothing
     /// is cached there to wait for.
     pub fn keeps_nothing(&self) -> bool {
-        self.cold_in_a_row >= COLD_ANSWERS
+        self.cold_misses_in_a_row >= COLD_MISSES
     }
 }
 
@@ -93,16 +96,16 @@ impl EndpointLedger {
         if seen.prompt_tokens == 0 {
             return;
         }
-        truth.cold_in_a_row = if cached == 0 {
-            truth.cold_in_a_row.saturating_add(1)
-        } else {
-            0
-        };
+        let predicted = u64::from(lease.predicted_blocks);
+        if cached > 0 {
+            truth.cold_misses_in_a_row = 0;
+        } else if predicted > 0 {
+            truth.cold_misses_in_a_row = truth.cold_misses_in_a_row.saturating_add(1);
+        }
         // The cached share of the prompt, in blocks of its text.
         let cached_bytes = (u128::from(seen.prompt_bytes) * u128::from(cached)
             / u128::from(seen.prompt_tokens)) as u64;
         let cached_blocks = cached_bytes / block_bytes;
-        let predicted = u64::from(lease.predicted_blocks);
         if predicted == 0 {
             // Reuse the index did not predict: it keeps less than the
             // engine does.
@@ -190,7 +193,7 @@ mod tests {
                 cached_tokens: 42,
                 predicted_hits: 1,
                 predicted_misses: 1,
-                cold_in_a_row: 0,
+                cold_misses_in_a_row: 0,
             }
         );
         assert_eq!(
@@ -240,13 +243,13 @@ mod tests {
         // prefix cache: every answer says it reused nothing.
         let prompt = [1, 2, 3, 4];
         let mut predicted = Vec::new();
-        for _ in 0..COLD_ANSWERS {
+        for _ in 0..=COLD_MISSES {
             let l = take(&mut ledger, &prompt, now);
             predicted.push(l.predicted_blocks);
             ledger.observe_cache(&l, seen(4, 0));
             ledger.release(l, now);
         }
-        assert_eq!(predicted, [0, 4, 4, 4], "the index expected the prompt");
+        assert_eq!(predicted, [0, 4, 4, 4, 4], "the index expected the prompt");
         let snap = &ledger.snapshot(now)[0];
         assert!(snap.cache.keeps_nothing());
         assert_eq!((snap.prefix_blocks, snap.prefix_capacity), (0, 0));

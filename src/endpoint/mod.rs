@@ -48,7 +48,7 @@ pub use selection::{Route, SchedulingConfig};
 
 pub(crate) use balance::QueuedWork;
 use breaker::Breaker;
-pub use cache_truth::{CacheSeen, CacheTruth, COLD_ANSWERS};
+pub use cache_truth::{CacheSeen, CacheTruth, COLD_MISSES};
 pub use cost::{CostModel, CostSnapshot, Estimate, Timing};
 pub use explain::{CandidateScore, Explanation, MAX_EXPLAINED};
 pub(crate) use placement::{Holding, Home, Waits};

@@ -94,26 +94,32 @@ fn a_session_waits_for_its_saturated_endpoint_at_most_the_hold_then_moves() {
 
 #[test]
 fn a_session_does_not_wait_for_an_engine_whose_answers_say_it_keeps_no_cache() {
-    use crate::endpoint::{CacheSeen, COLD_ANSWERS};
+    use crate::endpoint::{CacheSeen, COLD_MISSES};
     let t0 = Instant::now();
     let mut d = with_sessions(SessionConfig::default());
     let mut turn = first_turn_running(&mut d, t0);
-    // Its engine answers every turn: nothing of the prompt reused.
+    // Turns whose prompt the prefix index follows; its engine answers
+    // each one: nothing of the prompt reused, though the index expected it.
+    let with_blocks = || {
+        let mut t = in_session("t", 7);
+        t.route.prefix = vec![1, 2, 3, 4];
+        t
+    };
     let nothing = CacheSeen {
         prompt_tokens: 8_000,
         cached_tokens: 0,
         prompt_bytes: 32_000,
     };
-    for n in 0..COLD_ANSWERS {
+    for n in 0..COLD_MISSES + 2 {
         d.observe_cache(&turn, nothing);
         d.release(turn, t0);
-        turn = ready(d.submit(in_session("t", 7), "turn", t0));
+        turn = ready(d.submit(with_blocks(), "turn", t0));
         assert_eq!(turn.addr.port(), 1, "turn {n} goes back while a is free");
     }
     // a runs the latest turn; the next one has nothing cached to wait
     // for there (the same turn waits while a's engine reuses: see above):
     // it takes the free server at once.
-    let next = match d.submit(in_session("t", 7), "next", t0) {
+    let next = match d.submit(with_blocks(), "next", t0) {
         Admission::Ready(lease) => lease,
         _ => {
             let done = d.dispatch(t0);

@@ -105,11 +105,14 @@ pub struct AgentReport {
     /// balancer computes alike (see [`crate::session`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub balancers: Option<u32>,
-    /// Milliseconds from the agent's read of the engine (the start of
-    /// it) to the report's sending: lets the balancer count its own
+    /// When the agent's read of the engine behind this report began and
+    /// ended, in milliseconds before the report was sent (the first
+    /// rounded up, the second down): lets the balancer count its own
     /// requests as they stood at the read (see `src/endpoint/foreign.rs`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub read_age_ms: Option<u64>,
+    pub read_began_ms_ago: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_ended_ms_ago: Option<u64>,
 }
 
 /// Why a report was refused. Mapped to HTTP 400 at the edge.
@@ -224,12 +227,15 @@ impl AgentReport {
         Duration::from_millis(self.monitoring_interval_ms)
     }
 
-    /// How old the engine read behind the report was when it was sent
-    /// (`None`: the agent does not say). Any number is taken: a read older
-    /// than the previous report counts the balancer's requests as they
-    /// stood then.
-    pub fn read_age(&self) -> Option<Duration> {
-        self.read_age_ms.map(Duration::from_millis)
+    /// When the engine read behind the report began and ended, as ages
+    /// at its sending (`None`: the agent does not say). Any numbers are
+    /// taken: a read older than the previous report counts the balancer's
+    /// requests as they stood then; an end said before the beginning is
+    /// taken as the beginning.
+    pub fn read_window(&self) -> Option<(Duration, Duration)> {
+        let began = self.read_began_ms_ago?;
+        let ended = self.read_ended_ms_ago.unwrap_or(0).min(began);
+        Some((Duration::from_millis(began), Duration::from_millis(ended)))
     }
 }
 
@@ -256,7 +262,8 @@ pub(crate) mod tests {
             last_error: None,
             slot_share: None,
             balancers: None,
-            read_age_ms: None,
+            read_began_ms_ago: None,
+            read_ended_ms_ago: None,
         }
     }
 

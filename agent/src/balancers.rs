@@ -46,9 +46,12 @@ pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
 pub const FORGET_AFTER: u64 = 2;
 
 /// A report, numbered in the order it was published, when the engine read
-/// behind it began, and each balancer's share of the slots (`None`: the
-/// agent does not divide them).
-type Published = Option<(u64, Arc<AgentReport>, Instant, Option<Shares>)>;
+/// behind it began and ended, and each balancer's share of the slots
+/// (`None`: the agent does not divide them).
+type Published = Option<(u64, Arc<AgentReport>, Read, Option<Shares>)>;
+
+/// When a read of the engine began and ended.
+pub type Read = (Instant, Instant);
 
 /// Each balancer's share of the slots.
 type Shares = Arc<BTreeMap<SocketAddr, u32>>;
@@ -218,9 +221,9 @@ impl Balancers {
     }
 
     /// Divides the slots by what the balancers last answered, and hands
-    /// `report` (from the engine read begun at `read_at`) with each one's
-    /// share to every balancer's task; returns its number.
-    pub fn publish(&mut self, mut report: AgentReport, read_at: Instant) -> u64 {
+    /// `report` (from the engine `read`) with each one's share to every
+    /// balancer's task; returns its number.
+    pub fn publish(&mut self, mut report: AgentReport, read: Read) -> u64 {
         self.published += 1;
         // Every balancer named, answering or not: one that stopped may be
         // back at any moment, and until it is left out of the division the
@@ -250,7 +253,7 @@ impl Balancers {
             )
         });
         self.latest
-            .send_replace(Some((self.published, Arc::new(report), read_at, shares)));
+            .send_replace(Some((self.published, Arc::new(report), read, shares)));
         self.published
     }
 
@@ -314,15 +317,17 @@ async fn report_to(
 ) {
     let mut failing = false;
     while latest.changed().await.is_ok() {
-        let Some((n, report, read_at, shares)) = latest.borrow_and_update().clone() else {
+        let Some((n, report, (began, ended), shares)) = latest.borrow_and_update().clone() else {
             continue;
         };
         let mut report = (*report).clone();
         // Left out of the division (it stopped answering): no slots.
         report.slot_share = shares.map(|s| s.get(&addr).copied().unwrap_or(0));
         // As late as can be: a report that waited for a slow balancer
-        // says so.
-        report.read_age_ms = Some(read_at.elapsed().as_millis() as u64);
+        // says so. The beginning rounded up, the end down: the balancer
+        // counts every request of its own the engine may have seen.
+        report.read_began_ms_ago = Some(began.elapsed().as_micros().div_ceil(1_000) as u64);
+        report.read_ended_ms_ago = Some(ended.elapsed().as_millis() as u64);
         let result = send(&client, &url, &token, &report).await;
         match (&result, failing) {
             (Err(e), false) => warn!(balancer = %addr, "{}", e.message),
@@ -414,11 +419,11 @@ mod tests {
         let mut resolved = Resolved::new();
         resolved.insert("one".into(), ["127.0.0.1:9".parse().unwrap()].into());
         b.apply(&resolved);
-        b.publish(report(), Instant::now());
+        b.publish(report(), (Instant::now(), Instant::now()));
         assert_eq!(said(&b), Some(Some(1)));
         resolved.insert("two".into(), ["127.0.0.1:10".parse().unwrap()].into());
         b.apply(&resolved);
-        b.publish(report(), Instant::now());
+        b.publish(report(), (Instant::now(), Instant::now()));
         assert_eq!(said(&b), Some(Some(2)));
     }
 }

@@ -231,7 +231,8 @@ fn report_of(
         last_error: status.last_error,
         slot_share: None,
         balancers: None,
-        read_age_ms: None,
+        read_began_ms_ago: None,
+        read_ended_ms_ago: None,
     }
 }
 
@@ -338,8 +339,9 @@ async fn run(cli: Cli) -> Result<(), String> {
             info!("drained: no request in flight");
             break;
         }
-        let read_at = tokio::time::Instant::now();
+        let read_began = tokio::time::Instant::now();
         let status = backend.poll().await;
+        let read = (read_began, tokio::time::Instant::now());
         let report = report_of(
             &cli,
             &agent_id,
@@ -353,7 +355,7 @@ async fn run(cli: Cli) -> Result<(), String> {
             .as_ref()
             .map(|e| format!("backend not ready: {e}"));
         let draining = report.draining;
-        let published = balancers.publish(report.clone(), read_at);
+        let published = balancers.publish(report.clone(), read);
         if draining && drain_report.is_none() {
             drain_report = Some(published);
         }

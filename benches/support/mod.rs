@@ -23,6 +23,7 @@ pub fn report(i: u32, slots: u32) -> AgentReport {
         last_error: None,
         slot_share: None,
         balancers: None,
-        read_age_ms: None,
+        read_began_ms_ago: None,
+        read_ended_ms_ago: None,
     }
 }

@@ -7,16 +7,23 @@
 //! running *at that read*. The balancer's count has moved since: it sent
 //! requests the engine did not have yet, and ended some it still had. So
 //! each endpoint keeps the instants its slots were taken and given back
-//! since the last report ([`SlotLog`]); an agent that says how long ago it
-//! read the engine (`read_age_ms`) lets the balancer count its own
-//! requests as they stood then: running now, less those sent after the
-//! read, plus those ended after it. Without that age, the most it had in
-//! flight since the last report stands for them (a report that lags behind
-//! a release never hides a slot just freed, but a request that ended just
-//! before a client took every slot hides one of them for a report).
+//! since the last report ([`SlotLog`]); an agent that says when its read
+//! of the engine began and how long it took (`read_began_ms_ago`, `read_ended_ms_ago`)
+//! lets the balancer count its own requests as they stood then: running
+//! now, less those sent after the read ended, plus those ended after it
+//! began. That is the most of its own the engine may have counted, so the
+//! foreign count is never too high: a report never hides a slot the
+//! balancer just freed. Without the age, the most it had in flight since
+//! the last report stands for them (then a request that ended just before
+//! a client took every slot hides one of them for a report).
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
+
+/// The report's own way from its agent (the ages it carries were taken
+/// when it was sent): a read is taken to have begun this much earlier, so
+/// a request that ended just before it still counts as the balancer's.
+const TRANSIT: Duration = Duration::from_millis(5);
 
 /// Changes kept between two reports at most; the oldest go first (they
 /// are the likeliest to predate the read).
@@ -51,25 +58,32 @@ impl SlotLog {
         self.changes.push_back((at, taken));
     }
 
-    /// The balancer's requests running when the engine was read, `age`
-    /// before `now` (`None`: the agent does not say), with `in_flight`
-    /// running now; then starts over for the next report.
+    /// The most of the balancer's requests that may have been running
+    /// when the engine was read (`read`: when the read began and ended,
+    /// as ages before `now`; `None`: the agent does not say), with
+    /// `in_flight` running now; then starts over for the next report.
     pub(super) fn own_at_read(
         &mut self,
         now: Instant,
-        age: Option<Duration>,
+        read: Option<(Duration, Duration)>,
         in_flight: u32,
     ) -> u32 {
-        let own = match age.and_then(|age| now.checked_sub(age)) {
-            Some(read_at) => {
+        let window = read.and_then(|(began, ended)| {
+            Some((
+                now.checked_sub(began + TRANSIT)?,
+                now.checked_sub(ended.min(began))?,
+            ))
+        });
+        let own = match window {
+            Some((began, ended)) => {
                 let (mut taken, mut given_back) = (0u32, 0u32);
                 for &(at, took) in self.changes.iter().rev() {
-                    if at < read_at {
+                    if at < began {
                         break;
                     }
-                    if took {
+                    if took && at >= ended {
                         taken += 1;
-                    } else {
+                    } else if !took {
                         given_back += 1;
                     }
                 }
@@ -98,17 +112,31 @@ mod tests {
         // at +70; the report comes at +80 with the read 30 ms old.
         log.given_back(t0 + ms(60));
         log.taken(t0 + ms(70), 2);
-        assert_eq!(log.own_at_read(t0 + ms(80), Some(ms(30)), 2), 2);
+        assert_eq!(log.own_at_read(t0 + ms(80), Some((ms(30), ms(30))), 2), 2);
         // A request that ended before the read is not running at it
         // (without the age, the peak since the last report stands).
         log.given_back(t0 + ms(100));
         let mut without_age = SlotLog::default();
         without_age.taken(t0, 2);
         without_age.given_back(t0 + ms(100));
-        assert_eq!(log.own_at_read(t0 + ms(200), Some(ms(50)), 1), 1);
+        assert_eq!(log.own_at_read(t0 + ms(200), Some((ms(50), ms(50))), 1), 1);
         assert_eq!(without_age.own_at_read(t0 + ms(200), None, 1), 2);
+        // A read that took a while: a request sent during it may be
+        // counted by the engine, one that ended during it may be too.
+        log.taken(t0 + ms(310), 2);
+        log.given_back(t0 + ms(320));
+        log.taken(t0 + ms(330), 2);
+        let read = Some((ms(100), ms(75)));
+        assert_eq!(
+            log.own_at_read(t0 + ms(400), read, 2),
+            2,
+            "two ran during it"
+        );
         // An age beyond the clock, or no change at all: what runs now.
-        assert_eq!(log.own_at_read(t0 + ms(300), Some(ms(1) * 1_000_000), 1), 1);
+        assert_eq!(
+            log.own_at_read(t0 + ms(500), Some((ms(1) * 1_000_000, ms(0))), 1),
+            1
+        );
     }
 
     #[test]

@@ -435,7 +435,7 @@ impl EndpointLedger {
         };
         let own = ep
             .slot_log
-            .own_at_read(now, report.read_age(), ep.in_flight);
+            .own_at_read(now, report.read_window(), ep.in_flight);
         ep.foreign_busy = report.slots_busy.saturating_sub(own);
         // Orphans the engine no longer works on: busy slots beyond what the
         // balancer's live requests explain are still orphans; the rest are

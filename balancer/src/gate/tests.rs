@@ -35,7 +35,8 @@ fn agent(id: &str, port: u16, model: &str) -> AgentReport {
         last_error: None,
         slot_share: None,
         balancers: None,
-        read_age_ms: None,
+        read_began_ms_ago: None,
+        read_ended_ms_ago: None,
     }
 }
 

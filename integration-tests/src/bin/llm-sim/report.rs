@@ -35,7 +35,8 @@ pub(crate) async fn report_loop(base: String, cli: Cli, sims: Vec<(SocketAddr, A
                 // `--report-to` names one balancer.
                 balancers: Some(1),
                 // Read as it is sent.
-                read_age_ms: Some(0),
+                read_began_ms_ago: Some(0),
+                read_ended_ms_ago: Some(0),
             };
             let mut req = client
                 .post(format!("{base}/api/v1/agents/{agent_id}/report"))

@@ -27,6 +27,7 @@
 //! reports each of them to a balancer as its agent would.
 
 mod answer;
+mod cli;
 mod engine;
 mod report;
 
@@ -50,112 +51,12 @@ use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
 
 use crate::answer::{final_body, pause, stream_response};
+use crate::cli::{Cli, EngineKind};
 use crate::engine::{Engine, EngineConfig, Running};
 use crate::report::report_loop;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type Body = http_body_util::combinators::BoxBody<Bytes, BoxError>;
-
-/// A fake llama-server for tests and benchmarks.
-#[derive(Debug, Clone, Parser)]
-#[command(name = "llm-sim", version, about)]
-struct Cli {
-    /// Address to listen on (port 0 picks a free port; the chosen address is
-    /// printed as `listening on IP:PORT`)
-    #[arg(long, default_value = "127.0.0.1:0")]
-    listen: SocketAddr,
-    /// Simulated servers in this process, each on its own port (`--listen`'s
-    /// port and the next ones; port 0: free ports), each with its own slots,
-    /// cache and counters: a whole fleet on one machine
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=10_000))]
-    servers: u32,
-    /// Report every server to this balancer's management API
-    /// (`http://HOST:PORT`) as its agent would, so a fleet of `--servers`
-    /// needs no agent processes: slots, busy slots and waiting requests
-    #[arg(long)]
-    report_to: Option<String>,
-    /// Milliseconds between two reports of one server (`--report-to`)
-    #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(50..=60_000))]
-    report_interval_ms: u64,
-    /// Bearer token of the balancer's management API (`--report-to`)
-    #[arg(long, env = "FLOWGATE_MANAGEMENT_TOKEN", hide_env_values = true)]
-    management_token: Option<String>,
-    /// Parallel request slots
-    #[arg(long, default_value_t = 4)]
-    slots: u32,
-    /// Model id served
-    #[arg(long, default_value = "sim-model")]
-    model: String,
-    /// Bytes of prompt text per prompt token in the `usage` it reports
-    /// (its tokenizer, as far as a balancer learning ratios can tell)
-    #[arg(long, default_value_t = engine::BYTES_PER_TOKEN, value_parser = clap::value_parser!(u64).range(1..))]
-    bytes_per_token: u64,
-    /// Answer 404 `model_not_found` to a request whose `model` is another
-    /// name, as vLLM does (llama-server answers any name)
-    #[arg(long)]
-    strict_model: bool,
-    /// Milliseconds to first token
-    #[arg(long, default_value_t = 20)]
-    ttft_ms: u64,
-    /// Milliseconds per further output token
-    #[arg(long, default_value_t = 5)]
-    tpot_ms: u64,
-    /// Output tokens per request
-    #[arg(long, default_value_t = 8)]
-    output_tokens: u32,
-    /// Generate as many tokens as the request's `max_tokens` (or
-    /// `max_completion_tokens`) asks, instead of --output-tokens
-    #[arg(long)]
-    honor_max_tokens: bool,
-    /// Milliseconds after start during which /health answers 503 (loading)
-    #[arg(long, default_value_t = 0)]
-    loading_ms: u64,
-    /// Fault applied to every inference request unless a header says
-    /// otherwise: status=CODE, hang, drop-mid-stream, slow-stream
-    #[arg(long)]
-    fault: Option<String>,
-    /// Worker threads (1 = a single core)
-    #[arg(long, default_value_t = 1)]
-    threads: usize,
-    /// Which engine's monitoring API to speak: llamacpp (`/slots`, `/props`,
-    /// `llamacpp:*` metrics), vllm (`vllm:*` metrics) or sglang (`sglang:*`
-    /// metrics); vllm and sglang have no `/slots` or `/props`
-    #[arg(long, value_enum, default_value = "llamacpp")]
-    engine: EngineKind,
-    /// KV-cache capacity in tokens (prompt + output of the running
-    /// requests); a request that does not fit waits. 0: unlimited. With vllm
-    /// and sglang the KV gauge reports its use
-    #[arg(long, value_name = "TOKENS", default_value_t = 0)]
-    kv_capacity_tokens: u64,
-    /// Prefix cache capacity in tokens (least recently used forgotten);
-    /// cached prompt tokens cost no prefill time. 0: no cache
-    #[arg(long, value_name = "TOKENS", default_value_t = 0)]
-    prefix_cache_tokens: u64,
-    /// Say `cached_tokens` in every answer's usage even without a prefix
-    /// cache (then always 0), as vLLM with `--enable-prompt-tokens-details`
-    /// and prefix caching off does
-    #[arg(long)]
-    say_cached_tokens: bool,
-    /// Microseconds of prefill per uncached prompt token (4 bytes = 1 token),
-    /// added to the time to first token
-    #[arg(long, value_name = "US", default_value_t = 0)]
-    prefill_us_per_token: u64,
-    /// Decode slowdown per extra running request: each token takes
-    /// tpot × (1 + F × (running − 1))
-    #[arg(long, value_name = "F", default_value_t = 0.0)]
-    decode_slowdown: f64,
-    /// Finish a non-streamed answer (its slot busy) even after its client
-    /// left, as llama-server does
-    #[arg(long)]
-    finish_after_disconnect: bool,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-enum EngineKind {
-    Llamacpp,
-    Vllm,
-    Sglang,
-}
 
 #[derive(Debug, Clone, PartialEq)]
 enum Fault {

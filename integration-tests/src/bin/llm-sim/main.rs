@@ -29,6 +29,7 @@
 mod answer;
 mod cli;
 mod engine;
+mod lora;
 mod report;
 
 use std::convert::Infallible;
@@ -107,12 +108,15 @@ struct Sim {
     bytes_received: AtomicU64,
     next_id: AtomicU64,
     stats: Mutex<Stats>,
+    adapters: Arc<lora::Adapters>,
 }
 
 /// Counts a request as processing while alive (it holds a slot).
 struct Processing {
     sim: Arc<Sim>,
     _running: Running,
+    /// The LoRA adapter it runs on, if it named one.
+    _adapter: Option<lora::Running>,
 }
 
 /// Counts a request as deferred while it waits, however the wait ends.
@@ -133,6 +137,7 @@ impl Processing {
         Processing {
             sim,
             _running: running,
+            _adapter: None,
         }
     }
 }
@@ -170,6 +175,20 @@ fn header_num(req: &Request<Incoming>, name: &str, default: u64) -> u64 {
 }
 
 impl Sim {
+    /// `/v1/models`: the model, and each adapter with its `parent` (vLLM).
+    fn models_json(&self) -> serde_json::Value {
+        let mut data = vec![
+            json!({"id": self.cli.model, "object": "model", "created": 0, "owned_by": "llamacpp"}),
+        ];
+        for name in self.adapters.snapshot().servable {
+            data.push(
+                json!({"id": name, "object": "model", "created": 0, "owned_by": "vllm",
+                "root": format!("/adapters/{name}"), "parent": self.cli.model}),
+            );
+        }
+        json!({"object": "list", "data": data})
+    }
+
     /// vLLM / SGLang style gauges: running, waiting, and KV use (half the
     /// cache per fully busy server, so load alone never saturates it).
     fn engine_metrics(&self, engine: EngineKind) -> String {
@@ -227,8 +246,32 @@ impl Sim {
         format!(
             "# TYPE {running} gauge\n{running}{labels} {busy}.0\n\
              # TYPE {waiting} gauge\n{waiting}{labels} {}.0\n\
-             # TYPE {kv} gauge\n{kv}{labels} {kv_use}\n{cache}{capacity}",
-            self.deferred.load(Ordering::SeqCst)
+             # TYPE {kv} gauge\n{kv}{labels} {kv_use}\n{cache}{capacity}{lora}",
+            self.deferred.load(Ordering::SeqCst),
+            lora = match engine {
+                EngineKind::Vllm => self.lora_metrics(),
+                _ => String::new(),
+            },
+        )
+    }
+
+    /// vLLM's `vllm:lora_requests_info`, with LoRA on (adapters given):
+    /// the adapters with requests running and waiting, and `max_lora`; its
+    /// value is the time of the reading.
+    fn lora_metrics(&self) -> String {
+        let a = self.adapters.snapshot();
+        if a.servable.is_empty() {
+            return String::new();
+        }
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        format!(
+            "# TYPE vllm:lora_requests_info gauge\nvllm:lora_requests_info{{max_lora=\"{}\",\
+             running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"}} {now}\n",
+            self.cli.max_loras,
+            a.running.join(","),
+            a.waiting.join(",")
         )
     }
 
@@ -288,6 +331,7 @@ impl Sim {
     }
 
     fn stats_json(&self) -> serde_json::Value {
+        let lora = self.adapters.snapshot();
         let st = self.stats.lock().unwrap();
         json!({
             "requests_total": self.requests_total.load(Ordering::SeqCst),
@@ -300,6 +344,9 @@ impl Sim {
             "cached_prompt_tokens_total": self.engine.cached_tokens_total.load(Ordering::Relaxed),
             "arrivals": st.arrivals,
             "traceparents": st.traceparents,
+            "lora_loads": lora.loads,
+            "lora_evictions": lora.evictions,
+            "lora_loaded": lora.loaded,
         })
     }
 
@@ -338,10 +385,9 @@ async fn route(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>, 
         (&Method::GET, "/metrics") => {
             full(StatusCode::OK, "text/plain; version=0.0.4", sim.metrics())
         }
-        (&Method::GET, "/v1/models") => json_resp(
-            StatusCode::OK,
-            json!({"object": "list", "data": [{"id": sim.cli.model, "object": "model", "created": 0, "owned_by": "llamacpp"}]}),
-        ),
+        (&Method::GET, "/v1/models") => json_resp(StatusCode::OK, sim.models_json()),
+        (&Method::POST, "/v1/load_lora_adapter") => lora_admin(sim, req, true).await,
+        (&Method::POST, "/v1/unload_lora_adapter") => lora_admin(sim, req, false).await,
         (&Method::GET, "/sim/stats") => json_resp(StatusCode::OK, sim.stats_json()),
         (&Method::POST, "/sim/reset") => {
             sim.reset();
@@ -452,7 +498,9 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
         .and_then(|v| v.as_bool())
         .unwrap_or(false);
     let asked = parsed.get("model").and_then(|m| m.as_str());
-    if sim.cli.strict_model && asked.is_some_and(|m| m != sim.cli.model) {
+    // A LoRA adapter it serves, named as the model (vLLM's way).
+    let adapter = asked.filter(|m| sim.adapters.serves(m)).map(str::to_string);
+    if sim.cli.strict_model && adapter.is_none() && asked.is_some_and(|m| m != sim.cli.model) {
         return json_resp(
             StatusCode::NOT_FOUND,
             json!({"error": {"message": format!("The model `{}` does not exist.", asked.unwrap_or("")),
@@ -484,7 +532,11 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
             sim.engine.admit(kv_tokens).await
         }
     };
-    let processing = Processing::new(Arc::clone(&sim), running);
+    let mut processing = Processing::new(Arc::clone(&sim), running);
+    if let Some(name) = &adapter {
+        // Loaded first if it is not (its slot held meanwhile).
+        processing._adapter = Some(sim.adapters.run(name).await);
+    }
     let (prompt_tokens, cached_tokens, prefill) = sim.engine.prefill(&prompt);
     let prompt_tokens = if sim.cli.bytes_per_token == engine::BYTES_PER_TOKEN {
         prompt_tokens
@@ -515,7 +567,7 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
     }
 
     let id = sim.next_id.fetch_add(1, Ordering::Relaxed);
-    let model = sim.cli.model.clone();
+    let model = adapter.unwrap_or_else(|| sim.cli.model.clone());
     // An engine with a prefix cache says what it reused.
     let said_cached =
         (sim.cli.prefix_cache_tokens > 0 || sim.cli.say_cached_tokens).then_some(cached_tokens);
@@ -561,6 +613,43 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
     h.insert("x-sim-body-bytes", HeaderValue::from(body.len() as u64));
     h.insert("x-sim-body-sha256", HeaderValue::from_str(&digest).unwrap());
     resp
+}
+
+/// vLLM's `POST /v1/load_lora_adapter` (`load`) and
+/// `/v1/unload_lora_adapter`: `{"lora_name", "lora_path"}`, answered in
+/// plain text as vLLM does.
+async fn lora_admin(sim: Arc<Sim>, req: Request<Incoming>, load: bool) -> Response<Body> {
+    let body = req.into_body().collect().await.map(|b| b.to_bytes());
+    let parsed: Option<serde_json::Value> = body.ok().and_then(|b| serde_json::from_slice(&b).ok());
+    let Some(name) = parsed.as_ref().and_then(|v| v["lora_name"].as_str()) else {
+        return json_resp(
+            StatusCode::BAD_REQUEST,
+            json!({"error": {"message": "lora_name is required", "type": "BadRequestError", "code": 400}}),
+        );
+    };
+    match (
+        load,
+        load && sim.adapters.add(name) || !load && sim.adapters.remove(name),
+    ) {
+        (true, true) => full(
+            StatusCode::OK,
+            "text/plain",
+            format!("Success: LoRA adapter '{name}' added successfully."),
+        ),
+        (false, true) => full(
+            StatusCode::OK,
+            "text/plain",
+            format!("Success: LoRA adapter '{name}' removed successfully."),
+        ),
+        (true, false) => json_resp(
+            StatusCode::BAD_REQUEST,
+            json!({"error": {"message": format!("The lora adapter '{name}' has already been loaded."), "type": "InvalidUserInput", "code": 400}}),
+        ),
+        (false, false) => json_resp(
+            StatusCode::NOT_FOUND,
+            json!({"error": {"message": format!("The lora adapter '{name}' cannot be found."), "type": "NotFoundError", "code": 404}}),
+        ),
+    }
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -627,6 +716,11 @@ async fn serve(cli: Cli) {
             bytes_received: AtomicU64::new(0),
             next_id: AtomicU64::new(0),
             stats: Mutex::new(Stats::default()),
+            adapters: Arc::new(lora::Adapters::new(
+                &cli.loras,
+                cli.max_loras,
+                Duration::from_millis(cli.lora_load_ms),
+            )),
         });
         sims.push((addr, Arc::clone(&sim)));
         tokio::spawn(accept_loop(listener, sim));

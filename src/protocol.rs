@@ -113,6 +113,44 @@ pub struct AgentReport {
     pub read_began_ms_ago: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub read_ended_ms_ago: Option<u64>,
+    /// The server's LoRA adapters, when its engine serves any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub adapters: Option<AdapterReport>,
+}
+
+/// What a server says of its LoRA adapters (vLLM: `/v1/models` entries
+/// with a `parent`, and `vllm:lora_requests_info`). Names are the ones a
+/// request gives as its `model`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdapterReport {
+    /// Adapters it can serve.
+    #[serde(default)]
+    pub servable: Vec<String>,
+    /// Adapters with requests running now (loaded, then).
+    #[serde(default)]
+    pub running: Vec<String>,
+    /// Adapters with requests waiting for room to load.
+    #[serde(default)]
+    pub waiting: Vec<String>,
+    /// Adapters it holds loaded at once at most (vLLM's `max_lora`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_loaded: Option<u32>,
+}
+
+/// Adapter names one report may list in each of its lists.
+pub const MAX_ADAPTERS_PER_REPORT: usize = 1024;
+
+impl AdapterReport {
+    fn valid(&self) -> bool {
+        [&self.servable, &self.running, &self.waiting]
+            .iter()
+            .all(|names| {
+                names.len() <= MAX_ADAPTERS_PER_REPORT
+                    && names
+                        .iter()
+                        .all(|n| !n.is_empty() && n.len() <= MAX_MODEL_NAME_LEN)
+            })
+    }
 }
 
 /// Why a report was refused. Mapped to HTTP 400 at the edge.
@@ -140,6 +178,8 @@ pub enum ReportError {
     TooManyModels(usize),
     #[error("model names are 1..={MAX_MODEL_NAME_LEN} bytes")]
     BadModelName,
+    #[error("adapters: each list holds at most {MAX_ADAPTERS_PER_REPORT} names of 1..={MAX_MODEL_NAME_LEN} bytes")]
+    BadAdapters,
     #[error("last_error is at most {MAX_LAST_ERROR_LEN} bytes")]
     LastErrorTooLong,
     #[error("this balancer takes at most {0} agents: refused a new one")]
@@ -213,6 +253,9 @@ impl AgentReport {
         {
             return Err(ReportError::BadModelName);
         }
+        if self.adapters.as_ref().is_some_and(|a| !a.valid()) {
+            return Err(ReportError::BadAdapters);
+        }
         if self
             .last_error
             .as_ref()
@@ -264,6 +307,7 @@ pub(crate) mod tests {
             balancers: None,
             read_began_ms_ago: None,
             read_ended_ms_ago: None,
+            adapters: None,
         }
     }
 
@@ -290,6 +334,18 @@ pub(crate) mod tests {
     #[test]
     fn each_bad_field_has_its_own_error() {
         let ok = report("a", "127.0.0.1:1", 4);
+        for bad in [
+            vec![String::new()],
+            vec!["a".repeat(MAX_MODEL_NAME_LEN + 1)],
+            vec!["a".to_string(); MAX_ADAPTERS_PER_REPORT + 1],
+        ] {
+            let mut r = ok.clone();
+            r.adapters = Some(AdapterReport {
+                waiting: bad,
+                ..AdapterReport::default()
+            });
+            assert_eq!(r.validate(), Err(ReportError::BadAdapters));
+        }
         let mut r = ok.clone();
         r.protocol_version = 2;
         assert_eq!(r.validate(), Err(ReportError::UnsupportedVersion(2)));

@@ -17,6 +17,8 @@ pub struct BackendStatus {
     pub kv_capacity_tokens: Option<u64>,
     /// Why the server is not ready, when it is not.
     pub last_error: Option<String>,
+    /// Its LoRA adapters, when it says ([`crate::lora`]).
+    pub adapters: Option<flowgate::protocol::AdapterReport>,
 }
 
 impl BackendStatus {
@@ -30,6 +32,7 @@ impl BackendStatus {
             kv_cache_usage: None,
             kv_capacity_tokens: None,
             last_error: Some(error),
+            adapters: None,
         }
     }
 }

@@ -20,6 +20,7 @@ use reqwest::StatusCode;
 use crate::backend::{Backend, BackendStatus};
 use crate::http::BackendHttp;
 use crate::llamacpp::parse_models;
+use crate::lora;
 use crate::prom;
 
 /// The metric names an engine uses.
@@ -157,9 +158,18 @@ impl Backend for MetricsEngine {
         }
         let (metrics, models) =
             tokio::join!(self.http.get_ok("/metrics"), self.http.get_ok("/v1/models"));
-        let load = match metrics.and_then(|b| self.metrics.read(&String::from_utf8_lossy(&b))) {
+        let metrics = metrics.map(|b| String::from_utf8_lossy(&b).into_owned());
+        let load = match metrics
+            .as_deref()
+            .map_err(Clone::clone)
+            .and_then(|t| self.metrics.read(t))
+        {
             Ok(l) => l,
             Err(e) => return BackendStatus::unreachable(e),
+        };
+        let adapters = match (&models, &metrics) {
+            (Ok(body), Ok(text)) => lora::report(lora::servable(body), &prom::parse(text)),
+            _ => None,
         };
         let models = match models.and_then(|b| parse_models(&b)) {
             Ok(m) => m,
@@ -174,6 +184,7 @@ impl Backend for MetricsEngine {
             kv_cache_usage: load.kv_cache_usage,
             kv_capacity_tokens: load.kv_capacity_tokens,
             last_error: None,
+            adapters,
         }
     }
 }

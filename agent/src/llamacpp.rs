@@ -151,6 +151,7 @@ impl Backend for LlamaCpp {
             kv_cache_usage: None,
             kv_capacity_tokens: slots.kv_capacity_tokens,
             last_error: None,
+            adapters: None,
         }
     }
 }

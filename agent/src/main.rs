@@ -6,6 +6,7 @@ mod balancers;
 mod engines;
 mod http;
 mod llamacpp;
+mod lora;
 mod prom;
 
 use std::net::SocketAddr;
@@ -233,6 +234,7 @@ fn report_of(
         balancers: None,
         read_began_ms_ago: None,
         read_ended_ms_ago: None,
+        adapters: status.adapters,
     }
 }
 

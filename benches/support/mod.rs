@@ -25,5 +25,6 @@ pub fn report(i: u32, slots: u32) -> AgentReport {
         balancers: None,
         read_began_ms_ago: None,
         read_ended_ms_ago: None,
+        adapters: None,
     }
 }

@@ -53,6 +53,54 @@ async fn vllm_agent() {
     engine_agent_reports_and_limits("vllm").await;
 }
 
+/// The vLLM agent reports the server's LoRA adapters (`/v1/models`
+/// entries with a parent) and those with requests running
+/// (`vllm:lora_requests_info`), shown in `/api/v1/agents`; a request
+/// naming an adapter is served by it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_agent_reports_lora_adapters() {
+    let b = Balancer::start(&[]).await;
+    let sim = Sim::start(&[
+        "--engine",
+        "vllm",
+        "--slots",
+        "2",
+        "--lora",
+        "sql,chat",
+        "--max-loras",
+        "1",
+        "--lora-load-ms",
+        "50",
+        "--ttft-ms",
+        "1500",
+    ]);
+    let _agent = agent_at(
+        &sim.addr.to_string(),
+        &b,
+        &["--backend", "vllm", "--max-concurrency", "2"],
+    );
+    b.wait_eligible(1).await;
+    let adapters = |a: serde_json::Value| a["endpoints"][0]["agent"]["adapters"].clone();
+    let first = adapters(b.agents().await);
+    assert_eq!(first["servable"], serde_json::json!(["chat", "sql"]), "{first}");
+    assert_eq!(first["max_loaded"], 1, "{first}");
+    let r = tokio::spawn(
+        client()
+            .post(b.url("/v1/chat/completions"))
+            .json(&chat_for(Some("sql"), "select"))
+            .send(),
+    );
+    wait_for("sql running", Duration::from_secs(5), || async {
+        (adapters(b.agents().await)["running"] == serde_json::json!(["sql"])).then_some(())
+    })
+    .await;
+    let r = r.await.unwrap().unwrap();
+    assert_eq!(r.status(), 200);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["model"], "sql");
+    assert_eq!(sim.stats().await["lora_loads"], 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_agent() {
     engine_agent_reports_and_limits("sglang").await;

@@ -37,6 +37,7 @@ fn agent(id: &str, port: u16, model: &str) -> AgentReport {
         balancers: None,
         read_began_ms_ago: None,
         read_ended_ms_ago: None,
+        adapters: None,
     }
 }
 

@@ -14,7 +14,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use flowgate::protocol::{MAX_MONITORING_INTERVAL, MIN_MONITORING_INTERVAL};
+use flowgate::protocol::{
+    MAX_MODELS_PER_REPORT, MAX_MODEL_NAME_LEN, MAX_MONITORING_INTERVAL, MIN_MONITORING_INTERVAL,
+};
 use flowgate::{AgentReport, BackendKind, PROTOCOL_VERSION};
 use flowgate_logging::LogFormat;
 use reqwest::Client;
@@ -194,6 +196,9 @@ async fn shutdown_signal() {
     }
 }
 
+/// Whether a long model list was cut already (said once).
+static MODELS_DROPPED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// What one poll of the engine tells the balancer (slots capped at
 /// `--max-concurrency`, busy never above total).
 fn report_of(
@@ -207,11 +212,31 @@ fn report_of(
     if let Some(cap) = cli.max_concurrency {
         status.slots_total = status.slots_total.min(cap);
     }
+    // The engine's list may be long (vLLM lists every LoRA adapter), and a
+    // report naming more models than the balancer takes would be refused
+    // whole, the server unused: the engine's first names are kept (the
+    // first is the one a request naming none is served as), room is left
+    // for the aliases, and the rest is dropped, said once.
+    let listed = status.models.len();
+    let room = MAX_MODELS_PER_REPORT.saturating_sub(cli.model_aliases.len());
+    let mut models: Vec<String> = (status.models.into_iter())
+        .filter(|m| !m.is_empty() && m.len() <= MAX_MODEL_NAME_LEN)
+        .take(room)
+        .collect();
+    if models.len() < listed && !MODELS_DROPPED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        warn!(
+            listed,
+            reported = models.len(),
+            "the server lists more models than a report carries (or names that are empty or over \
+             {MAX_MODEL_NAME_LEN} bytes): the rest are not reported"
+        );
+    }
     for alias in &cli.model_aliases {
-        if !status.models.contains(alias) {
-            status.models.push(alias.clone());
+        if !models.contains(alias) {
+            models.push(alias.clone());
         }
     }
+    status.models = models;
     AgentReport {
         protocol_version: PROTOCOL_VERSION,
         agent_id: agent_id.to_string(),
@@ -430,5 +455,31 @@ mod tests {
         assert!(base_url("https://h:1").is_err());
         assert!(base_url("h").is_err());
         assert!(base_url("http://h:1/x").is_err());
+    }
+
+    #[test]
+    fn a_long_model_list_is_cut_to_what_a_report_carries_aliases_kept() {
+        let cli = Cli::parse_from([
+            "agent",
+            "--backend-addr",
+            "127.0.0.1:1",
+            "--management-addr",
+            "127.0.0.1:2",
+            "--model-alias",
+            "alias-a",
+            "--model-alias",
+            "alias-b",
+        ]);
+        let mut status = backend::BackendStatus::unreachable(String::new());
+        status.health = flowgate::BackendHealth::Ready;
+        status.last_error = None;
+        status.models = (0..300).map(|i| format!("m{i}")).collect();
+        status.models.insert(1, String::new());
+        let addr = "127.0.0.1:1".parse().unwrap();
+        let r = report_of(&cli, "a", "a", addr, status, false);
+        assert_eq!(r.models.len(), MAX_MODELS_PER_REPORT);
+        assert_eq!(r.models[0], "m0", "the engine's own name first");
+        assert!(r.models.ends_with(&["alias-a".into(), "alias-b".into()]));
+        assert!(r.validate().is_ok());
     }
 }

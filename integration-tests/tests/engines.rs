@@ -82,7 +82,11 @@ async fn vllm_agent_reports_lora_adapters() {
     b.wait_eligible(1).await;
     let adapters = |a: serde_json::Value| a["endpoints"][0]["agent"]["adapters"].clone();
     let first = adapters(b.agents().await);
-    assert_eq!(first["servable"], serde_json::json!(["chat", "sql"]), "{first}");
+    assert_eq!(
+        first["servable"],
+        serde_json::json!(["chat", "sql"]),
+        "{first}"
+    );
     assert_eq!(first["max_loaded"], 1, "{first}");
     let r = tokio::spawn(
         client()

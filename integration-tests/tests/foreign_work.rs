@@ -4,7 +4,8 @@
 //! balancers send their next requests to the free server, a session bound
 //! to the busy one included, and the busy engine queues none of them:
 //! with one balancer, and with two sharing both servers through the
-//! agents' slot shares.
+//! agents' slot shares. When such clients fill every server, the
+//! balancer keeps its requests until a slot frees.
 
 mod common;
 
@@ -31,6 +32,54 @@ async fn two_balancers_send_nothing_to_a_server_a_bypassing_client_filled() {
     let sims: Vec<Sim> = (0..2).map(|_| Sim::start(&["--slots", "4"])).collect();
     let _agents = agents_for_both(sims.iter().map(|s| s.addr), &one, &two, &[]).await;
     requests_pass_the_filled_server(&sims, &[&one, &two]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_wait_in_the_balancer_while_bypassing_clients_fill_every_server() {
+    let b = Balancer::start(&[]).await;
+    let sims: Vec<Sim> = (0..2).map(|_| Sim::start(&["--slots", "2"])).collect();
+    let _agents: Vec<Proc> = sims.iter().map(|s| agent(s, &b)).collect();
+    b.wait_eligible(2).await;
+    let c = client();
+    let direct: Vec<_> = sims
+        .iter()
+        .flat_map(|s| std::iter::repeat_n(s.addr, 2))
+        .map(|addr| {
+            let r = c
+                .post(format!("http://{addr}/v1/chat/completions"))
+                .header("x-sim-ttft-ms", "1500")
+                .json(&chat_for(Some("sim-model"), "direct"))
+                .send();
+            tokio::spawn(async move { r.await.map(|r| r.status().as_u16()).ok() })
+        })
+        .collect();
+    wait_for(
+        "every slot reported busy",
+        Duration::from_secs(5),
+        || async {
+            let agents = b.agents().await;
+            sims.iter()
+                .all(|s| endpoint_of(&agents, s)["agent"]["slots_busy"] == 2)
+                .then_some(())
+        },
+    )
+    .await;
+    // Nothing is free: the balancer keeps them until the clients' work ends.
+    let mine: Vec<_> = (0..3).map(|_| spawn_chat(&b, &[])).collect();
+    b.wait_buffered(3).await;
+    for m in mine {
+        assert_eq!(m.await.unwrap(), 200);
+    }
+    for d in direct {
+        assert_eq!(d.await.unwrap(), Some(200));
+    }
+    for s in &sims {
+        let stats = s.stats().await;
+        assert_eq!(
+            stats["max_deferred"], 0,
+            "an engine queued a request: {stats}"
+        );
+    }
 }
 
 /// A conversation's first turn goes to some server through the first of

@@ -13,8 +13,10 @@
 //! - What is divided is the server's slots less those busy with work no
 //!   balancer said it runs (clients that bypass the balancers, or a
 //!   balancer the agent gave up on whose requests still run): the busy
-//!   slots beyond the balancers' `in_flight`, counted on the engine's
-//!   count of the report they answered, or the newer one if lower. The
+//!   slots beyond what the balancers say may have been theirs when the
+//!   engine was read (`at_read`; else their `in_flight`), counted on the
+//!   engine's count of the report they answered, or the newer one if
+//!   lower. The
 //!   report a balancer answers was read from the engine before the
 //!   balancer answered it, so the requests it sent since are not in it,
 //!   and a busy balancer's new requests never count as someone else's
@@ -48,6 +50,11 @@ pub struct Demand {
     pub queued: u32,
     /// The share it applies now; `None` before it applied any.
     pub applied: Option<u32>,
+    /// Of its requests, the most that may have been running when the
+    /// engine was read for the report it answers (`None`: it does not say,
+    /// and `in_flight` stands for it). What the engine's busy count may
+    /// hold of its own: the rest is foreign.
+    pub at_read: Option<u32>,
 }
 
 /// One balancer's state at the agent.
@@ -119,7 +126,7 @@ impl<K: Ord + Clone> Ledger<K> {
         let said: u32 = self
             .balancers
             .values()
-            .map(|b| b.demand.in_flight)
+            .map(|b| b.demand.at_read.unwrap_or(b.demand.in_flight))
             .fold(0, u32::saturating_add);
         before_answers.saturating_sub(said)
     }
@@ -216,6 +223,7 @@ mod tests {
             in_flight,
             queued,
             applied,
+            at_read: None,
         }
     }
 
@@ -296,6 +304,21 @@ mod tests {
         l.answered(&"a", 2, demand(1, 0, Some(3)));
         assert_eq!(l.foreign(4), 1);
         assert_eq!(l.divide(4, 4), [("a", 3)]);
+    }
+
+    #[test]
+    fn a_request_that_ended_after_the_read_is_the_balancers() {
+        // The engine read 4 busy, all a's; one ended before a answered.
+        let mut l = Ledger::default();
+        l.answered(&"a", 4, demand(3, 0, Some(4)));
+        assert_eq!(l.foreign(4), 1, "by in_flight alone: one looks foreign");
+        let said = Demand {
+            at_read: Some(4),
+            ..demand(3, 0, Some(4))
+        };
+        l.answered(&"a", 4, said);
+        assert_eq!(l.foreign(4), 0);
+        assert_eq!(l.divide(4, 4), [("a", 4)]);
     }
 
     proptest! {

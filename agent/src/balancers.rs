@@ -372,6 +372,7 @@ async fn send(
             in_flight: count("in_flight").unwrap_or(0),
             queued: count("queued").unwrap_or(0),
             applied: count("slot_share"),
+            at_read: count("in_flight_at_read"),
         })
     } else {
         Err(Failure {

@@ -251,8 +251,10 @@ impl Management {
                     }
                 };
                 // `in_flight` lets a draining agent know when it may leave;
-                // with `queued` and `slot_share` (the share applied now) it
-                // is what the agent divides the server's slots by.
+                // with `queued`, `slot_share` (the share applied now) and
+                // `in_flight_at_read` (the most of its requests the engine
+                // may have counted in this report) it is what the agent
+                // divides the server's slots by.
                 let demand = self.shared.demand_of(endpoint);
                 let body = json!({
                     "status": status,
@@ -260,6 +262,7 @@ impl Management {
                     "in_flight": demand.in_flight,
                     "queued": demand.queued,
                     "slot_share": demand.applied,
+                    "in_flight_at_read": demand.at_read,
                 });
                 json_response(StatusCode::OK, body.to_string().into_bytes())
             }

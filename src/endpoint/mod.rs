@@ -129,6 +129,9 @@ pub(crate) struct Endpoint {
     pub(crate) in_flight_tokens: u64,
     /// Slots taken and given back since the last report ([`foreign`]).
     slot_log: foreign::SlotLog,
+    /// Of its requests, the most that may have been running at the
+    /// engine read behind the last report: told to the agent.
+    own_at_read: u32,
     /// Busy slots the balancer did not cause, from the last report.
     foreign_busy: u32,
     /// The agent the last take-over displaced (to tell two agents taking
@@ -401,6 +404,7 @@ impl EndpointLedger {
                         queued_home: 0,
                         in_flight_tokens: 0,
                         slot_log: Default::default(),
+                        own_at_read: 0,
                         foreign_busy: 0,
                         displaced: None,
                         orphans: Default::default(),
@@ -437,6 +441,7 @@ impl EndpointLedger {
             .slot_log
             .own_at_read(now, report.read_window(), ep.in_flight);
         ep.foreign_busy = report.slots_busy.saturating_sub(own);
+        ep.own_at_read = own;
         // Orphans the engine no longer works on: busy slots beyond what the
         // balancer's live requests explain are still orphans; the rest are
         // free (oldest first).
@@ -697,6 +702,7 @@ impl EndpointLedger {
             in_flight: e.map_or(0, |e| e.in_flight),
             queued: u32::try_from(queued).unwrap_or(u32::MAX),
             applied: e.and_then(|e| e.agent.as_ref()?.report.slot_share),
+            at_read: e.map(|e| e.own_at_read),
         }
     }
 

@@ -132,6 +132,10 @@ pub struct AdapterReport {
     /// Adapters with requests waiting for room to load.
     #[serde(default)]
     pub waiting: Vec<String>,
+    /// Adapters loaded on the GPU now, running or not, when the engine
+    /// says (vLLM's `vllm:lora_adapter_loaded`; `None`: it does not).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loaded: Option<Vec<String>>,
     /// Adapters it holds loaded at once at most (vLLM's `max_lora`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_loaded: Option<u32>,
@@ -142,7 +146,9 @@ pub const MAX_ADAPTERS_PER_REPORT: usize = 1024;
 
 impl AdapterReport {
     fn valid(&self) -> bool {
-        [&self.servable, &self.running, &self.waiting]
+        let none = Vec::new();
+        let loaded = self.loaded.as_ref().unwrap_or(&none);
+        [&self.servable, &self.running, &self.waiting, loaded]
             .iter()
             .all(|names| {
                 names.len() <= MAX_ADAPTERS_PER_REPORT

@@ -6,8 +6,12 @@
 //!   and waiting; vLLM writes a new series at each change, its value the
 //!   time it was written, so the newest series is the one to read.
 //!
-//! Not read (yet): vLLM's `vllm:lora_adapter_loaded` (which adapters are
-//! loaded with nothing running), llama.cpp's `GET /lora-adapters`, SGLang.
+//! - `vllm:lora_adapter_loaded{adapter_name, level, pinned}` (newer vLLM):
+//!   one series per loaded adapter, running or idle; those at
+//!   `level="gpu"` are reported as loaded (`"cpu"` ones still cost a copy
+//!   to the GPU).
+//!
+//! Not read (yet): llama.cpp's `GET /lora-adapters`, SGLang.
 
 use flowgate::protocol::{AdapterReport, MAX_ADAPTERS_PER_REPORT, MAX_MODEL_NAME_LEN};
 use serde::Deserialize;
@@ -46,9 +50,26 @@ pub fn report(servable: Vec<String>, samples: &[Sample]) -> Option<AdapterReport
         .iter()
         .filter(|s| s.name == "vllm:lora_requests_info")
         .max_by(|a, b| a.value.total_cmp(&b.value));
-    if servable.is_empty() && newest.is_none() {
+    let residency: Vec<&Sample> = (samples.iter())
+        .filter(|s| s.name == "vllm:lora_adapter_loaded")
+        .collect();
+    if servable.is_empty() && newest.is_none() && residency.is_empty() {
         return None;
     }
+    let label_of = |s: &Sample, k: &str| {
+        s.labels
+            .iter()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.clone())
+    };
+    let loaded = (!residency.is_empty()).then(|| {
+        bounded(
+            residency
+                .iter()
+                .filter(|s| s.value > 0.0 && label_of(s, "level").is_none_or(|l| l == "gpu"))
+                .filter_map(|s| label_of(s, "adapter_name")),
+        )
+    });
     let label = |k: &str| {
         newest.and_then(|s| {
             s.labels
@@ -70,6 +91,7 @@ pub fn report(servable: Vec<String>, samples: &[Sample]) -> Option<AdapterReport
         servable,
         running: names("running_lora_adapters"),
         waiting: names("waiting_lora_adapters"),
+        loaded,
         max_loaded: label("max_lora").and_then(|v| v.parse().ok()),
     })
 }
@@ -102,6 +124,11 @@ mod tests {
         assert_eq!(r.running, ["sql-lora", "chat-lora"]);
         assert_eq!(r.waiting, ["x"]);
         assert_eq!(r.max_loaded, Some(4));
+        assert_eq!(r.loaded, None, "no residency series: not said");
+        let residency = "vllm:lora_adapter_loaded{adapter_name=\"sql-lora\",level=\"gpu\",pinned=\"false\"} 1\n\
+            vllm:lora_adapter_loaded{adapter_name=\"old-lora\",level=\"cpu\",pinned=\"false\"} 1\n";
+        let r = report(Vec::new(), &prom::parse(residency)).unwrap();
+        assert_eq!(r.loaded, Some(vec!["sql-lora".to_string()]));
         // No adapter and no series: nothing to say.
         assert_eq!(report(Vec::new(), &[]), None);
         // Not a model list, or huge lists: no panic, bounded.

@@ -54,8 +54,9 @@ async fn vllm_agent() {
 }
 
 /// The vLLM agent reports the server's LoRA adapters (`/v1/models`
-/// entries with a parent) and those with requests running
-/// (`vllm:lora_requests_info`), shown in `/api/v1/agents`; a request
+/// entries with a parent), those with requests running
+/// (`vllm:lora_requests_info`) and those loaded
+/// (`vllm:lora_adapter_loaded`), shown in `/api/v1/agents`; a request
 /// naming an adapter is served by it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_agent_reports_lora_adapters() {
@@ -103,6 +104,13 @@ async fn vllm_agent_reports_lora_adapters() {
     let body: serde_json::Value = r.json().await.unwrap();
     assert_eq!(body["model"], "sql");
     assert_eq!(sim.stats().await["lora_loads"], 1);
+    // Idle, still loaded (`vllm:lora_adapter_loaded`).
+    wait_for("sql loaded and idle", Duration::from_secs(5), || async {
+        let a = adapters(b.agents().await);
+        (a["loaded"] == serde_json::json!(["sql"]) && a["running"] == serde_json::json!([]))
+            .then_some(())
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

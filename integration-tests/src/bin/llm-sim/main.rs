@@ -257,7 +257,8 @@ impl Sim {
 
     /// vLLM's `vllm:lora_requests_info`, with LoRA on (adapters given):
     /// the adapters with requests running and waiting, and `max_lora`; its
-    /// value is the time of the reading.
+    /// value is the time of the reading. And newer vLLM's
+    /// `vllm:lora_adapter_loaded`: a series per loaded adapter.
     fn lora_metrics(&self) -> String {
         let a = self.adapters.snapshot();
         if a.servable.is_empty() {
@@ -266,9 +267,17 @@ impl Sim {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
+        let loaded: String = (a.loaded.iter())
+            .map(|n| {
+                format!(
+                    "vllm:lora_adapter_loaded{{adapter_name=\"{n}\",level=\"gpu\",pinned=\"false\"}} 1\n"
+                )
+            })
+            .collect();
         format!(
             "# TYPE vllm:lora_requests_info gauge\nvllm:lora_requests_info{{max_lora=\"{}\",\
-             running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"}} {now}\n",
+             running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"}} {now}\n\
+             # TYPE vllm:lora_adapter_loaded gauge\n{loaded}",
             self.cli.max_loras,
             a.running.join(","),
             a.waiting.join(",")

@@ -21,10 +21,9 @@
 //! no conversation draws a request to it, nor makes one wait for it.
 //! Every reused block the engine reports lets the index grow back by that
 //! much toward `capacityBlocks` (a hit it predicted, or one it did not: an
-//! emptied index predicts
-//! none). So the index follows the engine's real cache size instead of a
-//! configured guess, and stops steering requests toward prompts the engine
-//! does not have.
+//! emptied index predicts none). So the index follows the engine's real
+//! cache size instead of a configured guess, and stops steering requests
+//! toward prompts the engine does not have.
 
 use serde::Serialize;
 

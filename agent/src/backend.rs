@@ -1,5 +1,5 @@
 //! What an agent learns from its model server, and the adapter trait each
-//! engine (llama.cpp now; vLLM and SGLang next) implements.
+//! engine (llama.cpp, vLLM, SGLang) implements.
 
 use async_trait::async_trait;
 use flowgate::BackendHealth;

@@ -145,6 +145,23 @@ mod tests {
         }
     }
 
+    /// A ledger of one 4-slot endpoint whose prefix index holds 100
+    /// four-byte blocks, at most 4 of a request's.
+    fn one_endpoint(now: Instant) -> EndpointLedger {
+        let scheduling = SchedulingConfig {
+            prefix: PrefixConfig {
+                block_bytes: 4,
+                max_blocks: 4,
+                capacity_blocks: 100,
+            },
+            ..SchedulingConfig::default()
+        };
+        let mut ledger = EndpointLedger::new(SaturationConfig::default(), scheduling);
+        let addr = "127.0.0.1:1".parse().unwrap();
+        ledger.apply_report(report("a", "127.0.0.1:1", 4), addr, now);
+        ledger
+    }
+
     /// Four-byte blocks; `blocks` of them, each worth one token.
     fn seen(blocks: u64, cached_blocks: u64) -> CacheSeen {
         CacheSeen {
@@ -157,17 +174,7 @@ mod tests {
     #[test]
     fn the_engines_word_counts_and_a_missed_prediction_shrinks_the_index() {
         let now = Instant::now();
-        let scheduling = SchedulingConfig {
-            prefix: PrefixConfig {
-                block_bytes: 4,
-                max_blocks: 4,
-                capacity_blocks: 100,
-            },
-            ..SchedulingConfig::default()
-        };
-        let mut ledger = EndpointLedger::new(SaturationConfig::default(), scheduling);
-        let addr = "127.0.0.1:1".parse().unwrap();
-        ledger.apply_report(report("a", "127.0.0.1:1", 4), addr, now);
+        let mut ledger = one_endpoint(now);
         let prompt: Vec<u64> = (1..=40).collect();
 
         // First time: nothing expected, only the tokens count.
@@ -227,17 +234,7 @@ mod tests {
     #[test]
     fn an_engine_that_reuses_nothing_draws_no_request_until_it_reuses_again() {
         let now = Instant::now();
-        let scheduling = SchedulingConfig {
-            prefix: PrefixConfig {
-                block_bytes: 4,
-                max_blocks: 4,
-                capacity_blocks: 100,
-            },
-            ..SchedulingConfig::default()
-        };
-        let mut ledger = EndpointLedger::new(SaturationConfig::default(), scheduling);
-        let addr = "127.0.0.1:1".parse().unwrap();
-        ledger.apply_report(report("a", "127.0.0.1:1", 4), addr, now);
+        let mut ledger = one_endpoint(now);
         // One tenant's prompt, the same every time, on an engine without a
         // prefix cache: every answer says it reused nothing.
         let prompt = [1, 2, 3, 4];

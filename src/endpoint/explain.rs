@@ -88,7 +88,11 @@ impl EndpointLedger {
             };
             let prompt = self.prompt_tokens(route);
             let cached = if session_endpoint == Some(e.addr) {
-                e.conversation_cached(prompt)
+                if e.keeps_conversations() {
+                    prompt
+                } else {
+                    0
+                }
             } else {
                 self.cached_tokens(route, prefix_matched)
             };

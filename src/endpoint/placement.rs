@@ -141,15 +141,12 @@ impl Endpoint {
         before * self.cost.service_ms.ms() / f64::from(self.slots_total().max(1))
     }
 
-    /// Of the `prompt` tokens of a conversation whose last turn ran here,
-    /// those its engine still holds: all, unless its answers say it keeps
-    /// no cache ([`super::CacheTruth::keeps_nothing`]).
-    pub(super) fn conversation_cached(&self, prompt: u64) -> u64 {
-        if self.cache.keeps_nothing() {
-            0
-        } else {
-            prompt
-        }
+    /// Whether a conversation whose last turn ran here finds it cached
+    /// here: unless its engine's answers say it keeps no cache
+    /// ([`super::CacheTruth::keeps_nothing`]), and then nothing here is
+    /// worth waiting for.
+    pub(super) fn keeps_conversations(&self) -> bool {
+        !self.cache.keeps_nothing()
     }
 
     /// Predicted prefill of `uncached` prompt tokens here.
@@ -215,12 +212,9 @@ impl EndpointLedger {
                 best = Some((ms, e.id));
             }
         };
-        // Its conversation's endpoint, unless its engine keeps no cache:
-        // then nothing there is worth waiting for.
-        if let Some(e) = bound.and_then(|id| self.endpoints.get(&id)) {
-            if !e.cache.keeps_nothing() {
-                consider(e, prompt);
-            }
+        let bound = bound.and_then(|id| self.endpoints.get(&id));
+        if let Some(e) = bound.filter(|e| e.keeps_conversations()) {
+            consider(e, prompt);
         }
         if scored {
             self.busy_holding_more(route, go_matched, now, |e, matched| {
@@ -310,7 +304,7 @@ impl EndpointLedger {
             return Home::Busy;
         };
         let scored = self.scheduling.scorers.prefix_cache > 0.0 && !route.prefix.is_empty();
-        let mut more_elsewhere = bound.is_some_and(|id| !self.endpoints[&id].cache.keeps_nothing());
+        let mut more_elsewhere = bound.is_some_and(|id| self.endpoints[&id].keeps_conversations());
         if scored && !more_elsewhere {
             let go_matched = self.endpoints[&go].prefix.matched(&route.prefix);
             self.busy_holding_more(route, go_matched, now, |_, _| more_elsewhere = true);

@@ -151,10 +151,7 @@ impl AdapterReport {
         [&self.servable, &self.running, &self.waiting, loaded]
             .iter()
             .all(|names| {
-                names.len() <= MAX_ADAPTERS_PER_REPORT
-                    && names
-                        .iter()
-                        .all(|n| !n.is_empty() && n.len() <= MAX_MODEL_NAME_LEN)
+                names.len() <= MAX_ADAPTERS_PER_REPORT && names.iter().all(|n| valid_model_name(n))
             })
     }
 }
@@ -198,6 +195,12 @@ pub enum ReportError {
 pub const MAX_MODELS_PER_REPORT: usize = 128;
 /// Longest model name.
 pub const MAX_MODEL_NAME_LEN: usize = 256;
+
+/// Whether a report may carry `name` as a model or adapter name: 1 to
+/// [`MAX_MODEL_NAME_LEN`] bytes.
+pub fn valid_model_name(name: &str) -> bool {
+    !name.is_empty() && name.len() <= MAX_MODEL_NAME_LEN
+}
 /// Largest KV capacity a report may claim (2^40 tokens: far beyond any
 /// server, small enough that sums of them cannot overflow).
 pub const MAX_KV_CAPACITY_TOKENS: u64 = 1 << 40;
@@ -252,11 +255,7 @@ impl AgentReport {
         if self.models.len() > MAX_MODELS_PER_REPORT {
             return Err(ReportError::TooManyModels(self.models.len()));
         }
-        if self
-            .models
-            .iter()
-            .any(|m| m.is_empty() || m.len() > MAX_MODEL_NAME_LEN)
-        {
+        if self.models.iter().any(|m| !valid_model_name(m)) {
             return Err(ReportError::BadModelName);
         }
         if self.adapters.as_ref().is_some_and(|a| !a.valid()) {

@@ -13,7 +13,7 @@
 //!
 //! Not read (yet): llama.cpp's `GET /lora-adapters`, SGLang.
 
-use flowgate::protocol::{AdapterReport, MAX_ADAPTERS_PER_REPORT, MAX_MODEL_NAME_LEN};
+use flowgate::protocol::{valid_model_name, AdapterReport, MAX_ADAPTERS_PER_REPORT};
 use serde::Deserialize;
 
 use crate::prom::Sample;
@@ -99,7 +99,7 @@ pub fn report(servable: Vec<String>, samples: &[Sample]) -> Option<AdapterReport
 /// Names a report may carry: non-empty, not too long, not too many.
 fn bounded(names: impl Iterator<Item = String>) -> Vec<String> {
     names
-        .filter(|n| !n.is_empty() && n.len() <= MAX_MODEL_NAME_LEN)
+        .filter(|n| valid_model_name(n))
         .take(MAX_ADAPTERS_PER_REPORT)
         .collect()
 }

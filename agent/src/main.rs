@@ -15,7 +15,8 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use flowgate::protocol::{
-    MAX_MODELS_PER_REPORT, MAX_MODEL_NAME_LEN, MAX_MONITORING_INTERVAL, MIN_MONITORING_INTERVAL,
+    valid_model_name, MAX_MODELS_PER_REPORT, MAX_MODEL_NAME_LEN, MAX_MONITORING_INTERVAL,
+    MIN_MONITORING_INTERVAL,
 };
 use flowgate::{AgentReport, BackendKind, PROTOCOL_VERSION};
 use flowgate_logging::LogFormat;
@@ -220,7 +221,7 @@ fn report_of(
     let listed = status.models.len();
     let room = MAX_MODELS_PER_REPORT.saturating_sub(cli.model_aliases.len());
     let mut models: Vec<String> = (status.models.into_iter())
-        .filter(|m| !m.is_empty() && m.len() <= MAX_MODEL_NAME_LEN)
+        .filter(|m| valid_model_name(m))
         .take(room)
         .collect();
     if models.len() < listed && !MODELS_DROPPED.swap(true, std::sync::atomic::Ordering::Relaxed) {

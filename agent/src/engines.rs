@@ -76,24 +76,23 @@ impl EngineMetrics {
         }
     }
 
-    /// Reads a scrape; an error when the running gauge is missing (wrong
-    /// engine, or SGLang without `--enable-metrics`).
-    pub fn read(&self, text: &str) -> Result<EngineLoad, String> {
-        let samples = prom::parse(text);
-        let running = prom::sum(&samples, self.running)
+    /// Reads a scrape's samples; an error when the running gauge is
+    /// missing (wrong engine, or SGLang without `--enable-metrics`).
+    pub fn read(&self, samples: &[prom::Sample]) -> Result<EngineLoad, String> {
+        let running = prom::sum(samples, self.running)
             .ok_or_else(|| format!("/metrics has no {}", self.running))?;
-        let waiting = prom::sum(&samples, self.waiting).unwrap_or(0.0);
+        let waiting = prom::sum(samples, self.waiting).unwrap_or(0.0);
         let kv_cache_usage = self
             .kv_cache
             .iter()
-            .find_map(|name| prom::max(&samples, name))
+            .find_map(|name| prom::max(samples, name))
             .filter(|v| v.is_finite())
             .map(|v| v.clamp(0.0, 1.0));
         Ok(EngineLoad {
             running: prom::to_count(running),
             waiting: prom::to_count(waiting),
             kv_cache_usage,
-            kv_capacity_tokens: self.kv_capacity_tokens(&samples),
+            kv_capacity_tokens: self.kv_capacity_tokens(samples),
         })
     }
 
@@ -111,13 +110,7 @@ impl EngineMetrics {
                 .iter()
                 .filter(|s| s.name == name)
                 .filter_map(|s| {
-                    let label = |k: &str| {
-                        s.labels
-                            .iter()
-                            .find(|(n, _)| n == k)
-                            .and_then(|(_, v)| v.parse::<f64>().ok())
-                            .and_then(tokens)
-                    };
+                    let label = |k: &str| s.label(k)?.parse::<f64>().ok().and_then(tokens);
                     Some(label("num_gpu_blocks")?.saturating_mul(label("block_size")?))
                 })
                 .fold(0u64, u64::saturating_add),
@@ -158,17 +151,18 @@ impl Backend for MetricsEngine {
         }
         let (metrics, models) =
             tokio::join!(self.http.get_ok("/metrics"), self.http.get_ok("/v1/models"));
-        let metrics = metrics.map(|b| String::from_utf8_lossy(&b).into_owned());
-        let load = match metrics
-            .as_deref()
+        // Parsed once, for the load and the adapters.
+        let samples = metrics.map(|b| prom::parse(&String::from_utf8_lossy(&b)));
+        let load = match samples
+            .as_ref()
             .map_err(Clone::clone)
-            .and_then(|t| self.metrics.read(t))
+            .and_then(|s| self.metrics.read(s))
         {
             Ok(l) => l,
             Err(e) => return BackendStatus::unreachable(e),
         };
-        let adapters = match (&models, &metrics) {
-            (Ok(body), Ok(text)) => lora::report(lora::servable(body), &prom::parse(text)),
+        let adapters = match (&models, &samples) {
+            (Ok(body), Ok(samples)) => lora::report(lora::servable(body), samples),
             _ => None,
         };
         let models = match models.and_then(|b| parse_models(&b)) {
@@ -194,9 +188,16 @@ mod tests {
     use super::*;
     use crate::prom::tests::fixture;
 
+    impl EngineMetrics {
+        /// [`EngineMetrics::read`] of a scrape's text.
+        pub(crate) fn read_text(&self, text: &str) -> Result<EngineLoad, String> {
+            self.read(&prom::parse(text))
+        }
+    }
+
     #[test]
     fn reads_the_vllm_fixture() {
-        let load = VLLM.read(&fixture("vllm/metrics.txt")).unwrap();
+        let load = VLLM.read_text(&fixture("vllm/metrics.txt")).unwrap();
         assert_eq!(
             load,
             EngineLoad {
@@ -215,14 +216,17 @@ mod tests {
             )
         };
         let text = format!("{}{}{}", fixture("vllm/metrics.txt"), info(0), info(1));
-        assert_eq!(VLLM.read(&text).unwrap().kv_capacity_tokens, Some(65_536));
+        assert_eq!(
+            VLLM.read_text(&text).unwrap().kv_capacity_tokens,
+            Some(65_536)
+        );
         let odd = "vllm:num_requests_running 1\nvllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"None\"} 1\n";
-        assert_eq!(VLLM.read(odd).unwrap().kv_capacity_tokens, None);
+        assert_eq!(VLLM.read_text(odd).unwrap().kv_capacity_tokens, None);
     }
 
     #[test]
     fn reads_the_sglang_fixture() {
-        let load = SGLANG.read(&fixture("sglang/metrics.txt")).unwrap();
+        let load = SGLANG.read_text(&fixture("sglang/metrics.txt")).unwrap();
         assert_eq!(
             load,
             EngineLoad {
@@ -241,7 +245,7 @@ mod tests {
                     vllm:num_requests_waiting{engine=\"0\"} 1\n\
                     vllm:gpu_cache_usage_perc{engine=\"0\"} 0.2\n\
                     vllm:gpu_cache_usage_perc{engine=\"1\"} 0.9\n";
-        let load = VLLM.read(text).unwrap();
+        let load = VLLM.read_text(text).unwrap();
         assert_eq!((load.running, load.waiting), (7, 1));
         assert_eq!(load.kv_cache_usage, Some(0.9));
     }
@@ -249,16 +253,16 @@ mod tests {
     #[test]
     fn missing_metrics_are_an_error_and_odd_values_are_tamed() {
         let err = SGLANG
-            .read("# sglang without --enable-metrics\n")
+            .read_text("# sglang without --enable-metrics\n")
             .unwrap_err();
         assert!(err.contains("sglang:num_running_reqs"), "{err}");
         let load = VLLM
-            .read("vllm:num_requests_running -3\nvllm:kv_cache_usage_perc NaN\n")
+            .read_text("vllm:num_requests_running -3\nvllm:kv_cache_usage_perc NaN\n")
             .unwrap();
         assert_eq!(load.running, 0);
         assert_eq!(load.kv_cache_usage, None);
         // The wrong engine's metrics: clearly not this one.
-        assert!(VLLM.read(&fixture("sglang/metrics.txt")).is_err());
+        assert!(VLLM.read_text(&fixture("sglang/metrics.txt")).is_err());
     }
 }
 
@@ -297,7 +301,7 @@ mod fuzz {
         fn engine_metrics_are_read_or_refused(text in exposition()) {
             for kind in [BackendKind::Vllm, BackendKind::Sglang] {
                 let engine = EngineMetrics::for_kind(kind).unwrap();
-                if let Ok(load) = engine.read(&text) {
+                if let Ok(load) = engine.read_text(&text) {
                     prop_assert!(load.kv_cache_usage.is_none_or(|v| (0.0..=1.0).contains(&v)));
                 }
             }

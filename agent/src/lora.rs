@@ -56,28 +56,15 @@ pub fn report(servable: Vec<String>, samples: &[Sample]) -> Option<AdapterReport
     if servable.is_empty() && newest.is_none() && residency.is_empty() {
         return None;
     }
-    let label_of = |s: &Sample, k: &str| {
-        s.labels
-            .iter()
-            .find(|(n, _)| n == k)
-            .map(|(_, v)| v.clone())
-    };
     let loaded = (!residency.is_empty()).then(|| {
         bounded(
             residency
                 .iter()
-                .filter(|s| s.value > 0.0 && label_of(s, "level").is_none_or(|l| l == "gpu"))
-                .filter_map(|s| label_of(s, "adapter_name")),
+                .filter(|s| s.value > 0.0 && s.label("level").is_none_or(|l| l == "gpu"))
+                .filter_map(|s| s.label("adapter_name").map(str::to_string)),
         )
     });
-    let label = |k: &str| {
-        newest.and_then(|s| {
-            s.labels
-                .iter()
-                .find(|(n, _)| n == k)
-                .map(|(_, v)| v.as_str())
-        })
-    };
+    let label = |k: &str| newest.and_then(|s| s.label(k));
     let names = |k: &str| {
         bounded(
             label(k)

@@ -9,6 +9,16 @@ pub struct Sample {
     pub value: f64,
 }
 
+impl Sample {
+    /// The value of its label `name`, if it has one.
+    pub fn label(&self, name: &str) -> Option<&str> {
+        self.labels
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
 /// Parses every sample line; comment lines and malformed lines are skipped
 /// (a scrape must not fail because of one odd line).
 pub fn parse(text: &str) -> Vec<Sample> {

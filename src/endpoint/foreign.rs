@@ -60,7 +60,9 @@ impl SlotLog {
 
     /// The most of the balancer's requests that may have been running
     /// when the engine was read (`read`: when the read began and ended,
-    /// as ages before `now`; `None`: the agent does not say), with
+    /// as ages before `now`, the end no older than the beginning, as
+    /// [`crate::protocol::AgentReport::read_window`] gives them; `None`:
+    /// the agent does not say), with
     /// `in_flight` running now; then starts over for the next report.
     pub(super) fn own_at_read(
         &mut self,
@@ -69,10 +71,7 @@ impl SlotLog {
         in_flight: u32,
     ) -> u32 {
         let window = read.and_then(|(began, ended)| {
-            Some((
-                now.checked_sub(began + TRANSIT)?,
-                now.checked_sub(ended.min(began))?,
-            ))
+            Some((now.checked_sub(began + TRANSIT)?, now.checked_sub(ended)?))
         });
         let own = match window {
             Some((began, ended)) => {

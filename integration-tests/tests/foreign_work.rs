@@ -40,46 +40,18 @@ async fn requests_wait_in_the_balancer_while_bypassing_clients_fill_every_server
     let sims: Vec<Sim> = (0..2).map(|_| Sim::start(&["--slots", "2"])).collect();
     let _agents: Vec<Proc> = sims.iter().map(|s| agent(s, &b)).collect();
     b.wait_eligible(2).await;
-    let c = client();
-    let direct: Vec<_> = sims
-        .iter()
-        .flat_map(|s| std::iter::repeat_n(s.addr, 2))
-        .map(|addr| {
-            let r = c
-                .post(format!("http://{addr}/v1/chat/completions"))
-                .header("x-sim-ttft-ms", "1500")
-                .json(&chat_for(Some("sim-model"), "direct"))
-                .send();
-            tokio::spawn(async move { r.await.map(|r| r.status().as_u16()).ok() })
-        })
-        .collect();
-    wait_for(
-        "every slot reported busy",
-        Duration::from_secs(5),
-        || async {
-            let agents = b.agents().await;
-            sims.iter()
-                .all(|s| endpoint_of(&agents, s)["agent"]["slots_busy"] == 2)
-                .then_some(())
-        },
-    )
-    .await;
+    let direct: Vec<_> = sims.iter().flat_map(|s| bypass(s, 2, "1500")).collect();
+    for s in &sims {
+        wait_reported(&b, s, "slots_busy", 2, Duration::from_secs(5)).await;
+    }
     // Nothing is free: the balancer keeps them until the clients' work ends.
     let mine: Vec<_> = (0..3).map(|_| spawn_chat(&b, &[])).collect();
     b.wait_buffered(3).await;
     for m in mine {
         assert_eq!(m.await.unwrap(), 200);
     }
-    for d in direct {
-        assert_eq!(d.await.unwrap(), Some(200));
-    }
-    for s in &sims {
-        let stats = s.stats().await;
-        assert_eq!(
-            stats["max_deferred"], 0,
-            "an engine queued a request: {stats}"
-        );
-    }
+    all_answered(direct).await;
+    no_engine_queued(&sims).await;
 }
 
 /// A conversation's first turn goes to some server through the first of
@@ -102,31 +74,14 @@ async fn requests_pass_the_filled_server(sims: &[Sim], balancers: &[&Balancer]) 
 
     // The bypassing client takes all four slots of the conversation's
     // server.
-    let direct: Vec<_> = (0..4)
-        .map(|i| {
-            let r = c
-                .post(format!("http://{}/v1/chat/completions", busy.addr))
-                .header("x-sim-ttft-ms", FOREIGN_MS)
-                .json(&chat_for(Some("sim-model"), &format!("direct {i}")))
-                .send();
-            tokio::spawn(async move { r.await.map(|r| r.status().as_u16()).ok() })
-        })
-        .collect();
+    let direct = bypass(busy, 4, FOREIGN_MS);
     wait_for("the engine busy", Duration::from_secs(5), || async {
         (busy.stats().await["processing"] == 4).then_some(())
     })
     .await;
     // Every balancer has a report that shows it.
     for b in balancers {
-        wait_for(
-            "a report of the busy slots",
-            Duration::from_secs(5),
-            || async {
-                let agents = b.agents().await;
-                (endpoint_of(&agents, busy)["agent"]["slots_busy"] == 4).then_some(())
-            },
-        )
-        .await;
+        wait_reported(b, busy, "slots_busy", 4, Duration::from_secs(5)).await;
     }
 
     // The conversation's next turn, and three requests without a key.
@@ -156,24 +111,53 @@ async fn requests_pass_the_filled_server(sims: &[Sim], balancers: &[&Balancer]) 
     // The agent's division counts the client's slots out of every
     // balancer's share, however idle the balancer.
     for b in balancers {
-        wait_for(
-            "the filled server's share gone",
-            Duration::from_secs(3),
-            || async {
-                let agents = b.agents().await;
-                (endpoint_of(&agents, busy)["agent"]["slot_share"] == 0).then_some(())
-            },
-        )
-        .await;
+        wait_reported(b, busy, "slot_share", 0, Duration::from_secs(3)).await;
     }
+    no_engine_queued(sims).await;
+    all_answered(direct).await;
+}
+
+/// `n` requests sent straight to `sim`, bypassing the balancers, each
+/// holding a slot `ttft_ms`: their statuses.
+fn bypass(sim: &Sim, n: usize, ttft_ms: &str) -> Vec<tokio::task::JoinHandle<Option<u16>>> {
+    let c = client();
+    (0..n)
+        .map(|i| {
+            let r = c
+                .post(format!("http://{}/v1/chat/completions", sim.addr))
+                .header("x-sim-ttft-ms", ttft_ms)
+                .json(&chat_for(Some("sim-model"), &format!("direct {i}")))
+                .send();
+            tokio::spawn(async move { r.await.map(|r| r.status().as_u16()).ok() })
+        })
+        .collect()
+}
+
+/// Waits, at most `within`, until `b`'s view of `sim`'s report has
+/// `field` at `value`.
+async fn wait_reported(b: &Balancer, sim: &Sim, field: &str, value: u64, within: Duration) {
+    let what = format!("{field} {value} in a report of {}", sim.addr);
+    wait_for(&what, within, || async {
+        let agents = b.agents().await;
+        (endpoint_of(&agents, sim)["agent"][field] == value).then_some(())
+    })
+    .await;
+}
+
+/// Every request sent past the balancers was answered 200.
+async fn all_answered(direct: Vec<tokio::task::JoinHandle<Option<u16>>>) {
+    for d in direct {
+        assert_eq!(d.await.unwrap(), Some(200));
+    }
+}
+
+/// No engine ever queued a request beyond its slots.
+async fn no_engine_queued(sims: &[Sim]) {
     for s in sims {
         let stats = s.stats().await;
         assert_eq!(
             stats["max_deferred"], 0,
             "an engine queued a request: {stats}"
         );
-    }
-    for d in direct {
-        assert_eq!(d.await.unwrap(), Some(200));
     }
 }

@@ -9,15 +9,24 @@ use std::time::Duration;
 
 use common::*;
 
-async fn engine_agent_reports_and_limits(engine: &str) {
-    let b = Balancer::start(&[]).await;
-    let sim = Sim::start(&["--engine", engine, "--slots", "3", "--ttft-ms", "300"]);
-    let _agent = agent_at(
+/// An llm-sim speaking `engine` with `slots` slots (and `more` flags),
+/// and its agent for that engine, once `b` sees it eligible.
+async fn engine_behind(b: &Balancer, engine: &str, slots: &str, more: &[&str]) -> (Sim, Proc) {
+    let mut args = vec!["--engine", engine, "--slots", slots];
+    args.extend_from_slice(more);
+    let sim = Sim::start(&args);
+    let agent = agent_at(
         &sim.addr.to_string(),
-        &b,
-        &["--backend", engine, "--max-concurrency", "3"],
+        b,
+        &["--backend", engine, "--max-concurrency", slots],
     );
     b.wait_eligible(1).await;
+    (sim, agent)
+}
+
+async fn engine_agent_reports_and_limits(engine: &str) {
+    let b = Balancer::start(&[]).await;
+    let (sim, _agent) = engine_behind(&b, engine, "3", &["--ttft-ms", "300"]).await;
     let ep = &b.agents().await["endpoints"][0];
     assert_eq!(ep["agent"]["backend"], engine);
     assert_eq!(ep["agent"]["slots_total"], 3);
@@ -61,26 +70,22 @@ async fn vllm_agent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_agent_reports_lora_adapters() {
     let b = Balancer::start(&[]).await;
-    let sim = Sim::start(&[
-        "--engine",
-        "vllm",
-        "--slots",
-        "2",
-        "--lora",
-        "sql,chat",
-        "--max-loras",
-        "1",
-        "--lora-load-ms",
-        "50",
-        "--ttft-ms",
-        "1500",
-    ]);
-    let _agent = agent_at(
-        &sim.addr.to_string(),
+    let (sim, _agent) = engine_behind(
         &b,
-        &["--backend", "vllm", "--max-concurrency", "2"],
-    );
-    b.wait_eligible(1).await;
+        "vllm",
+        "2",
+        &[
+            "--lora",
+            "sql,chat",
+            "--max-loras",
+            "1",
+            "--lora-load-ms",
+            "50",
+            "--ttft-ms",
+            "1500",
+        ],
+    )
+    .await;
     let adapters = |a: serde_json::Value| a["endpoints"][0]["agent"]["adapters"].clone();
     let first = adapters(b.agents().await);
     assert_eq!(
@@ -124,22 +129,13 @@ async fn sglang_agent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_cache_use_saturates_an_endpoint() {
     let b = Balancer::start(&[]).await;
-    let sim = Sim::start(&[
-        "--engine",
-        "vllm",
-        "--slots",
-        "8",
-        "--kv-capacity-tokens",
-        "1000",
-        "--ttft-ms",
-        "1500",
-    ]);
-    let _agent = agent_at(
-        &sim.addr.to_string(),
+    let (sim, _agent) = engine_behind(
         &b,
-        &["--backend", "vllm", "--max-concurrency", "8"],
-    );
-    b.wait_eligible(1).await;
+        "vllm",
+        "8",
+        &["--kv-capacity-tokens", "1000", "--ttft-ms", "1500"],
+    )
+    .await;
     // ~900 prompt tokens: 90% of the KV cache while it runs.
     let big = serde_json::json!({"model": "sim-model",
         "messages": [{"role": "user", "content": "x".repeat(3_600)}]});

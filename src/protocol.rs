@@ -144,13 +144,27 @@ pub struct AdapterReport {
 /// Adapter names one report may list in each of its lists.
 pub const MAX_ADAPTERS_PER_REPORT: usize = 1024;
 
+/// Bytes of adapter names one report may carry in all its lists: with the
+/// models (at most 128 names of 256 bytes) and the rest, a report stays
+/// within the 64 KiB the management port reads.
+pub const MAX_ADAPTER_NAME_BYTES: usize = 16 * 1024;
+
 impl AdapterReport {
+    /// Every list, `loaded` when said.
+    fn lists(&self) -> impl Iterator<Item = &Vec<String>> {
+        [&self.servable, &self.running, &self.waiting]
+            .into_iter()
+            .chain(self.loaded.as_ref())
+    }
+
+    /// Bytes of all its names.
+    pub fn name_bytes(&self) -> usize {
+        self.lists().flatten().map(String::len).sum()
+    }
+
     fn valid(&self) -> bool {
-        let none = Vec::new();
-        let loaded = self.loaded.as_ref().unwrap_or(&none);
-        [&self.servable, &self.running, &self.waiting, loaded]
-            .iter()
-            .all(|names| {
+        self.name_bytes() <= MAX_ADAPTER_NAME_BYTES
+            && self.lists().all(|names| {
                 names.len() <= MAX_ADAPTERS_PER_REPORT && names.iter().all(|n| valid_model_name(n))
             })
     }
@@ -181,7 +195,7 @@ pub enum ReportError {
     TooManyModels(usize),
     #[error("model names are 1..={MAX_MODEL_NAME_LEN} bytes")]
     BadModelName,
-    #[error("adapters: each list holds at most {MAX_ADAPTERS_PER_REPORT} names of 1..={MAX_MODEL_NAME_LEN} bytes")]
+    #[error("adapters: each list holds at most {MAX_ADAPTERS_PER_REPORT} names of 1..={MAX_MODEL_NAME_LEN} bytes, {MAX_ADAPTER_NAME_BYTES} bytes of names in all")]
     BadAdapters,
     #[error("last_error is at most {MAX_LAST_ERROR_LEN} bytes")]
     LastErrorTooLong,
@@ -343,6 +357,7 @@ pub(crate) mod tests {
             vec![String::new()],
             vec!["a".repeat(MAX_MODEL_NAME_LEN + 1)],
             vec!["a".to_string(); MAX_ADAPTERS_PER_REPORT + 1],
+            vec!["a".repeat(MAX_MODEL_NAME_LEN); MAX_ADAPTER_NAME_BYTES / MAX_MODEL_NAME_LEN + 1],
         ] {
             let mut r = ok.clone();
             r.adapters = Some(AdapterReport {

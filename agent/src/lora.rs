@@ -13,7 +13,9 @@
 //!
 //! Not read (yet): llama.cpp's `GET /lora-adapters`, SGLang.
 
-use flowgate::protocol::{valid_model_name, AdapterReport, MAX_ADAPTERS_PER_REPORT};
+use flowgate::protocol::{
+    valid_model_name, AdapterReport, MAX_ADAPTERS_PER_REPORT, MAX_ADAPTER_NAME_BYTES,
+};
 use serde::Deserialize;
 
 use crate::prom::Sample;
@@ -74,13 +76,35 @@ pub fn report(servable: Vec<String>, samples: &[Sample]) -> Option<AdapterReport
                 .map(str::to_string),
         )
     };
-    Some(AdapterReport {
+    let mut report = AdapterReport {
         servable,
         running: names("running_lora_adapters"),
         waiting: names("waiting_lora_adapters"),
         loaded,
         max_loaded: label("max_lora").and_then(|v| v.parse().ok()),
-    })
+    };
+    fit(&mut report);
+    Some(report)
+}
+
+/// Drops names until the report's fit [`MAX_ADAPTER_NAME_BYTES`] (a report
+/// beyond is refused whole, and the server goes unused): the servable ones
+/// first, from the end (the engine's few loaded, running and waiting
+/// adapters say more), then loaded, waiting, running.
+fn fit(report: &mut AdapterReport) {
+    let mut over = report.name_bytes().saturating_sub(MAX_ADAPTER_NAME_BYTES);
+    let mut drop_from = |names: &mut Vec<String>| {
+        while over > 0 {
+            let Some(n) = names.pop() else { return };
+            over = over.saturating_sub(n.len());
+        }
+    };
+    drop_from(&mut report.servable);
+    if let Some(loaded) = report.loaded.as_mut() {
+        drop_from(loaded);
+    }
+    drop_from(&mut report.waiting);
+    drop_from(&mut report.running);
 }
 
 /// Names a report may carry: non-empty, not too long, not too many.
@@ -131,5 +155,13 @@ mod tests {
             self::servable(many.as_bytes()).len(),
             MAX_ADAPTERS_PER_REPORT
         );
+        // Long names: the servable ones are cut to what a report carries,
+        // the running one kept.
+        let long: Vec<String> = (0..1000).map(|i| format!("{i:0>200}")).collect();
+        let running = "vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"hot\"} 1\n";
+        let r = report(long, &prom::parse(running)).unwrap();
+        assert!(r.name_bytes() <= MAX_ADAPTER_NAME_BYTES);
+        assert!(r.servable.len() >= MAX_ADAPTER_NAME_BYTES / 200 - 1);
+        assert_eq!(r.running, ["hot"]);
     }
 }

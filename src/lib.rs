@@ -5,6 +5,8 @@
 //! with a controlled clock. The `balancer` binary wraps this in Pingora.
 //!
 //! - [`protocol`]: the agent → balancer report format.
+//! - [`adapter`]: LoRA adapters: how ready an endpoint is to serve one,
+//!   and where one goes that no endpoint holds.
 //! - [`admission`]: a request's facts (model, flow, TTL, route) from its
 //!   headers, body and caller, the same for every front door.
 //! - [`endpoint`]: per-endpoint capacity accounting, circuit breaker and
@@ -33,6 +35,7 @@
 //! - [`quota`]: requests and tokens per minute and requests in flight per
 //!   tenant and key, reserved at admission and settled at the end.
 
+pub mod adapter;
 pub mod admission;
 pub mod blame;
 pub mod budget;

@@ -14,6 +14,7 @@
 //! | `free-slots` | free slots / total slots, by the balancer's own count plus foreign load |
 //! | `kv-cache` | 1 − KV-cache use (1 when the engine does not report it) |
 //! | `queue` | 1 − waiting requests / `queueDepthThreshold` |
+//! | `adapter` | for a request naming a LoRA adapter: its residency there, running > loaded > room to load > must evict ([`crate::adapter`]); 0 for other requests |
 
 use serde::{Deserialize, Serialize};
 
@@ -29,6 +30,8 @@ pub struct ScorerWeights {
     pub kv_cache: f64,
     #[serde(default = "ScorerWeights::default_queue")]
     pub queue: f64,
+    #[serde(default = "ScorerWeights::default_adapter")]
+    pub adapter: f64,
 }
 
 impl ScorerWeights {
@@ -44,6 +47,11 @@ impl ScorerWeights {
     fn default_queue() -> f64 {
         1.0
     }
+    /// Above the others' spread between a full and an idle endpoint (3):
+    /// an adapter load costs more than a busier engine.
+    fn default_adapter() -> f64 {
+        4.0
+    }
 
     /// The first weight that is negative or not a number, by config name.
     pub fn invalid(&self) -> Option<(&'static str, f64)> {
@@ -52,6 +60,7 @@ impl ScorerWeights {
             ("freeSlots", self.free_slots),
             ("kvCache", self.kv_cache),
             ("queue", self.queue),
+            ("adapter", self.adapter),
         ]
         .into_iter()
         .find(|(_, w)| !w.is_finite() || *w < 0.0)
@@ -65,6 +74,7 @@ impl Default for ScorerWeights {
             free_slots: Self::default_free_slots(),
             kv_cache: Self::default_kv_cache(),
             queue: Self::default_queue(),
+            adapter: Self::default_adapter(),
         }
     }
 }
@@ -81,6 +91,9 @@ pub struct Candidate {
     pub requests_waiting: u32,
     /// The saturation detector's queue threshold (the queue scorer's scale).
     pub queue_depth_threshold: u32,
+    /// The `adapter` scorer's value, for a request naming an adapter
+    /// ([`crate::adapter::Residency::score`]).
+    pub adapter: Option<f64>,
 }
 
 /// Each scorer's weighted part of a candidate's score.
@@ -90,11 +103,12 @@ pub struct ScoreTerms {
     pub free_slots: f64,
     pub kv_cache: f64,
     pub queue: f64,
+    pub adapter: f64,
 }
 
 impl ScoreTerms {
     pub fn total(&self) -> f64 {
-        self.prefix_cache + self.free_slots + self.kv_cache + self.queue
+        self.prefix_cache + self.free_slots + self.kv_cache + self.queue + self.adapter
     }
 }
 
@@ -124,6 +138,7 @@ impl ScorerWeights {
             free_slots: self.free_slots * free,
             kv_cache: self.kv_cache * kv,
             queue: self.queue * queue,
+            adapter: self.adapter * c.adapter.unwrap_or(0.0).clamp(0.0, 1.0),
         }
     }
 }
@@ -162,6 +177,7 @@ mod tests {
             kv_cache_usage: None,
             requests_waiting: 0,
             queue_depth_threshold: 5,
+            adapter: None,
         }
     }
 
@@ -190,6 +206,11 @@ mod tests {
             ..candidate()
         };
         assert!((base - w.score(&queued) - 1.0).abs() < 1e-9);
+        let adapter_loaded = Candidate {
+            adapter: Some(0.8),
+            ..candidate()
+        };
+        assert!((w.score(&adapter_loaded) - base - 4.0 * 0.8).abs() < 1e-9);
     }
 
     #[test]
@@ -199,6 +220,7 @@ mod tests {
             free_slots: 1.0,
             kv_cache: 0.0,
             queue: 0.0,
+            adapter: 0.0,
         };
         let a = Candidate {
             prefix_matched: 4,

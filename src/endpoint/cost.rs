@@ -97,17 +97,21 @@ pub struct CostModel {
     pub prefill_ms_per_token: Estimate,
     pub decode_ms_per_token: Estimate,
     pub service_ms: Estimate,
+    /// How long loading a LoRA adapter delays a request's first token.
+    pub adapter_load_ms: Estimate,
 }
 
 impl Default for CostModel {
     /// Before any answer: a CPU-class prefill (1 ms per token, so a long
     /// prompt is worth waiting a little for its cache), 20 ms per output
-    /// token, a second per request.
+    /// token, a second per request, half a second to load an adapter
+    /// (vLLM from local disk: a few hundred milliseconds).
     fn default() -> Self {
         CostModel {
             prefill_ms_per_token: Estimate::new(1.0),
             decode_ms_per_token: Estimate::new(20.0),
             service_ms: Estimate::new(1_000.0),
+            adapter_load_ms: Estimate::new(500.0),
         }
     }
 }
@@ -117,6 +121,21 @@ impl Default for CostModel {
 const MIN_TOKENS_FOR_RATE: u64 = 16;
 
 impl CostModel {
+    /// Learns from one answer of a request that waited for its LoRA
+    /// adapter to load: the time to its first token beyond the predicted
+    /// prefill is the load's (and says nothing of the prefill rate).
+    pub fn learn_after_load(&mut self, t: &Timing) {
+        if let Some(prefill) = t.prefill {
+            let predicted = t.prefilled_tokens as f64 * self.prefill_ms_per_token.ms();
+            self.adapter_load_ms
+                .record((ms(prefill) - predicted).max(0.0));
+        }
+        self.learn(&Timing {
+            prefill: None,
+            ..*t
+        });
+    }
+
     /// Learns from one answer.
     pub fn learn(&mut self, t: &Timing) {
         if let Some(prefill) = t.prefill {
@@ -142,6 +161,7 @@ impl CostModel {
             prefill_ms_per_token: self.prefill_ms_per_token.ms(),
             decode_ms_per_token: self.decode_ms_per_token.ms(),
             service_ms: self.service_ms.ms(),
+            adapter_load_ms: self.adapter_load_ms.ms(),
             samples: self.service_ms.samples(),
         }
     }
@@ -152,7 +172,11 @@ impl super::EndpointLedger {
     /// before the lease is given back.
     pub(crate) fn observe_timing(&mut self, lease: &super::Lease, timing: &Timing) {
         if let Some(ep) = self.endpoints.get_mut(&lease.endpoint) {
-            ep.cost.learn(timing);
+            if lease.loads_adapter {
+                ep.cost.learn_after_load(timing);
+            } else {
+                ep.cost.learn(timing);
+            }
         }
     }
 }
@@ -167,6 +191,7 @@ pub struct CostSnapshot {
     pub prefill_ms_per_token: f64,
     pub decode_ms_per_token: f64,
     pub service_ms: f64,
+    pub adapter_load_ms: f64,
     /// Answers the service time was learned from (up to the window): 0
     /// means every figure is still the default.
     pub samples: usize,

@@ -70,10 +70,11 @@ impl EndpointLedger {
         let weights = self.scheduling.scorers;
         let blocks = route.prefix.len();
         let session_endpoint = route.session.and_then(|s| self.sessions.endpoint(s, now));
+        let wanted = self.adapter_wanted(route, now);
         let score = |e: &Endpoint| {
             let prefix_matched = e.prefix.matched(&route.prefix);
             let terms = e
-                .candidate(prefix_matched, blocks, &config)
+                .candidate(prefix_matched, blocks, wanted.as_ref(), &config)
                 .map_or_else(ScoreTerms::default, |c| weights.terms(&c));
             let takes = e.takes(route, now, &config);
             let reason = if takes {

@@ -27,6 +27,7 @@
 //! [`saturation`] says who takes no new work, [`breaker`] takes failing
 //! endpoints out for a while; this file keeps the ledger.
 
+mod adapters;
 mod balance;
 mod breaker;
 mod cache_truth;
@@ -39,6 +40,9 @@ mod placement;
 mod ranking;
 mod saturation;
 mod selection;
+mod snapshot;
+
+pub use snapshot::EndpointSnapshot;
 
 pub use breaker::BreakerConfig;
 pub use saturation::{Saturation, SaturationConfig};
@@ -107,6 +111,11 @@ pub struct Lease {
     /// The first model its agent reports (the engine's own id): which model
     /// answers a request that named none.
     pub model: Option<Arc<str>>,
+    /// The LoRA adapter the request named, if any ([`crate::adapter`]).
+    pub adapter: Option<Arc<str>>,
+    /// The endpoint was not known to hold the adapter: the request waits
+    /// for it to load (what its answer's first token says of load times).
+    pub loads_adapter: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -147,6 +156,8 @@ pub(crate) struct Endpoint {
     cache: CacheTruth,
     /// What its engine costs, learned from its answers.
     cost: CostModel,
+    /// LoRA adapters this balancer sent here lately ([`adapters`]).
+    adapters_sent: crate::adapter::Sent,
 }
 
 impl Endpoint {
@@ -212,43 +223,6 @@ impl Endpoint {
     }
 }
 
-/// Read-only view of one endpoint, for the management API and metrics.
-#[derive(Debug, Clone, Serialize)]
-pub struct EndpointSnapshot {
-    pub id: EndpointId,
-    pub addr: SocketAddr,
-    /// `None` when the agent is gone and in-flight requests are finishing.
-    pub agent: Option<AgentReport>,
-    /// Milliseconds since the last report.
-    pub report_age_ms: Option<u64>,
-    pub stale: bool,
-    pub eligible: bool,
-    /// Why an eligible endpoint takes no new work now (`null`: it does).
-    pub saturation: Option<Saturation>,
-    pub in_flight: u32,
-    /// Estimated tokens of the requests in flight (the token budget's
-    /// count).
-    pub in_flight_tokens: u64,
-    /// Of `in_flight`: slots whose client left while the engine still works
-    /// on them.
-    pub orphaned: u32,
-    pub foreign_busy: u32,
-    pub free_slots: u32,
-    /// Milliseconds until the circuit breaker lets work through again
-    /// (`null`: closed).
-    pub circuit_open_ms: Option<u64>,
-    pub consecutive_failures: u32,
-    /// Prompt blocks the prefix index remembers for this endpoint.
-    pub prefix_blocks: usize,
-    /// Blocks it may remember now: `capacityBlocks`, less what the
-    /// engine's answers showed it does not keep ([`CacheTruth`]).
-    pub prefix_capacity: usize,
-    /// What the engine said it reused.
-    pub cache: CacheTruth,
-    /// What the engine costs, learned from its answers.
-    pub cost: CostSnapshot,
-}
-
 /// What happened to a report.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReportOutcome {
@@ -273,6 +247,8 @@ pub(crate) struct EndpointLedger {
     by_agent: HashMap<String, EndpointId>,
     /// Every model an agent reported, with when it last did.
     models: HashMap<Arc<str>, Instant>,
+    /// Of those, the ones an agent lists as a LoRA adapter ([`adapters`]).
+    adapter_models: foldhash::HashSet<Arc<str>>,
     next_id: u64,
     ties: TieBreaker,
     /// Endpoints with an agent by model, those that may take work best
@@ -307,6 +283,7 @@ impl EndpointLedger {
             by_addr: HashMap::default(),
             by_agent: HashMap::default(),
             models: HashMap::default(),
+            adapter_models: Default::default(),
             next_id: 0,
             ties: TieBreaker::new(scheduling.seed),
             ranking: Ranking::default(),
@@ -412,6 +389,7 @@ impl EndpointLedger {
                         prefix: PrefixLru::new(self.scheduling.prefix.capacity_blocks),
                         cache: CacheTruth::default(),
                         cost: CostModel::default(),
+                        adapters_sent: Default::default(),
                     },
                 );
                 self.by_addr.insert(addr, id);
@@ -449,6 +427,7 @@ impl EndpointLedger {
         let running_orphans = report.slots_busy.saturating_sub(live);
         let done = (ep.orphans.len() as u32).saturating_sub(running_orphans);
         ep.free_orphans(done as usize);
+        ep.adapters_reported(&report, now);
         for m in &report.models {
             match self.models.get_mut(m.as_str()) {
                 Some(seen) => *seen = now,
@@ -459,6 +438,7 @@ impl EndpointLedger {
         }
         self.by_agent.insert(report.agent_id.clone(), id);
         self.ranking.set_models(id, &report.models);
+        adapters::learn_adapters(&mut self.adapter_models, &self.models, &report);
         let agent = AgentState {
             report,
             received_at: now,
@@ -565,7 +545,15 @@ impl EndpointLedger {
             Choice::Delay(after, holder) => return Pick::Delay(after, holder),
             Choice::Busy => return Pick::Busy,
         };
+        let adapter = self
+            .adapter_models
+            .get(route.model.as_deref().unwrap_or(""))
+            .cloned();
         let ep = self.endpoints.get_mut(&chosen).expect("candidate exists");
+        let loads_adapter = adapter.as_ref().is_some_and(|a| ep.residency(a).loads());
+        if let Some(a) = &adapter {
+            ep.adapter_sent(a, now);
+        }
         let tokens = ep.token_need(&route.tokens);
         ep.in_flight += 1;
         ep.in_flight_tokens = ep.in_flight_tokens.saturating_add(tokens);
@@ -586,6 +574,8 @@ impl EndpointLedger {
             predicted_blocks,
             // The name as kept among the reported ones: shared, not copied.
             model: model.map(|(name, _)| Arc::clone(name)),
+            adapter,
+            loads_adapter,
         };
         self.rerank(chosen);
         Pick::Lease(lease)
@@ -654,6 +644,9 @@ impl EndpointLedger {
         debug_assert!(ep.in_flight > 0, "release without an in-flight request");
         ep.in_flight = ep.in_flight.saturating_sub(1);
         ep.slot_log.given_back(now);
+        if let Some(a) = &lease.adapter {
+            ep.adapter_ended(a);
+        }
         ep.in_flight_tokens = ep.in_flight_tokens.saturating_sub(lease.tokens);
         if ep.in_flight == 0 && ep.agent.is_none() {
             self.forget(lease.endpoint);
@@ -683,6 +676,9 @@ impl EndpointLedger {
             .get_mut(&lease.endpoint)
             .expect("checked above");
         ep.orphans.push_back((now, lease.tokens));
+        if let Some(a) = &lease.adapter {
+            ep.adapter_ended(a);
+        }
     }
 
     /// What this balancer tells `id`'s agent of its demand
@@ -744,47 +740,6 @@ impl EndpointLedger {
             .values()
             .map(|e| u64::from(e.in_flight))
             .sum()
-    }
-
-    pub(crate) fn snapshot(&self, now: Instant) -> Vec<EndpointSnapshot> {
-        let mut out: Vec<EndpointSnapshot> = self
-            .endpoints
-            .values()
-            .map(|e| EndpointSnapshot {
-                id: e.id,
-                addr: e.addr,
-                agent: e.agent.as_ref().map(|a| a.report.clone()),
-                report_age_ms: e.agent.as_ref().map(|a| {
-                    u64::try_from(now.saturating_duration_since(a.received_at).as_millis())
-                        .unwrap_or(u64::MAX)
-                }),
-                stale: e
-                    .agent
-                    .as_ref()
-                    .is_some_and(|a| now >= Endpoint::stale_deadline(a)),
-                eligible: e.eligible(now),
-                saturation: if e.eligible(now) {
-                    e.saturation(now, &self.saturation)
-                } else {
-                    None
-                },
-                in_flight: e.in_flight,
-                in_flight_tokens: e.in_flight_tokens,
-                orphaned: e.orphans.len() as u32,
-                foreign_busy: e.foreign_busy,
-                free_slots: e.free_slots(),
-                circuit_open_ms: e.breaker.open_until.and_then(|t| {
-                    (now < t).then(|| u64::try_from((t - now).as_millis()).unwrap_or(u64::MAX))
-                }),
-                consecutive_failures: e.breaker.consecutive_failures,
-                prefix_blocks: e.prefix.len(),
-                prefix_capacity: e.prefix.capacity(),
-                cache: e.cache,
-                cost: e.cost.snapshot(),
-            })
-            .collect();
-        out.sort_by_key(|s| s.id);
-        out
     }
 }
 

@@ -149,6 +149,11 @@ impl Endpoint {
         !self.cache.keeps_nothing()
     }
 
+    /// Predicted time to load a LoRA adapter here.
+    pub(super) fn predicted_adapter_load_ms(&self) -> f64 {
+        self.cost.adapter_load_ms.ms()
+    }
+
     /// Predicted prefill of `uncached` prompt tokens here.
     pub(super) fn predicted_prefill_ms(&self, uncached: u64) -> f64 {
         uncached as f64 * self.cost.prefill_ms_per_token.ms()
@@ -196,13 +201,23 @@ impl EndpointLedger {
         } else {
             0
         };
-        let go_ms =
-            go_endpoint.predicted_prefill_ms(prompt - self.cached_tokens(route, go_matched));
+        // A request for a LoRA adapter waits for its load where the
+        // adapter is not resident.
+        let wanted = self.adapter_wanted(route, now);
+        let load_ms = |e: &Endpoint| match &wanted {
+            Some(w) if e.residency(&w.name).loads() => e.predicted_adapter_load_ms(),
+            _ => 0.0,
+        };
+        let go_ms = go_endpoint
+            .predicted_prefill_ms(prompt - self.cached_tokens(route, go_matched))
+            + load_ms(go_endpoint);
         if go_ms <= 0.0 {
             return WaitOrGo::Go;
         }
         let ttft = |e: &Endpoint, cached: u64| {
-            e.predicted_wait_ms(false, waits.ahead(e.id)) + e.predicted_prefill_ms(prompt - cached)
+            e.predicted_wait_ms(false, waits.ahead(e.id))
+                + e.predicted_prefill_ms(prompt - cached)
+                + load_ms(e)
         };
         // The quickest saturated endpoint, if quicker than going.
         let mut best: Option<(f64, EndpointId)> = None;
@@ -218,6 +233,16 @@ impl EndpointLedger {
         }
         if scored {
             self.busy_holding_more(route, go_matched, now, |e, matched| {
+                consider(e, self.cached_tokens(route, matched));
+            });
+        }
+        if let Some(w) = &wanted {
+            self.busy_holding_adapter(route, w, go, now, |e| {
+                let matched = if scored {
+                    e.prefix.matched(&route.prefix)
+                } else {
+                    0
+                };
                 consider(e, self.cached_tokens(route, matched));
             });
         }
@@ -308,6 +333,11 @@ impl EndpointLedger {
         if scored && !more_elsewhere {
             let go_matched = self.endpoints[&go].prefix.matched(&route.prefix);
             self.busy_holding_more(route, go_matched, now, |_, _| more_elsewhere = true);
+        }
+        if !more_elsewhere {
+            if let Some(w) = self.adapter_wanted(route, now) {
+                self.busy_holding_adapter(route, &w, go, now, |_| more_elsewhere = true);
+            }
         }
         if !more_elsewhere {
             return Home::Yes;

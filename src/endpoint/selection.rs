@@ -12,6 +12,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::adapters::Wanted;
 use super::placement::{spill_delay, Holding, WaitOrGo};
 use super::{BreakerConfig, Endpoint, EndpointId, EndpointLedger, Lease, SaturationConfig};
 use crate::prefix::PrefixConfig;
@@ -76,6 +77,9 @@ pub struct SchedulingConfig {
     pub affinity_hold: Duration,
     /// How sessions are kept and honoured.
     pub sessions: SessionConfig,
+    /// Endpoints each LoRA adapter prefers where it is resident nowhere
+    /// ([`crate::adapter::preferred`]); 0: none preferred.
+    pub adapter_replicas: u32,
     /// Seed of the tie-breaking random source.
     pub seed: u64,
 }
@@ -88,6 +92,7 @@ impl Default for SchedulingConfig {
             breaker: BreakerConfig::default(),
             affinity_hold: Duration::from_secs(5),
             sessions: SessionConfig::default(),
+            adapter_replicas: 1,
             seed: 0x5eed,
         }
     }
@@ -163,17 +168,18 @@ impl Endpoint {
     /// The scorers' sum without the prefix term: what ranks the endpoint
     /// in its lanes ([`super::ranking`]).
     pub(super) fn static_score(&self, weights: &ScorerWeights, config: &SaturationConfig) -> f64 {
-        self.candidate(0, 0, config)
+        self.candidate(0, 0, None, config)
             .map_or(0.0, |c| weights.score(&c))
     }
 
     /// What the scorers know of this endpoint for a prompt of
-    /// `prefix_blocks` blocks of which it holds `prefix_matched`; `None`
-    /// without an agent.
+    /// `prefix_blocks` blocks of which it holds `prefix_matched`, and the
+    /// request's adapter (`wanted`); `None` without an agent.
     pub(super) fn candidate(
         &self,
         prefix_matched: usize,
         prefix_blocks: usize,
+        wanted: Option<&Wanted>,
         config: &SaturationConfig,
     ) -> Option<Candidate> {
         let agent = self.agent.as_ref()?;
@@ -185,12 +191,13 @@ impl Endpoint {
             kv_cache_usage: agent.report.kv_cache_usage,
             requests_waiting: agent.report.requests_waiting,
             queue_depth_threshold: config.queue_depth_threshold,
+            adapter: self.adapter_score(wanted),
         })
     }
 }
 
 /// Scores are sums of a few ratios: closer than this is a tie.
-const TIE: f64 = 1e-9;
+pub(super) const TIE: f64 = 1e-9;
 
 impl EndpointLedger {
     /// The best endpoint for `route` among those that serve its model and
@@ -350,6 +357,9 @@ impl EndpointLedger {
     /// The best endpoint by the scorers that takes `route` now, if any
     /// (no session, no subset).
     pub(super) fn choose_by_score(&self, route: &Route, now: Instant) -> Option<EndpointId> {
+        if let Some(wanted) = self.adapter_wanted(route, now) {
+            return self.choose_for_adapter(route, &wanted, now);
+        }
         let config = self.saturation;
         let model = route.model.as_deref();
         let top = self
@@ -372,10 +382,7 @@ impl EndpointLedger {
             return Some(top.id);
         }
         let prefix_term = |matched: usize| weight * matched as f64 / blocks as f64;
-        let score_of = |e: &Endpoint| {
-            e.static_score(&self.scheduling.scorers, &config)
-                + prefix_term(e.prefix.matched(&route.prefix))
-        };
+        let score_of = |e: &Endpoint| self.route_score(e, route, None);
         let top_endpoint = &self.endpoints[&top.id];
         let mut best = (score_of(top_endpoint), top.id);
         let held: usize = route.prefix[..depth]
@@ -425,30 +432,16 @@ impl EndpointLedger {
         now: Instant,
     ) -> Option<EndpointId> {
         let config = self.saturation;
-        let weights = self.scheduling.scorers;
-        let blocks = route.prefix.len();
-        let score_prefix = weights.prefix_cache > 0.0 && blocks > 0;
+        let wanted = self.adapter_wanted(route, now);
         let free = subset
             .iter()
             .filter_map(|a| self.by_addr.get(a))
             .filter_map(|id| self.endpoints.get(id))
             .filter(|e| e.fits(route) && e.takes(route, now, &config));
-        let matched = |e: &Endpoint| {
-            if score_prefix {
-                e.prefix.matched(&route.prefix)
-            } else {
-                0
-            }
-        };
         let mut best_score = f64::NEG_INFINITY;
         let mut best: Vec<EndpointId> = Vec::new();
         for e in free {
-            let score = e.static_score(&weights, &config)
-                + if score_prefix {
-                    weights.prefix_cache * matched(e) as f64 / blocks as f64
-                } else {
-                    0.0
-                };
+            let score = self.route_score(e, route, wanted.as_ref());
             if score > best_score + TIE {
                 best_score = score;
                 best.clear();
@@ -462,6 +455,20 @@ impl EndpointLedger {
         }
         best.sort_unstable();
         Some(best[self.ties.below(best.len())])
+    }
+
+    /// Every scorer's sum for `route` on `e`: its static score, its
+    /// prefix term and its adapter's (`wanted`).
+    pub(super) fn route_score(&self, e: &Endpoint, route: &Route, wanted: Option<&Wanted>) -> f64 {
+        let weights = &self.scheduling.scorers;
+        let blocks = route.prefix.len();
+        let prefix = if weights.prefix_cache > 0.0 && blocks > 0 {
+            weights.prefix_cache * e.prefix.matched(&route.prefix) as f64 / blocks as f64
+        } else {
+            0.0
+        };
+        let adapter = e.adapter_score(wanted).map_or(0.0, |s| weights.adapter * s);
+        e.static_score(weights, &self.saturation) + prefix + adapter
     }
 
     /// A live endpoint for a request that takes no slot on the engine

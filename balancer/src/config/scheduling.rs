@@ -9,6 +9,10 @@ use serde::Deserialize;
 
 use super::flow::ConfigDuration;
 
+/// Most servers an adapter may prefer: each is hashed per adapter
+/// request, and more than a fleet's servers of one model says nothing.
+pub const MAX_ADAPTER_REPLICAS: u32 = 64;
+
 /// Retries of a request whose endpoint failed before answering.
 pub const DEFAULT_RETRIES: u32 = 1;
 
@@ -29,6 +33,9 @@ pub struct SchedulingSection {
     /// 0s: never wait).
     pub affinity_hold: Option<ConfigDuration>,
     pub sessions: Option<SessionsSection>,
+    /// Servers each LoRA adapter prefers where no server holds it loaded
+    /// (rendezvous hashing: every balancer picks the same ones).
+    pub adapter_replicas: Option<u32>,
     /// Who gets the `x-flowgate-scores` answer header.
     pub explain: Option<crate::rules::ExplainScores>,
 }
@@ -131,6 +138,14 @@ pub fn build(
         .affinity_hold
         .map_or(SchedulingConfig::default().affinity_hold, |d| d.0);
     let (sessions, session_rules) = sessions(section.sessions.as_ref())?;
+    let adapter_replicas = section
+        .adapter_replicas
+        .unwrap_or(SchedulingConfig::default().adapter_replicas);
+    if adapter_replicas > MAX_ADAPTER_REPLICAS {
+        return Err(format!(
+            "scheduling.adapterReplicas must be at most {MAX_ADAPTER_REPLICAS}, not {adapter_replicas}"
+        ));
+    }
     Ok((
         SchedulingConfig {
             scorers,
@@ -138,6 +153,7 @@ pub fn build(
             breaker,
             affinity_hold,
             sessions,
+            adapter_replicas,
             seed,
         },
         retries,

@@ -1,0 +1,219 @@
+//! LoRA adapters: requests naming an adapter go where it is loaded, a hot
+//! adapter spreads, a server that drops one stops getting its requests
+//! first, and an adapter no server serves gets a 404 naming what is
+//! served. Three vLLM-speaking llm-sims with eight adapters, two loaded
+//! at once.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::{json, Value};
+
+const ADAPTERS: &str = "a1,a2,a3,a4,a5,a6,a7,a8";
+
+struct Fleet {
+    b: Balancer,
+    sims: Vec<Sim>,
+    _agents: Vec<Proc>,
+}
+
+/// Three servers of `slots` slots, two adapters loaded at once, a load
+/// taking 300 ms; their agents report every 100 ms.
+async fn fleet_of_three(slots: &str, ttft_ms: &str) -> Fleet {
+    let b = Balancer::start(&[]).await;
+    let sims: Vec<Sim> = (0..3)
+        .map(|_| {
+            Sim::start(&[
+                "--engine",
+                "vllm",
+                "--slots",
+                slots,
+                "--lora",
+                ADAPTERS,
+                "--max-loras",
+                "2",
+                "--lora-load-ms",
+                "300",
+                "--ttft-ms",
+                ttft_ms,
+            ])
+        })
+        .collect();
+    let agents = sims
+        .iter()
+        .map(|s| {
+            agent_at(
+                &s.addr.to_string(),
+                &b,
+                &["--backend", "vllm", "--max-concurrency", slots],
+            )
+        })
+        .collect();
+    b.wait_eligible(3).await;
+    Fleet {
+        b,
+        sims,
+        _agents: agents,
+    }
+}
+
+impl Fleet {
+    /// Serves a request for `adapter` on `server` directly (the balancer
+    /// not involved), so that it loads there, and waits until the
+    /// balancer's report of that server shows it loaded.
+    async fn load_directly(&self, server: usize, adapter: &str) {
+        let sim = &self.sims[server];
+        let r = client()
+            .post(format!("http://{}/v1/chat/completions", sim.addr))
+            .json(&chat_for(Some(adapter), "warm"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        self.wait_reported(server, |a| {
+            a["loaded"]
+                .as_array()
+                .is_some_and(|l| l.iter().any(|n| n == adapter))
+        })
+        .await;
+    }
+
+    /// Waits until the report of `server` says what `ok` wants of its
+    /// adapters.
+    async fn wait_reported(&self, server: usize, ok: impl Fn(&Value) -> bool) {
+        let sim = &self.sims[server];
+        wait_for(
+            "the server's adapters reported",
+            Duration::from_secs(5),
+            || async {
+                let agents = self.b.agents().await;
+                ok(&endpoint_of(&agents, sim)["agent"]["adapters"]).then_some(())
+            },
+        )
+        .await;
+    }
+
+    async fn loads(&self) -> Vec<u64> {
+        let mut out = Vec::new();
+        for s in &self.sims {
+            out.push(s.stats().await["lora_loads"].as_u64().unwrap());
+        }
+        out
+    }
+
+    async fn chat(&self, adapter: &str) -> reqwest::Response {
+        client()
+            .post(self.b.url("/v1/chat/completions"))
+            .json(&chat_for(Some(adapter), "hello"))
+            .send()
+            .await
+            .unwrap()
+    }
+}
+
+/// Requests for an adapter loaded on one server go there, one after
+/// another, and load it nowhere else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapters_requests_go_where_it_is_loaded() {
+    let f = fleet_of_three("4", "20").await;
+    f.load_directly(1, "a3").await;
+    assert_eq!(f.loads().await, [0, 1, 0]);
+    for _ in 0..10 {
+        let r = f.chat("a3").await;
+        assert_eq!(r.status(), 200);
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["model"], "a3");
+    }
+    assert_eq!(f.loads().await, [0, 1, 0], "no other server loaded it");
+    assert_eq!(
+        f.sims[1].stats().await["requests_total"],
+        11,
+        "every request went where it was loaded"
+    );
+    // The scores say why.
+    let x = post_json(
+        &f.b.mgmt("/api/v1/route/probe"),
+        &chat_for(Some("a3"), "why"),
+    )
+    .await;
+    let best = &x["explanation"]["candidates"][0];
+    assert_eq!(best["addr"], f.sims[1].addr.to_string(), "{x}");
+    assert!(best["terms"]["adapter"].as_f64().unwrap() >= 3.2, "{x}");
+}
+
+/// Many requests at once for one adapter loaded on one server: its queue
+/// soon costs more than a load, and the adapter spreads to another
+/// server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_adapter_spreads() {
+    let f = fleet_of_three("2", "400").await;
+    f.load_directly(0, "a1").await;
+    let chats: Vec<_> = (0..24)
+        .map(|_| {
+            let c = client();
+            let url = f.b.url("/v1/chat/completions");
+            tokio::spawn(async move {
+                c.post(url)
+                    .json(&chat_for(Some("a1"), "hot"))
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+            })
+        })
+        .collect();
+    for c in chats {
+        assert_eq!(c.await.unwrap(), 200);
+    }
+    let loads = f.loads().await;
+    let serving = loads.iter().filter(|&&n| n > 0).count();
+    assert!(serving >= 2, "the hot adapter spread: loads {loads:?}");
+    // But not load after load: each server loaded it once.
+    assert!(loads.iter().all(|&n| n <= 1), "loads {loads:?}");
+}
+
+/// A server that evicts an adapter stops getting its requests first:
+/// they go to the server that holds it now.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_that_drops_an_adapter_stops_getting_its_requests_first() {
+    let f = fleet_of_three("4", "20").await;
+    f.load_directly(0, "a5").await;
+    let r = f.chat("a5").await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(f.sims[0].stats().await["requests_total"], 2);
+    // Server 0 loads two others (two at most: a5 is evicted); server 2
+    // loads a5.
+    f.load_directly(0, "a6").await;
+    f.load_directly(0, "a7").await;
+    f.wait_reported(0, |a| {
+        a["loaded"]
+            .as_array()
+            .is_some_and(|l| !l.iter().any(|n| n == "a5"))
+    })
+    .await;
+    f.load_directly(2, "a5").await;
+    let before = f.sims[2].stats().await["requests_total"].as_u64().unwrap();
+    for _ in 0..3 {
+        assert_eq!(f.chat("a5").await.status(), 200);
+    }
+    assert_eq!(
+        f.sims[2].stats().await["requests_total"].as_u64().unwrap(),
+        before + 3,
+        "where it is loaded now"
+    );
+    assert_eq!(f.loads().await, [3, 0, 1], "no load for them");
+}
+
+/// An adapter no server serves: 404, naming what is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapter_no_server_serves_is_a_404_naming_what_is() {
+    let f = fleet_of_three("2", "20").await;
+    let r = f.chat("no-such-adapter").await;
+    let body = assert_openai_error(r, 404).await;
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("no-such-adapter"), "{message}");
+    assert!(message.contains("a1"), "names what is served: {message}");
+    assert_eq!(body["error"]["code"], json!("model_not_found"));
+}

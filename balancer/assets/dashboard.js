@@ -92,6 +92,13 @@ function renderAgents(endpoints) {
       ? cost.prefill_ms_per_token.toFixed(2) + " ms/tok · " + Math.round(cost.service_ms) + " ms"
       : "–");
     if (cost) costCell.title = "decode " + cost.decode_ms_per_token.toFixed(1) + " ms/token; from the last " + cost.samples + " answers";
+    // LoRA adapters: those loaded (or running) of the most it holds.
+    const ad = r && r.adapters;
+    const held = ad ? (ad.loaded || ad.running) : [];
+    const adCell = cell(row, "adapters", !ad ? "–" :
+      held.length + (ad.max_loaded ? " / " + ad.max_loaded : "") + (held.length ? ": " + held.join(", ") : ""));
+    if (ad) adCell.title = "running: " + (ad.running.join(", ") || "none") + "; waiting: " +
+      (ad.waiting.join(", ") || "none") + "; servable: " + ad.servable.length;
     cell(row, "in_flight", ep.in_flight);
     cell(row, "report_age", age(ep.report_age_ms), ep.stale ? "bad" : "");
     const [state, cls] = endpointState(ep);

@@ -12,6 +12,7 @@ pub struct CostMetrics {
     prefill: GaugeVec,
     decode: GaugeVec,
     service: GaugeVec,
+    adapter_load: GaugeVec,
 }
 
 impl CostMetrics {
@@ -36,12 +37,17 @@ impl CostMetrics {
                 "flowgate_endpoint_service_seconds",
                 "Time a request holds a slot there, learned from the endpoint's answers",
             ),
+            adapter_load: gauge(
+                "flowgate_endpoint_adapter_load_seconds",
+                "Time loading a LoRA adapter adds to a first token there, learned from the \
+                 answers of requests that waited for one (a default before any)",
+            ),
         }
     }
 
     /// Resets every series and sets those of the endpoints known now.
     pub fn refresh(&self, endpoints: &[EndpointSnapshot]) {
-        for g in [&self.prefill, &self.decode, &self.service] {
+        for g in [&self.prefill, &self.decode, &self.service, &self.adapter_load] {
             g.reset();
         }
         for e in endpoints {
@@ -60,6 +66,11 @@ impl CostMetrics {
             self.service
                 .with_label_values(&labels)
                 .set(c.service_ms / 1_000.0);
+            if e.agent.as_ref().is_some_and(|a| a.adapters.is_some()) {
+                self.adapter_load
+                    .with_label_values(&labels)
+                    .set(c.adapter_load_ms / 1_000.0);
+            }
         }
     }
 }

@@ -47,7 +47,12 @@ impl CostMetrics {
 
     /// Resets every series and sets those of the endpoints known now.
     pub fn refresh(&self, endpoints: &[EndpointSnapshot]) {
-        for g in [&self.prefill, &self.decode, &self.service, &self.adapter_load] {
+        for g in [
+            &self.prefill,
+            &self.decode,
+            &self.service,
+            &self.adapter_load,
+        ] {
             g.reset();
         }
         for e in endpoints {

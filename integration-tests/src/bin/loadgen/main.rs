@@ -18,9 +18,12 @@
 //!   `scripts/bench/fairness`).
 //! - `loadgen epp`: Envoy's side of EPP mode at a fixed request rate, and
 //!   the decision latency it sees (`scripts/bench/epp`; see `epp.rs`).
+//! - `loadgen lora`: requests for Zipf-popular LoRA adapters
+//!   (`scripts/bench/lora`; see `lora.rs`).
 
 mod agentic;
 mod epp;
+mod lora;
 mod proxy;
 
 use std::collections::BTreeMap;
@@ -57,6 +60,8 @@ enum Command {
     Tenants(TenantsArgs),
     /// Envoy's side of EPP mode at a fixed request rate: decision latency
     Epp(epp::EppArgs),
+    /// Requests for Zipf-popular LoRA adapters of one base model
+    Lora(lora::LoraArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -227,6 +232,7 @@ fn main() {
         Command::Hold(args) => rt.block_on(hold(args)),
         Command::Tenants(args) => rt.block_on(tenants(args)),
         Command::Epp(args) => rt.block_on(epp::epp(args)),
+        Command::Lora(args) => rt.block_on(lora::lora(args)),
     }
 }
 

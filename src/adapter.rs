@@ -230,6 +230,7 @@ mod tests {
             waiting: Vec::new(),
             loaded: loaded.map(names),
             max_loaded: max,
+            ..AdapterReport::default()
         }
     }
 

@@ -89,6 +89,9 @@ pub use holds::HoldsBegun;
 
 mod holds;
 mod homed;
+mod reject;
+
+pub use reject::Reject;
 
 /// How many requests of each flow a dispatch pass looks at when the ones
 /// ahead of them cannot go now (held for affinity, or their route is busy).
@@ -128,49 +131,6 @@ impl Default for DispatcherConfig {
             scheduling: SchedulingConfig::default(),
             default_ttl: Duration::from_secs(10),
             max_ttl: Duration::from_secs(60),
-        }
-    }
-}
-
-/// Why a request was turned away without being served.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum Reject {
-    #[error("all model servers are busy and the request buffer is full")]
-    BufferFull,
-    #[error("the request's priority band is at its queue limit; retry later")]
-    Shed,
-    #[error("the request was evicted from the queue by higher-priority work; retry later")]
-    Evicted,
-    #[error("no model server is available and buffering is disabled")]
-    NoEndpoints,
-    #[error("the request waited too long for a free model server")]
-    Timeout,
-    #[error("the requested model is not served by any model server")]
-    UnknownModel,
-    #[error("the request needs more tokens (prompt plus max_tokens, estimated) than any model server of its model can hold")]
-    TooManyTokens,
-}
-
-impl Reject {
-    /// Value of the `x-flowgate-drop-reason` header and metric label.
-    pub fn reason(self) -> &'static str {
-        match self {
-            Reject::BufferFull => "buffer-full",
-            Reject::Shed | Reject::Evicted => "shed",
-            Reject::NoEndpoints => "no-endpoints",
-            Reject::Timeout => "ttl-expired",
-            Reject::UnknownModel => "model-not-found",
-            Reject::TooManyTokens => "exceeds-token-capacity",
-        }
-    }
-
-    pub fn http_status(self) -> u16 {
-        match self {
-            Reject::BufferFull | Reject::NoEndpoints => 503,
-            Reject::Shed | Reject::Evicted => 429,
-            Reject::Timeout => 504,
-            Reject::UnknownModel => 404,
-            Reject::TooManyTokens => 413,
         }
     }
 }
@@ -316,6 +276,9 @@ impl<T> Dispatcher<T> {
         }
         if self.ledger.never_fits(&request.route, now) {
             return Admission::Rejected(Reject::TooManyTokens);
+        }
+        if self.ledger.adapter_failed_everywhere(&request.route, now) {
+            return Admission::Rejected(Reject::AdapterLoadFailed);
         }
         let hold = self.config.scheduling.affinity_hold;
         if self.queues.is_empty() {
@@ -705,6 +668,12 @@ impl<T> Dispatcher<T> {
     /// serves (a balancer queueing for another model claims none of it).
     pub fn demand_of(&self, endpoint: EndpointId) -> crate::shares::Demand {
         self.ledger.demand_of(endpoint, self.queues.lane_lens())
+    }
+
+    /// The LoRA adapters `endpoint`'s agent should load for the requests
+    /// waiting ([`crate::endpoint`]'s `adapters_to_load`).
+    pub fn adapters_to_load(&self, endpoint: EndpointId, now: Instant) -> Vec<Arc<str>> {
+        (self.ledger).adapters_to_load(endpoint, self.queues.lane_lens(), now)
     }
 
     pub fn in_flight(&self) -> u64 {

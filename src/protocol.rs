@@ -139,7 +139,25 @@ pub struct AdapterReport {
     /// Adapters it holds loaded at once at most (vLLM's `max_lora`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_loaded: Option<u32>,
+    /// Adapters the agent can have the server load when a balancer asks
+    /// (its `--lora-adapter NAME=PATH`), not servable now.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub loadable: Vec<String>,
+    /// Loads the agent asked for that failed lately, and why.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub load_failed: Vec<LoadFailure>,
 }
+
+/// A load of an adapter that failed, and the engine's word on it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadFailure {
+    pub name: String,
+    pub error: String,
+}
+
+/// Failed loads one report may carry, and the bytes of each one's error.
+pub const MAX_LOAD_FAILURES: usize = 16;
+pub const MAX_LOAD_ERROR_LEN: usize = 512;
 
 /// Adapter names one report may list in each of its lists.
 pub const MAX_ADAPTERS_PER_REPORT: usize = 1024;
@@ -152,7 +170,7 @@ pub const MAX_ADAPTER_NAME_BYTES: usize = 16 * 1024;
 impl AdapterReport {
     /// Every list, `loaded` when said.
     fn lists(&self) -> impl Iterator<Item = &Vec<String>> {
-        [&self.servable, &self.running, &self.waiting]
+        [&self.servable, &self.running, &self.waiting, &self.loadable]
             .into_iter()
             .chain(self.loaded.as_ref())
     }
@@ -163,7 +181,12 @@ impl AdapterReport {
     }
 
     fn valid(&self) -> bool {
-        self.name_bytes() <= MAX_ADAPTER_NAME_BYTES
+        self.load_failed.len() <= MAX_LOAD_FAILURES
+            && self
+                .load_failed
+                .iter()
+                .all(|f| valid_model_name(&f.name) && f.error.len() <= MAX_LOAD_ERROR_LEN)
+            && self.name_bytes() <= MAX_ADAPTER_NAME_BYTES
             && self.lists().all(|names| {
                 names.len() <= MAX_ADAPTERS_PER_REPORT && names.iter().all(|n| valid_model_name(n))
             })
@@ -195,7 +218,7 @@ pub enum ReportError {
     TooManyModels(usize),
     #[error("model names are 1..={MAX_MODEL_NAME_LEN} bytes")]
     BadModelName,
-    #[error("adapters: each list holds at most {MAX_ADAPTERS_PER_REPORT} names of 1..={MAX_MODEL_NAME_LEN} bytes, {MAX_ADAPTER_NAME_BYTES} bytes of names in all")]
+    #[error("adapters: each list holds at most {MAX_ADAPTERS_PER_REPORT} names of 1..={MAX_MODEL_NAME_LEN} bytes, {MAX_ADAPTER_NAME_BYTES} bytes of names in all; load_failed at most {MAX_LOAD_FAILURES} entries with errors of at most {MAX_LOAD_ERROR_LEN} bytes")]
     BadAdapters,
     #[error("last_error is at most {MAX_LAST_ERROR_LEN} bytes")]
     LastErrorTooLong,
@@ -362,6 +385,21 @@ pub(crate) mod tests {
             let mut r = ok.clone();
             r.adapters = Some(AdapterReport {
                 waiting: bad,
+                ..AdapterReport::default()
+            });
+            assert_eq!(r.validate(), Err(ReportError::BadAdapters));
+        }
+        let failure = |error: String| LoadFailure {
+            name: "a".into(),
+            error,
+        };
+        for bad in [
+            vec![failure("x".repeat(MAX_LOAD_ERROR_LEN + 1))],
+            vec![failure(String::new()); MAX_LOAD_FAILURES + 1],
+        ] {
+            let mut r = ok.clone();
+            r.adapters = Some(AdapterReport {
+                load_failed: bad,
                 ..AdapterReport::default()
             });
             assert_eq!(r.validate(), Err(ReportError::BadAdapters));

@@ -38,6 +38,8 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
+use crate::loader::AdapterLoader;
+
 /// How often the balancers' names are resolved again.
 pub const RESOLVE_EVERY: Duration = Duration::from_secs(5);
 
@@ -160,11 +162,20 @@ pub struct Balancers {
     published: u64,
     /// The slots' division between the balancers, unless off.
     shares: Option<Ledger<SocketAddr>>,
+    /// Loads LoRA adapters the balancers ask for (`--lora-adapter`).
+    loader: Option<Arc<AdapterLoader>>,
 }
 
 impl Balancers {
-    pub fn new(client: Client, agent_id: String, token: Option<String>, share: bool) -> Self {
+    pub fn new(
+        client: Client,
+        agent_id: String,
+        token: Option<String>,
+        share: bool,
+        loader: Option<Arc<AdapterLoader>>,
+    ) -> Self {
         Balancers {
+            loader,
             by_addr: BTreeMap::new(),
             client,
             agent_id,
@@ -202,6 +213,7 @@ impl Balancers {
                     self.token.clone(),
                     self.latest.subscribe(),
                     Arc::clone(&answer),
+                    self.loader.clone(),
                 ));
                 let added_after = self.published;
                 self.by_addr.insert(
@@ -314,6 +326,7 @@ async fn report_to(
     token: Option<String>,
     mut latest: watch::Receiver<Published>,
     answer: Arc<Mutex<Answer>>,
+    loader: Option<Arc<AdapterLoader>>,
 ) {
     let mut failing = false;
     while latest.changed().await.is_ok() {
@@ -328,7 +341,14 @@ async fn report_to(
         // counts every request of its own the engine may have seen.
         report.read_began_ms_ago = Some(began.elapsed().as_micros().div_ceil(1_000) as u64);
         report.read_ended_ms_ago = Some(ended.elapsed().as_millis() as u64);
-        let result = send(&client, &url, &token, &report).await;
+        let result = send(&client, &url, &token, &report)
+            .await
+            .map(|(demand, load)| {
+                if let Some(l) = loader.as_ref().filter(|_| !load.is_empty()) {
+                    l.ask(&load);
+                }
+                demand
+            });
         match (&result, failing) {
             (Err(e), false) => warn!(balancer = %addr, "{}", e.message),
             (Ok(_), true) => info!(balancer = %addr, "reports accepted again"),
@@ -344,13 +364,13 @@ async fn report_to(
 }
 
 /// Sends a report; returns the balancer's demand on the endpoint (what
-/// it does not say counts as 0).
+/// it does not say counts as 0) and the adapters it asks to load.
 async fn send(
     client: &Client,
     url: &str,
     token: &Option<String>,
     report: &AgentReport,
-) -> Result<Demand, Failure> {
+) -> Result<(Demand, Vec<String>), Failure> {
     let resp = authorized(client.post(format!("{url}/report")), token)
         .json(report)
         .send()
@@ -368,12 +388,16 @@ async fn send(
                 .as_u64()
                 .map(|n| u32::try_from(n).unwrap_or(u32::MAX))
         };
-        Ok(Demand {
+        let demand = Demand {
             in_flight: count("in_flight").unwrap_or(0),
             queued: count("queued").unwrap_or(0),
             applied: count("slot_share"),
             at_read: count("in_flight_at_read"),
-        })
+        };
+        let load = (v["load_adapters"].as_array().into_iter().flatten())
+            .filter_map(|n| n.as_str().map(str::to_string))
+            .collect();
+        Ok((demand, load))
     } else {
         Err(Failure {
             refused: false,
@@ -411,7 +435,7 @@ mod tests {
 
     #[tokio::test]
     async fn every_report_says_how_many_balancers_it_goes_to() {
-        let mut b = Balancers::new(Client::new(), "a".into(), None, true);
+        let mut b = Balancers::new(Client::new(), "a".into(), None, true, None);
         let said = |b: &Balancers| {
             let latest = b.latest.borrow();
             latest.as_ref().map(|(_, r, _, _)| r.balancers)

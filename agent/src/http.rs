@@ -3,6 +3,7 @@
 use reqwest::{Client, StatusCode};
 
 /// A model server's base URL, the client that polls it, and its API key.
+#[derive(Clone)]
 pub struct BackendHttp {
     client: Client,
     base: String,
@@ -36,5 +37,28 @@ impl BackendHttp {
             (s, body) if s.is_success() => Ok(body),
             (s, _) => Err(format!("GET {path}: HTTP {s}")),
         }
+    }
+
+    /// `POST path` with a JSON body, waiting at most `timeout`: status and
+    /// body, or a message naming the path.
+    pub async fn post_json(
+        &self,
+        path: &str,
+        body: &serde_json::Value,
+        timeout: std::time::Duration,
+    ) -> Result<(StatusCode, bytes::Bytes), String> {
+        let mut req = (self.client.post(format!("{}{path}", self.base)))
+            .json(body)
+            .timeout(timeout);
+        if let Some(key) = &self.api_key {
+            req = req.bearer_auth(key);
+        }
+        let resp = req.send().await.map_err(|e| format!("POST {path}: {e}"))?;
+        let status = resp.status();
+        let body = resp
+            .bytes()
+            .await
+            .map_err(|e| format!("POST {path}: {e}"))?;
+        Ok((status, body))
     }
 }

@@ -82,6 +82,7 @@ pub fn report(servable: Vec<String>, samples: &[Sample]) -> Option<AdapterReport
         waiting: names("waiting_lora_adapters"),
         loaded,
         max_loaded: label("max_lora").and_then(|v| v.parse().ok()),
+        ..AdapterReport::default()
     };
     fit(&mut report);
     Some(report)

@@ -6,6 +6,7 @@ mod balancers;
 mod engines;
 mod http;
 mod llamacpp;
+mod loader;
 mod lora;
 mod prom;
 
@@ -95,6 +96,16 @@ struct Cli {
     /// what it lists. Up to 64 names of at most 256 bytes
     #[arg(long = "model-alias", value_name = "NAME", value_parser = parse_alias)]
     model_aliases: Vec<String>,
+
+    /// A LoRA adapter the agent may have the server load when a balancer
+    /// asks for it (its requests wait and no server serves it): NAME as
+    /// requests give it in `model`, PATH as the server reads it.
+    /// Repeatable, or comma-separated. vLLM only, started with
+    /// `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`; each load is tried once, a
+    /// failure reported to the balancers for a minute
+    #[arg(long = "lora-adapter", value_name = "NAME=PATH", value_delimiter = ',',
+        value_parser = loader::parse_adapter)]
+    lora_adapters: Vec<(String, String)>,
 
     /// Divide the server's slots between the balancers this agent reports
     /// to, each told its share in its reports, so that together they never
@@ -294,6 +305,8 @@ async fn run(cli: Cli) -> Result<(), String> {
         backend_base.clone(),
         cli.backend_api_key.clone(),
     );
+    let loader = (!cli.lora_adapters.is_empty())
+        .then(|| loader::AdapterLoader::new(http.clone(), cli.lora_adapters.clone()));
     let backend: Box<dyn Backend> = match EngineMetrics::for_kind(cli.backend.kind()) {
         None => Box::new(llamacpp::LlamaCpp::new(http)),
         Some(metrics) => {
@@ -309,6 +322,7 @@ async fn run(cli: Cli) -> Result<(), String> {
         agent_id.clone(),
         cli.management_token.clone(),
         cli.share_slots,
+        loader.clone(),
     );
     info!(
         agent = agent_id,
@@ -370,7 +384,7 @@ async fn run(cli: Cli) -> Result<(), String> {
         let read_began = tokio::time::Instant::now();
         let status = backend.poll().await;
         let read = (read_began, tokio::time::Instant::now());
-        let report = report_of(
+        let mut report = report_of(
             &cli,
             &agent_id,
             &name,
@@ -378,6 +392,9 @@ async fn run(cli: Cli) -> Result<(), String> {
             status,
             drain_until.is_some(),
         );
+        if let Some(l) = loader.as_ref().filter(|_| report.last_error.is_none()) {
+            l.annotate(&mut report.adapters, std::time::Instant::now());
+        }
         let problem = report
             .last_error
             .as_ref()
@@ -407,6 +424,15 @@ fn main() -> ExitCode {
         );
         Cli::command()
             .error(clap::error::ErrorKind::MissingRequiredArgument, msg)
+            .exit();
+    }
+    if !cli.lora_adapters.is_empty() && !matches!(cli.backend, BackendArg::Vllm) {
+        use clap::CommandFactory;
+        Cli::command()
+            .error(
+                clap::error::ErrorKind::ArgumentConflict,
+                "--lora-adapter needs --backend vllm: only vLLM loads adapters at run time",
+            )
             .exit();
     }
     if cli.model_aliases.len() > MAX_ALIASES {

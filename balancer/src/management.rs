@@ -256,7 +256,7 @@ impl Management {
                 // may have counted in this report) it is what the agent
                 // divides the server's slots by.
                 let demand = self.shared.demand_of(endpoint);
-                let body = json!({
+                let mut body = json!({
                     "status": status,
                     "endpoint_id": endpoint.0,
                     "in_flight": demand.in_flight,
@@ -264,6 +264,12 @@ impl Management {
                     "slot_share": demand.applied,
                     "in_flight_at_read": demand.at_read,
                 });
+                // Adapters requests wait for that no server serves and
+                // this one should load (its agent was configured to).
+                let load = self.shared.adapters_to_load(endpoint);
+                if !load.is_empty() {
+                    body["load_adapters"] = json!(load.iter().map(|a| &**a).collect::<Vec<_>>());
+                }
                 json_response(StatusCode::OK, body.to_string().into_bytes())
             }
             Err((status, code, msg)) => {

@@ -138,13 +138,18 @@ impl Refusal {
             Reject::Shed | Reject::Evicted => ("rate_limit_error", "rate_limit_exceeded"),
             Reject::Timeout => ("server_error", "timeout"),
             Reject::TooManyTokens => ("invalid_request_error", "context_length_exceeded"),
+            Reject::AdapterLoadFailed => ("server_error", "adapter_load_failed"),
             Reject::UnknownModel => unreachable!("answered above"),
+        };
+        let message = match r {
+            Reject::AdapterLoadFailed => format!("`{model}`: {r}"),
+            _ => r.to_string(),
         };
         Refusal {
             status: StatusCode::from_u16(r.http_status()).expect("valid status"),
             kind,
             code,
-            message: r.to_string(),
+            message,
             reason: r.reason(),
             retry_after: None,
             headers: Vec::new(),

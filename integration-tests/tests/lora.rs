@@ -217,3 +217,144 @@ async fn an_adapter_no_server_serves_is_a_404_naming_what_is() {
     assert!(message.contains("a1"), "names what is served: {message}");
     assert_eq!(body["error"]["code"], json!("model_not_found"));
 }
+
+/// Three servers serving no adapter, whose agents may load `name` from
+/// `path` when a balancer asks.
+async fn loadable_fleet(name: &str, path: &str) -> Fleet {
+    let b = Balancer::start(&["--max-buffered-requests", "100"]).await;
+    let sims: Vec<Sim> = (0..3)
+        .map(|_| {
+            Sim::start(&[
+                "--engine",
+                "vllm",
+                "--slots",
+                "4",
+                "--max-loras",
+                "2",
+                "--lora-load-ms",
+                "100",
+                "--ttft-ms",
+                "20",
+            ])
+        })
+        .collect();
+    let adapter = format!("{name}={path}");
+    let agents = sims
+        .iter()
+        .map(|s| {
+            agent_at(
+                &s.addr.to_string(),
+                &b,
+                &[
+                    "--backend",
+                    "vllm",
+                    "--max-concurrency",
+                    "4",
+                    "--lora-adapter",
+                    &adapter,
+                ],
+            )
+        })
+        .collect();
+    b.wait_eligible(3).await;
+    Fleet {
+        b,
+        sims,
+        _agents: agents,
+    }
+}
+
+/// Fifty requests at once for an adapter no server serves, which the
+/// agents may load: it is loaded once, on one server, and every request
+/// is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_opt_in_load_happens_once_under_50_concurrent_first_requests() {
+    let dir = TempDir::new("lora-opt-in");
+    std::fs::create_dir_all(dir.0.join("fresh")).unwrap();
+    let f = loadable_fleet("fresh", &dir.path("fresh")).await;
+    let chats: Vec<_> = (0..50)
+        .map(|i| {
+            let c = client();
+            let url = f.b.url("/v1/chat/completions");
+            tokio::spawn(async move {
+                let r = c
+                    .post(url)
+                    .json(&chat_for(Some("fresh"), &format!("first {i}")))
+                    .send()
+                    .await
+                    .unwrap();
+                let status = r.status();
+                let reason = r.headers().get("x-flowgate-drop-reason").cloned();
+                let body = r.text().await.unwrap_or_default();
+                (status, format!("{reason:?} {body}"))
+            })
+        })
+        .collect();
+    for c in chats {
+        let (status, why) = c.await.unwrap();
+        assert_eq!(status, 200, "{why}");
+    }
+    let mut registered = Vec::new();
+    for s in &f.sims {
+        registered.push(s.stats().await["lora_registrations"].as_u64().unwrap());
+    }
+    assert_eq!(
+        registered.iter().sum::<u64>(),
+        1,
+        "loaded once: {registered:?}"
+    );
+}
+
+/// A load that fails is a clear error: the request waiting for it ends
+/// at its TTL, and later ones are refused at once with 502 naming the
+/// adapter; the agent does not try again in a loop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_load_is_a_clear_error_not_a_loop() {
+    let f = loadable_fleet("broken", "/nonexistent/flowgate-adapter").await;
+    let first = client()
+        .post(f.b.url("/v1/chat/completions"))
+        .header("x-flowgate-request-ttl", "3s")
+        .json(&chat_for(Some("broken"), "first"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(first.status(), 504);
+    wait_for(
+        "every agent to report the failure",
+        Duration::from_secs(5),
+        || async {
+            let agents = f.b.agents().await;
+            let failed = agents["endpoints"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|e| {
+                    e["agent"]["adapters"]["load_failed"][0]["name"] == "broken"
+                        || e["agent"]["adapters"]["loadable"][0] != "broken"
+                })
+                .count();
+            (failed == 3).then_some(())
+        },
+    )
+    .await;
+    let r = f.chat("broken").await;
+    let body = assert_openai_error(r, 502).await;
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("broken"), "{message}");
+    assert_eq!(body["error"]["code"], "adapter_load_failed");
+    let agents = f.b.agents().await;
+    let error = agents["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find_map(|e| e["agent"]["adapters"]["load_failed"][0]["error"].as_str())
+        .unwrap()
+        .to_string();
+    assert!(
+        error.contains("No adapter found"),
+        "the engine's word: {error}"
+    );
+    for s in &f.sims {
+        assert_eq!(s.stats().await["lora_registrations"], 0);
+    }
+}

@@ -77,7 +77,7 @@ pub(super) fn learn_adapters(
     let Some(adapters) = &report.adapters else {
         return;
     };
-    for name in &adapters.servable {
+    for name in adapters.servable.iter().chain(&adapters.loadable) {
         if adapter_models.contains(name.as_str()) {
             continue;
         }
@@ -87,7 +87,97 @@ pub(super) fn learn_adapters(
     }
 }
 
+/// Adapters one answer asks an agent to load at most.
+pub const MAX_LOADS_ASKED: usize = 4;
+
+impl Endpoint {
+    /// Whether its agent can have its server load `adapter` (listed
+    /// `loadable`, and no load of it failed lately).
+    fn can_load(&self, adapter: &str) -> bool {
+        let Some(a) = self.agent.as_ref().and_then(|a| a.report.adapters.as_ref()) else {
+            return false;
+        };
+        a.loadable.iter().any(|n| n == adapter) && !a.load_failed.iter().any(|f| f.name == adapter)
+    }
+
+    /// Whether a load of `adapter` failed here lately.
+    fn failed_to_load(&self, adapter: &str) -> bool {
+        self.agent
+            .as_ref()
+            .and_then(|a| a.report.adapters.as_ref())
+            .is_some_and(|a| a.load_failed.iter().any(|f| f.name == adapter))
+    }
+}
+
 impl EndpointLedger {
+    /// Whether an eligible endpoint serves `model` now (lists it).
+    fn served(&self, model: &str, now: Instant) -> bool {
+        self.ranking
+            .members(Some(model))
+            .any(|id| self.endpoints.get(&id).is_some_and(|e| e.eligible(now)))
+    }
+
+    /// The adapters `id`'s agent should have its server load now, for
+    /// the requests `queued` per lane (model): adapters that requests
+    /// wait for, that no eligible endpoint serves, and that of the
+    /// eligible endpoints able to load them prefer this one (the first
+    /// by rendezvous hash, as [`crate::adapter::preferred`]: every
+    /// balancer asks the same agent). Asked again at every report while
+    /// that holds; the agent loads each once.
+    pub(crate) fn adapters_to_load<'a>(
+        &self,
+        id: EndpointId,
+        queued: impl Iterator<Item = (&'a Option<Arc<str>>, usize)>,
+        now: Instant,
+    ) -> Vec<Arc<str>> {
+        let Some(me) = self.endpoints.get(&id).filter(|e| e.eligible(now)) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (model, n) in queued {
+            let Some(m) = model.as_deref().filter(|_| n > 0) else {
+                continue;
+            };
+            if out.len() == MAX_LOADS_ASKED || !me.can_load(m) || self.served(m, now) {
+                continue;
+            }
+            let able = self
+                .endpoints
+                .values()
+                .filter(|e| e.eligible(now) && e.can_load(m))
+                .map(|e| e.addr);
+            if preferred(m, able, 1).first() == Some(&me.addr) {
+                out.extend(self.adapter_models.get(m).cloned());
+            }
+        }
+        out
+    }
+
+    /// Whether `route` names an adapter that no eligible endpoint serves
+    /// and that every eligible endpoint able to load it failed to load
+    /// lately (at least one): waiting cannot help.
+    pub(crate) fn adapter_failed_everywhere(&self, route: &Route, now: Instant) -> bool {
+        let Some(m) = route.model.as_deref() else {
+            return false;
+        };
+        if !self.adapter_models.contains(m) || self.served(m, now) {
+            return false;
+        }
+        let mut tried = self.endpoints.values().filter(|e| {
+            e.eligible(now)
+                && e.agent
+                    .as_ref()
+                    .and_then(|a| a.report.adapters.as_ref())
+                    .is_some_and(|a| a.loadable.iter().any(|n| n == m))
+        });
+        let mut any = false;
+        let all_failed = tried.all(|e| {
+            any = true;
+            e.failed_to_load(m)
+        });
+        any && all_failed
+    }
+
     /// The route's adapter, when its model is one and the `adapter`
     /// scorer is on; its preferred endpoints among the eligible ones
     /// serving it.
@@ -181,6 +271,7 @@ mod tests {
             waiting: Vec::new(),
             loaded: Some(loaded.iter().map(|a| a.to_string()).collect()),
             max_loaded: Some(2),
+            ..AdapterReport::default()
         });
         (r, addr.parse().unwrap())
     }

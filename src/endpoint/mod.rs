@@ -342,9 +342,8 @@ impl EndpointLedger {
         if !self.by_agent.contains_key(&report.agent_id) && self.by_agent.len() >= MAX_AGENTS {
             return Err(ReportError::TooManyAgents(MAX_AGENTS));
         }
-        let new_names = report
-            .models
-            .iter()
+        let loadable = report.adapters.iter().flat_map(|a| &a.loadable);
+        let new_names = (report.models.iter().chain(loadable))
             .filter(|m| !self.models.contains_key(m.as_str()))
             .count();
         if self.models.len() + new_names > MAX_MODEL_NAMES {
@@ -428,7 +427,8 @@ impl EndpointLedger {
         let done = (ep.orphans.len() as u32).saturating_sub(running_orphans);
         ep.free_orphans(done as usize);
         ep.adapters_reported(&report, now);
-        for m in &report.models {
+        let loadable = report.adapters.iter().flat_map(|a| &a.loadable);
+        for m in report.models.iter().chain(loadable) {
             match self.models.get_mut(m.as_str()) {
                 Some(seen) => *seen = now,
                 None => {

@@ -467,6 +467,11 @@ impl FleetGate {
         self.lock().demand_of(endpoint)
     }
 
+    /// The LoRA adapters `endpoint`'s agent should load now.
+    pub fn adapters_to_load(&self, endpoint: EndpointId) -> Vec<std::sync::Arc<str>> {
+        self.lock().adapters_to_load(endpoint, now())
+    }
+
     pub fn deregister(self: &Arc<Self>, agent_id: &str) -> bool {
         self.with_dispatch(|d| d.deregister(agent_id))
     }

@@ -32,6 +32,8 @@ struct State {
     waiting: BTreeMap<String, u32>,
     loads: u64,
     evictions: u64,
+    /// Adapters added by `POST /v1/load_lora_adapter`.
+    registrations: u64,
 }
 
 /// One server's adapters.
@@ -66,6 +68,7 @@ pub(crate) struct Snapshot {
     pub(crate) waiting: Vec<String>,
     pub(crate) loads: u64,
     pub(crate) evictions: u64,
+    pub(crate) registrations: u64,
 }
 
 impl Adapters {
@@ -94,7 +97,10 @@ impl Adapters {
     /// Adds an adapter it can serve (`POST /v1/load_lora_adapter`): false
     /// when it already serves it.
     pub(crate) fn add(&self, name: &str) -> bool {
-        self.lock().servable.insert(name.to_string(), ()).is_none()
+        let mut st = self.lock();
+        let added = st.servable.insert(name.to_string(), ()).is_none();
+        st.registrations += u64::from(added);
+        added
     }
 
     /// Stops serving an adapter (`POST /v1/unload_lora_adapter`): false
@@ -185,6 +191,7 @@ impl Adapters {
             waiting: st.waiting.keys().cloned().collect(),
             loads: st.loads,
             evictions: st.evictions,
+            registrations: st.registrations,
         }
     }
 }

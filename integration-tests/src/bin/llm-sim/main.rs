@@ -355,6 +355,7 @@ impl Sim {
             "traceparents": st.traceparents,
             "lora_loads": lora.loads,
             "lora_evictions": lora.evictions,
+            "lora_registrations": lora.registrations,
             "lora_loaded": lora.loaded,
         })
     }
@@ -636,6 +637,14 @@ async fn lora_admin(sim: Arc<Sim>, req: Request<Incoming>, load: bool) -> Respon
             json!({"error": {"message": "lora_name is required", "type": "BadRequestError", "code": 400}}),
         );
     };
+    // vLLM reads the adapter from its path: one that is not there fails.
+    let path = parsed.as_ref().and_then(|v| v["lora_path"].as_str());
+    if load && !path.is_some_and(|p| std::path::Path::new(p).exists()) {
+        return json_resp(
+            StatusCode::BAD_REQUEST,
+            json!({"error": {"message": format!("Loading lora {name} failed: No adapter found for {}", path.unwrap_or("")), "type": "BadRequestError", "code": 400}}),
+        );
+    }
     match (
         load,
         load && sim.adapters.add(name) || !load && sim.adapters.remove(name),

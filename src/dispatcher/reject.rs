@@ -1,0 +1,49 @@
+//! Why a request was turned away without being served, as the client is
+//! told it.
+
+/// Why a request was turned away without being served.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Reject {
+    #[error("all model servers are busy and the request buffer is full")]
+    BufferFull,
+    #[error("the request's priority band is at its queue limit; retry later")]
+    Shed,
+    #[error("the request was evicted from the queue by higher-priority work; retry later")]
+    Evicted,
+    #[error("no model server is available and buffering is disabled")]
+    NoEndpoints,
+    #[error("the request waited too long for a free model server")]
+    Timeout,
+    #[error("the requested model is not served by any model server")]
+    UnknownModel,
+    #[error("the request needs more tokens (prompt plus max_tokens, estimated) than any model server of its model can hold")]
+    TooManyTokens,
+    #[error("the requested LoRA adapter is served by no model server and failed to load on every one that could load it (see load_failed in /api/v1/agents)")]
+    AdapterLoadFailed,
+}
+
+impl Reject {
+    /// Value of the `x-flowgate-drop-reason` header and metric label.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Reject::BufferFull => "buffer-full",
+            Reject::Shed | Reject::Evicted => "shed",
+            Reject::NoEndpoints => "no-endpoints",
+            Reject::Timeout => "ttl-expired",
+            Reject::UnknownModel => "model-not-found",
+            Reject::TooManyTokens => "exceeds-token-capacity",
+            Reject::AdapterLoadFailed => "adapter-load-failed",
+        }
+    }
+
+    pub fn http_status(self) -> u16 {
+        match self {
+            Reject::BufferFull | Reject::NoEndpoints => 503,
+            Reject::Shed | Reject::Evicted => 429,
+            Reject::Timeout => 504,
+            Reject::UnknownModel => 404,
+            Reject::TooManyTokens => 413,
+            Reject::AdapterLoadFailed => 502,
+        }
+    }
+}

@@ -146,6 +146,13 @@ pub struct AdapterReport {
     /// Loads the agent asked for that failed lately, and why.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub load_failed: Vec<LoadFailure>,
+    /// Adapters loaded and evicted since the agent started, as it saw
+    /// them come into and leave `loaded` from one poll to the next (an
+    /// engine that does not say what it holds: `None`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loads: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evictions: Option<u64>,
 }
 
 /// A load of an adapter that failed, and the engine's word on it.

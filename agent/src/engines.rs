@@ -124,6 +124,8 @@ pub struct MetricsEngine {
     http: BackendHttp,
     metrics: EngineMetrics,
     max_concurrency: u32,
+    /// Adapter loads and evictions, seen from poll to poll.
+    loads: std::sync::Mutex<lora::LoadCounter>,
 }
 
 impl MetricsEngine {
@@ -132,6 +134,7 @@ impl MetricsEngine {
             http,
             metrics,
             max_concurrency,
+            loads: Default::default(),
         }
     }
 }
@@ -161,10 +164,13 @@ impl Backend for MetricsEngine {
             Ok(l) => l,
             Err(e) => return BackendStatus::unreachable(e),
         };
-        let adapters = match (&models, &samples) {
+        let mut adapters = match (&models, &samples) {
             (Ok(body), Ok(samples)) => lora::report(lora::servable(body), samples),
             _ => None,
         };
+        if let Some(a) = adapters.as_mut() {
+            (self.loads.lock().unwrap_or_else(|e| e.into_inner())).count(a);
+        }
         let models = match models.and_then(|b| parse_models(&b)) {
             Ok(m) => m,
             Err(e) => return BackendStatus::unreachable(e),

@@ -6,7 +6,8 @@
 //! `--no-slots`) the slot count comes from `/props` `total_slots` and the
 //! busy count from `llamacpp:requests_processing`. The KV capacity in
 //! tokens is the context of every slot (`n_ctx` of each `/slots` entry, or
-//! `/props` `default_generation_settings.n_ctx` × `total_slots`).
+//! `/props` `default_generation_settings.n_ctx` × `total_slots`). Its LoRA
+//! adapters from `/lora-adapters` ([`crate::lora::llamacpp_adapters`]).
 
 use async_trait::async_trait;
 use flowgate::BackendHealth;
@@ -127,8 +128,11 @@ impl Backend for LlamaCpp {
             st.health = BackendHealth::Loading;
             return st;
         }
-        let (metrics, models) =
-            tokio::join!(self.http.get("/metrics"), self.http.get_ok("/v1/models"));
+        let (metrics, models, adapters) = tokio::join!(
+            self.http.get("/metrics"),
+            self.http.get_ok("/v1/models"),
+            self.http.get_ok("/lora-adapters")
+        );
         // Metrics are optional (`--metrics`); without them nothing waits.
         let samples = match metrics {
             Ok((s, body)) if s.is_success() => prom::parse(&String::from_utf8_lossy(&body)),
@@ -151,7 +155,10 @@ impl Backend for LlamaCpp {
             kv_cache_usage: None,
             kv_capacity_tokens: slots.kv_capacity_tokens,
             last_error: None,
-            adapters: None,
+            // Older servers answer 404: no adapters said.
+            adapters: adapters
+                .ok()
+                .and_then(|b| crate::lora::llamacpp_adapters(&b)),
         }
     }
 }

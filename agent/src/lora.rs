@@ -11,7 +11,12 @@
 //!   `level="gpu"` are reported as loaded (`"cpu"` ones still cost a copy
 //!   to the GPU).
 //!
-//! Not read (yet): llama.cpp's `GET /lora-adapters`, SGLang.
+//! llama.cpp loads its adapters at start (`--lora`) and applies them per
+//! request by id and scale (`"lora": [{"id", "scale"}]` in the body), not
+//! by a request's `model`: `GET /lora-adapters` is reported as adapters
+//! all loaded, none servable by name (the operator sees them; placement
+//! does not change). SGLang: adapters its `/v1/models` lists with a
+//! `parent`, as vLLM's; it publishes no adapter metrics.
 
 use flowgate::protocol::{
     valid_model_name, AdapterReport, MAX_ADAPTERS_PER_REPORT, MAX_ADAPTER_NAME_BYTES,
@@ -88,6 +93,83 @@ pub fn report(servable: Vec<String>, samples: &[Sample]) -> Option<AdapterReport
     Some(report)
 }
 
+#[derive(Debug, Deserialize)]
+struct LlamaAdapter {
+    #[serde(default)]
+    id: u64,
+    #[serde(default)]
+    path: String,
+}
+
+/// What llama.cpp's `GET /lora-adapters` says (`[{"id", "path",
+/// "scale"}]`): each adapter loaded, named by its file's stem (else
+/// `lora-{id}`), none servable by name (module docs); `None` for none.
+pub fn llamacpp_adapters(body: &[u8]) -> Option<AdapterReport> {
+    let list: Vec<LlamaAdapter> = serde_json::from_slice(body).ok()?;
+    if list.is_empty() {
+        return None;
+    }
+    let names = bounded(list.iter().map(|a| {
+        std::path::Path::new(&a.path)
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .filter(|s| !s.is_empty())
+            .map_or_else(|| format!("lora-{}", a.id), str::to_string)
+    }));
+    let mut report = AdapterReport {
+        max_loaded: u32::try_from(names.len()).ok(),
+        loaded: Some(names),
+        ..AdapterReport::default()
+    };
+    fit(&mut report);
+    Some(report)
+}
+
+/// Counts the adapters that come into and leave an engine's `loaded`
+/// list from one poll to the next: loads and evictions as the engine
+/// does not count them. One poll may miss an adapter loaded and evicted
+/// between two: a floor, not an exact count.
+#[derive(Debug, Default)]
+pub struct LoadCounter {
+    previous: Option<std::collections::BTreeSet<String>>,
+    /// Polls made before the first list (vLLM writes no
+    /// `vllm:lora_adapter_loaded` series while none is loaded).
+    polled: bool,
+    loads: u64,
+    evictions: u64,
+}
+
+impl LoadCounter {
+    /// Counts what changed since the last report and says the totals in
+    /// this one (nothing when it does not say what is loaded).
+    pub fn count(&mut self, report: &mut AdapterReport) {
+        let now: std::collections::BTreeSet<String> = match &report.loaded {
+            Some(loaded) => loaded.iter().cloned().collect(),
+            // Once it said, no list is an empty one.
+            None if self.previous.is_some() => Default::default(),
+            // Not said yet: none loaded, or an engine that never says.
+            None => {
+                self.polled = true;
+                return;
+            }
+        };
+        match &self.previous {
+            Some(before) => {
+                self.loads += now.difference(before).count() as u64;
+                self.evictions += before.difference(&now).count() as u64;
+            }
+            // Loaded since polls that saw none.
+            None if self.polled => self.loads += now.len() as u64,
+            // What the first poll finds was loaded before the agent came.
+            None => {}
+        }
+        self.polled = true;
+        self.previous = Some(now);
+        report.loads = Some(self.loads);
+        report.evictions = Some(self.evictions);
+    }
+}
+
 /// Drops names until the report's fit [`MAX_ADAPTER_NAME_BYTES`] (a report
 /// beyond is refused whole, and the server goes unused): the servable ones
 /// first, from the end (the engine's few loaded, running and waiting
@@ -120,6 +202,50 @@ fn bounded(names: impl Iterator<Item = String>) -> Vec<String> {
 mod tests {
     use super::*;
     use crate::prom;
+
+    #[test]
+    fn loads_and_evictions_are_counted_from_poll_to_poll() {
+        let mut counter = LoadCounter::default();
+        let mut poll = |loaded: Option<&[&str]>| {
+            let mut r = AdapterReport {
+                loaded: loaded.map(|l| l.iter().map(|s| s.to_string()).collect()),
+                ..AdapterReport::default()
+            };
+            counter.count(&mut r);
+            (r.loads, r.evictions)
+        };
+        assert_eq!(poll(Some(&["a", "b"])), (Some(0), Some(0)), "there before");
+        assert_eq!(poll(Some(&["a", "c"])), (Some(1), Some(1)));
+        assert_eq!(poll(Some(&["a", "c"])), (Some(1), Some(1)));
+        assert_eq!(poll(Some(&["d", "e", "f"])), (Some(4), Some(3)));
+        assert_eq!(poll(None), (Some(4), Some(6)), "none loaded now");
+        // vLLM writes no series while none is loaded: the first list after
+        // polls without one is loads.
+        let mut counter = LoadCounter::default();
+        let mut poll = |loaded: Option<&[&str]>| {
+            let mut r = AdapterReport {
+                loaded: loaded.map(|l| l.iter().map(|s| s.to_string()).collect()),
+                ..AdapterReport::default()
+            };
+            counter.count(&mut r);
+            (r.loads, r.evictions)
+        };
+        assert_eq!(poll(None), (None, None), "not said");
+        assert_eq!(poll(Some(&["a"])), (Some(1), Some(0)));
+    }
+
+    #[test]
+    fn llamacpp_adapters_are_all_loaded_and_named_by_file() {
+        let r = llamacpp_adapters(
+            br#"[{"id":0,"path":"adapters/sql-lora.gguf","scale":0.0},{"id":1,"path":"","scale":1.0}]"#,
+        )
+        .unwrap();
+        assert_eq!(r.loaded, Some(vec!["sql-lora".into(), "lora-1".into()]));
+        assert_eq!(r.max_loaded, Some(2));
+        assert!(r.servable.is_empty(), "not by name");
+        assert_eq!(llamacpp_adapters(b"[]"), None);
+        assert_eq!(llamacpp_adapters(b"<html>not found</html>"), None);
+    }
 
     #[test]
     fn adapters_are_read_from_the_models_and_the_newest_info_series() {

@@ -172,6 +172,15 @@ async fn a_hot_adapter_spreads() {
     assert!(serving >= 2, "the hot adapter spread: loads {loads:?}");
     // But not load after load: each server loaded it once.
     assert!(loads.iter().all(|&n| n <= 1), "loads {loads:?}");
+    // Each agent saw its server's load (its polls began before any), and
+    // the balancer shows them.
+    let total: u64 = loads.iter().sum();
+    wait_for("the loads in /metrics", Duration::from_secs(5), || async {
+        let seen = metric(&f.b, "flowgate_endpoint_adapter_loads", &[]).await;
+        let loaded = metric(&f.b, "flowgate_endpoint_adapters_loaded", &[]).await;
+        (seen == total as f64 && loaded == total as f64).then_some(())
+    })
+    .await;
 }
 
 /// A server that evicts an adapter stops getting its requests first:

@@ -7,6 +7,7 @@ use prometheus::{
     Gauge, GaugeVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
 };
 
+use super::adapters::AdapterMetrics;
 use super::cache::CacheMetrics;
 use super::cost::CostMetrics;
 use super::metrics::{endpoint_labels, register};
@@ -35,6 +36,7 @@ pub struct FleetMetrics {
     cache: CacheMetrics,
     /// What every endpoint's engine costs, as learned.
     cost: CostMetrics,
+    adapters: AdapterMetrics,
 }
 
 impl FleetMetrics {
@@ -147,6 +149,7 @@ impl FleetMetrics {
             endpoints: EndpointGauges::new(registry),
             cache: CacheMetrics::new(registry),
             cost: CostMetrics::new(registry),
+            adapters: AdapterMetrics::new(registry),
         }
     }
 
@@ -190,6 +193,7 @@ impl FleetMetrics {
         self.endpoints.refresh(&snap.endpoints);
         self.cache.refresh(&snap.endpoints);
         self.cost.refresh(&snap.endpoints);
+        self.adapters.refresh(&snap.endpoints);
     }
 }
 

@@ -6,6 +6,7 @@
 //! usage of an answer as it passes ([`meter`]), and the dashboard's last
 //! minutes of traffic ([`history`]).
 
+pub mod adapters;
 pub mod cache;
 pub mod clients;
 pub mod cost;

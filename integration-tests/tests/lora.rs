@@ -227,24 +227,28 @@ async fn an_adapter_no_server_serves_is_a_404_naming_what_is() {
     assert_eq!(body["error"]["code"], json!("model_not_found"));
 }
 
-/// Three servers serving no adapter, whose agents may load `name` from
-/// `path` when a balancer asks.
-async fn loadable_fleet(name: &str, path: &str) -> Fleet {
+/// Three servers of `slots` slots, the first serving `served` (the
+/// others nothing), whose agents may load `name` from `path` when a
+/// balancer asks.
+async fn loadable_fleet(name: &str, path: &str, served: &str, slots: &str, more: &[&str]) -> Fleet {
     let b = Balancer::start(&["--max-buffered-requests", "100"]).await;
     let sims: Vec<Sim> = (0..3)
-        .map(|_| {
-            Sim::start(&[
+        .map(|i| {
+            let mut args = vec![
                 "--engine",
                 "vllm",
                 "--slots",
-                "4",
+                slots,
                 "--max-loras",
                 "2",
                 "--lora-load-ms",
                 "100",
-                "--ttft-ms",
-                "20",
-            ])
+            ];
+            args.extend_from_slice(more);
+            if i == 0 && !served.is_empty() {
+                args.extend(["--lora", served]);
+            }
+            Sim::start(&args)
         })
         .collect();
     let adapter = format!("{name}={path}");
@@ -258,7 +262,7 @@ async fn loadable_fleet(name: &str, path: &str) -> Fleet {
                     "--backend",
                     "vllm",
                     "--max-concurrency",
-                    "4",
+                    slots,
                     "--lora-adapter",
                     &adapter,
                 ],
@@ -280,7 +284,9 @@ async fn loadable_fleet(name: &str, path: &str) -> Fleet {
 async fn the_opt_in_load_happens_once_under_50_concurrent_first_requests() {
     let dir = TempDir::new("lora-opt-in");
     std::fs::create_dir_all(dir.0.join("fresh")).unwrap();
-    let f = loadable_fleet("fresh", &dir.path("fresh")).await;
+    // Quick answers: the queue drains sooner than a second load would.
+    let quick = ["--ttft-ms", "5", "--tpot-ms", "1", "--output-tokens", "4"];
+    let f = loadable_fleet("fresh", &dir.path("fresh"), "", "4", &quick).await;
     let chats: Vec<_> = (0..50)
         .map(|i| {
             let c = client();
@@ -319,7 +325,7 @@ async fn the_opt_in_load_happens_once_under_50_concurrent_first_requests() {
 /// adapter; the agent does not try again in a loop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_load_is_a_clear_error_not_a_loop() {
-    let f = loadable_fleet("broken", "/nonexistent/flowgate-adapter").await;
+    let f = loadable_fleet("broken", "/nonexistent/flowgate-adapter", "", "4", &[]).await;
     let first = client()
         .post(f.b.url("/v1/chat/completions"))
         .header("x-flowgate-request-ttl", "3s")
@@ -366,4 +372,46 @@ async fn a_failed_load_is_a_clear_error_not_a_loop() {
     for s in &f.sims {
         assert_eq!(s.stats().await["lora_registrations"], 0);
     }
+}
+
+/// An adapter one server serves, busy with a long queue for it: the queue
+/// costs more than a load, so another server whose agent may load it is
+/// asked to, and serves some of its requests.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hot_adapter_is_loaded_on_another_server_when_its_queue_costs_more_than_a_load() {
+    let dir = TempDir::new("lora-spread");
+    std::fs::create_dir_all(dir.0.join("hot")).unwrap();
+    let f = loadable_fleet("hot", &dir.path("hot"), "hot", "2", &["--ttft-ms", "300"]).await;
+    let chats: Vec<_> = (0..24)
+        .map(|i| {
+            let c = client();
+            let url = f.b.url("/v1/chat/completions");
+            tokio::spawn(async move {
+                let r = c
+                    .post(url)
+                    .json(&chat_for(Some("hot"), &format!("hot {i}")))
+                    .send()
+                    .await
+                    .unwrap();
+                r.status()
+            })
+        })
+        .collect();
+    for c in chats {
+        assert_eq!(c.await.unwrap(), 200);
+    }
+    let mut served_elsewhere = 0;
+    let mut registered = 0;
+    for s in &f.sims[1..] {
+        let stats = s.stats().await;
+        served_elsewhere += stats["requests_total"].as_u64().unwrap();
+        registered += stats["lora_registrations"].as_u64().unwrap();
+    }
+    assert!(registered >= 1, "loaded on another server");
+    assert!(served_elsewhere >= 1, "which served some of the queue");
+    assert_eq!(
+        f.sims[0].stats().await["lora_registrations"],
+        0,
+        "it had it"
+    );
 }

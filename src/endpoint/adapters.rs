@@ -117,13 +117,44 @@ impl EndpointLedger {
             .any(|id| self.endpoints.get(&id).is_some_and(|e| e.eligible(now)))
     }
 
+    /// Whether the `queued` requests waiting for adapter `m` want one
+    /// more server to load it (`me`, where a load is predicted to take
+    /// its learned time): no eligible endpoint serves it, or every one
+    /// that does is saturated and its queue is predicted to take longer
+    /// to reach the last of them than a load there (the wait-or-go rule's
+    /// reasoning: (queued + 1) × service time over those servers' slots),
+    /// on service times learned from their answers (the cautious prior
+    /// would load an adapter again for every burst of first requests).
+    fn wants_another_server(&self, m: &str, queued: usize, me: &Endpoint, now: Instant) -> bool {
+        let serving: Vec<&Endpoint> = (self.ranking.members(Some(m)))
+            .filter_map(|id| self.endpoints.get(&id))
+            .filter(|e| e.eligible(now))
+            .collect();
+        if serving.is_empty() {
+            return true;
+        }
+        if serving
+            .iter()
+            .any(|e| e.available(now, &self.saturation) || e.cost.service_ms.samples() == 0)
+        {
+            return false;
+        }
+        let slots: u32 = serving.iter().map(|e| e.slots_total()).sum();
+        let service_ms: f64 =
+            serving.iter().map(|e| e.cost.service_ms.ms()).sum::<f64>() / serving.len() as f64;
+        let wait_ms = (queued as f64 + 1.0) * service_ms / f64::from(slots.max(1));
+        wait_ms > me.predicted_adapter_load_ms()
+    }
+
     /// The adapters `id`'s agent should have its server load now, for
     /// the requests `queued` per lane (model): adapters that requests
-    /// wait for, that no eligible endpoint serves, and that of the
-    /// eligible endpoints able to load them prefer this one (the first
-    /// by rendezvous hash, as [`crate::adapter::preferred`]: every
-    /// balancer asks the same agent). Asked again at every report while
-    /// that holds; the agent loads each once.
+    /// wait for, that want one more server
+    /// ([`EndpointLedger::wants_another_server`]: none serves them, or
+    /// their queue costs more than a load), and that of the eligible
+    /// endpoints able to load them prefer this one (the first by
+    /// rendezvous hash, as [`crate::adapter::preferred`]: every balancer
+    /// asks the same agent). Asked again at every report while that
+    /// holds; the agent loads each once.
     pub(crate) fn adapters_to_load<'a>(
         &self,
         id: EndpointId,
@@ -138,7 +169,10 @@ impl EndpointLedger {
             let Some(m) = model.as_deref().filter(|_| n > 0) else {
                 continue;
             };
-            if out.len() == MAX_LOADS_ASKED || !me.can_load(m) || self.served(m, now) {
+            if out.len() == MAX_LOADS_ASKED
+                || !me.can_load(m)
+                || !self.wants_another_server(m, n, me, now)
+            {
                 continue;
             }
             let able = self
@@ -406,6 +440,66 @@ mod tests {
         }
         // Waits of 200, 400 ms beat a 500 ms load; the third (600 ms) goes.
         assert_eq!(held, 2);
+        ledger.release(busy, now);
+    }
+
+    #[test]
+    fn the_preferred_able_server_is_asked_to_load_an_adapter_no_server_serves() {
+        let now = Instant::now();
+        let mut ledger = EndpointLedger::default();
+        // Three servers of base model `m` only, whose agents may load `x`.
+        let mut ids = Vec::new();
+        for port in 1..=3u16 {
+            let addr = format!("127.0.0.1:{port}");
+            let mut r = report(&format!("e{port}"), &addr, 1);
+            r.adapters = Some(AdapterReport {
+                loadable: vec!["x".into()],
+                ..AdapterReport::default()
+            });
+            match ledger.apply_report(r, addr.parse().unwrap(), now) {
+                crate::endpoint::ReportOutcome::Registered(id) => ids.push(id),
+                other => panic!("{other:?}"),
+            }
+        }
+        let x: Option<Arc<str>> = Some("x".into());
+        let asked = |ledger: &EndpointLedger, n: usize| -> Vec<u16> {
+            ids.iter()
+                .filter(|id| !ledger.adapters_to_load(**id, [(&x, n)].into_iter(), now).is_empty())
+                .map(|id| ledger.endpoints[id].addr.port())
+                .collect()
+        };
+        assert!(asked(&ledger, 0).is_empty(), "no request waits");
+        let first = asked(&ledger, 5);
+        assert_eq!(first.len(), 1, "one server asked: {first:?}");
+        let able = ledger.endpoints.values().map(|e| e.addr);
+        assert_eq!(preferred("x", able, 1)[0].port(), first[0]);
+        // Once it serves `x` and takes requests, nobody is asked.
+        let addr = format!("127.0.0.1:{}", first[0]);
+        let mut r = report("serving", &addr, 1);
+        r.agent_id = format!("e{}", first[0]);
+        r.models.push("x".into());
+        r.adapters = Some(AdapterReport {
+            servable: vec!["x".into()],
+            ..AdapterReport::default()
+        });
+        ledger.apply_report(r, addr.parse().unwrap(), now);
+        assert!(asked(&ledger, 5).is_empty());
+        // Busy, with its service time learned: a queue that costs more
+        // than a load (500 ms) asks another server; a short one does not.
+        let busy = take(&mut ledger, &adapter("x"), now);
+        for _ in 0..crate::endpoint::cost::WINDOW {
+            ledger.observe_timing(
+                &busy,
+                &Timing {
+                    service: Some(Duration::from_millis(200)),
+                    ..Timing::default()
+                },
+            );
+        }
+        assert!(asked(&ledger, 1).is_empty(), "400 ms to serve two");
+        let more = asked(&ledger, 5);
+        assert_eq!(more.len(), 1, "{more:?}");
+        assert_ne!(more[0], first[0]);
         ledger.release(busy, now);
     }
 

@@ -164,7 +164,7 @@ pub struct LoadFailure {
 
 /// Failed loads one report may carry, and the bytes of each one's error.
 pub const MAX_LOAD_FAILURES: usize = 16;
-pub const MAX_LOAD_ERROR_LEN: usize = 512;
+pub const MAX_LOAD_ERROR_LEN: usize = 256;
 
 /// Adapter names one report may list in each of its lists.
 pub const MAX_ADAPTERS_PER_REPORT: usize = 1024;

@@ -21,8 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use flowgate::protocol::{
-    valid_model_name, AdapterReport, LoadFailure, MAX_ADAPTERS_PER_REPORT, MAX_LOAD_ERROR_LEN,
-    MAX_LOAD_FAILURES,
+    valid_model_name, AdapterReport, LoadFailure, MAX_LOAD_ERROR_LEN, MAX_LOAD_FAILURES,
 };
 use serde_json::json;
 use tracing::{info, warn};
@@ -38,6 +37,9 @@ pub const SETTLE: Duration = Duration::from_secs(10);
 const LOAD_TIMEOUT: Duration = Duration::from_secs(300);
 /// Most adapters one balancer's answer may ask for that are heeded.
 const MAX_ASKED: usize = 16;
+/// Most adapters an agent may be given (`--lora-adapter`): a report
+/// lists them all.
+pub const MAX_LOADABLE: usize = flowgate::protocol::MAX_ADAPTERS_PER_REPORT;
 
 #[derive(Debug)]
 enum Load {
@@ -72,7 +74,7 @@ impl AdapterLoader {
     pub fn new(http: BackendHttp, adapters: Vec<(String, String)>) -> Arc<Self> {
         Arc::new(AdapterLoader {
             http,
-            paths: adapters.into_iter().take(MAX_ADAPTERS_PER_REPORT).collect(),
+            paths: adapters.into_iter().collect(),
             loads: Mutex::new(HashMap::new()),
         })
     }
@@ -105,6 +107,7 @@ impl AdapterLoader {
             })
             .take(MAX_LOAD_FAILURES)
             .collect();
+        crate::lora::fit(report);
     }
 
     /// A balancer asked for `names`: each configured one not loading, not
@@ -229,5 +232,16 @@ mod tests {
         let mut none = None;
         loader.annotate(&mut none, now);
         assert_eq!(none.unwrap().loadable, ["a", "b"]);
+        // As many as allowed, of the longest names: the report still fits.
+        let http = BackendHttp::new(reqwest::Client::new(), "http://127.0.0.1:9".into(), None);
+        let many = (0..MAX_LOADABLE)
+            .map(|i| (format!("{i:0>256}"), "/p".to_string()))
+            .collect();
+        let loader = AdapterLoader::new(http, many);
+        let mut adapters = None;
+        loader.annotate(&mut adapters, now);
+        let a = adapters.unwrap();
+        assert!(a.name_bytes() <= flowgate::protocol::MAX_ADAPTER_NAME_BYTES);
+        assert!(!a.loadable.is_empty());
     }
 }

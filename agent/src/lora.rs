@@ -171,10 +171,10 @@ impl LoadCounter {
 }
 
 /// Drops names until the report's fit [`MAX_ADAPTER_NAME_BYTES`] (a report
-/// beyond is refused whole, and the server goes unused): the servable ones
-/// first, from the end (the engine's few loaded, running and waiting
-/// adapters say more), then loaded, waiting, running.
-fn fit(report: &mut AdapterReport) {
+/// beyond is refused whole, and the server goes unused): the loadable ones
+/// first, then the servable ones, from the end (the engine's few loaded,
+/// running and waiting adapters say more), then loaded, waiting, running.
+pub fn fit(report: &mut AdapterReport) {
     let mut over = report.name_bytes().saturating_sub(MAX_ADAPTER_NAME_BYTES);
     let mut drop_from = |names: &mut Vec<String>| {
         while over > 0 {
@@ -182,6 +182,7 @@ fn fit(report: &mut AdapterReport) {
             over = over.saturating_sub(n.len());
         }
     };
+    drop_from(&mut report.loadable);
     drop_from(&mut report.servable);
     if let Some(loaded) = report.loaded.as_mut() {
         drop_from(loaded);

@@ -435,6 +435,15 @@ fn main() -> ExitCode {
             )
             .exit();
     }
+    if cli.lora_adapters.len() > loader::MAX_LOADABLE {
+        use clap::CommandFactory;
+        Cli::command()
+            .error(
+                clap::error::ErrorKind::TooManyValues,
+                format!("at most {} --lora-adapter names", loader::MAX_LOADABLE),
+            )
+            .exit();
+    }
     if cli.model_aliases.len() > MAX_ALIASES {
         use clap::CommandFactory;
         Cli::command()

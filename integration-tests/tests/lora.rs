@@ -320,20 +320,21 @@ async fn the_opt_in_load_happens_once_under_50_concurrent_first_requests() {
     );
 }
 
-/// A load that fails is a clear error: the request waiting for it ends
-/// at its TTL, and later ones are refused at once with 502 naming the
-/// adapter; the agent does not try again in a loop.
+/// A load that fails is a clear error: the request waiting for it, and
+/// later ones at once, are refused with 502 naming the adapter (long
+/// before the waiting one's TTL); the agent does not try again in a loop.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_load_is_a_clear_error_not_a_loop() {
     let f = loadable_fleet("broken", "/nonexistent/flowgate-adapter", "", "4", &[]).await;
     let first = client()
         .post(f.b.url("/v1/chat/completions"))
-        .header("x-flowgate-request-ttl", "3s")
+        .header("x-flowgate-request-ttl", "30s")
         .json(&chat_for(Some("broken"), "first"))
         .send()
         .await
         .unwrap();
-    assert_eq!(first.status(), 504);
+    let body = assert_openai_error(first, 502).await;
+    assert_eq!(body["error"]["code"], "adapter_load_failed");
     wait_for(
         "every agent to report the failure",
         Duration::from_secs(5),

@@ -166,7 +166,8 @@ impl EndpointLedger {
         };
         let mut out = Vec::new();
         for (model, n) in queued {
-            let Some(m) = model.as_deref().filter(|_| n > 0) else {
+            let Some(m) = (model.as_deref()).filter(|m| n > 0 && self.adapter_models.contains(*m))
+            else {
                 continue;
             };
             if out.len() == MAX_LOADS_ASKED
@@ -464,7 +465,11 @@ mod tests {
         let x: Option<Arc<str>> = Some("x".into());
         let asked = |ledger: &EndpointLedger, n: usize| -> Vec<u16> {
             ids.iter()
-                .filter(|id| !ledger.adapters_to_load(**id, [(&x, n)].into_iter(), now).is_empty())
+                .filter(|id| {
+                    !ledger
+                        .adapters_to_load(**id, [(&x, n)].into_iter(), now)
+                        .is_empty()
+                })
                 .map(|id| ledger.endpoints[id].addr.port())
                 .collect()
         };

@@ -563,6 +563,18 @@ impl<T> FlowQueues<T> {
         out
     }
 
+    /// Every request queued in `lane` (a requested model), for a sweep
+    /// when that lane can never be served; costs a pass over the flows.
+    pub fn tickets_in(&self, lane: &Lane) -> Vec<Ticket> {
+        (self.flows.iter().enumerate())
+            .filter_map(|(i, f)| f.as_ref().filter(|f| f.lane == *lane).map(|f| (i, f)))
+            .flat_map(|(i, f)| {
+                let flow = FlowIdx(i as u32);
+                f.items.keys().map(move |&key| Ticket { flow, key })
+            })
+            .collect()
+    }
+
     /// Queued requests per lane (requested model), all flows together,
     /// sorted by lane.
     pub fn lanes(&self) -> Vec<(Lane, usize)> {

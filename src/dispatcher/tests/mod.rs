@@ -692,3 +692,51 @@ mod conversations;
 mod holds;
 mod properties;
 mod sessions;
+
+/// Requests waiting for a LoRA adapter no server serves are refused, and
+/// so are new ones, once every server whose agent could load it says the
+/// load failed; a server that only fails it on one of two keeps them.
+#[test]
+fn an_adapter_that_failed_to_load_everywhere_refuses_its_waiting_requests() {
+    use crate::protocol::{AdapterReport, LoadFailure};
+    let t0 = Instant::now();
+    let mut d = dispatcher(10);
+    let agent = |id: &str, port: u16, failed: bool| {
+        let mut r = report(id, &format!("127.0.0.1:{port}"), 1);
+        r.adapters = Some(AdapterReport {
+            loadable: vec!["x".into()],
+            load_failed: if failed {
+                vec![LoadFailure {
+                    name: "x".into(),
+                    error: "HTTP 400".into(),
+                }]
+            } else {
+                Vec::new()
+            },
+            ..AdapterReport::default()
+        });
+        r
+    };
+    d.report(agent("a", 1, false), t0).unwrap();
+    d.report(agent("b", 2, false), t0).unwrap();
+    let for_x = RequestMeta {
+        route: Route {
+            model: Some("x".into()),
+            ..Route::default()
+        },
+        ..anon()
+    };
+    queued(d.submit(for_x.clone(), "waits", t0));
+    assert!(d.dispatch(t0).is_empty());
+    d.report(agent("a", 1, true), t0).unwrap();
+    assert!(d.dispatch(t0).is_empty(), "b may still load it");
+    d.report(agent("b", 2, true), t0).unwrap();
+    let done = d.dispatch(t0);
+    assert_eq!(done.len(), 1);
+    assert_eq!(done[0].result, Err(Reject::AdapterLoadFailed));
+    assert_eq!(d.buffered(), 0);
+    assert_eq!(
+        rejected(d.submit(for_x, "new", t0)),
+        Reject::AdapterLoadFailed
+    );
+}

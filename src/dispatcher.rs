@@ -587,26 +587,6 @@ impl<T> Dispatcher<T> {
         Ok(outcome)
     }
 
-    /// Answers the requests waiting for LoRA adapter `name` with
-    /// [`Reject::AdapterLoadFailed`] (at the next [`Dispatcher::dispatch`])
-    /// once it failed to load on every server able to and none serves it:
-    /// waiting cannot help them.
-    fn refuse_unloadable(&mut self, name: String, now: Instant) {
-        let route = Route {
-            model: Some(name.into()),
-            ..Route::default()
-        };
-        if !self.ledger.adapter_failed_everywhere(&route, now) {
-            return;
-        }
-        for ticket in self.queues.tickets_in(&route.model) {
-            if let Some(r) = self.queues.cancel(ticket) {
-                let done = self.left(r, Err(Reject::AdapterLoadFailed), now);
-                self.evicted.push(done);
-            }
-        }
-    }
-
     /// Removes an agent; `false` if it was not registered.
     pub fn deregister(&mut self, agent_id: &str) -> bool {
         self.ledger.deregister(agent_id)

@@ -1,5 +1,10 @@
 //! Why a request was turned away without being served, as the client is
-//! told it.
+//! told it, and the sweep that turns away requests waiting for what can
+//! never come.
+
+use std::time::Instant;
+
+use super::{Dispatcher, Route};
 
 /// Why a request was turned away without being served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -44,6 +49,28 @@ impl Reject {
             Reject::UnknownModel => 404,
             Reject::TooManyTokens => 413,
             Reject::AdapterLoadFailed => 502,
+        }
+    }
+}
+
+impl<T> Dispatcher<T> {
+    /// Answers the requests waiting for LoRA adapter `name` with
+    /// [`Reject::AdapterLoadFailed`] (at the next [`Dispatcher::dispatch`])
+    /// once it failed to load on every server able to and none serves it:
+    /// waiting cannot help them.
+    pub(super) fn refuse_unloadable(&mut self, name: String, now: Instant) {
+        let route = Route {
+            model: Some(name.into()),
+            ..Route::default()
+        };
+        if !self.ledger.adapter_failed_everywhere(&route, now) {
+            return;
+        }
+        for ticket in self.queues.tickets_in(&route.model) {
+            if let Some(r) = self.queues.cancel(ticket) {
+                let done = self.left(r, Err(Reject::AdapterLoadFailed), now);
+                self.evicted.push(done);
+            }
         }
     }
 }

@@ -317,6 +317,14 @@ fn bad_flow_control_config_names_the_field() {
         "scheduling.circuitBreaker.maxBackoff",
     );
     bad("scheduling:\n  retries: 9\n", "scheduling.retries");
+    bad(
+        "scheduling:\n  adapterReplicas: 65\n",
+        "scheduling.adapterReplicas",
+    );
+    bad(
+        "scheduling:\n  scorers:\n    adapter: -2\n",
+        "scheduling.scorers.adapter",
+    );
 }
 
 #[test]
@@ -340,6 +348,11 @@ fn scheduling_section_is_read() {
     assert_eq!(sc.breaker.failures, 2);
     assert_eq!(sc.breaker.backoff, Duration::from_secs(1));
     assert_eq!(sc.affinity_hold, Duration::from_millis(50));
+    assert_eq!(
+        (sc.scorers.adapter, sc.adapter_replicas),
+        (4.0, 1),
+        "the LoRA defaults"
+    );
     let d = Settings::merge(cli(&[]), FileConfig::default()).unwrap();
     assert_eq!(d.retries, 1);
     assert_eq!(

@@ -6,7 +6,7 @@
 
 use prometheus::{IntGaugeVec, Opts, Registry};
 
-use super::metrics::{endpoint_labels, register};
+use super::family::{endpoint_labels, register};
 use flowgate::EndpointSnapshot;
 
 pub struct AdapterMetrics {

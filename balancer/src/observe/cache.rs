@@ -8,7 +8,7 @@
 
 use prometheus::{GaugeVec, IntCounterVec, IntGaugeVec, Opts, Registry};
 
-use super::metrics::{endpoint_labels, register};
+use super::family::{endpoint_labels, register};
 use flowgate::EndpointSnapshot;
 
 pub struct CacheMetrics {

@@ -3,7 +3,7 @@
 
 use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
 
-use super::metrics::register;
+use super::family::register;
 
 /// Client connections and requests on the inference port, and what the
 /// client limits refused.

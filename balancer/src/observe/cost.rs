@@ -5,7 +5,7 @@
 
 use prometheus::{GaugeVec, Opts, Registry};
 
-use super::metrics::{endpoint_labels, register};
+use super::family::{endpoint_labels, register};
 use flowgate::EndpointSnapshot;
 
 pub struct CostMetrics {

@@ -10,7 +10,7 @@ use prometheus::{
 use super::adapters::AdapterMetrics;
 use super::cache::CacheMetrics;
 use super::cost::CostMetrics;
-use super::metrics::{endpoint_labels, register};
+use super::family::{endpoint_labels, register};
 use flowgate::{EndpointSnapshot, Snapshot};
 
 pub struct FleetMetrics {

@@ -12,7 +12,7 @@ use prometheus::{
     Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
 };
 
-use super::metrics::{register, WAIT_BUCKETS};
+use super::family::{register, WAIT_BUCKETS};
 
 /// Distinct priority values that get their own metric label; later ones
 /// read `other` (with `allowClientPriority` a client picks any integer).

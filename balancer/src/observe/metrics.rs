@@ -16,22 +16,11 @@ use prometheus::{
 };
 
 use super::clients::ClientMetrics;
+use super::family::{register, WAIT_BUCKETS};
 use super::fleet::FleetMetrics;
 use super::flow::FlowMetrics;
 use crate::observe::history::{Tallies, OUTCOMES};
 use flowgate::Snapshot;
-
-/// Registers `metric` (its definition checked) and returns it.
-pub fn register<M: Collector + Clone + 'static>(
-    registry: &Registry,
-    metric: prometheus::Result<M>,
-) -> M {
-    let m = metric.expect("valid metric definition");
-    registry
-        .register(Box::new(m.clone()))
-        .expect("metric registered once");
-    m
-}
 
 pub struct Metrics {
     registry: Registry,
@@ -76,10 +65,6 @@ struct ModelSeries {
     completion_tokens: OnceLock<IntCounter>,
     bytes_per_token: OnceLock<Gauge>,
 }
-
-pub(super) const WAIT_BUCKETS: [f64; 14] = [
-    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-];
 
 const TPOT_BUCKETS: [f64; 12] = [
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0,
@@ -344,20 +329,6 @@ impl Metrics {
             .expect("text encoding into a Vec cannot fail");
         out
     }
-}
-
-/// An endpoint's labels in every per-endpoint series: its address, its
-/// agent's id (`""` once the agent is gone) and the model it answers as
-/// (its agent's first reported model, `""` for none).
-pub(super) fn endpoint_labels(e: &flowgate::EndpointSnapshot) -> (String, &str, &str) {
-    let agent = e.agent.as_ref();
-    (
-        e.addr.to_string(),
-        agent.map_or("", |a| a.agent_id.as_str()),
-        agent
-            .and_then(|a| a.models.first())
-            .map_or("", String::as_str),
-    )
 }
 
 #[cfg(test)]

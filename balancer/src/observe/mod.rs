@@ -10,6 +10,7 @@ pub mod adapters;
 pub mod cache;
 pub mod clients;
 pub mod cost;
+pub mod family;
 pub mod fleet;
 pub mod flow;
 pub mod history;

@@ -11,7 +11,7 @@ use std::sync::{Mutex, OnceLock};
 
 use prometheus::{IntCounter, IntCounterVec, Opts, Registry};
 
-use super::metrics::register;
+use super::family::register;
 use flowgate::tokens::TokenUsage;
 
 /// Tenants with series of their own.

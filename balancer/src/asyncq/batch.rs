@@ -87,6 +87,31 @@ impl FileMeta {
     }
 }
 
+/// Where a batch stands (OpenAI's names; stored as them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum BatchStatus {
+    InProgress,
+    /// Cancelled while requests were under way: `Cancelled` once they end.
+    Cancelling,
+    Cancelled,
+    Completed,
+    /// Refused at validation: no request was queued.
+    Failed,
+}
+
+impl BatchStatus {
+    fn as_str(self) -> &'static str {
+        match self {
+            BatchStatus::InProgress => "in_progress",
+            BatchStatus::Cancelling => "cancelling",
+            BatchStatus::Cancelled => "cancelled",
+            BatchStatus::Completed => "completed",
+            BatchStatus::Failed => "failed",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct BatchRecord {
     id: String,
@@ -97,7 +122,7 @@ struct BatchRecord {
     input_file_id: String,
     completion_window: String,
     metadata: Option<Value>,
-    status: String,
+    status: BatchStatus,
     created_at: u64,
     in_progress_at: Option<u64>,
     cancelling_at: Option<u64>,
@@ -120,7 +145,7 @@ impl BatchRecord {
             "id": self.id, "object": "batch", "endpoint": self.endpoint,
             "input_file_id": self.input_file_id,
             "completion_window": self.completion_window,
-            "status": self.status, "created_at": self.created_at,
+            "status": self.status.as_str(), "created_at": self.created_at,
             "in_progress_at": self.in_progress_at, "cancelling_at": self.cancelling_at,
             "cancelled_at": self.cancelled_at, "completed_at": self.completed_at,
             "failed_at": self.failed_at,
@@ -137,7 +162,10 @@ impl BatchRecord {
     }
 
     fn is_open(&self) -> bool {
-        matches!(self.status.as_str(), "in_progress" | "cancelling")
+        matches!(
+            self.status,
+            BatchStatus::InProgress | BatchStatus::Cancelling
+        )
     }
 }
 
@@ -309,7 +337,7 @@ impl AsyncQueue {
             input_file_id: input_file_id.to_string(),
             completion_window: completion_window.to_string(),
             metadata,
-            status: "in_progress".into(),
+            status: BatchStatus::InProgress,
             created_at: now,
             in_progress_at: Some(now),
             cancelling_at: None,
@@ -335,7 +363,7 @@ impl AsyncQueue {
                 .push(json!({"code": "empty_file", "message": "the input file holds no request"}));
         }
         if !record.errors.is_empty() {
-            record.status = "failed".into();
+            record.status = BatchStatus::Failed;
             record.failed_at = Some(now);
             record.in_progress_at = None;
             record.requests.clear();
@@ -455,11 +483,11 @@ impl AsyncQueue {
             self.put_file(&meta, text.as_bytes())?;
             *slot = Some(meta.id);
         }
-        if record.status == "cancelling" {
-            record.status = "cancelled".into();
+        if record.status == BatchStatus::Cancelling {
+            record.status = BatchStatus::Cancelled;
             record.cancelled_at = Some(now);
         } else {
-            record.status = "completed".into();
+            record.status = BatchStatus::Completed;
             record.completed_at = Some(now);
         }
         self.put_batch(record)
@@ -487,13 +515,13 @@ impl AsyncQueue {
     /// those under way are done.
     pub fn cancel_batch(&self, id: &str, caller: &Caller) -> Result<Value> {
         let mut record = self.visible_batch(id, caller)?;
-        if record.status != "in_progress" {
+        if record.status != BatchStatus::InProgress {
             return Err(ApiError(
                 409,
                 "batch_not_in_progress",
                 format!(
                     "batch {id} is {}: only a batch in progress can be cancelled",
-                    record.status
+                    record.status.as_str()
                 ),
             ));
         }
@@ -502,7 +530,7 @@ impl AsyncQueue {
             self.store.cancel(job, now)?;
         }
         self.changed.notify_waiters();
-        record.status = "cancelling".into();
+        record.status = BatchStatus::Cancelling;
         record.cancelling_at = Some(now / 1000);
         self.put_batch(&record)?;
         self.refresh(&mut record)?;
@@ -619,4 +647,22 @@ fn read_input(
         record.requests.push((custom_id, job_id));
     }
     jobs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Records already stored keep their meaning: each status is stored,
+    /// and shown, by OpenAI's name.
+    #[test]
+    fn statuses_are_stored_and_shown_by_their_openai_names() {
+        use BatchStatus::*;
+        for s in [InProgress, Cancelling, Cancelled, Completed, Failed] {
+            let stored = serde_json::to_value(s).unwrap();
+            assert_eq!(stored, s.as_str());
+            assert_eq!(serde_json::from_value::<BatchStatus>(stored).unwrap(), s);
+        }
+        assert!(serde_json::from_str::<BatchStatus>("\"paused\"").is_err());
+    }
 }

@@ -83,34 +83,37 @@ fn main() -> ExitCode {
         }
     };
     flowgate_logging::init("balancer", &settings.log_level, settings.log_format);
-    let epp_addr = settings.epp_addr.map(|a| ("--epp-addr", a));
-    for (what, addr) in [("--inference-addr", settings.inference_addr)]
-        .into_iter()
-        .chain(epp_addr)
-    {
-        if let Err(e) = check_bindable(what, addr) {
-            error!("{e}");
-            return ExitCode::from(1);
-        }
-    }
-    let management_listener = match TcpListener::bind(settings.management_addr) {
-        Ok(l) => l,
+    let (server, drain_first) = match assemble(cli, &settings) {
+        Ok(started) => started,
         Err(e) => {
-            error!(
-                "cannot listen on --management-addr {}: {e}",
-                settings.management_addr
-            );
+            error!("{e}");
             return ExitCode::from(1);
         }
     };
+    log_start(&settings);
+    server.run(pingora_core::server::RunArgs {
+        shutdown_signal: Box::new(drain_first),
+    });
+    ExitCode::SUCCESS
+}
 
-    if let Some(files) = &settings.tls {
-        if let Err(e) = files.check() {
-            error!("{e}");
-            return ExitCode::from(1);
-        }
-    }
+/// What every door and service shares: the gate in front of the fleet, the
+/// doors' rules and the parts the settings turn on.
+struct Parts {
+    shared: Arc<FleetGate>,
+    rules: Arc<rules::LiveRules>,
+    scale_up: Option<scaleup::ScaleUpWebhook>,
+    async_queue: Option<Arc<asyncq::AsyncQueue>>,
+    quotas: Arc<quotas::Quotas>,
+    session_store: Option<Arc<session_store::SessionStore>>,
+    traces: Option<Arc<Traces>>,
+}
 
+/// The server with every service added, and what a shutdown signal does:
+/// the ports are checked, the parts opened, the doors and background
+/// services built. An error is one line for the operator.
+fn assemble(cli: Cli, settings: &Settings) -> Result<(Server, housekeeping::DrainFirst), String> {
+    let management_listener = check_ports(settings)?;
     let conf = ServerConf {
         threads: settings.threads,
         grace_period_seconds: Some(settings.shutdown_grace_period.as_secs()),
@@ -123,72 +126,101 @@ fn main() -> ExitCode {
     };
     let mut server = Server::new_with_opt_and_conf(Opt::default(), conf);
     server.bootstrap();
+    let mut parts = open_parts(settings)?;
+    server.add_service(inference_service(&server, settings, &parts)?);
+    add_background_services(&mut server, cli, settings, &mut parts, management_listener);
+    let Parts { shared, traces, .. } = parts;
+    let drain_first = housekeeping::DrainFirst {
+        shared: Arc::clone(&shared),
+        drain_delay: settings.drain_delay,
+    };
+    housekeeping::exit_when_drained(&server, shared, settings.shutdown_grace_period, traces);
+    Ok((server, drain_first))
+}
 
+/// The inference and EPP ports are free, the TLS files usable; the
+/// management port is bound (and handed to its service).
+fn check_ports(settings: &Settings) -> Result<TcpListener, String> {
+    let epp_addr = settings.epp_addr.map(|a| ("--epp-addr", a));
+    for (what, addr) in [("--inference-addr", settings.inference_addr)]
+        .into_iter()
+        .chain(epp_addr)
+    {
+        check_bindable(what, addr)?;
+    }
+    let management_listener = TcpListener::bind(settings.management_addr).map_err(|e| {
+        format!(
+            "cannot listen on --management-addr {}: {e}",
+            settings.management_addr
+        )
+    })?;
+    if let Some(files) = &settings.tls {
+        files.check().map_err(|e| e.to_string())?;
+    }
+    Ok(management_listener)
+}
+
+/// The gate and the parts the settings turn on, each opened or refused.
+fn open_parts(settings: &Settings) -> Result<Parts, String> {
     let shared = FleetGate::new(settings.dispatcher.clone());
     let rules = rules::LiveRules::new(settings.door_rules());
-    let scale_up = match &settings.scale_up_webhook {
-        Some((url, interval)) => {
-            match scaleup::ScaleUpWebhook::new(url.clone(), *interval, &shared.metrics) {
-                Ok(hook) => Some(hook),
-                Err(e) => {
-                    error!("{e}");
-                    return ExitCode::from(1);
-                }
-            }
-        }
-        None => None,
-    };
+    let scale_up = (settings.scale_up_webhook.as_ref())
+        .map(|(url, interval)| {
+            scaleup::ScaleUpWebhook::new(url.clone(), *interval, &shared.metrics)
+        })
+        .transpose()
+        .map_err(|e| e.to_string())?;
+    let async_queue = (settings.async_queue.as_ref())
+        .map(|config| asyncq::AsyncQueue::open(config.clone(), Arc::clone(&shared)))
+        .transpose()
+        .map_err(|e| e.to_string())?;
+    let quotas = quotas::Quotas::new(&settings.quota_store, &shared.metrics)
+        .map(Arc::new)
+        .map_err(|e| e.to_string())?;
+    let session_store = (settings.session_redis_url.as_deref())
+        .map(|url| {
+            let idle = settings.dispatcher.scheduling.sessions.idle_timeout;
+            session_store::SessionStore::new(url, idle, &shared.metrics)
+        })
+        .transpose()
+        .map_err(|e| e.to_string())?;
+    let traces = (settings.traces.as_ref())
+        .map(Traces::start)
+        .transpose()
+        .map_err(|e| e.to_string())?
+        .map(Arc::new);
+    Ok(Parts {
+        shared,
+        rules,
+        scale_up,
+        async_queue,
+        quotas,
+        session_store,
+        traces,
+    })
+}
 
-    let async_queue = match &settings.async_queue {
-        Some(config) => match asyncq::AsyncQueue::open(config.clone(), Arc::clone(&shared)) {
-            Ok(q) => Some(q),
-            Err(e) => {
-                error!("{e}");
-                return ExitCode::from(1);
-            }
-        },
-        None => None,
-    };
+/// Every door lets requests in the same way, with the same parts.
+fn door(parts: &Parts) -> door::Door {
+    door::Door {
+        gate: Arc::clone(&parts.shared),
+        rules: Arc::clone(&parts.rules),
+        quotas: Arc::clone(&parts.quotas),
+        session_store: parts.session_store.clone(),
+    }
+}
 
-    let quotas = match quotas::Quotas::new(&settings.quota_store, &shared.metrics) {
-        Ok(q) => Arc::new(q),
-        Err(e) => {
-            error!("{e}");
-            return ExitCode::from(1);
-        }
-    };
-
-    let session_store = match settings.session_redis_url.as_deref().map(|url| {
-        let idle = settings.dispatcher.scheduling.sessions.idle_timeout;
-        session_store::SessionStore::new(url, idle, &shared.metrics)
-    }) {
-        None => None,
-        Some(Ok(store)) => Some(store),
-        Some(Err(e)) => {
-            error!("{e}");
-            return ExitCode::from(1);
-        }
-    };
-
-    let traces = match settings.traces.as_ref().map(Traces::start).transpose() {
-        Ok(t) => t.map(Arc::new),
-        Err(e) => {
-            error!("{e}");
-            return ExitCode::from(1);
-        }
-    };
-
-    // Every door lets requests in the same way, with the same parts.
-    let door = || door::Door {
-        gate: Arc::clone(&shared),
-        rules: Arc::clone(&rules),
-        quotas: Arc::clone(&quotas),
-        session_store: session_store.clone(),
-    };
+/// The inference port: the Pingora proxy behind the connection limits, on
+/// its listener (TLS when configured).
+fn inference_service(
+    server: &Server,
+    settings: &Settings,
+    parts: &Parts,
+) -> Result<Service<connection::Limited<pingora_proxy::HttpProxy<inference::Inference>>>, String> {
     let proxy = pingora_proxy::http_proxy(
         &server.configuration,
         inference::Inference {
-            door: door(),
+            door: door(parts),
             body_limits: inference::BodyLimits {
                 max_bytes: settings.max_request_bytes,
                 timeout: settings.client_limits.body_timeout,
@@ -197,13 +229,13 @@ fn main() -> ExitCode {
             retry_after: Duration::from_secs(1),
             retries: settings.retries,
             request_ids: inference::RequestIds::new(),
-            async_queue: async_queue.clone(),
-            traces: traces.clone(),
+            async_queue: parts.async_queue.clone(),
+            traces: parts.traces.clone(),
         },
     );
     let mut inference = Service::new(
         "inference".to_string(),
-        connection::Limited::new(proxy, settings.client_limits, Arc::clone(&shared)),
+        connection::Limited::new(proxy, settings.client_limits, Arc::clone(&parts.shared)),
     );
     // No L4 read buffer on the plaintext inference port: Pingora reads the
     // request head into its own header buffer and bodies into the body
@@ -213,50 +245,51 @@ fn main() -> ExitCode {
     let listener = ListenerConfig::tcp(settings.inference_addr.to_string());
     let listener = match &settings.tls {
         None => listener.l4_buffer(L4BufferSettings::default().read(0)),
-        Some(files) => match files.settings() {
-            Ok(tls) => listener.tls(tls),
-            Err(e) => {
-                error!("{e}");
-                return ExitCode::from(1);
-            }
-        },
+        Some(files) => listener.tls(files.settings().map_err(|e| e.to_string())?),
     };
     inference.add_listener(listener);
+    Ok(inference)
+}
 
+/// The management port, housekeeping, config reloads, and, when
+/// configured, the async dispatcher and EPP mode.
+fn add_background_services(
+    server: &mut Server,
+    cli: Cli,
+    settings: &Settings,
+    parts: &mut Parts,
+    management_listener: TcpListener,
+) {
+    let shared = &Arc::clone(&parts.shared);
     // Agents keep reporting while a graceful shutdown drains requests.
-    let management = background_service(
+    server.add_service(background_service(
         "management",
         serve_until_exit::ServeUntilExit::new(
             pingora_core::apps::http_app::HttpServer::new_app(management::Management {
-                shared: Arc::clone(&shared),
+                shared: Arc::clone(shared),
                 token: settings.management_token.clone(),
-                rules: Arc::clone(&rules),
+                rules: Arc::clone(&parts.rules),
             }),
             management_listener,
         ),
-    );
-
-    let housekeeping = background_service(
+    ));
+    server.add_service(background_service(
         "housekeeping",
         housekeeping::Housekeeping {
-            shared: Arc::clone(&shared),
-            scale_up,
+            shared: Arc::clone(shared),
+            scale_up: parts.scale_up.take(),
         },
-    );
-
-    server.add_service(inference);
-    server.add_service(management);
-    server.add_service(housekeeping);
+    ));
     server.add_service(background_service(
         "config reload",
         reload::Reload::new(
             cli,
             settings.clone(),
-            Arc::clone(&rules),
-            Arc::clone(&shared),
+            Arc::clone(&parts.rules),
+            Arc::clone(shared),
         ),
     ));
-    if let Some(queue) = async_queue {
+    if let Some(queue) = parts.async_queue.clone() {
         server.add_service(background_service(
             "async dispatcher",
             asyncq::AsyncDispatcher {
@@ -267,7 +300,7 @@ fn main() -> ExitCode {
     }
     if let Some(addr) = settings.epp_addr {
         let epp = Arc::new(epp::Epp {
-            door: door(),
+            door: door(parts),
             max_request_bytes: settings.max_request_bytes,
             retry_after: Duration::from_secs(1),
             decisions: epp::decisions_metric(&shared.metrics),
@@ -276,9 +309,10 @@ fn main() -> ExitCode {
         service.threads = Some(settings.threads);
         server.add_service(service);
     }
+}
 
-    let shared_for_signals = Arc::clone(&shared);
-    housekeeping::exit_when_drained(&server, shared, settings.shutdown_grace_period, traces);
+/// One line saying what the balancer starts with.
+fn log_start(settings: &Settings) {
     info!(
         inference = %settings.inference_addr,
         management = %settings.management_addr,
@@ -293,12 +327,4 @@ fn main() -> ExitCode {
         api_keys = settings.api_keys.as_ref().map_or(0, |k| k.len()),
         "flowgate balancer starting"
     );
-    let drain_first = housekeeping::DrainFirst {
-        shared: Arc::clone(&shared_for_signals),
-        drain_delay: settings.drain_delay,
-    };
-    server.run(pingora_core::server::RunArgs {
-        shutdown_signal: Box::new(drain_first),
-    });
-    ExitCode::SUCCESS
 }

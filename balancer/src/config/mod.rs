@@ -23,149 +23,6 @@ mod models;
 pub mod quotas;
 pub mod scheduling;
 
-/// The buffer's limits: requests, bytes and the default TTL, each given
-/// once (a top-level key or its `flowControl` twin, not both).
-fn buffer_limits(
-    cli: &Cli,
-    file: &FileConfig,
-    fc: &flow::FlowControlSection,
-) -> Result<(usize, u64, Duration), SettingsError> {
-    let either = |top: &str, nested: &str, a: bool, b: bool| {
-        if a && b {
-            Err(SettingsError::Invalid(format!(
-                "{top} and flowControl.{nested} are the same setting: give only one"
-            )))
-        } else {
-            Ok(())
-        }
-    };
-    either(
-        "maxBufferedRequests",
-        "maxRequests",
-        file.max_buffered_requests.is_some(),
-        fc.max_requests.is_some(),
-    )?;
-    either(
-        "bufferedRequestTimeout",
-        "defaultRequestTTL",
-        file.buffered_request_timeout.is_some(),
-        fc.default_request_ttl.is_some(),
-    )?;
-    either(
-        "maxBufferedBytes",
-        "maxBytes",
-        file.max_buffered_bytes.is_some(),
-        fc.max_bytes.is_some(),
-    )?;
-    let max_requests = (cli.max_buffered_requests)
-        .or(file.max_buffered_requests)
-        .or(fc.max_requests)
-        .unwrap_or(DEFAULT_MAX_BUFFERED_REQUESTS);
-    let max_bytes = (cli.max_buffered_bytes)
-        .or(file.max_buffered_bytes)
-        .or(fc.max_bytes)
-        .unwrap_or(flow::DEFAULT_MAX_BUFFERED_BYTES);
-    let default_ttl = (cli.buffered_request_timeout)
-        .or(file.buffered_request_timeout)
-        .map(Duration::from_millis)
-        .or(fc.default_request_ttl.map(|d| d.0))
-        .unwrap_or(Duration::from_millis(DEFAULT_BUFFERED_REQUEST_TIMEOUT_MS));
-    if default_ttl.is_zero() {
-        return Err(SettingsError::Invalid(
-            "buffered_request_timeout (flowControl.defaultRequestTTL) must be at least 1 ms".into(),
-        ));
-    }
-    Ok((max_requests, max_bytes, default_ttl))
-}
-
-/// The scale-up webhook (an http:// URL) and how often it is called.
-fn scale_up_webhook(
-    cli: &Cli,
-    file: &FileConfig,
-) -> Result<Option<(String, Duration)>, SettingsError> {
-    let interval = layer(
-        cli.scale_up_webhook_interval,
-        file.scale_up_webhook_interval.map(|d| d.0),
-        DEFAULT_SCALE_UP_WEBHOOK_INTERVAL,
-    );
-    let Some(url) = cli
-        .scale_up_webhook
-        .clone()
-        .or(file.scale_up_webhook.clone())
-    else {
-        return Ok(None);
-    };
-    let url = url.trim().to_string();
-    let host = url.strip_prefix("http://").unwrap_or("");
-    if host.is_empty() || host.starts_with('/') {
-        return Err(SettingsError::Invalid(format!(
-            "scale-up webhook {url:?} must be an http:// URL (https is not supported)"
-        )));
-    }
-    if interval.is_zero() {
-        return Err(SettingsError::Invalid(
-            "scale-up webhook interval must be at least 1 ms".into(),
-        ));
-    }
-    Ok(Some((url, interval)))
-}
-
-/// The inference port's certificate and key: both or neither.
-fn tls_files(
-    cert: Option<PathBuf>,
-    key: Option<PathBuf>,
-    file: &FileConfig,
-) -> Result<Option<TlsFiles>, SettingsError> {
-    match (cert.or(file.tls_cert.clone()), key.or(file.tls_key.clone())) {
-        (Some(cert), Some(key)) => Ok(Some(TlsFiles { cert, key })),
-        (None, None) => Ok(None),
-        _ => Err(SettingsError::Invalid(
-            "tls_cert and tls_key go together: give both or neither".into(),
-        )),
-    }
-}
-
-/// What one client connection may hold and take.
-fn client_limits(cli: &Cli, file: &FileConfig) -> ClientLimits {
-    ClientLimits {
-        max_connections: layer(
-            cli.max_connections,
-            file.max_connections,
-            connection::DEFAULT_MAX_CONNECTIONS,
-        ),
-        header_timeout: layer(
-            cli.client_header_timeout,
-            file.client_header_timeout.map(|d| d.0),
-            connection::DEFAULT_HEADER_TIMEOUT,
-        ),
-        body_timeout: layer(
-            cli.client_body_timeout,
-            file.client_body_timeout.map(|d| d.0),
-            connection::DEFAULT_BODY_TIMEOUT,
-        ),
-        max_header_bytes: layer(
-            cli.max_header_bytes,
-            file.max_header_bytes,
-            connection::DEFAULT_MAX_HEADER_BYTES,
-        ),
-    }
-}
-
-/// How long a draining balancer keeps taking requests before it stops
-/// (at most [`MAX_DRAIN_DELAY`]).
-fn drain_delay(cli: &Cli, file: &FileConfig) -> Result<Duration, SettingsError> {
-    let d = (cli.drain_delay)
-        .or(file.drain_delay.map(|d| d.0))
-        .unwrap_or(Duration::ZERO);
-    if d > MAX_DRAIN_DELAY {
-        return Err(SettingsError::Invalid(format!(
-            "drainDelay must be at most 10m, not {}s",
-            d.as_secs()
-        )));
-    }
-    Ok(d)
-}
-
 #[cfg(test)]
 mod tests;
 
@@ -588,4 +445,146 @@ fn traces(
         sample_ratio,
         parent_based,
     }))
+}
+
+/// The buffer's limits: requests, bytes and the default TTL, each given
+/// once (a top-level key or its `flowControl` twin, not both).
+fn buffer_limits(
+    cli: &Cli,
+    file: &FileConfig,
+    fc: &flow::FlowControlSection,
+) -> Result<(usize, u64, Duration), SettingsError> {
+    for (top, nested, in_file, in_section) in [
+        (
+            "maxBufferedRequests",
+            "maxRequests",
+            file.max_buffered_requests.is_some(),
+            fc.max_requests.is_some(),
+        ),
+        (
+            "bufferedRequestTimeout",
+            "defaultRequestTTL",
+            file.buffered_request_timeout.is_some(),
+            fc.default_request_ttl.is_some(),
+        ),
+        (
+            "maxBufferedBytes",
+            "maxBytes",
+            file.max_buffered_bytes.is_some(),
+            fc.max_bytes.is_some(),
+        ),
+    ] {
+        if in_file && in_section {
+            return Err(SettingsError::Invalid(format!(
+                "{top} and flowControl.{nested} are the same setting: give only one"
+            )));
+        }
+    }
+    let max_requests = (cli.max_buffered_requests)
+        .or(file.max_buffered_requests)
+        .or(fc.max_requests)
+        .unwrap_or(DEFAULT_MAX_BUFFERED_REQUESTS);
+    let max_bytes = (cli.max_buffered_bytes)
+        .or(file.max_buffered_bytes)
+        .or(fc.max_bytes)
+        .unwrap_or(flow::DEFAULT_MAX_BUFFERED_BYTES);
+    let default_ttl = (cli.buffered_request_timeout)
+        .or(file.buffered_request_timeout)
+        .map(Duration::from_millis)
+        .or(fc.default_request_ttl.map(|d| d.0))
+        .unwrap_or(Duration::from_millis(DEFAULT_BUFFERED_REQUEST_TIMEOUT_MS));
+    if default_ttl.is_zero() {
+        return Err(SettingsError::Invalid(
+            "buffered_request_timeout (flowControl.defaultRequestTTL) must be at least 1 ms".into(),
+        ));
+    }
+    Ok((max_requests, max_bytes, default_ttl))
+}
+
+/// The scale-up webhook (an http:// URL) and how often it is called.
+fn scale_up_webhook(
+    cli: &Cli,
+    file: &FileConfig,
+) -> Result<Option<(String, Duration)>, SettingsError> {
+    let interval = layer(
+        cli.scale_up_webhook_interval,
+        file.scale_up_webhook_interval.map(|d| d.0),
+        DEFAULT_SCALE_UP_WEBHOOK_INTERVAL,
+    );
+    let Some(url) = cli
+        .scale_up_webhook
+        .clone()
+        .or(file.scale_up_webhook.clone())
+    else {
+        return Ok(None);
+    };
+    let url = url.trim().to_string();
+    let host = url.strip_prefix("http://").unwrap_or("");
+    if host.is_empty() || host.starts_with('/') {
+        return Err(SettingsError::Invalid(format!(
+            "scale-up webhook {url:?} must be an http:// URL (https is not supported)"
+        )));
+    }
+    if interval.is_zero() {
+        return Err(SettingsError::Invalid(
+            "scale-up webhook interval must be at least 1 ms".into(),
+        ));
+    }
+    Ok(Some((url, interval)))
+}
+
+/// The inference port's certificate and key: both or neither.
+fn tls_files(
+    cert: Option<PathBuf>,
+    key: Option<PathBuf>,
+    file: &FileConfig,
+) -> Result<Option<TlsFiles>, SettingsError> {
+    match (cert.or(file.tls_cert.clone()), key.or(file.tls_key.clone())) {
+        (Some(cert), Some(key)) => Ok(Some(TlsFiles { cert, key })),
+        (None, None) => Ok(None),
+        _ => Err(SettingsError::Invalid(
+            "tls_cert and tls_key go together: give both or neither".into(),
+        )),
+    }
+}
+
+/// What one client connection may hold and take.
+fn client_limits(cli: &Cli, file: &FileConfig) -> ClientLimits {
+    ClientLimits {
+        max_connections: layer(
+            cli.max_connections,
+            file.max_connections,
+            connection::DEFAULT_MAX_CONNECTIONS,
+        ),
+        header_timeout: layer(
+            cli.client_header_timeout,
+            file.client_header_timeout.map(|d| d.0),
+            connection::DEFAULT_HEADER_TIMEOUT,
+        ),
+        body_timeout: layer(
+            cli.client_body_timeout,
+            file.client_body_timeout.map(|d| d.0),
+            connection::DEFAULT_BODY_TIMEOUT,
+        ),
+        max_header_bytes: layer(
+            cli.max_header_bytes,
+            file.max_header_bytes,
+            connection::DEFAULT_MAX_HEADER_BYTES,
+        ),
+    }
+}
+
+/// How long a draining balancer keeps taking requests before it stops
+/// (at most [`MAX_DRAIN_DELAY`]).
+fn drain_delay(cli: &Cli, file: &FileConfig) -> Result<Duration, SettingsError> {
+    let d = (cli.drain_delay)
+        .or(file.drain_delay.map(|d| d.0))
+        .unwrap_or(Duration::ZERO);
+    if d > MAX_DRAIN_DELAY {
+        return Err(SettingsError::Invalid(format!(
+            "drainDelay must be at most 10m, not {}s",
+            d.as_secs()
+        )));
+    }
+    Ok(d)
 }

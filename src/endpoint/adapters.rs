@@ -16,7 +16,7 @@ use foldhash::{HashMap, HashSet};
 
 use super::{Endpoint, EndpointId, EndpointLedger, Route};
 use crate::adapter::{preferred, residency, Residency};
-use crate::protocol::AgentReport;
+use crate::protocol::{AdapterReport, AgentReport};
 
 /// A route's adapter, as its candidates are scored.
 #[derive(Debug, Clone)]
@@ -29,8 +29,7 @@ pub(crate) struct Wanted {
 impl Endpoint {
     /// The residency of adapter `name` here.
     pub(super) fn residency(&self, name: &str) -> Residency {
-        let report = self.agent.as_ref().and_then(|a| a.report.adapters.as_ref());
-        residency(report, &self.adapters_sent, name)
+        residency(self.adapter_report(), &self.adapters_sent, name)
     }
 
     /// The `adapter` scorer's value here for `wanted` (unweighted);
@@ -91,32 +90,30 @@ pub(super) fn learn_adapters(
 pub const MAX_LOADS_ASKED: usize = 4;
 
 impl Endpoint {
-    /// Whether its agent can have its server load `adapter` (listed
-    /// `loadable`, and no load of it failed lately).
-    fn can_load(&self, adapter: &str) -> bool {
-        let Some(a) = self.agent.as_ref().and_then(|a| a.report.adapters.as_ref()) else {
-            return false;
-        };
-        a.loadable.iter().any(|n| n == adapter) && !a.load_failed.iter().any(|f| f.name == adapter)
+    /// What its agent last said of its adapters.
+    fn adapter_report(&self) -> Option<&AdapterReport> {
+        self.agent.as_ref().and_then(|a| a.report.adapters.as_ref())
+    }
+
+    /// Whether its agent may have its server load `adapter` (lists it
+    /// `loadable`).
+    fn may_load(&self, adapter: &str) -> bool {
+        (self.adapter_report()).is_some_and(|a| a.loadable.iter().any(|n| n == adapter))
     }
 
     /// Whether a load of `adapter` failed here lately.
     fn failed_to_load(&self, adapter: &str) -> bool {
-        self.agent
-            .as_ref()
-            .and_then(|a| a.report.adapters.as_ref())
-            .is_some_and(|a| a.load_failed.iter().any(|f| f.name == adapter))
+        (self.adapter_report()).is_some_and(|a| a.load_failed.iter().any(|f| f.name == adapter))
+    }
+
+    /// Whether its agent can have its server load `adapter` now: it may,
+    /// and no load of it failed lately.
+    fn can_load(&self, adapter: &str) -> bool {
+        self.may_load(adapter) && !self.failed_to_load(adapter)
     }
 }
 
 impl EndpointLedger {
-    /// Whether an eligible endpoint serves `model` now (lists it).
-    fn served(&self, model: &str, now: Instant) -> bool {
-        self.ranking
-            .members(Some(model))
-            .any(|id| self.endpoints.get(&id).is_some_and(|e| e.eligible(now)))
-    }
-
     /// Whether the `queued` requests waiting for adapter `m` want one
     /// more server to load it (`me`, where a load is predicted to take
     /// its learned time): no eligible endpoint serves it, or every one
@@ -126,10 +123,7 @@ impl EndpointLedger {
     /// on service times learned from their answers (the cautious prior
     /// would load an adapter again for every burst of first requests).
     fn wants_another_server(&self, m: &str, queued: usize, me: &Endpoint, now: Instant) -> bool {
-        let serving: Vec<&Endpoint> = (self.ranking.members(Some(m)))
-            .filter_map(|id| self.endpoints.get(&id))
-            .filter(|e| e.eligible(now))
-            .collect();
+        let serving: Vec<&Endpoint> = self.live_serving(m, now).collect();
         if serving.is_empty() {
             return true;
         }
@@ -170,10 +164,10 @@ impl EndpointLedger {
             else {
                 continue;
             };
-            if out.len() == MAX_LOADS_ASKED
-                || !me.can_load(m)
-                || !self.wants_another_server(m, n, me, now)
-            {
+            if out.len() == MAX_LOADS_ASKED {
+                break;
+            }
+            if !me.can_load(m) || !self.wants_another_server(m, n, me, now) {
                 continue;
             }
             let able = self
@@ -195,22 +189,13 @@ impl EndpointLedger {
         let Some(m) = route.model.as_deref() else {
             return false;
         };
-        if !self.adapter_models.contains(m) || self.served(m, now) {
+        if !self.adapter_models.contains(m) || self.model_live(m, now) {
             return false;
         }
-        let mut tried = self.endpoints.values().filter(|e| {
-            e.eligible(now)
-                && e.agent
-                    .as_ref()
-                    .and_then(|a| a.report.adapters.as_ref())
-                    .is_some_and(|a| a.loadable.iter().any(|n| n == m))
-        });
-        let mut any = false;
-        let all_failed = tried.all(|e| {
-            any = true;
-            e.failed_to_load(m)
-        });
-        any && all_failed
+        let mut able = (self.endpoints.values())
+            .filter(|e| e.eligible(now) && e.may_load(m))
+            .peekable();
+        able.peek().is_some() && able.all(|e| e.failed_to_load(m))
     }
 
     /// The route's adapter, when its model is one and the `adapter`
@@ -222,12 +207,7 @@ impl EndpointLedger {
             return None;
         }
         let name = Arc::clone(self.adapter_models.get(model)?);
-        let serving = self
-            .ranking
-            .members(Some(model))
-            .filter_map(|id| self.endpoints.get(&id))
-            .filter(|e| e.eligible(now))
-            .map(|e| e.addr);
+        let serving = self.live_serving(model, now).map(|e| e.addr);
         let preferred = preferred(model, serving, self.scheduling.adapter_replicas as usize);
         Some(Wanted { name, preferred })
     }
@@ -285,7 +265,6 @@ mod tests {
     use crate::endpoint::placement::Holding;
     use crate::endpoint::{Choice, Pick, Timing, Waits};
     use crate::protocol::tests::report;
-    use crate::protocol::AdapterReport;
 
     const ADAPTERS: [&str; 4] = ["a1", "a2", "a3", "a4"];
 
@@ -324,6 +303,20 @@ mod tests {
         Route {
             model: Some(name.into()),
             ..Route::default()
+        }
+    }
+
+    /// Teaches the endpoint of `lease` that a request holds a slot
+    /// `service_ms` there.
+    fn learn_service(ledger: &mut EndpointLedger, lease: &crate::endpoint::Lease, service_ms: u64) {
+        for _ in 0..crate::endpoint::cost::WINDOW {
+            ledger.observe_timing(
+                lease,
+                &Timing {
+                    service: Some(Duration::from_millis(service_ms)),
+                    ..Timing::default()
+                },
+            );
         }
     }
 
@@ -409,15 +402,7 @@ mod tests {
         let busy = take(&mut ledger, &adapter("a1"), now);
         assert_eq!(busy.addr.port(), 1);
         // Server 1: 200 ms per request. A load costs 500 ms by default.
-        for _ in 0..crate::endpoint::cost::WINDOW {
-            ledger.observe_timing(
-                &busy,
-                &Timing {
-                    service: Some(Duration::from_millis(200)),
-                    ..Timing::default()
-                },
-            );
-        }
+        learn_service(&mut ledger, &busy, 200);
         let mut waits = Waits::default();
         let mut held = 0;
         loop {
@@ -492,15 +477,7 @@ mod tests {
         // Busy, with its service time learned: a queue that costs more
         // than a load (500 ms) asks another server; a short one does not.
         let busy = take(&mut ledger, &adapter("x"), now);
-        for _ in 0..crate::endpoint::cost::WINDOW {
-            ledger.observe_timing(
-                &busy,
-                &Timing {
-                    service: Some(Duration::from_millis(200)),
-                    ..Timing::default()
-                },
-            );
-        }
+        learn_service(&mut ledger, &busy, 200);
         assert!(asked(&ledger, 1).is_empty(), "400 ms to serve two");
         let more = asked(&ledger, 5);
         assert_eq!(more.len(), 1, "{more:?}");

@@ -128,7 +128,7 @@ impl EndpointLedger {
             None
         } else {
             choice.and_then(id_of).and_then(|go| {
-                match self.wait_target(route, go, bound, &Waits::default(), now) {
+                match self.wait_target(route, go, bound, &Waits::default(), wanted.as_ref(), now) {
                     WaitOrGo::Wait(id) => Some(self.endpoints[&id].addr),
                     WaitOrGo::Spill { .. } | WaitOrGo::Go => None,
                 }

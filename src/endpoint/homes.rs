@@ -95,7 +95,8 @@ impl EndpointLedger {
     /// other balancers, while its rendezvous home takes it.
     fn places_now(&self, route: &Route, session: u64, now: Instant) -> bool {
         if self.alone(now) {
-            self.choose_by_score(route, now).is_some()
+            let wanted = self.adapter_wanted(route, now);
+            self.choose_by_score(route, wanted.as_ref(), now).is_some()
         } else {
             self.session_home(route, session, now).is_some()
         }

@@ -10,9 +10,18 @@ use super::{Endpoint, EndpointLedger};
 impl EndpointLedger {
     /// Whether an eligible endpoint (it may be busy) serves `model`.
     pub(crate) fn model_live(&self, model: &str, now: Instant) -> bool {
-        self.ranking
-            .members(Some(model))
-            .any(|id| self.endpoints.get(&id).is_some_and(|e| e.eligible(now)))
+        self.live_serving(model, now).next().is_some()
+    }
+
+    /// The eligible endpoints (busy or not) that serve `model`.
+    pub(super) fn live_serving<'a>(
+        &'a self,
+        model: &'a str,
+        now: Instant,
+    ) -> impl Iterator<Item = &'a Endpoint> + 'a {
+        (self.ranking.members(Some(model)))
+            .filter_map(|id| self.endpoints.get(&id))
+            .filter(move |e| e.eligible(now))
     }
 
     /// Whether requests for `model` are accepted: it is served or was

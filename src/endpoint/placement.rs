@@ -36,6 +36,7 @@
 
 use std::time::{Duration, Instant};
 
+use super::adapters::Wanted;
 use super::selection::SessionPlace;
 use super::{Endpoint, EndpointId, EndpointLedger, Route};
 
@@ -182,12 +183,14 @@ impl EndpointLedger {
     /// should wait for rather than go to `go`, which takes it now, if any.
     /// `bound`: the saturated endpoint its session is on (its conversation
     /// counts as cached there; in hard mode it is always waited for).
+    /// `wanted`: its adapter ([`EndpointLedger::adapter_wanted`]).
     pub(super) fn wait_target(
         &self,
         route: &Route,
         go: EndpointId,
         bound: Option<EndpointId>,
         waits: &Waits,
+        wanted: Option<&Wanted>,
         now: Instant,
     ) -> WaitOrGo {
         if let Some(id) = bound.filter(|_| route.waits_hard(self.scheduling.sessions.hard)) {
@@ -203,8 +206,7 @@ impl EndpointLedger {
         };
         // A request for a LoRA adapter waits for its load where the
         // adapter is not resident.
-        let wanted = self.adapter_wanted(route, now);
-        let load_ms = |e: &Endpoint| match &wanted {
+        let load_ms = |e: &Endpoint| match wanted {
             Some(w) if e.residency(&w.name).loads() => e.predicted_adapter_load_ms(),
             _ => 0.0,
         };
@@ -236,7 +238,7 @@ impl EndpointLedger {
                 consider(e, self.cached_tokens(route, matched));
             });
         }
-        if let Some(w) = &wanted {
+        if let Some(w) = wanted {
             self.busy_holding_adapter(route, w, go, now, |e| {
                 let matched = if scored {
                     e.prefix.matched(&route.prefix)
@@ -325,7 +327,8 @@ impl EndpointLedger {
                 SessionPlace::Gone | SessionPlace::None => {}
             }
         }
-        let Some(go) = self.choose_by_score(route, now) else {
+        let wanted = self.adapter_wanted(route, now);
+        let Some(go) = self.choose_by_score(route, wanted.as_ref(), now) else {
             return Home::Busy;
         };
         let scored = self.scheduling.scorers.prefix_cache > 0.0 && !route.prefix.is_empty();
@@ -334,17 +337,15 @@ impl EndpointLedger {
             let go_matched = self.endpoints[&go].prefix.matched(&route.prefix);
             self.busy_holding_more(route, go_matched, now, |_, _| more_elsewhere = true);
         }
-        if !more_elsewhere {
-            if let Some(w) = self.adapter_wanted(route, now) {
-                self.busy_holding_adapter(route, &w, go, now, |_| more_elsewhere = true);
-            }
+        if let Some(w) = wanted.as_ref().filter(|_| !more_elsewhere) {
+            self.busy_holding_adapter(route, w, go, now, |_| more_elsewhere = true);
         }
         if !more_elsewhere {
             return Home::Yes;
         }
         let waits = !self.scheduling.affinity_hold.is_zero()
             && matches!(
-                self.wait_target(route, go, bound, &Waits::default(), now),
+                self.wait_target(route, go, bound, &Waits::default(), wanted.as_ref(), now),
                 WaitOrGo::Wait(_)
             );
         Home::Elsewhere { waits }

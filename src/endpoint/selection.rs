@@ -246,16 +246,17 @@ impl EndpointLedger {
                 }
             },
         };
+        let wanted = self.adapter_wanted(route, now);
         let go = match &route.subset {
-            Some(subset) => self.choose_in_subset(route, &Arc::clone(subset), now),
-            None => self.choose_by_score(route, now),
+            Some(subset) => self.choose_in_subset(route, &Arc::clone(subset), wanted.as_ref(), now),
+            None => self.choose_by_score(route, wanted.as_ref(), now),
         };
         // Nothing is free: no reason to hold yet.
         let Some(go) = go else { return Choice::Busy };
         let Some(hold) = hold else {
             return Choice::Endpoint(go);
         };
-        match self.wait_target(route, go, bound, hold.waits, now) {
+        match self.wait_target(route, go, bound, hold.waits, wanted.as_ref(), now) {
             WaitOrGo::Wait(id) => Choice::Hold(id),
             WaitOrGo::Spill { cold_ms, holder } if !hold.may_spill => {
                 Choice::Delay(spill_delay(cold_ms), holder)
@@ -355,10 +356,16 @@ impl EndpointLedger {
     }
 
     /// The best endpoint by the scorers that takes `route` now, if any
-    /// (no session, no subset).
-    pub(super) fn choose_by_score(&self, route: &Route, now: Instant) -> Option<EndpointId> {
-        if let Some(wanted) = self.adapter_wanted(route, now) {
-            return self.choose_for_adapter(route, &wanted, now);
+    /// (no session, no subset); `wanted`: its adapter
+    /// ([`EndpointLedger::adapter_wanted`]).
+    pub(super) fn choose_by_score(
+        &self,
+        route: &Route,
+        wanted: Option<&Wanted>,
+        now: Instant,
+    ) -> Option<EndpointId> {
+        if let Some(wanted) = wanted {
+            return self.choose_for_adapter(route, wanted, now);
         }
         let config = self.saturation;
         let model = route.model.as_deref();
@@ -429,10 +436,10 @@ impl EndpointLedger {
         &mut self,
         route: &Route,
         subset: &[SocketAddr],
+        wanted: Option<&Wanted>,
         now: Instant,
     ) -> Option<EndpointId> {
         let config = self.saturation;
-        let wanted = self.adapter_wanted(route, now);
         let free = subset
             .iter()
             .filter_map(|a| self.by_addr.get(a))
@@ -441,7 +448,7 @@ impl EndpointLedger {
         let mut best_score = f64::NEG_INFINITY;
         let mut best: Vec<EndpointId> = Vec::new();
         for e in free {
-            let score = self.route_score(e, route, wanted.as_ref());
+            let score = self.route_score(e, route, wanted);
             if score > best_score + TIE {
                 best_score = score;
                 best.clear();

@@ -204,35 +204,47 @@ mod tests {
     use super::*;
     use crate::prom;
 
+    /// One poll whose engine said `loaded` (`None`: said nothing): the
+    /// counter's totals in its report.
+    fn poll_with(counter: &mut LoadCounter, loaded: Option<&[&str]>) -> (Option<u64>, Option<u64>) {
+        let mut r = AdapterReport {
+            loaded: loaded.map(|l| l.iter().map(|s| s.to_string()).collect()),
+            ..AdapterReport::default()
+        };
+        counter.count(&mut r);
+        (r.loads, r.evictions)
+    }
+
     #[test]
     fn loads_and_evictions_are_counted_from_poll_to_poll() {
         let mut counter = LoadCounter::default();
-        let mut poll = |loaded: Option<&[&str]>| {
-            let mut r = AdapterReport {
-                loaded: loaded.map(|l| l.iter().map(|s| s.to_string()).collect()),
-                ..AdapterReport::default()
-            };
-            counter.count(&mut r);
-            (r.loads, r.evictions)
-        };
-        assert_eq!(poll(Some(&["a", "b"])), (Some(0), Some(0)), "there before");
-        assert_eq!(poll(Some(&["a", "c"])), (Some(1), Some(1)));
-        assert_eq!(poll(Some(&["a", "c"])), (Some(1), Some(1)));
-        assert_eq!(poll(Some(&["d", "e", "f"])), (Some(4), Some(3)));
-        assert_eq!(poll(None), (Some(4), Some(6)), "none loaded now");
+        assert_eq!(
+            poll_with(&mut counter, Some(&["a", "b"])),
+            (Some(0), Some(0)),
+            "there before"
+        );
+        assert_eq!(
+            poll_with(&mut counter, Some(&["a", "c"])),
+            (Some(1), Some(1))
+        );
+        assert_eq!(
+            poll_with(&mut counter, Some(&["a", "c"])),
+            (Some(1), Some(1))
+        );
+        assert_eq!(
+            poll_with(&mut counter, Some(&["d", "e", "f"])),
+            (Some(4), Some(3))
+        );
+        assert_eq!(
+            poll_with(&mut counter, None),
+            (Some(4), Some(6)),
+            "none loaded now"
+        );
         // vLLM writes no series while none is loaded: the first list after
         // polls without one is loads.
         let mut counter = LoadCounter::default();
-        let mut poll = |loaded: Option<&[&str]>| {
-            let mut r = AdapterReport {
-                loaded: loaded.map(|l| l.iter().map(|s| s.to_string()).collect()),
-                ..AdapterReport::default()
-            };
-            counter.count(&mut r);
-            (r.loads, r.evictions)
-        };
-        assert_eq!(poll(None), (None, None), "not said");
-        assert_eq!(poll(Some(&["a"])), (Some(1), Some(0)));
+        assert_eq!(poll_with(&mut counter, None), (None, None), "not said");
+        assert_eq!(poll_with(&mut counter, Some(&["a"])), (Some(1), Some(0)));
     }
 
     #[test]

@@ -103,6 +103,31 @@ impl Fleet {
         out
     }
 
+    /// Sends `n` requests for `adapter` at once (each prompt its own) and
+    /// asserts every one is answered 200.
+    async fn all_answered(&self, adapter: &str, n: usize) {
+        let chats: Vec<_> = (0..n)
+            .map(|i| {
+                let c = client();
+                let url = self.b.url("/v1/chat/completions");
+                let body = chat_for(Some(adapter), &format!("{adapter} {i}"));
+                tokio::spawn(async move {
+                    let r = c.post(url).json(&body).send().await.unwrap();
+                    let status = r.status();
+                    let reason = r.headers().get("x-flowgate-drop-reason").cloned();
+                    (
+                        status,
+                        format!("{reason:?} {}", r.text().await.unwrap_or_default()),
+                    )
+                })
+            })
+            .collect();
+        for c in chats {
+            let (status, why) = c.await.unwrap();
+            assert_eq!(status, 200, "{why}");
+        }
+    }
+
     async fn chat(&self, adapter: &str) -> reqwest::Response {
         client()
             .post(self.b.url("/v1/chat/completions"))
@@ -150,23 +175,7 @@ async fn an_adapters_requests_go_where_it_is_loaded() {
 async fn a_hot_adapter_spreads() {
     let f = fleet_of_three("2", "400").await;
     f.load_directly(0, "a1").await;
-    let chats: Vec<_> = (0..24)
-        .map(|_| {
-            let c = client();
-            let url = f.b.url("/v1/chat/completions");
-            tokio::spawn(async move {
-                c.post(url)
-                    .json(&chat_for(Some("a1"), "hot"))
-                    .send()
-                    .await
-                    .unwrap()
-                    .status()
-            })
-        })
-        .collect();
-    for c in chats {
-        assert_eq!(c.await.unwrap(), 200);
-    }
+    f.all_answered("a1", 24).await;
     let loads = f.loads().await;
     let serving = loads.iter().filter(|&&n| n > 0).count();
     assert!(serving >= 2, "the hot adapter spread: loads {loads:?}");
@@ -287,28 +296,7 @@ async fn the_opt_in_load_happens_once_under_50_concurrent_first_requests() {
     // Quick answers: the queue drains sooner than a second load would.
     let quick = ["--ttft-ms", "5", "--tpot-ms", "1", "--output-tokens", "4"];
     let f = loadable_fleet("fresh", &dir.path("fresh"), "", "4", &quick).await;
-    let chats: Vec<_> = (0..50)
-        .map(|i| {
-            let c = client();
-            let url = f.b.url("/v1/chat/completions");
-            tokio::spawn(async move {
-                let r = c
-                    .post(url)
-                    .json(&chat_for(Some("fresh"), &format!("first {i}")))
-                    .send()
-                    .await
-                    .unwrap();
-                let status = r.status();
-                let reason = r.headers().get("x-flowgate-drop-reason").cloned();
-                let body = r.text().await.unwrap_or_default();
-                (status, format!("{reason:?} {body}"))
-            })
-        })
-        .collect();
-    for c in chats {
-        let (status, why) = c.await.unwrap();
-        assert_eq!(status, 200, "{why}");
-    }
+    f.all_answered("fresh", 50).await;
     let mut registered = Vec::new();
     for s in &f.sims {
         registered.push(s.stats().await["lora_registrations"].as_u64().unwrap());
@@ -383,24 +371,7 @@ async fn a_hot_adapter_is_loaded_on_another_server_when_its_queue_costs_more_tha
     let dir = TempDir::new("lora-spread");
     std::fs::create_dir_all(dir.0.join("hot")).unwrap();
     let f = loadable_fleet("hot", &dir.path("hot"), "hot", "2", &["--ttft-ms", "300"]).await;
-    let chats: Vec<_> = (0..24)
-        .map(|i| {
-            let c = client();
-            let url = f.b.url("/v1/chat/completions");
-            tokio::spawn(async move {
-                let r = c
-                    .post(url)
-                    .json(&chat_for(Some("hot"), &format!("hot {i}")))
-                    .send()
-                    .await
-                    .unwrap();
-                r.status()
-            })
-        })
-        .collect();
-    for c in chats {
-        assert_eq!(c.await.unwrap(), 200);
-    }
+    f.all_answered("hot", 24).await;
     let mut served_elsewhere = 0;
     let mut registered = 0;
     for s in &f.sims[1..] {

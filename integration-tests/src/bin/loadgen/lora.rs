@@ -6,10 +6,9 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use futures_util::StreamExt;
 use serde_json::json;
 
-use super::{pct, sorted, Rng};
+use super::{first_byte, pct, sorted, Rng};
 
 #[derive(Debug, clap::Args)]
 pub struct LoraArgs {
@@ -88,21 +87,7 @@ pub async fn lora(args: LoraArgs) {
                     n += 1;
                     let sent = Instant::now();
                     let ttft = match client.post(&args.target).json(&body).send().await {
-                        Ok(resp) if resp.status().is_success() => {
-                            let mut stream = resp.bytes_stream();
-                            let mut ttft = None;
-                            let mut ok = true;
-                            while let Some(chunk) = stream.next().await {
-                                match chunk {
-                                    Ok(b) if ttft.is_none() && !b.is_empty() => {
-                                        ttft = Some(sent.elapsed().as_secs_f64())
-                                    }
-                                    Ok(_) => {}
-                                    Err(_) => ok = false,
-                                }
-                            }
-                            ttft.filter(|_| ok)
-                        }
+                        Ok(resp) if resp.status().is_success() => first_byte(resp, sent).await,
                         _ => None,
                     };
                     let mut s = samples.lock().unwrap();

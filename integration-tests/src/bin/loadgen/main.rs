@@ -515,19 +515,8 @@ impl Sender {
                             .map_or(Value::Null, Value::from),
                     );
                 }
-                let mut body = resp.bytes_stream();
-                let mut ttft = None;
-                let mut ok = true;
-                while let Some(chunk) = body.next().await {
-                    match chunk {
-                        Ok(c) if ttft.is_none() && !c.is_empty() => {
-                            ttft = Some(sent.elapsed().as_secs_f64())
-                        }
-                        Ok(_) => {}
-                        Err(_) => ok = false,
-                    }
-                }
-                ttft.filter(|_| ok)
+                first_byte(resp, sent)
+                    .await
                     .map(|t| (t, sent.elapsed().as_secs_f64()))
                     .ok_or(0)
             }
@@ -689,6 +678,22 @@ async fn run(args: RunArgs) {
                "per_tenant": s.per_tenant, "errors": errors,
                "ceiling_hit_ratio": s.ceiling.hit_ratio()})
     );
+}
+
+/// Reads a streamed answer to its end: seconds from `sent` to its first
+/// bytes, `None` when it broke off or sent nothing.
+async fn first_byte(resp: reqwest::Response, sent: Instant) -> Option<f64> {
+    let mut body = resp.bytes_stream();
+    let mut ttft = None;
+    let mut ok = true;
+    while let Some(chunk) = body.next().await {
+        match chunk {
+            Ok(c) if ttft.is_none() && !c.is_empty() => ttft = Some(sent.elapsed().as_secs_f64()),
+            Ok(_) => {}
+            Err(_) => ok = false,
+        }
+    }
+    ttft.filter(|_| ok)
 }
 
 fn sorted(v: &[f64]) -> Vec<f64> {

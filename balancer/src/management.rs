@@ -255,7 +255,7 @@ impl Management {
                 // `in_flight_at_read` (the most of its requests the engine
                 // may have counted in this report) it is what the agent
                 // divides the server's slots by.
-                let demand = self.shared.demand_of(endpoint);
+                let (demand, load) = self.shared.answer_for(endpoint);
                 let mut body = json!({
                     "status": status,
                     "endpoint_id": endpoint.0,
@@ -264,9 +264,8 @@ impl Management {
                     "slot_share": demand.applied,
                     "in_flight_at_read": demand.at_read,
                 });
-                // Adapters requests wait for that no server serves and
-                // this one should load (its agent was configured to).
-                let load = self.shared.adapters_to_load(endpoint);
+                // Adapters its requests wait for that want one more server,
+                // this one (its agent may load them).
                 if !load.is_empty() {
                     body["load_adapters"] = json!(load.iter().map(|a| &**a).collect::<Vec<_>>());
                 }

@@ -460,16 +460,16 @@ impl FleetGate {
             .collect()
     }
 
-    /// Requests in flight to one endpoint.
-    /// This balancer's demand on an endpoint, for its agent (see
-    /// [`flowgate::Dispatcher::demand_of`]).
-    pub fn demand_of(&self, endpoint: EndpointId) -> flowgate::shares::Demand {
-        self.lock().demand_of(endpoint)
-    }
-
-    /// The LoRA adapters `endpoint`'s agent should load now.
-    pub fn adapters_to_load(&self, endpoint: EndpointId) -> Vec<std::sync::Arc<str>> {
-        self.lock().adapters_to_load(endpoint, now())
+    /// What this balancer answers `endpoint`'s agent, read under one
+    /// lock: its demand on the endpoint
+    /// ([`flowgate::Dispatcher::demand_of`]) and the LoRA adapters the
+    /// agent should load now.
+    pub fn answer_for(
+        &self,
+        endpoint: EndpointId,
+    ) -> (flowgate::shares::Demand, Vec<std::sync::Arc<str>>) {
+        let d = self.lock();
+        (d.demand_of(endpoint), d.adapters_to_load(endpoint, now()))
     }
 
     pub fn deregister(self: &Arc<Self>, agent_id: &str) -> bool {

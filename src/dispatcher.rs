@@ -19,7 +19,7 @@
 //!   exactly one waiter.
 //! - Affinity hold: a request that a saturated endpoint is predicted to
 //!   serve sooner than a free one (its prompt cached there: the wait-or-go
-//!   rule of [`crate::endpoint`]'s placement, on the engines' learned
+//!   rule, stage 3 of [`crate::placement`], on the engines' learned
 //!   costs, with the requests held for that endpoint before it in the same
 //!   pass counted in its wait) waits for that endpoint rather than be
 //!   prefilled again elsewhere, at most `scheduling.affinity_hold` and half
@@ -38,7 +38,7 @@
 //!   (prefill cold what the busy endpoint holds) first waits out its spill
 //!   delay, a clock of its own like a hold's, and then passes the requests
 //!   waiting for the free endpoint only where that evens out the work
-//!   ([`crate::endpoint`]'s `spill_evens_out`). A hold never lets lower
+//!   ([`crate::placement::evening`]). A hold never lets lower
 //!   priority pass,
 //!   nor a tenant get more than a few of its requests ahead of the waiting
 //!   request's tenant under token fairness
@@ -76,12 +76,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::endpoint::{
-    EndpointId, EndpointLedger, EndpointSnapshot, Holding, Lease, Pick, ReportOutcome, Route,
-    SaturationConfig, SchedulingConfig, Waits,
+    EndpointId, EndpointLedger, EndpointSnapshot, Lease, ReportOutcome, Route, SaturationConfig,
+    SchedulingConfig,
 };
 use crate::flow::{
     Charge, FlowControlConfig, FlowKey, FlowQueues, FlowSnapshot, Place, QueueFull, Removed, Size,
 };
+use crate::placement::{self, Pass, Pick, Waits};
 use crate::protocol::{AgentReport, ReportError};
 
 pub use crate::flow::Ticket;
@@ -252,13 +253,7 @@ impl<T> Dispatcher<T> {
         self.queues.reconfigure(config.flow.clone());
         self.ledger
             .reconfigure(config.saturation, config.scheduling);
-        self.config = DispatcherConfig {
-            scheduling: SchedulingConfig {
-                seed: self.config.scheduling.seed,
-                ..config.scheduling
-            },
-            ..config
-        };
+        self.config = config;
     }
 
     /// The deadline a request gets: its own TTL cut to the maximum, or the
@@ -284,14 +279,16 @@ impl<T> Dispatcher<T> {
         if self.queues.is_empty() {
             let waits = Waits::default();
             let may_hold = self.hard_session(&request.route) || !hold.is_zero();
-            let holding = Holding {
+            let pass = Pass {
                 waits: &waits,
                 may_spill: false,
             };
-            if let Pick::Lease(lease) =
-                self.ledger
-                    .pick(&request.route, now, may_hold.then_some(holding))
-            {
+            if let Pick::Lease(lease) = placement::pick(
+                &mut self.ledger,
+                &request.route,
+                now,
+                may_hold.then_some(pass),
+            ) {
                 return Admission::Ready(lease);
             }
         }
@@ -313,7 +310,7 @@ impl<T> Dispatcher<T> {
             bytes: request.bytes,
             tokens: request.route.tokens.total(),
         };
-        let home = self.ledger.queued_for(&request.route, now);
+        let home = placement::homes::queued_for(&mut self.ledger, &request.route, now);
         let waiting = Waiting {
             handle,
             route: request.route,
@@ -417,14 +414,16 @@ impl<T> Dispatcher<T> {
                 || (!hold.is_zero()
                     && waiting.hold_until.is_none_or(|end| now < end)
                     && held.len() < MAX_HOLDS_PER_PASS);
-            let holding = Holding {
+            let pass = Pass {
                 waits: &waits,
                 may_spill: waiting.spill_at.is_some_and(|at| at <= now),
             };
-            match self
-                .ledger
-                .pick(&waiting.route, now, may_hold.then_some(holding))
-            {
+            match placement::pick(
+                &mut self.ledger,
+                &waiting.route,
+                now,
+                may_hold.then_some(pass),
+            ) {
                 Pick::Lease(lease) => {
                     self.grant(ticket, lease, now, &mut out);
                 }
@@ -529,10 +528,10 @@ impl<T> Dispatcher<T> {
         self.ledger.orphan(lease, streamed, now);
     }
 
-    /// How `route` is scored against the fleet now, booking nothing (see
-    /// [`crate::endpoint::Explanation`]).
-    pub fn explain(&self, route: &Route, now: Instant) -> crate::endpoint::Explanation {
-        self.ledger.explain(route, now)
+    /// How `route` is placed now and scored against the fleet, booking
+    /// nothing (see [`crate::placement::Explanation`]).
+    pub fn explain(&self, route: &Route, now: Instant) -> crate::placement::Explanation {
+        placement::explain(&self.ledger, route, now)
     }
 
     /// Records what the answer to `lease`'s request said of its engine's

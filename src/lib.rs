@@ -9,8 +9,10 @@
 //!   and where one goes that no endpoint holds.
 //! - [`admission`]: a request's facts (model, flow, TTL, route) from its
 //!   headers, body and caller, the same for every front door.
-//! - [`endpoint`]: per-endpoint capacity accounting, circuit breaker and
-//!   selection among the endpoints that serve a request's model.
+//! - [`endpoint`]: per-endpoint capacity accounting and circuit breaker:
+//!   the fleet as the balancer counts it.
+//! - [`placement`]: which endpoint a request goes to, or whether it waits:
+//!   the whole rule, stage by stage.
 //! - [`scorer`]: the weighted scorers that pick an endpoint.
 //! - [`prefix`]: prompt block hashing and the per-endpoint prefix index.
 //! - [`session`]: session keys clients send and the endpoint each
@@ -47,6 +49,7 @@ pub(crate) mod lru;
 pub mod models;
 pub mod multipart;
 pub mod openai;
+pub mod placement;
 pub mod prefix;
 pub mod protocol;
 pub mod quota;

@@ -2,7 +2,8 @@
 //! one should.
 //!
 //! Each scorer rates an endpoint from 0 (worst) to 1 (best); the picker
-//! takes the highest weighted sum and breaks ties at random. A weight of 0
+//! takes the highest weighted sum; equal sums take turns
+//! ([`crate::placement`]'s score stage). A weight of 0
 //! turns a scorer off. Only endpoints that are eligible, serve the model and
 //! are not saturated are ever scored, so no weight can send work to a full
 //! endpoint: affinity cannot create a hot spot past the saturation
@@ -143,27 +144,6 @@ impl ScorerWeights {
     }
 }
 
-/// A small deterministic random source for tie-breaking (xorshift64*).
-#[derive(Debug, Clone)]
-pub(crate) struct TieBreaker(u64);
-
-impl TieBreaker {
-    pub(crate) fn new(seed: u64) -> Self {
-        // Zero is xorshift's one fixed point.
-        TieBreaker(seed | 1)
-    }
-
-    /// A number in `0..n` (`n > 0`).
-    pub(crate) fn below(&mut self, n: usize) -> usize {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        (x.wrapping_mul(0x2545_F491_4F6C_DD1D) % n as u64) as usize
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -244,15 +224,5 @@ mod tests {
             ..ScorerWeights::default()
         };
         assert_eq!(w.invalid().map(|(n, _)| n), Some("queue"));
-    }
-
-    #[test]
-    fn tie_breaker_covers_every_choice() {
-        let mut t = TieBreaker::new(0);
-        let mut seen = [0u32; 3];
-        for _ in 0..3000 {
-            seen[t.below(3)] += 1;
-        }
-        assert!(seen.iter().all(|&n| n > 800), "{seen:?}");
     }
 }

@@ -6,8 +6,10 @@
 use std::time::{Duration, Instant};
 
 use super::{Dispatcher, Done, BEHIND_HOLDS, LOOK_AHEAD, MAX_HOLDS_PER_PASS};
-use crate::endpoint::{EndpointId, Holding, Home, Pick, QueuedWork, Route, Waits};
+use crate::endpoint::{EndpointId, Route};
 use crate::flow::Ticket;
+use crate::placement::evening::{prompt_holder, spill_evens_out, QueuedWork};
+use crate::placement::{self, Home, Pass, Pick, Waits};
 
 /// Queued requests a dispatch pass asks where they are at home, or which
 /// endpoint they wait for, at most, in each of its steps that do
@@ -72,20 +74,20 @@ impl<T> Dispatcher<T> {
             // endpoint it waited for holds) goes once its spill delay is
             // over, before the requests waiting for the free endpoint only
             // where that evens out the work
-            // ([`crate::endpoint::EndpointLedger::spill_evens_out`]).
+            // ([`crate::placement::evening`]).
             let spill_over = waiting.spill_at.is_some_and(|at| at <= now);
             let may_spill = spill_over
                 && waiting.held.is_none_or(|holder| {
                     let queued = queued.get_or_insert_with(|| self.queued_work(top, now));
                     let route = &self.queues.get(ticket).expect("offered just above").route;
-                    self.ledger.spill_evens_out(route, holder, queued, now)
+                    spill_evens_out(&self.ledger, route, holder, queued, now)
                 });
             let waiting = self.queues.get(ticket).expect("offered just above");
-            let holding = Holding {
+            let pass = Pass {
                 waits: &waits,
                 may_spill,
             };
-            match self.ledger.pick(&waiting.route, now, Some(holding)) {
+            match placement::pick(&mut self.ledger, &waiting.route, now, Some(pass)) {
                 Pick::Lease(lease) => {
                     self.grant(ticket, lease, now, out);
                 }
@@ -100,17 +102,17 @@ impl<T> Dispatcher<T> {
     }
 
     /// The requests of priority `top` among the first [`BEHIND_HOLDS`] of
-    /// each flow, at most [`HOME_SCAN`] of them, by the endpoint each waits
-    /// for: its session's, the one it was held for, or the one holding
-    /// most of its prompt (none: unplaced).
+    /// each flow, at most [`HOME_SCAN`] of them, not queued for an endpoint
+    /// by their session (those are in its load already), by the endpoint
+    /// each waits for: the one it was held for, or the one holding most of
+    /// its prompt (none: unplaced).
     fn queued_work(&mut self, top: i32, now: Instant) -> QueuedWork {
         let mut work = QueuedWork::default();
         let mut looked = 0;
         let ledger = &self.ledger;
         self.queues.peek_where(BEHIND_HOLDS, |_, w| {
-            if w.priority >= top {
-                let endpoint = w.home.or(w.held);
-                match endpoint.or_else(|| ledger.prompt_holder(&w.route, now)) {
+            if w.priority >= top && w.home.is_none() {
+                match w.held.or_else(|| prompt_holder(ledger, &w.route, now)) {
                     Some(e) => work.by_endpoint.add(e),
                     None => work.unplaced += 1,
                 }
@@ -142,7 +144,7 @@ impl<T> Dispatcher<T> {
         let Some(waiting) = self.queues.get(ticket) else {
             return false;
         };
-        match self.ledger.pick(&waiting.route, now, None) {
+        match placement::pick(&mut self.ledger, &waiting.route, now, None) {
             Pick::Lease(lease) => {
                 self.grant(ticket, lease, now, out);
                 true
@@ -214,7 +216,7 @@ impl<T> Dispatcher<T> {
                 if w.priority < top || stuck.iter().any(|r| r.same_targets(&w.route)) {
                     return false;
                 }
-                match ledger.at_home(&w.route, now) {
+                match placement::at_home(ledger, &w.route, now) {
                     Home::Yes => true,
                     Home::Elsewhere { waits } => {
                         let over = w.hold_until.is_some_and(|end| end <= now);
@@ -253,7 +255,8 @@ impl<T> Dispatcher<T> {
                 }
             }
             let waiting = self.queues.get(ticket).expect("peeked request is queued");
-            let Pick::Lease(lease) = self.ledger.pick(&waiting.route, now, None) else {
+            let Pick::Lease(lease) = placement::pick(&mut self.ledger, &waiting.route, now, None)
+            else {
                 break;
             };
             self.grant(ticket, lease, now, out);
@@ -264,7 +267,7 @@ impl<T> Dispatcher<T> {
     }
 
     /// `ticket` is held for `endpoint` (the wait-or-go rule): a first turn
-    /// without a home gets that one ([`crate::endpoint::EndpointLedger::home_held`])
+    /// without a home gets that one ([`crate::placement::homes::home_held`])
     /// and takes its slots in turn with the turns queued for it. The
     /// requests behind it in this pass wait behind it there: counted in
     /// `waits`, unless counted already as queued for it.
@@ -279,7 +282,9 @@ impl<T> Dispatcher<T> {
             return;
         };
         waiting.held = Some(endpoint);
-        if waiting.home.is_none() && self.ledger.home_held(&waiting.route, endpoint, now) {
+        if waiting.home.is_none()
+            && placement::homes::home_held(&mut self.ledger, &waiting.route, endpoint, now)
+        {
             waiting.home = Some(endpoint);
             self.homed.insert((endpoint, ticket.seq()), ticket);
         }

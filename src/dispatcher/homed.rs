@@ -17,8 +17,8 @@
 use std::time::Instant;
 
 use super::{Dispatcher, Done};
-use crate::endpoint::Pick;
 use crate::flow::Ticket;
+use crate::placement::{self, Pick};
 
 /// Requests looked at per endpoint for one of the highest priority.
 const SCAN: usize = 16;
@@ -40,7 +40,8 @@ impl<T> Dispatcher<T> {
                     .map(|(_, &ticket)| ticket)
                     .find(|&ticket| {
                         self.queues.get(ticket).is_some_and(|w| {
-                            w.priority >= top && self.ledger.takes_at_home(id, &w.route, now)
+                            w.priority >= top
+                                && placement::takes_at_home(&self.ledger, id, &w.route, now)
                         })
                     });
                 let Some(ticket) = oldest else { break };
@@ -48,7 +49,9 @@ impl<T> Dispatcher<T> {
                     return;
                 }
                 let waiting = self.queues.get(ticket).expect("a homed request is queued");
-                let Pick::Lease(lease) = self.ledger.pick(&waiting.route, now, None) else {
+                let Pick::Lease(lease) =
+                    placement::pick(&mut self.ledger, &waiting.route, now, None)
+                else {
                     break;
                 };
                 self.grant(ticket, lease, now, out);

@@ -23,18 +23,18 @@ use crate::protocol::{AdapterReport, AgentReport};
 pub(crate) struct Wanted {
     pub(crate) name: Arc<str>,
     /// Its preferred endpoints ([`crate::adapter::preferred`]).
-    preferred: Vec<SocketAddr>,
+    pub(crate) preferred: Vec<SocketAddr>,
 }
 
 impl Endpoint {
     /// The residency of adapter `name` here.
-    pub(super) fn residency(&self, name: &str) -> Residency {
+    pub(crate) fn residency(&self, name: &str) -> Residency {
         residency(self.adapter_report(), &self.adapters_sent, name)
     }
 
     /// The `adapter` scorer's value here for `wanted` (unweighted);
     /// `None` for a route that names no adapter.
-    pub(super) fn adapter_score(&self, wanted: Option<&Wanted>) -> Option<f64> {
+    pub(crate) fn adapter_score(&self, wanted: Option<&Wanted>) -> Option<f64> {
         let w = wanted?;
         Some(
             self.residency(&w.name)
@@ -211,66 +211,19 @@ impl EndpointLedger {
         let preferred = preferred(model, serving, self.scheduling.adapter_replicas as usize);
         Some(Wanted { name, preferred })
     }
-
-    /// The best endpoint by every scorer, the adapter's term included,
-    /// that takes `route` now: its whole lane is scored (module docs).
-    /// Equal scores go to the first in the lane's ranking, which takes
-    /// turns among equals.
-    pub(super) fn choose_for_adapter(
-        &self,
-        route: &Route,
-        wanted: &Wanted,
-        now: Instant,
-    ) -> Option<EndpointId> {
-        let config = self.saturation;
-        let mut best: Option<(f64, EndpointId)> = None;
-        for r in self.ranking.ranked(route.model.as_deref()) {
-            let e = &self.endpoints[&r.id];
-            if !e.takes(route, now, &config) {
-                continue;
-            }
-            let score = self.route_score(e, route, Some(wanted));
-            if best.is_none_or(|(b, _)| score > b + super::selection::TIE) {
-                best = Some((score, r.id));
-            }
-        }
-        best.map(|(_, id)| id)
-    }
-
-    /// Of the saturated endpoints serving `route`, those where its
-    /// adapter is resident while `go` (which takes it now) would load it:
-    /// each is called with `f` (the wait-or-go rule weighs them).
-    pub(super) fn busy_holding_adapter(
-        &self,
-        route: &Route,
-        wanted: &Wanted,
-        go: EndpointId,
-        now: Instant,
-        mut f: impl FnMut(&Endpoint),
-    ) {
-        if !self.endpoints[&go].residency(&wanted.name).loads() {
-            return;
-        }
-        let config = self.saturation;
-        self.serving(route)
-            .filter(|e| e.eligible(now) && !e.takes(route, now, &config))
-            .filter(|e| !e.residency(&wanted.name).loads())
-            .for_each(&mut f);
-    }
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
-    use crate::endpoint::placement::Holding;
-    use crate::endpoint::{Choice, Pick, Timing, Waits};
+    use crate::endpoint::{Timing, COST_WINDOW};
     use crate::protocol::tests::report;
 
-    const ADAPTERS: [&str; 4] = ["a1", "a2", "a3", "a4"];
+    pub(crate) const ADAPTERS: [&str; 4] = ["a1", "a2", "a3", "a4"];
 
     /// A vLLM-like report: base model `m` and four adapters, `loaded`
     /// of them loaded (none running), two at most.
-    fn with_adapters(
+    pub(crate) fn with_adapters(
         id: &str,
         port: u16,
         slots: u32,
@@ -290,7 +243,7 @@ mod tests {
         (r, addr.parse().unwrap())
     }
 
-    fn fleet(loaded: [&[&str]; 3], slots: u32, now: Instant) -> EndpointLedger {
+    pub(crate) fn fleet(loaded: [&[&str]; 3], slots: u32, now: Instant) -> EndpointLedger {
         let mut ledger = EndpointLedger::default();
         for (i, l) in loaded.into_iter().enumerate() {
             let (r, addr) = with_adapters(&format!("e{i}"), 1 + i as u16, slots, l);
@@ -299,7 +252,7 @@ mod tests {
         ledger
     }
 
-    fn adapter(name: &str) -> Route {
+    pub(crate) fn adapter(name: &str) -> Route {
         Route {
             model: Some(name.into()),
             ..Route::default()
@@ -308,8 +261,12 @@ mod tests {
 
     /// Teaches the endpoint of `lease` that a request holds a slot
     /// `service_ms` there.
-    fn learn_service(ledger: &mut EndpointLedger, lease: &crate::endpoint::Lease, service_ms: u64) {
-        for _ in 0..crate::endpoint::cost::WINDOW {
+    pub(crate) fn learn_service(
+        ledger: &mut EndpointLedger,
+        lease: &crate::endpoint::Lease,
+        service_ms: u64,
+    ) {
+        for _ in 0..COST_WINDOW {
             ledger.observe_timing(
                 lease,
                 &Timing {
@@ -321,112 +278,7 @@ mod tests {
     }
 
     fn take(ledger: &mut EndpointLedger, route: &Route, now: Instant) -> crate::endpoint::Lease {
-        match ledger.pick(route, now, None) {
-            Pick::Lease(l) => l,
-            other => panic!("no lease: {other:?}"),
-        }
-    }
-
-    #[test]
-    fn an_adapters_requests_go_where_it_is_loaded() {
-        let now = Instant::now();
-        let mut ledger = fleet([&[], &["a2"], &["a1", "a3"]], 4, now);
-        for _ in 0..3 {
-            let lease = take(&mut ledger, &adapter("a2"), now);
-            assert_eq!(lease.addr.port(), 2);
-            assert!(!lease.loads_adapter);
-            ledger.release(lease, now);
-        }
-        let x = ledger.explain(&adapter("a2"), now);
-        assert_eq!(x.choice.map(|a| a.port()), Some(2));
-        assert_eq!(x.candidates[0].terms.adapter, 3.2, "loaded: 0.8, weight 4");
-        // The base model is placed as before: no adapter term.
-        let x = ledger.explain(&adapter("m"), now);
-        assert!(x.candidates.iter().all(|c| c.terms.adapter == 0.0));
-    }
-
-    #[test]
-    fn an_adapter_loaded_nowhere_goes_to_its_preferred_server_with_room_and_stays() {
-        let now = Instant::now();
-        // Servers 1 and 2 have room; 3 is full.
-        let mut ledger = fleet([&[], &["a1"], &["a1", "a3"]], 4, now);
-        let home = preferred("a4", ledger.endpoints.values().map(|e| e.addr), 1)[0];
-        let lease = take(&mut ledger, &adapter("a4"), now);
-        assert!(lease.loads_adapter);
-        if home.port() != 3 {
-            assert_eq!(lease.addr, home, "its preferred server, which has room");
-        } else {
-            assert_ne!(lease.addr.port(), 3, "room beats preference");
-        }
-        // Before any report says so, the next ones follow it there.
-        let first = lease.addr;
-        for _ in 0..3 {
-            let next = take(&mut ledger, &adapter("a4"), now);
-            assert_eq!(next.addr, first);
-            assert!(!next.loads_adapter, "one load");
-            ledger.release(next, now);
-        }
-        ledger.release(lease, now);
-        // Every balancer prefers the same servers.
-        let again = fleet([&[], &["a1"], &["a1", "a3"]], 4, now);
-        assert_eq!(
-            again.adapter_wanted(&adapter("a4"), now).unwrap().preferred,
-            vec![home]
-        );
-    }
-
-    #[test]
-    fn a_server_that_drops_an_adapter_stops_getting_its_requests_first() {
-        let now = Instant::now();
-        let mut ledger = fleet([&[], &["a2"], &[]], 4, now);
-        assert_eq!(
-            ledger.explain(&adapter("a2"), now).choice.map(|a| a.port()),
-            Some(2)
-        );
-        // Server 2 evicts a2 and fills up with two others; server 1 now
-        // holds it.
-        let later = now + Duration::from_millis(1_500);
-        let (r, addr) = with_adapters("e1", 2, 4, &["a3", "a4"]);
-        ledger.apply_report(r, addr, later);
-        let (r, addr) = with_adapters("e0", 1, 4, &["a2"]);
-        ledger.apply_report(r, addr, later);
-        let lease = take(&mut ledger, &adapter("a2"), later);
-        assert_eq!(lease.addr.port(), 1);
-        ledger.release(lease, later);
-    }
-
-    #[test]
-    fn a_hot_adapter_waits_for_its_server_until_its_queue_costs_more_than_a_load() {
-        let now = Instant::now();
-        let mut ledger = fleet([&["a1"], &[], &[]], 1, now);
-        let busy = take(&mut ledger, &adapter("a1"), now);
-        assert_eq!(busy.addr.port(), 1);
-        // Server 1: 200 ms per request. A load costs 500 ms by default.
-        learn_service(&mut ledger, &busy, 200);
-        let mut waits = Waits::default();
-        let mut held = 0;
-        loop {
-            let holding = Holding {
-                waits: &waits,
-                may_spill: true,
-            };
-            match ledger.choose(&adapter("a1"), now, Some(holding)) {
-                Choice::Hold(id) => {
-                    assert_eq!(id, busy.endpoint);
-                    waits.add(id);
-                    held += 1;
-                }
-                Choice::Endpoint(id) => {
-                    assert_ne!(id, busy.endpoint);
-                    break;
-                }
-                other => panic!("{other:?}"),
-            }
-            assert!(held < 10, "never spreads");
-        }
-        // Waits of 200, 400 ms beat a 500 ms load; the third (600 ms) goes.
-        assert_eq!(held, 2);
-        ledger.release(busy, now);
+        ledger.acquire(route, now).expect("a lease")
     }
 
     #[test]

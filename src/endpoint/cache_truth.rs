@@ -128,7 +128,7 @@ impl EndpointLedger {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::endpoint::{Pick, Route};
+    use crate::endpoint::Route;
     use crate::prefix::PrefixConfig;
     use crate::protocol::tests::report;
     use crate::{SaturationConfig, SchedulingConfig};
@@ -139,10 +139,7 @@ mod tests {
             prefix: prefix.to_vec(),
             ..Route::default()
         };
-        match ledger.pick(&route, now, None) {
-            Pick::Lease(l) => l,
-            other => panic!("expected a lease, got {other:?}"),
-        }
+        ledger.acquire(&route, now).expect("a lease")
     }
 
     /// A ledger of one 4-slot endpoint whose prefix index holds 100

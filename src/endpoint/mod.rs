@@ -23,39 +23,41 @@
 //!   requests stop within 0.05 s of the disconnect, and vLLM and SGLang
 //!   abort on disconnect: those leases are released at once.
 //!
-//! The rooms: [`selection`] chooses a candidate (pure: it takes no slot),
-//! [`saturation`] says who takes no new work, [`breaker`] takes failing
-//! endpoints out for a while; this file keeps the ledger.
+//! This module keeps the accounting only; which endpoint a request goes
+//! to is [`crate::placement`]'s, which reads the fleet through [`view`]
+//! and books what it decided here ([`EndpointLedger::book`]). The rooms:
+//! [`route`] says what an endpoint makes of a request, [`saturation`] who
+//! takes no new work, [`breaker`] takes failing endpoints out for a while,
+//! [`ranking`] keeps the endpoints that may take work in order; this file
+//! keeps the ledger.
 
 mod adapters;
-mod balance;
 mod breaker;
 mod cache_truth;
 mod cost;
-mod explain;
 mod foreign;
-mod homes;
 mod models;
-mod placement;
 mod ranking;
+mod route;
 mod saturation;
-mod selection;
 mod snapshot;
+mod view;
 
 pub use snapshot::EndpointSnapshot;
 
+pub(crate) use adapters::Wanted;
 pub use breaker::BreakerConfig;
+pub use route::{Route, SchedulingConfig};
 pub use saturation::{Saturation, SaturationConfig};
-use selection::Choice;
-pub(crate) use selection::Pick;
-pub use selection::{Route, SchedulingConfig};
+pub(crate) use view::Turn;
 
-pub(crate) use balance::QueuedWork;
+#[cfg(test)]
+pub(crate) use adapters::tests as adapter_fixtures;
 use breaker::Breaker;
 pub use cache_truth::{CacheSeen, CacheTruth, COLD_MISSES};
+#[cfg(test)]
+pub(crate) use cost::WINDOW as COST_WINDOW;
 pub use cost::{CostModel, CostSnapshot, Estimate, Timing};
-pub use explain::{CandidateScore, Explanation, MAX_EXPLAINED};
-pub(crate) use placement::{Holding, Home, Waits};
 use ranking::{Rank, Ranking};
 
 // Keyed by endpoint ids, addresses, agents' and models' names (the fleet's,
@@ -69,7 +71,6 @@ use serde::Serialize;
 
 use crate::prefix::{PrefixHolders, PrefixLru};
 use crate::protocol::{AgentReport, BackendHealth, ReportError};
-use crate::scorer::TieBreaker;
 use crate::session::SessionTable;
 
 /// Reports older than this many monitoring intervals make an agent stale.
@@ -131,7 +132,8 @@ pub(crate) struct Endpoint {
     /// `None` once the agent deregistered or was dropped as stale.
     pub(crate) agent: Option<AgentState>,
     pub(crate) in_flight: u32,
-    /// Queued requests waiting for it by their session ([`homes`]).
+    /// Queued requests waiting for it by their session
+    /// ([`crate::placement`]'s homes).
     queued_home: u32,
     /// Estimated tokens of the balancer's requests in flight here (orphans
     /// included): what the token budget counts.
@@ -250,7 +252,6 @@ pub(crate) struct EndpointLedger {
     /// Of those, the ones an agent lists as a LoRA adapter ([`adapters`]).
     adapter_models: foldhash::HashSet<Arc<str>>,
     next_id: u64,
-    ties: TieBreaker,
     /// Endpoints with an agent by model, those that may take work best
     /// first: kept in step by [`EndpointLedger::rerank`] at every change.
     ranking: Ranking,
@@ -285,7 +286,6 @@ impl EndpointLedger {
             models: HashMap::default(),
             adapter_models: Default::default(),
             next_id: 0,
-            ties: TieBreaker::new(scheduling.seed),
             ranking: Ranking::default(),
             reranks: 0,
             holders: PrefixHolders::default(),
@@ -296,8 +296,7 @@ impl EndpointLedger {
     }
 
     /// New saturation thresholds and scheduling weights (a config reload).
-    /// The tie-breaker keeps its sequence; a new prefix-index size holds
-    /// for endpoints registered from now on.
+    /// A new prefix-index size holds for endpoints registered from now on.
     pub(crate) fn reconfigure(
         &mut self,
         saturation: SaturationConfig,
@@ -305,10 +304,7 @@ impl EndpointLedger {
     ) {
         self.saturation = saturation;
         self.sessions.reconfigure(&scheduling.sessions);
-        self.scheduling = SchedulingConfig {
-            seed: self.scheduling.seed,
-            ..scheduling
-        };
+        self.scheduling = scheduling;
         // Thresholds and weights place every endpoint anew.
         let ids: Vec<EndpointId> = self.endpoints.keys().copied().collect();
         for id in ids {
@@ -536,15 +532,11 @@ impl EndpointLedger {
             .collect()
     }
 
-    /// Takes a slot on the endpoint [`EndpointLedger::choose`] picks for
-    /// `route`, if any (see there for `hold`).
-    pub(crate) fn pick(&mut self, route: &Route, now: Instant, hold: Option<Holding<'_>>) -> Pick {
-        let chosen = match self.choose(route, now, hold) {
-            Choice::Endpoint(id) => id,
-            Choice::Hold(id) => return Pick::Hold(id),
-            Choice::Delay(after, holder) => return Pick::Delay(after, holder),
-            Choice::Busy => return Pick::Busy,
-        };
+    /// Takes a slot on `chosen` for `route` (placement chose it:
+    /// [`crate::placement`]): counts the request in flight there, notes
+    /// its prompt blocks and adapter as sent there, and binds its session
+    /// to it.
+    pub(crate) fn book(&mut self, route: &Route, chosen: EndpointId, now: Instant) -> Lease {
         let adapter = self
             .adapter_models
             .get(route.model.as_deref().unwrap_or(""))
@@ -578,7 +570,42 @@ impl EndpointLedger {
             loads_adapter,
         };
         self.rerank(chosen);
-        Pick::Lease(lease)
+        lease
+    }
+
+    /// Forgets where `session`'s last turn went (its endpoint is gone):
+    /// its next turn is placed anew.
+    pub(crate) fn release_session(&mut self, session: u64) {
+        self.sessions.release(session);
+    }
+
+    /// Counts a request entering the queues as waiting for `id` by its
+    /// session, until [`EndpointLedger::left_queue`].
+    pub(crate) fn count_queued(&mut self, id: EndpointId) {
+        if let Some(e) = self.endpoints.get_mut(&id) {
+            e.queued_home += 1;
+        }
+    }
+
+    /// Gives `route`'s session the home `id` (its first turn must queue:
+    /// [`crate::placement`]'s homes): binds it there and counts the turn
+    /// queued for it. False when it has no session or `id` is gone.
+    pub(crate) fn queue_home(&mut self, route: &Route, id: EndpointId, now: Instant) -> bool {
+        let (Some(session), Some(e)) = (route.session, self.endpoints.get_mut(&id)) else {
+            return false;
+        };
+        e.queued_home += 1;
+        self.sessions.bind(session, e.addr, now);
+        true
+    }
+
+    /// A request counted by [`EndpointLedger::count_queued`] or
+    /// [`EndpointLedger::queue_home`] left the queues (served, expired,
+    /// evicted or cancelled).
+    pub(crate) fn left_queue(&mut self, id: EndpointId) {
+        if let Some(e) = self.endpoints.get_mut(&id) {
+            e.queued_home = e.queued_home.saturating_sub(1);
+        }
     }
 
     /// Binds `session` to the endpoint at `addr` (a response id whose
@@ -600,26 +627,6 @@ impl EndpointLedger {
         self.ranking
             .ranked(None)
             .any(|r| self.endpoints[&r.id].available(now, &config))
-    }
-
-    /// The endpoints that may serve `route`, busy or not: its subset, or
-    /// its model's lane.
-    fn serving<'a>(&'a self, route: &'a Route) -> impl Iterator<Item = &'a Endpoint> + 'a {
-        let subset = route
-            .subset
-            .iter()
-            .flat_map(|s| s.iter())
-            .filter_map(|a| self.by_addr.get(a).copied());
-        let lane = route
-            .subset
-            .is_none()
-            .then(|| self.ranking.members(route.model.as_deref()))
-            .into_iter()
-            .flatten();
-        subset
-            .chain(lane)
-            .filter_map(|id| self.endpoints.get(&id))
-            .filter(|e| e.fits(route))
     }
 
     /// Whether an eligible endpoint fits `route` and is not `except` (it
@@ -739,6 +746,17 @@ impl EndpointLedger {
         self.endpoints
             .values()
             .map(|e| u64::from(e.in_flight))
+            .sum()
+    }
+}
+
+#[cfg(test)]
+impl EndpointLedger {
+    /// Requests counted as queued for an endpoint, over all endpoints.
+    pub(crate) fn queued_homes(&self) -> u64 {
+        self.endpoints
+            .values()
+            .map(|e| u64::from(e.queued_home))
             .sum()
     }
 }

@@ -53,6 +53,7 @@ impl Rank {
         }
     }
 
+    #[cfg(test)]
     pub(super) fn score(&self) -> f64 {
         f64::from_bits(self.score.0)
     }
@@ -241,8 +242,7 @@ impl Ranking {
         }
     }
 
-    /// The rank an endpoint has now (tests).
-    #[cfg(test)]
+    /// The rank an endpoint has now; `None` while it is not ranked.
     pub(super) fn rank_of(&self, id: EndpointId) -> Option<Rank> {
         self.entries.get(&id).and_then(|e| e.rank)
     }

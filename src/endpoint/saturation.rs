@@ -84,7 +84,7 @@ impl Saturation {
 
 impl Endpoint {
     /// Eligible and not saturated.
-    pub(super) fn available(&self, now: Instant, config: &SaturationConfig) -> bool {
+    pub(crate) fn available(&self, now: Instant, config: &SaturationConfig) -> bool {
         self.eligible(now) && self.saturation(now, config).is_none()
     }
 

@@ -195,14 +195,10 @@ impl Settings {
             default_ttl,
         )
         .map_err(SettingsError::Invalid)?;
-        // Tie-breaking only needs to differ between runs, not be secret.
-        let seed = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64);
         let scheduling_section = file.scheduling.unwrap_or_default();
         let explain = scheduling_section.explain.unwrap_or_default();
         let (sched, retries, sessions) =
-            scheduling::build(&scheduling_section, seed).map_err(SettingsError::Invalid)?;
+            scheduling::build(&scheduling_section).map_err(SettingsError::Invalid)?;
         let session_redis_url =
             scheduling::session_redis_url(cli.sessions_redis_url.clone(), &scheduling_section)
                 .map_err(SettingsError::Invalid)?;

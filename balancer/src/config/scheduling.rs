@@ -86,10 +86,7 @@ pub struct BreakerSection {
 
 /// The checked scheduling settings, the retry count and which session keys
 /// admission reads.
-pub fn build(
-    section: &SchedulingSection,
-    seed: u64,
-) -> Result<(SchedulingConfig, u32, SessionRules), String> {
+pub fn build(section: &SchedulingSection) -> Result<(SchedulingConfig, u32, SessionRules), String> {
     let scorers = section.scorers.unwrap_or_default();
     if let Some((name, w)) = scorers.invalid() {
         return Err(format!(
@@ -154,7 +151,6 @@ pub fn build(
             affinity_hold,
             sessions,
             adapter_replicas,
-            seed,
         },
         retries,
         session_rules,

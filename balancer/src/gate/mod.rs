@@ -368,7 +368,7 @@ impl FleetGate {
     }
 
     /// How `route` is scored against the fleet now, booking nothing.
-    pub fn explain(&self, route: &Route) -> flowgate::endpoint::Explanation {
+    pub fn explain(&self, route: &Route) -> flowgate::placement::Explanation {
         self.lock().explain(route, now())
     }
 

@@ -1,0 +1,101 @@
+//! Stage 4, evening out: which spills may pass the requests that wait for
+//! the free endpoint.
+//!
+//! A conversation's turns re-send its history, so each turn waits for the
+//! endpoint that served the one before (its cache, or its session): where
+//! its first turn lands, its whole life waits. The wait-or-go rule
+//! ([`super::patience`]) weighs one turn's own time; which spill takes a
+//! free slot first then decides where conversations live. Compared by
+//! queues of the moment (the rule before this one), a burst of unequal
+//! groups (one system prompt shared by half of them) ended with 10, 6, 8
+//! and 8 conversations on four servers under a controlled clock, where 8
+//! each was possible: the second group, its fair share, spilled onto a
+//! small group's server because its queue was the longer, while the
+//! largest group stayed on its own. So a held request whose spill delay
+//! is over passes the requests waiting for a free endpoint only to even
+//! out the work: from an endpoint carrying at least one request per slot
+//! more than the mean of those serving its model (its [`super::load`],
+//! and the queued requests waiting for each or not placed yet, over their
+//! slots) to one carrying at least one fewer. A free slot none of them
+//! wants still goes to the spill, in the dispatcher's main pass.
+
+use std::time::Instant;
+
+use super::load::{Load, Waits};
+use crate::endpoint::{EndpointId, EndpointLedger, Route};
+
+/// Slack for the comparisons of loads (sums of fractions of a request).
+const EPSILON: f64 = 1e-9;
+
+/// Queued requests not counted in any endpoint's load yet, by the endpoint
+/// each waits for: the one it was held for, or the one holding most of
+/// its prompt; `unplaced`: the requests none of those is known for (their
+/// prompt cached nowhere yet), work that lands somewhere all the same.
+/// (Requests queued for an endpoint by their session are in its load.)
+#[derive(Debug, Default)]
+pub(crate) struct QueuedWork {
+    pub by_endpoint: Waits,
+    pub unplaced: u32,
+}
+
+/// The endpoint serving `route` that holds the most of its leading prompt
+/// blocks, if one holds any: the one a queued request not yet held for an
+/// endpoint waits for. Its blocks are chained hashes, and an endpoint
+/// forgets a prompt from its end, so the holders of its deepest block held
+/// anywhere hold the most: found in a few lookups, whatever the fleet's
+/// size.
+pub(crate) fn prompt_holder(
+    fleet: &EndpointLedger,
+    route: &Route,
+    now: Instant,
+) -> Option<EndpointId> {
+    if fleet.scheduling().scorers.prefix_cache <= 0.0 {
+        return None;
+    }
+    let held = route
+        .prefix
+        .partition_point(|block| !fleet.holders_of(*block).is_empty());
+    let deepest = route.prefix.get(held.checked_sub(1)?)?;
+    fleet
+        .holders_of(*deepest)
+        .iter()
+        .filter_map(|id| fleet.endpoint(*id))
+        .find(|e| e.fits(route) && e.eligible(now))
+        .map(|e| e.id)
+}
+
+/// Whether a spill of `route` from `holder` evens out the work (module
+/// docs): `holder` carries at least one request per slot more than the
+/// mean of the endpoints serving the route (their loads with `queued`),
+/// and one of them that takes work now at least one fewer.
+pub(crate) fn spill_evens_out(
+    fleet: &EndpointLedger,
+    route: &Route,
+    holder: EndpointId,
+    queued: &QueuedWork,
+    now: Instant,
+) -> bool {
+    if fleet.endpoint(holder).is_none() {
+        return false;
+    }
+    let config = fleet.saturation();
+    let (mut requests, mut slots) = (u64::from(queued.unplaced), 0);
+    let mut holder_load = None;
+    // The least a free endpoint would carry with the spill.
+    let mut least_free = f64::INFINITY;
+    for e in fleet.serving(route).filter(|e| e.eligible(now)) {
+        let load = Load::of(e, &queued.by_endpoint);
+        requests += load.requests();
+        slots += load.slots();
+        if e.id == holder {
+            holder_load = Some(load);
+        } else if e.available(now, config) {
+            least_free = least_free.min(load.per_slot() + load.one_request());
+        }
+    }
+    let Some(h) = holder_load else {
+        return false;
+    };
+    let mean = requests as f64 / slots as f64;
+    h.per_slot() - h.one_request() >= mean - EPSILON && least_free <= mean + EPSILON
+}

@@ -1,0 +1,251 @@
+//! Why an endpoint: the decision [`super::place`] makes for a request now,
+//! rendered with every endpoint that may serve it and each scorer's part
+//! of its score. The same path as the request's own placement, read only:
+//! nothing is booked and no session moved. For the
+//! `x-flowgate-debug: scores` answer header, the management port's route
+//! probe and the `endpoint.choice` span.
+
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::load::{Load, Waits};
+use super::patience::{cached_tokens, prompt_tokens, WaitOrGo};
+use super::{place, Outcome, Pass};
+use crate::endpoint::{Endpoint, EndpointLedger, Route};
+use crate::scorer::ScoreTerms;
+
+/// Candidates listed at most (the best ones); the rest are counted.
+pub const MAX_EXPLAINED: usize = 16;
+
+/// The scoring of one request against the fleet.
+#[derive(Debug, Clone, Serialize)]
+pub struct Explanation {
+    /// Leading prompt blocks hashed for prefix affinity.
+    pub prompt_blocks: usize,
+    /// The endpoint the request's session was last served by, if any.
+    pub session_endpoint: Option<SocketAddr>,
+    /// Where it would go now ([`super::place`]: its session's endpoint or
+    /// rendezvous home when that takes it, else the best score that can);
+    /// `None`: no endpoint takes it now.
+    pub choice: Option<SocketAddr>,
+    /// The saturated endpoint a queued request would wait for rather than
+    /// go to `choice` (stage 3, [`super::patience`]: predicted sooner
+    /// there); `None`: it would go.
+    pub waits_for: Option<SocketAddr>,
+    /// A busy endpoint holding more of its prompt that it would leave
+    /// (a spill, after its delay); `None`: none.
+    pub spills_from: Option<SocketAddr>,
+    /// Those that can take it first, best score first.
+    pub candidates: Vec<CandidateScore>,
+    /// Endpoints of the request's model not listed (beyond
+    /// [`MAX_EXPLAINED`]).
+    pub more: usize,
+}
+
+/// One endpoint as the scorers see it for one request.
+#[derive(Debug, Clone, Serialize)]
+pub struct CandidateScore {
+    pub addr: SocketAddr,
+    /// It can take the request now (eligible, not saturated, room in its
+    /// token budget).
+    pub takes: bool,
+    /// Why it cannot: `ineligible` (not ready, draining, stale, circuit
+    /// open) or why it is saturated.
+    pub reason: Option<&'static str>,
+    /// Leading prompt blocks its prefix index holds.
+    pub prefix_matched: usize,
+    /// Each scorer's weighted part, and their sum.
+    pub terms: ScoreTerms,
+    pub score: f64,
+    /// Predicted time to its first token there, from its learned costs
+    /// ([`crate::endpoint::CostModel`]): the wait for a slot (0 when it
+    /// takes the request now, else by its [`super::load`]) plus the
+    /// prefill of the prompt tokens not cached there (its session's
+    /// endpoint counts the conversation as cached): what stage 3 weighs.
+    pub predicted_wait_ms: f64,
+    pub predicted_prefill_ms: f64,
+}
+
+/// How `route` is placed at `now` (see the module docs).
+pub(crate) fn explain(fleet: &EndpointLedger, route: &Route, now: Instant) -> Explanation {
+    let config = fleet.saturation();
+    let scheduling = fleet.scheduling();
+    let weights = scheduling.scorers;
+    let blocks = route.prefix.len();
+    let session_endpoint = route.session.and_then(|s| fleet.session_addr(s, now));
+    let wanted = fleet.adapter_wanted(route, now);
+    let prompt = prompt_tokens(fleet, route);
+    let none = Waits::default();
+    let score = |e: &Endpoint| {
+        let prefix_matched = e.prefix_matched(&route.prefix);
+        let terms = e
+            .candidate(prefix_matched, blocks, wanted.as_ref(), config)
+            .map_or_else(ScoreTerms::default, |c| weights.terms(&c));
+        let takes = e.takes(route, now, config);
+        let reason = if takes {
+            None
+        } else if !e.eligible(now) {
+            Some("ineligible")
+        } else {
+            Some(
+                e.saturation(now, config)
+                    .map_or("token-budget", |s| s.as_str()),
+            )
+        };
+        let cached = if session_endpoint == Some(e.addr) {
+            if e.keeps_conversations() {
+                prompt
+            } else {
+                0
+            }
+        } else {
+            cached_tokens(fleet, route, prefix_matched)
+        };
+        CandidateScore {
+            addr: e.addr,
+            takes,
+            reason,
+            prefix_matched,
+            terms,
+            score: terms.total(),
+            predicted_wait_ms: if takes {
+                0.0
+            } else {
+                Load::of(e, &none).wait_ms(e.service_ms())
+            },
+            predicted_prefill_ms: e.predicted_prefill_ms(prompt - cached),
+        }
+    };
+    let mut candidates: Vec<CandidateScore> = fleet.serving(route).map(score).collect();
+    candidates.sort_by(|a, b| {
+        b.takes
+            .cmp(&a.takes)
+            .then(b.score.total_cmp(&a.score))
+            .then(a.addr.cmp(&b.addr))
+    });
+    let session_endpoint =
+        session_endpoint.filter(|addr| candidates.iter().any(|c| c.addr == *addr));
+    // As a request from the queues is placed (it may wait) when holds are
+    // on or its session is hard; as one that may not wait otherwise.
+    let may_wait =
+        !scheduling.affinity_hold.is_zero() || route.waits_hard(scheduling.sessions.hard);
+    let pass = Pass {
+        waits: &none,
+        may_spill: false,
+    };
+    let decision = place(fleet, route, may_wait.then_some(pass), now);
+    let addr = |id| fleet.endpoint(id).map(|e| e.addr);
+    let choice = match decision.outcome {
+        Outcome::Go(id) => addr(id),
+        Outcome::Wait(_) | Outcome::Delay(..) => decision.scored.and_then(addr),
+        Outcome::Busy => None,
+    };
+    let waits_for = match decision.outcome {
+        Outcome::Wait(id) => addr(id),
+        _ => None,
+    };
+    let spills_from = match decision.patience {
+        Some(WaitOrGo::Spill { holder, .. }) => addr(holder),
+        _ => None,
+    };
+    let more = candidates.len().saturating_sub(MAX_EXPLAINED);
+    candidates.truncate(MAX_EXPLAINED);
+    Explanation {
+        prompt_blocks: blocks,
+        session_endpoint,
+        choice,
+        waits_for,
+        spills_from,
+        candidates,
+        more,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::placement::{pick, Pick};
+    use crate::protocol::tests::report;
+
+    #[test]
+    fn every_endpoint_of_the_model_is_scored_and_nothing_is_booked() {
+        let now = Instant::now();
+        let mut ledger = EndpointLedger::default();
+        for (id, port, slots) in [("a", 1, 2), ("b", 2, 1), ("c", 3, 2)] {
+            let addr = format!("127.0.0.1:{port}");
+            ledger.apply_report(report(id, &addr, slots), addr.parse().unwrap(), now);
+        }
+        let route = Route {
+            prefix: vec![11, 12],
+            ..Route::default()
+        };
+        // b holds the prompt, then is full.
+        let Pick::Lease(on_b) = pick(
+            &mut ledger,
+            &Route {
+                avoid: Some("127.0.0.1:1".parse().unwrap()),
+                subset: Some(vec!["127.0.0.1:2".parse().unwrap()].into()),
+                ..route.clone()
+            },
+            now,
+            None,
+        ) else {
+            panic!("b takes it")
+        };
+        assert_eq!(on_b.addr.port(), 2);
+        let before = ledger.snapshot(now);
+        let x = explain(&ledger, &route, now);
+        assert_eq!(x.prompt_blocks, 2);
+        assert_eq!(x.candidates.len(), 3);
+        let b = x.candidates.iter().find(|c| c.addr.port() == 2).unwrap();
+        assert!(!b.takes);
+        assert_eq!(b.reason, Some("slots-full"));
+        assert_eq!(b.prefix_matched, 2);
+        assert_eq!(b.terms.prefix_cache, 3.0, "the whole prompt, weight 3");
+        assert!(
+            x.candidates[..2].iter().all(|c| c.takes),
+            "those that take it first"
+        );
+        let choice = x.choice.unwrap();
+        assert!(choice.port() == 1 || choice.port() == 3);
+        for c in &x.candidates {
+            assert!((c.score - c.terms.total()).abs() < 1e-12);
+            // No tokens estimated: the prompt is what its 2 blocks hold
+            // (128 tokens), all cached on b; 1 ms per token by default.
+            let uncached = if c.addr.port() == 2 { 0.0 } else { 128.0 };
+            assert_eq!(c.predicted_prefill_ms, uncached);
+        }
+        assert_eq!(
+            b.predicted_wait_ms, 1_000.0,
+            "the default service time, 1 slot"
+        );
+        let with_tokens = Route {
+            tokens: crate::tokens::TokenEstimate {
+                prompt: 1_000,
+                ..Default::default()
+            },
+            ..route.clone()
+        };
+        let x = explain(&ledger, &with_tokens, now);
+        let b = x.candidates.iter().find(|c| c.addr.port() == 2).unwrap();
+        let other = x.candidates.iter().find(|c| c.addr.port() == 1).unwrap();
+        // b holds 2 blocks of 256 bytes: 128 of 1,000 tokens; 1 ms each.
+        assert_eq!(b.predicted_prefill_ms, 872.0);
+        assert_eq!(
+            (other.predicted_prefill_ms, other.predicted_wait_ms),
+            (1_000.0, 0.0)
+        );
+        assert_eq!(
+            x.waits_for, None,
+            "1,000 + 872 ms on b is later than 1,000 elsewhere"
+        );
+        assert_eq!(
+            format!("{:?}", ledger.snapshot(now)),
+            format!("{before:?}"),
+            "nothing booked"
+        );
+        ledger.release(on_b, now);
+    }
+}

@@ -1,0 +1,220 @@
+//! Placement: which endpoint a request goes to, or whether it waits. The
+//! whole rule, in the order [`place`] runs it (each stage is a file with
+//! its rule, its knobs and its tests):
+//!
+//! 1. **Pin** ([`pin`]). A turn of a session goes back to the endpoint its
+//!    last turn went to while that one takes it; while it is saturated,
+//!    stage 4 weighs waiting for it (its conversation is cached there). A
+//!    binding to an endpoint that is gone is released. The first turn of a
+//!    session its client named goes to its rendezvous home (the highest
+//!    hash of session and address) while that takes it, but only where
+//!    other balancers share the fleet: alone, a balancer places it as any
+//!    request. Knobs: `scheduling.sessions.*`.
+//! 2. **Score** ([`score`]). The candidates are the endpoints that serve
+//!    the model, are eligible (ready, not draining, reported lately,
+//!    circuit closed), not saturated (free slot, queue, KV cache and token
+//!    budget under `saturation.*`), in the request's subset (EPP) and not
+//!    the one a retry avoids. One scorer sum picks among them: free slots,
+//!    KV cache, queue, cached prompt blocks, resident LoRA adapter
+//!    (`scheduling.scorers.*`); equal sums take turns. None: the request
+//!    is busy and waits in the queues.
+//! 3. **Patience** ([`patience`]). With a free endpoint chosen, a request
+//!    placed from the queues waits for a saturated endpoint instead while
+//!    that is predicted to give it its first token sooner: its wait for a
+//!    slot there ([`load`]) plus the prefill of what that one does not
+//!    cache, against the prefill of what the free one does not cache (plus
+//!    an adapter load where the adapter is not resident), on each engine's
+//!    learned costs. Going while a busy endpoint holds more of the prompt
+//!    is a spill: it waits 1 % of its cold prefill first (a burst's other
+//!    groups take the free slot meanwhile). `scheduling.affinityHold`
+//!    bounds any wait (0: never wait; hard sessions wait to their TTL).
+//! 4. **Evening out** ([`evening`], the dispatcher asks it): a held request
+//!    whose spill delay is over passes the requests waiting for the free
+//!    endpoint only from an endpoint a request per slot above the mean load
+//!    to one a request below it.
+//!
+//! Besides: [`homes`] gives the first turn of a named session that must
+//! queue (no endpoint takes it) its home as it arrives, the least loaded
+//! endpoint predicted quickest; [`load`] is the one measure of an
+//! endpoint's load every stage weighs; [`explain`] renders a decision's
+//! record for `x-flowgate-debug: scores` and the route probe.
+//!
+//! Placement only reads the fleet ([`crate::endpoint`]'s view); [`pick`]
+//! books what it decided into a lease.
+
+use std::time::{Duration, Instant};
+
+use crate::endpoint::{EndpointId, EndpointLedger, Lease, Route};
+
+pub(crate) mod evening;
+mod explain;
+pub(crate) mod homes;
+mod load;
+mod patience;
+mod pin;
+mod score;
+
+pub(crate) use explain::explain;
+pub use explain::{CandidateScore, Explanation, MAX_EXPLAINED};
+pub(crate) use load::Waits;
+use patience::WaitOrGo;
+pub(crate) use pin::takes_at_home;
+use pin::Pin;
+
+/// What a dispatch pass lets a request placed from the queues do.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Pass<'a> {
+    /// The requests held for each endpoint so far in the pass: one held
+    /// for an endpoint waits behind them.
+    pub waits: &'a Waits,
+    /// Its spill delay is over: it may prefill cold now what a busy
+    /// endpoint holds ([`patience::spill_delay`]).
+    pub may_spill: bool,
+}
+
+/// What placement decided for a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// Go to this endpoint now.
+    Go(EndpointId),
+    /// Wait for this saturated endpoint (stage 3).
+    Wait(EndpointId),
+    /// Go where it would prefill cold what the busy endpoint (the second)
+    /// holds, but not before this spill delay.
+    Delay(Duration, EndpointId),
+    /// No endpoint can take it now.
+    Busy,
+}
+
+/// A decision and what each stage saw on the way: what explain renders.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Decision {
+    pub outcome: Outcome,
+    /// Stage 1: where its session or home put it.
+    pin: Pin,
+    /// Stage 2: the best free endpoint by score, if one was looked for.
+    scored: Option<EndpointId>,
+    /// Stage 3: the wait-or-go verdict, if it was asked.
+    patience: Option<WaitOrGo>,
+}
+
+/// Places `route` at `now` (the module docs' stages 1–3). Without `pass`
+/// (a request that may not wait: it comes with nothing queued, or its
+/// hold is over) stage 3 is skipped. Reads only.
+pub(crate) fn place(
+    fleet: &EndpointLedger,
+    route: &Route,
+    pass: Option<Pass<'_>>,
+    now: Instant,
+) -> Decision {
+    let pin = pin::pin(fleet, route, now);
+    let mut decision = Decision {
+        outcome: Outcome::Busy,
+        pin,
+        scored: None,
+        patience: None,
+    };
+    let bound = match pin {
+        Pin::Session(id) | Pin::Home(id) => {
+            decision.outcome = Outcome::Go(id);
+            return decision;
+        }
+        Pin::SessionBusy(id) => Some(id),
+        Pin::Free | Pin::SessionGone => None,
+    };
+    let wanted = fleet.adapter_wanted(route, now);
+    decision.scored = score::best(fleet, route, wanted.as_ref(), now);
+    let Some(go) = decision.scored else {
+        return decision;
+    };
+    let Some(pass) = pass else {
+        decision.outcome = Outcome::Go(go);
+        return decision;
+    };
+    let verdict = patience::wait_or_go(fleet, route, go, bound, pass.waits, wanted.as_ref(), now);
+    decision.patience = Some(verdict);
+    decision.outcome = match verdict {
+        WaitOrGo::Wait { at, .. } => Outcome::Wait(at),
+        WaitOrGo::Spill { cold_ms, holder } if !pass.may_spill => {
+            Outcome::Delay(patience::spill_delay(cold_ms), holder)
+        }
+        WaitOrGo::Spill { .. } | WaitOrGo::Go => Outcome::Go(go),
+    };
+    decision
+}
+
+/// What [`pick`] did for a request.
+#[derive(Debug)]
+pub(crate) enum Pick {
+    /// A slot on the chosen endpoint.
+    Lease(Lease),
+    /// Better wait for this saturated endpoint.
+    Hold(EndpointId),
+    /// It would prefill cold what a busy endpoint (the second) holds: not
+    /// before this spill delay.
+    Delay(Duration, EndpointId),
+    /// No endpoint can take it now.
+    Busy,
+}
+
+/// Places `route` and books the decision: a lease on the endpoint chosen,
+/// and a session bound to an endpoint that is gone released.
+pub(crate) fn pick(
+    ledger: &mut EndpointLedger,
+    route: &Route,
+    now: Instant,
+    pass: Option<Pass<'_>>,
+) -> Pick {
+    let decision = place(ledger, route, pass, now);
+    if let (Pin::SessionGone, Some(session)) = (decision.pin, route.session) {
+        ledger.release_session(session);
+    }
+    match decision.outcome {
+        Outcome::Go(id) => Pick::Lease(ledger.book(route, id, now)),
+        Outcome::Wait(id) => Pick::Hold(id),
+        Outcome::Delay(after, holder) => Pick::Delay(after, holder),
+        Outcome::Busy => Pick::Busy,
+    }
+}
+
+/// Where a queued request stands when a slot is free ([`at_home`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Home {
+    /// It can go now where nothing would serve it better by its cache.
+    Yes,
+    /// It can go now, but a saturated endpoint has more of its prompt (or
+    /// its session); `waits`: stage 3 would wait for it.
+    Elsewhere { waits: bool },
+    /// No endpoint can take it now.
+    Busy,
+}
+
+/// Whether `route` can go now to an endpoint where it is at home: its
+/// decision, asked as in a dispatch pass before its spill delay, goes
+/// and no saturated endpoint holds more of its prompt or its session. Such
+/// a request loses nothing by going now, so a free slot should be its
+/// before it is a request's that would prefill its prompt there cold (the
+/// dispatcher places these first). A route limited to a subset is never
+/// at home here (it is placed in turn). Reads only.
+pub(crate) fn at_home(fleet: &EndpointLedger, route: &Route, now: Instant) -> Home {
+    if route.subset.is_some() {
+        return Home::Elsewhere { waits: false };
+    }
+    let waits = Waits::default();
+    let pass = Pass {
+        waits: &waits,
+        may_spill: false,
+    };
+    let decision = place(fleet, route, Some(pass), now);
+    match decision.outcome {
+        Outcome::Go(_) => Home::Yes,
+        Outcome::Wait(_) => Home::Elsewhere {
+            waits: !fleet.scheduling().affinity_hold.is_zero(),
+        },
+        Outcome::Delay(..) => Home::Elsewhere { waits: false },
+        Outcome::Busy => Home::Busy,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,154 @@
+//! Stage 1, pin: where a request's session puts it before any score.
+//!
+//! - A turn of a session goes back to the endpoint its last turn went to
+//!   ([`crate::session`]) while that one takes it. While it is saturated,
+//!   stage 3 ([`super::patience`]) weighs waiting for it, its conversation
+//!   counted as cached there (in hard mode, `scheduling.sessions.hard`, a
+//!   session its client named always waits, to its TTL). A binding to an
+//!   endpoint that is gone, draining or otherwise not eligible is released
+//!   and the turn placed anew (and bound where it goes).
+//! - The first turn of a session its client named (or a turn that reached
+//!   this balancer after another took the ones before) goes to its home,
+//!   the endpoint of its model with the highest rendezvous hash of
+//!   (session, address), while that takes it. Every balancer computes the
+//!   same home from the same fleet, so a conversation spread over several
+//!   balancers by a front load balancer lands on one endpoint without any
+//!   state shared between them. A saturated home is not waited for (no
+//!   cache is known there yet). A balancer alone in the fleet has no one
+//!   to agree with: it places the first turn as any request, beside its
+//!   group's cached prompt or on the freest endpoint, so groups that start
+//!   at once start apart rather than where their hashes meet (measured:
+//!   BENCHMARKS.md, sessions).
+//! - A conversation found by its prompt in the balancers' shared store
+//!   ([`crate::turn`]), no longer where it was, goes by its prompt as any
+//!   keyless request.
+
+use std::time::Instant;
+
+use crate::endpoint::{EndpointId, EndpointLedger, Route};
+
+/// What stage 1 found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pin {
+    /// No session, or none to go back to: placed by score.
+    Free,
+    /// Its session's endpoint takes it: it goes there.
+    Session(EndpointId),
+    /// Its session's endpoint is saturated: stage 3 weighs waiting for it.
+    SessionBusy(EndpointId),
+    /// Its session's endpoint is gone: the binding is released, and it is
+    /// placed by score.
+    SessionGone,
+    /// Its first turn's rendezvous home takes it: it goes there.
+    Home(EndpointId),
+}
+
+/// Where a request's session stands.
+pub(crate) enum SessionPlace {
+    /// Its endpoint can take the request.
+    Takes(EndpointId),
+    /// Its endpoint is live but cannot take it now.
+    Saturated(EndpointId),
+    /// Bound to an endpoint that is gone, draining or otherwise not
+    /// eligible: the binding is to be released.
+    Gone,
+    /// No endpoint to go back to (none bound, or not for this request).
+    None,
+}
+
+/// Stage 1 for `route` (module docs).
+pub(super) fn pin(fleet: &EndpointLedger, route: &Route, now: Instant) -> Pin {
+    let Some(session) = route.session else {
+        return Pin::Free;
+    };
+    match session_place(fleet, route, session, now) {
+        SessionPlace::Takes(id) => Pin::Session(id),
+        SessionPlace::Saturated(id) => Pin::SessionBusy(id),
+        place @ (SessionPlace::Gone | SessionPlace::None) => {
+            if !route.session_by_prompt {
+                if let Some(home) = goes_home(fleet, route, session, now) {
+                    // Bound there when it goes: the old binding is
+                    // replaced.
+                    return Pin::Home(home);
+                }
+            }
+            match place {
+                SessionPlace::Gone => Pin::SessionGone,
+                _ => Pin::Free,
+            }
+        }
+    }
+}
+
+/// Where `session`'s last turn went, as its next turn sees it.
+pub(crate) fn session_place(
+    fleet: &EndpointLedger,
+    route: &Route,
+    session: u64,
+    now: Instant,
+) -> SessionPlace {
+    let Some(addr) = fleet.session_addr(session, now) else {
+        return SessionPlace::None;
+    };
+    let Some(e) = fleet.endpoint_at(addr).filter(|e| e.eligible(now)) else {
+        return SessionPlace::Gone;
+    };
+    if !e.fits(route) {
+        // Another model, or the endpoint a retry avoids.
+        SessionPlace::None
+    } else if e.takes(route, now, fleet.saturation()) {
+        SessionPlace::Takes(e.id)
+    } else {
+        SessionPlace::Saturated(e.id)
+    }
+}
+
+/// `session`'s rendezvous home for `route`, when it takes the request now.
+pub(crate) fn session_home(
+    fleet: &EndpointLedger,
+    route: &Route,
+    session: u64,
+    now: Instant,
+) -> Option<EndpointId> {
+    let home = fleet
+        .serving(route)
+        .filter(|e| e.eligible(now))
+        .max_by_key(|e| crate::session::rendezvous(session, e.addr))?;
+    home.takes(route, now, fleet.saturation())
+        .then_some(home.id)
+}
+
+/// The rendezvous home the first turn of a session named by its client
+/// goes to now, if any: where other balancers share the fleet, while the
+/// home takes it (module docs).
+fn goes_home(
+    fleet: &EndpointLedger,
+    route: &Route,
+    session: u64,
+    now: Instant,
+) -> Option<EndpointId> {
+    if fleet.alone(now) {
+        return None;
+    }
+    session_home(fleet, route, session, now)
+}
+
+/// Whether `route` is a turn of a session named by its client (not one
+/// found by its prompt), sessions on.
+pub(crate) fn names_a_session(fleet: &EndpointLedger, route: &Route) -> bool {
+    route.session.is_some()
+        && !route.session_by_prompt
+        && fleet.scheduling().sessions.max_sessions > 0
+}
+
+/// Whether `route`'s session is bound to `id` and `id` takes it now.
+pub(crate) fn takes_at_home(
+    fleet: &EndpointLedger,
+    id: EndpointId,
+    route: &Route,
+    now: Instant,
+) -> bool {
+    route.session.is_some_and(|session| {
+        matches!(session_place(fleet, route, session, now), SessionPlace::Takes(e) if e == id)
+    })
+}

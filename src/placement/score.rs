@@ -1,0 +1,153 @@
+//! Stage 2, score: the best endpoint that takes a request now.
+//!
+//! Candidates: the endpoints that serve its model, eligible, not saturated
+//! (by `saturation.*`, the request's tokens included), in its subset if it
+//! has one (EPP's hint), not the one a retry avoids. Each is scored by one
+//! sum, the weighted scorers of [`crate::scorer`] (`scheduling.scorers`):
+//! free slots, KV cache, queue, the share of the prompt's leading blocks
+//! its prefix index holds, and for a LoRA adapter's request its residency
+//! there ([`crate::adapter`]). The highest sum wins; within [`TIE`] the
+//! endpoint whose turn comes first (the ranking's order: equal endpoints
+//! take turns, [`crate::endpoint`]'s ranking).
+//!
+//! The cost does not grow with the fleet: the best by the scorers without
+//! the prefix term is the first of the model's ranked lane that takes the
+//! request; only endpoints that hold the prompt's blocks
+//! ([`crate::prefix::PrefixHolders`]) can beat it with their prefix term,
+//! and they are looked at deepest match first until none could. A subset
+//! and an adapter's route (whose residency term no ranking can order) are
+//! scored in full: both are a few endpoints.
+
+use std::time::Instant;
+
+use crate::endpoint::{Endpoint, EndpointId, EndpointLedger, Route, Turn, Wanted};
+
+/// Scores are sums of a few ratios: closer than this is a tie.
+pub(crate) const TIE: f64 = 1e-9;
+
+/// The best candidate so far.
+struct Best {
+    score: f64,
+    turn: Option<Turn>,
+    id: Option<EndpointId>,
+}
+
+impl Best {
+    fn new() -> Self {
+        Best {
+            score: f64::NEG_INFINITY,
+            turn: None,
+            id: None,
+        }
+    }
+
+    /// Offers `e`, scored `score`: it wins on a higher score, or on an
+    /// equal one when its turn comes first.
+    fn offer(&mut self, fleet: &EndpointLedger, e: &Endpoint, score: f64) {
+        let turn = fleet.turn(e.id);
+        let sooner = turn.is_some() && (self.turn.is_none() || turn < self.turn);
+        let better = score > self.score + TIE || (score >= self.score - TIE && sooner);
+        if self.id.is_none() || better {
+            *self = Best {
+                score,
+                turn,
+                id: Some(e.id),
+            };
+        }
+    }
+}
+
+/// Every scorer's sum for `route` on `e`: its static score (the ranking's),
+/// its prefix term and its adapter's (`wanted`).
+pub(crate) fn route_score(
+    fleet: &EndpointLedger,
+    e: &Endpoint,
+    route: &Route,
+    wanted: Option<&Wanted>,
+) -> f64 {
+    let weights = &fleet.scheduling().scorers;
+    let blocks = route.prefix.len();
+    let prefix = if weights.prefix_cache > 0.0 && blocks > 0 {
+        weights.prefix_cache * e.prefix_matched(&route.prefix) as f64 / blocks as f64
+    } else {
+        0.0
+    };
+    let adapter = e.adapter_score(wanted).map_or(0.0, |s| weights.adapter * s);
+    e.static_score(weights, fleet.saturation()) + prefix + adapter
+}
+
+/// The best endpoint that takes `route` now, if any (module docs);
+/// `wanted`: its adapter ([`EndpointLedger::adapter_wanted`]).
+pub(crate) fn best(
+    fleet: &EndpointLedger,
+    route: &Route,
+    wanted: Option<&Wanted>,
+    now: Instant,
+) -> Option<EndpointId> {
+    let config = fleet.saturation();
+    let takes = |e: &&Endpoint| e.takes(route, now, config);
+    let mut best = Best::new();
+    let offer = |best: &mut Best, e: &Endpoint| {
+        best.offer(fleet, e, route_score(fleet, e, route, wanted));
+    };
+    let model = route.model.as_deref();
+    if let Some(subset) = &route.subset {
+        subset
+            .iter()
+            .filter_map(|a| fleet.endpoint_at(*a))
+            .filter(|e| e.fits(route))
+            .filter(takes)
+            .for_each(|e| offer(&mut best, e));
+        return best.id;
+    }
+    if wanted.is_some() {
+        fleet
+            .ranked(model)
+            .filter(takes)
+            .for_each(|e| offer(&mut best, e));
+        return best.id;
+    }
+    let top = fleet.ranked(model).find(takes)?;
+    let weight = fleet.scheduling().scorers.prefix_cache;
+    let blocks = route.prefix.len();
+    // Blocks are chained, and an LRU touches a prompt's first block last:
+    // an endpoint holding block `d` holds every block before it.
+    let depth = route
+        .prefix
+        .iter()
+        .take_while(|h| !fleet.holders_of(**h).is_empty())
+        .count();
+    if weight <= 0.0 || depth == 0 {
+        return Some(top.id);
+    }
+    offer(&mut best, top);
+    let held: usize = route.prefix[..depth]
+        .iter()
+        .map(|h| fleet.holders_of(*h).len())
+        .sum();
+    if held > fleet.ranked_len(model) {
+        // More holders than candidates (a prompt many endpoints saw):
+        // scoring every candidate is the cheaper way.
+        fleet
+            .ranked(model)
+            .filter(takes)
+            .for_each(|e| offer(&mut best, e));
+        return best.id;
+    }
+    let top_static = top.static_score(&fleet.scheduling().scorers, config);
+    let prefix_term = |matched: usize| weight * matched as f64 / blocks as f64;
+    for d in (0..depth).rev() {
+        // No endpoint whose deepest block is `d` can beat the best.
+        if top_static + prefix_term(d + 1) <= best.score + TIE {
+            break;
+        }
+        fleet
+            .holders_of(route.prefix[d])
+            .iter()
+            .filter_map(|id| fleet.endpoint(*id))
+            .filter(|e| e.fits(route))
+            .filter(takes)
+            .for_each(|e| offer(&mut best, e));
+    }
+    best.id
+}

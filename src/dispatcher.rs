@@ -52,13 +52,11 @@
 //!   served by an endpoint goes back there while it can take it; while it
 //!   is saturated the request is held for it like an affinity hold (in
 //!   hard mode until its TTL), then goes elsewhere and is bound there. A
-//!   session named by its client whose first turn must queue is given its
-//!   home as it arrives (one of the least loaded endpoints: `endpoint`'s
-//!   homes), or, held for an endpoint's cache (or waiting out its spill
-//!   delay), that endpoint; and an endpoint's freed slot goes first to the oldest request
-//!   queued for it by its session, as its engine's own queue would serve
-//!   them, unless that would pass the request next in fair order unfairly
-//!   ([`homed`]).
+//!   session is pinned only once a turn of it was served: a first turn
+//!   that must queue waits as any request does. An endpoint's freed slot
+//!   goes first to the oldest request queued for it by its session, as its
+//!   engine's own queue would serve them, unless that would pass the
+//!   request next in fair order unfairly ([`homed`]).
 //! - A request for a model no endpoint serves (nor served lately) is refused
 //!   404 at once, unless no agent is registered at all: then it waits for
 //!   the fleet to come up.
@@ -310,7 +308,7 @@ impl<T> Dispatcher<T> {
             bytes: request.bytes,
             tokens: request.route.tokens.total(),
         };
-        let home = placement::homes::queued_for(&mut self.ledger, &request.route, now);
+        let home = placement::queued_for(&mut self.ledger, &request.route, now);
         let waiting = Waiting {
             handle,
             route: request.route,
@@ -431,13 +429,13 @@ impl<T> Dispatcher<T> {
                     floor = floor.max(waiting.priority);
                     held.insert(ticket);
                     self.start_hold(ticket, now, true);
-                    self.held_for(ticket, endpoint, now, &mut waits);
+                    self.held_for(ticket, endpoint, &mut waits);
                 }
                 Pick::Delay(after, holder) => {
                     floor = floor.max(waiting.priority);
                     held.insert(ticket);
                     self.start_spill_clock(ticket, after, now);
-                    self.held_for(ticket, holder, now, &mut waits);
+                    self.held_for(ticket, holder, &mut waits);
                 }
                 Pick::Busy => {
                     // Nothing free at all: no other request can go either.

@@ -91,10 +91,10 @@ impl<T> Dispatcher<T> {
                 Pick::Lease(lease) => {
                     self.grant(ticket, lease, now, out);
                 }
-                Pick::Hold(endpoint) => self.held_for(ticket, endpoint, now, &mut waits),
+                Pick::Hold(endpoint) => self.held_for(ticket, endpoint, &mut waits),
                 Pick::Delay(after, holder) => {
                     self.start_spill_clock(ticket, after, now);
-                    self.held_for(ticket, holder, now, &mut waits);
+                    self.held_for(ticket, holder, &mut waits);
                 }
                 Pick::Busy => {}
             }
@@ -266,28 +266,14 @@ impl<T> Dispatcher<T> {
         }
     }
 
-    /// `ticket` is held for `endpoint` (the wait-or-go rule): a first turn
-    /// without a home gets that one ([`crate::placement::homes::home_held`])
-    /// and takes its slots in turn with the turns queued for it. The
-    /// requests behind it in this pass wait behind it there: counted in
-    /// `waits`, unless counted already as queued for it.
-    pub(super) fn held_for(
-        &mut self,
-        ticket: Ticket,
-        endpoint: EndpointId,
-        now: Instant,
-        waits: &mut Waits,
-    ) {
+    /// `ticket` is held for `endpoint` (the wait-or-go rule). The requests
+    /// behind it in this pass wait behind it there: counted in `waits`,
+    /// unless counted already as queued for it by its session.
+    pub(super) fn held_for(&mut self, ticket: Ticket, endpoint: EndpointId, waits: &mut Waits) {
         let Some(waiting) = self.queues.get_mut(ticket) else {
             return;
         };
         waiting.held = Some(endpoint);
-        if waiting.home.is_none()
-            && placement::homes::home_held(&mut self.ledger, &waiting.route, endpoint, now)
-        {
-            waiting.home = Some(endpoint);
-            self.homed.insert((endpoint, ticket.seq()), ticket);
-        }
         if waiting.home != Some(endpoint) {
             waits.add(endpoint);
         }

@@ -2,7 +2,7 @@
 //! arrival order.
 //!
 //! At saturation a server's conversations wait in the queues, each turn
-//! for the server its conversation is on ([`crate::endpoint`]'s homes).
+//! for the server its conversation is on ([`crate::placement::queued_for`]).
 //! The engine's own queue would serve them first come, first served, so
 //! each turn waits for the same number of turns before it; offered in the
 //! queues' fair order instead, some wait a round longer than others, and

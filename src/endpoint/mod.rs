@@ -133,7 +133,7 @@ pub(crate) struct Endpoint {
     pub(crate) agent: Option<AgentState>,
     pub(crate) in_flight: u32,
     /// Queued requests waiting for it by their session
-    /// ([`crate::placement`]'s homes).
+    /// ([`crate::placement::queued_for`]).
     queued_home: u32,
     /// Estimated tokens of the balancer's requests in flight here (orphans
     /// included): what the token budget counts.
@@ -587,21 +587,8 @@ impl EndpointLedger {
         }
     }
 
-    /// Gives `route`'s session the home `id` (its first turn must queue:
-    /// [`crate::placement`]'s homes): binds it there and counts the turn
-    /// queued for it. False when it has no session or `id` is gone.
-    pub(crate) fn queue_home(&mut self, route: &Route, id: EndpointId, now: Instant) -> bool {
-        let (Some(session), Some(e)) = (route.session, self.endpoints.get_mut(&id)) else {
-            return false;
-        };
-        e.queued_home += 1;
-        self.sessions.bind(session, e.addr, now);
-        true
-    }
-
-    /// A request counted by [`EndpointLedger::count_queued`] or
-    /// [`EndpointLedger::queue_home`] left the queues (served, expired,
-    /// evicted or cancelled).
+    /// A request counted by [`EndpointLedger::count_queued`] left the
+    /// queues (served, expired, evicted or cancelled).
     pub(crate) fn left_queue(&mut self, id: EndpointId) {
         if let Some(e) = self.endpoints.get_mut(&id) {
             e.queued_home = e.queued_home.saturating_sub(1);

@@ -6,7 +6,7 @@
 //! the busy slots no request of this balancer explains (a client that
 //! bypasses the balancers, another balancer: how far along that work is,
 //! nothing says, so each is taken as a whole service), the requests queued
-//! for it by their session ([`super::homes`]), those held for it in the
+//! for it by their session ([`super::queued_for`]), those held for it in the
 //! current dispatch pass ([`Waits`]) and its engine's own queue.
 
 use crate::endpoint::{Endpoint, EndpointId};
@@ -74,7 +74,7 @@ impl Load {
         self.slots
     }
 
-    /// Requests per slot: what evening out and homes compare.
+    /// Requests per slot: what evening out compares.
     pub(crate) fn per_slot(&self) -> f64 {
         self.requests() as f64 / self.slots as f64
     }

@@ -5,11 +5,12 @@
 //! 1. **Pin** ([`pin`]). A turn of a session goes back to the endpoint its
 //!    last turn went to while that one takes it; while it is saturated,
 //!    stage 4 weighs waiting for it (its conversation is cached there). A
-//!    binding to an endpoint that is gone is released. The first turn of a
-//!    session its client named goes to its rendezvous home (the highest
-//!    hash of session and address) while that takes it, but only where
-//!    other balancers share the fleet: alone, a balancer places it as any
-//!    request. Knobs: `scheduling.sessions.*`.
+//!    binding to an endpoint that is gone is released. A session is
+//!    pinned only once a turn of it was served: its first turn goes
+//!    through the stages as any request, except that where other balancers
+//!    share the fleet it goes to its rendezvous home (the highest hash of
+//!    session and address) while that takes it, so every balancer finds
+//!    it there. Knobs: `scheduling.sessions.*`.
 //! 2. **Score** ([`score`]). The candidates are the endpoints that serve
 //!    the model, are eligible (ready, not draining, reported lately,
 //!    circuit closed), not saturated (free slot, queue, KV cache and token
@@ -33,11 +34,10 @@
 //!    endpoint only from an endpoint a request per slot above the mean load
 //!    to one a request below it.
 //!
-//! Besides: [`homes`] gives the first turn of a named session that must
-//! queue (no endpoint takes it) its home as it arrives, the least loaded
-//! endpoint predicted quickest; [`load`] is the one measure of an
-//! endpoint's load every stage weighs; [`explain`] renders a decision's
-//! record for `x-flowgate-debug: scores` and the route probe.
+//! Besides: [`load`] is the one measure of an endpoint's load every stage
+//! weighs; [`explain`] renders a decision's record for
+//! `x-flowgate-debug: scores` and the route probe; [`queued_for`] counts a
+//! queued turn of a pinned session in its endpoint's load.
 //!
 //! Placement only reads the fleet ([`crate::endpoint`]'s view); [`pick`]
 //! books what it decided into a lease.
@@ -48,7 +48,6 @@ use crate::endpoint::{EndpointId, EndpointLedger, Lease, Route};
 
 pub(crate) mod evening;
 mod explain;
-pub(crate) mod homes;
 mod load;
 mod patience;
 mod pin;
@@ -58,8 +57,8 @@ pub(crate) use explain::explain;
 pub use explain::{CandidateScore, Explanation, MAX_EXPLAINED};
 pub(crate) use load::Waits;
 use patience::WaitOrGo;
-pub(crate) use pin::takes_at_home;
 use pin::Pin;
+pub(crate) use pin::{queued_for, takes_at_home};
 
 /// What a dispatch pass lets a request placed from the queues do.
 #[derive(Debug, Clone, Copy)]

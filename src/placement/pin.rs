@@ -133,12 +133,24 @@ fn goes_home(
     session_home(fleet, route, session, now)
 }
 
-/// Whether `route` is a turn of a session named by its client (not one
-/// found by its prompt), sessions on.
-pub(crate) fn names_a_session(fleet: &EndpointLedger, route: &Route) -> bool {
-    route.session.is_some()
-        && !route.session_by_prompt
-        && fleet.scheduling().sessions.max_sessions > 0
+/// The endpoint a request entering the queues waits for by its session,
+/// counted there until it leaves them ([`EndpointLedger::left_queue`]):
+/// its last turn's endpoint, eligible and serving it. `None`: no session,
+/// or none served yet (a session is pinned only once a turn of it was
+/// served: a first turn that must queue waits as any request does).
+pub(crate) fn queued_for(
+    ledger: &mut EndpointLedger,
+    route: &Route,
+    now: Instant,
+) -> Option<EndpointId> {
+    let session = route.session?;
+    match session_place(ledger, route, session, now) {
+        SessionPlace::Takes(id) | SessionPlace::Saturated(id) => {
+            ledger.count_queued(id);
+            Some(id)
+        }
+        SessionPlace::Gone | SessionPlace::None => None,
+    }
 }
 
 /// Whether `route`'s session is bound to `id` and `id` takes it now.

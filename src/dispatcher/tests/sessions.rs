@@ -536,7 +536,7 @@ fn serve_on_one_slot(
 }
 
 #[test]
-fn conversations_that_start_while_every_endpoint_is_full_are_spread_and_served_in_order() {
+fn a_first_turn_that_must_queue_waits_as_any_request_and_is_pinned_once_served() {
     let t0 = Instant::now();
     let mut d = with_sessions(SessionConfig::default());
     d.report(model_server("a", 1, 1, &[]), t0).unwrap();
@@ -548,25 +548,33 @@ fn conversations_that_start_while_every_endpoint_is_full_are_spread_and_served_i
     } else {
         (second, first)
     };
-    // Two tenants' first turns, arrival order = name order: their
-    // conversations are given homes as they queue, three per endpoint.
+    // Two tenants' first turns: none is pinned anywhere before it was
+    // served, so none waits for b, which stays busy.
     let turns = ["t1-s1", "t1-s2", "t1-s3", "t2-s4", "t2-s5", "t2-s6"];
     for (session, name) in (1..).zip(turns) {
         queued(d.submit(in_session(&name[..2], session), name, t0));
     }
+    assert_eq!(d.ledger.queued_homes(), 0);
     let at_a = serve_on_one_slot(&mut d, on_a, t0 + 10 * MS);
-    // b stayed busy all along: its conversations waited for it rather
-    // than take a's slot.
-    assert_eq!(at_a.len(), 3, "{at_a:?}");
-    let at_b = serve_on_one_slot(&mut d, on_b, t0 + 20 * MS);
-    assert_eq!(at_b.len(), 3, "{at_b:?}");
-    // Each endpoint served its own in arrival order, as its engine's
-    // queue would have.
-    for served in [&at_a, &at_b] {
-        assert!(served.windows(2).all(|w| w[0] < w[1]), "{served:?}");
+    assert_eq!(at_a.len(), 6, "{at_a:?}");
+    // Each tenant's turns in arrival order.
+    for tenant in ["t1", "t2"] {
+        let own: Vec<_> = at_a.iter().filter(|n| n.starts_with(tenant)).collect();
+        assert!(own.windows(2).all(|w| w[0] < w[1]), "{own:?}");
     }
     assert_eq!(d.buffered(), 0);
-    assert_eq!(d.ledger.queued_homes(), 0);
+    // Served on a, each is pinned there: with both free, a next turn goes
+    // back to a, and the one after it waits for a (its 8,000 tokens are
+    // cached there) rather than take b's free slot.
+    d.release(on_b, t0 + 20 * MS);
+    let next = ready(d.submit(in_session("t1", 1), "t1-s1-again", t0 + 20 * MS));
+    assert_eq!(next.addr.port(), 1);
+    queued(d.submit(in_session("t2", 4), "t2-s4-again", t0 + 20 * MS));
+    assert_eq!(d.ledger.queued_homes(), 1, "counted as waiting for a");
+    d.release(next, t0 + 30 * MS);
+    let done = d.dispatch(t0 + 30 * MS);
+    assert_eq!(granted(&done), ["t2-s4-again"]);
+    assert_eq!(done[0].result.as_ref().unwrap().addr.port(), 1);
 }
 
 #[test]

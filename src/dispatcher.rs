@@ -10,9 +10,11 @@
 //!   saturated; otherwise it is queued in its flow (or refused, see
 //!   [`Reject`]).
 //! - Every freed slot, new report or new request runs
-//!   [`Dispatcher::dispatch`], which takes the next request (strict priority,
-//!   then fairness, then ordering) and binds it to an endpoint, until nothing
-//!   can be placed. A request whose model has no unsaturated endpoint is
+//!   [`Dispatcher::dispatch`], which offers the free slots to the queued
+//!   requests in four ordered offers ([`offers`]: a server's own
+//!   conversations, held requests, requests at home, then the fair order of
+//!   strict priority, fairness and ordering) and binds each to an endpoint
+//!   by [`crate::placement`], until nothing can be placed. A request whose model has no unsaturated endpoint is
 //!   held, and nothing of the same model, of any priority, passes it;
 //!   requests for other models may (flows keep one lane per model, offered
 //!   in dispatch order by [`FlowQueues::peek_where`]). A freed slot wakes
@@ -24,15 +26,15 @@
 //!   pass counted in its wait) waits for that endpoint rather than be
 //!   prefilled again elsewhere, at most `scheduling.affinity_hold` and half
 //!   its time left to its deadline from the first time it was passed over;
-//!   meanwhile the next requests of its flow (up to [`LOOK_AHEAD`], or
-//!   [`BEHIND_HOLDS`] when none of those takes it) and other flows of its
+//!   meanwhile the next requests of its flow (up to [`offers::LOOK_AHEAD`], or
+//!   [`offers::BEHIND_HOLDS`] when none of those takes it) and other flows of its
 //!   band may take the free slot.
 //! - At home first: a free slot goes first to a queued request of the
 //!   highest waiting priority that is at home there (no busy endpoint holds
 //!   more of its prompt, its session's endpoint takes it), before a request
 //!   cached elsewhere would take it and prefill cold; a request passed so
 //!   starts the same hold clock and, once it is over, is passed no more
-//!   (this step asks at most [`MAX_HOLDS_PER_PASS`] requests a pass).
+//!   (this step asks at most [`offers::MAX_HOLDS_PER_PASS`] requests a pass).
 //!   When that endpoint frees a slot, the held request takes it before any
 //!   other request of its priority. A request that would now spill
 //!   (prefill cold what the busy endpoint holds) first waits out its spill
@@ -68,7 +70,7 @@
 //!   504 first. Its owner may also remove it with [`Dispatcher::cancel`],
 //!   as when its client leaves. Neither holds a slot.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -88,27 +90,10 @@ pub use holds::HoldsBegun;
 
 mod holds;
 mod homed;
+mod offers;
 mod reject;
 
 pub use reject::Reject;
-
-/// How many requests of each flow a dispatch pass looks at when the ones
-/// ahead of them cannot go now (held for affinity, or their route is busy).
-/// Deeper lets more of a tenant's requests pass its held ones, which costs
-/// the other tenants their fair share (16 did, in the scheduling bench).
-const LOOK_AHEAD: usize = 4;
-
-/// Affinity holds per dispatch pass, which bounds its cost; past it,
-/// requests go where there is room.
-const MAX_HOLDS_PER_PASS: usize = 32;
-
-/// How many requests of each flow a pass looks at once the first
-/// [`LOOK_AHEAD`] of every flow found no request to take a free slot (all
-/// held for a busy endpoint, or busy): past every request a pass may hold,
-/// so a slot no request looked at wants does not idle while a request
-/// behind them would take it. Only then: a tenant's requests pass its
-/// held ones no further while others could go.
-const BEHIND_HOLDS: usize = LOOK_AHEAD + MAX_HOLDS_PER_PASS;
 
 /// Everything the dispatcher needs to know.
 #[derive(Debug, Clone, PartialEq)]
@@ -341,112 +326,6 @@ impl<T> Dispatcher<T> {
                 })
             }
         }
-    }
-
-    /// Ends waits: answers evicted and expired requests, then binds queued
-    /// requests to endpoints while any is not saturated. The caller wakes
-    /// each waiter; if a granted waiter is gone, it releases the lease.
-    pub fn dispatch(&mut self, now: Instant) -> Vec<Done<T>> {
-        let mut out = std::mem::take(&mut self.evicted);
-        for r in self.queues.expire(now) {
-            out.push(self.left(r, Err(Reject::Timeout), now));
-        }
-        // Holds that end now are over: this pass places those requests.
-        while let Some(entry) = self.holds.first_entry() {
-            if entry.key().0 > now {
-                break;
-            }
-            entry.remove();
-        }
-        self.place_homed(now, &mut out);
-        self.place_held(now, &mut out);
-        let hold = self.config.scheduling.affinity_hold;
-        if !hold.is_zero() {
-            self.place_at_home(now, &mut out);
-        }
-        // Routes that found no endpoint in this pass: every later request
-        // with the same targets waits too (same model, exclusion, subset).
-        let mut stuck: Vec<Route> = Vec::new();
-        // Requests waiting for the endpoint that caches their prompt: the
-        // requests behind them in their flows may pass them, lower
-        // priorities may not (`floor`).
-        let mut held: HashSet<Ticket> = HashSet::new();
-        let mut floor = i32::MIN;
-        // Requests held for each endpoint in this pass: the next one held
-        // for it waits behind them.
-        let mut waits = Waits::default();
-        let mut depth = LOOK_AHEAD;
-        loop {
-            let next = if stuck.is_empty() && held.is_empty() {
-                self.queues.peek()
-            } else {
-                self.queues.peek_where(depth, |ticket, w| {
-                    w.priority >= floor
-                        && !held.contains(&ticket)
-                        && !stuck.iter().any(|r| r.same_targets(&w.route))
-                })
-            };
-            let Some(ticket) = next else {
-                // Every request looked at waits for another endpoint, yet
-                // a slot is free: one behind them takes it rather than
-                // let it idle (no request looked at wants it).
-                if depth == LOOK_AHEAD && !held.is_empty() && self.ledger.any_available(now) {
-                    depth = BEHIND_HOLDS;
-                    continue;
-                }
-                break;
-            };
-            if !held.is_empty() {
-                if let Some(slow) = self.unfairly_passed(held.iter().copied(), ticket) {
-                    held.remove(&slow);
-                    if self.go_now(slow, now, &mut out) {
-                        continue;
-                    }
-                    held.insert(slow);
-                }
-            }
-            let waiting = self.queues.get(ticket).expect("peeked request is queued");
-            // A hard session waits for its endpoint until its TTL, however
-            // many others are held.
-            let may_hold = self.hard_session(&waiting.route)
-                || (!hold.is_zero()
-                    && waiting.hold_until.is_none_or(|end| now < end)
-                    && held.len() < MAX_HOLDS_PER_PASS);
-            let pass = Pass {
-                waits: &waits,
-                may_spill: waiting.spill_at.is_some_and(|at| at <= now),
-            };
-            match placement::pick(
-                &mut self.ledger,
-                &waiting.route,
-                now,
-                may_hold.then_some(pass),
-            ) {
-                Pick::Lease(lease) => {
-                    self.grant(ticket, lease, now, &mut out);
-                }
-                Pick::Hold(endpoint) => {
-                    floor = floor.max(waiting.priority);
-                    held.insert(ticket);
-                    self.start_hold(ticket, now, true);
-                    self.held_for(ticket, endpoint, &mut waits);
-                }
-                Pick::Delay(after, holder) => {
-                    floor = floor.max(waiting.priority);
-                    held.insert(ticket);
-                    self.start_spill_clock(ticket, after, now);
-                    self.held_for(ticket, holder, &mut waits);
-                }
-                Pick::Busy => {
-                    // Nothing free at all: no other request can go either.
-                    if !self.ledger.any_available(now) {
-                        break;
-                    }
-                    stuck.push(waiting.route.targets());
-                }
-            }
-        }
-        out
     }
 
     /// Takes a granted request out of the queues, with its lease.

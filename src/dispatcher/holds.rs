@@ -5,15 +5,16 @@
 
 use std::time::{Duration, Instant};
 
-use super::{Dispatcher, Done, BEHIND_HOLDS, LOOK_AHEAD, MAX_HOLDS_PER_PASS};
+use super::offers::{May, Offered, BEHIND_HOLDS, LOOK_AHEAD, MAX_HOLDS_PER_PASS};
+use super::{Dispatcher, Done};
 use crate::endpoint::{EndpointId, Route};
 use crate::flow::Ticket;
 use crate::placement::evening::{prompt_holder, spill_evens_out, QueuedWork};
-use crate::placement::{self, Home, Pass, Pick, Waits};
+use crate::placement::{self, Home, Waits};
 
 /// Queued requests a dispatch pass asks where they are at home, or which
 /// endpoint they wait for, at most, in each of its steps that do
-/// ([`Dispatcher::place_at_home`], [`Dispatcher::queued_work`]): as many
+/// ([`Dispatcher::offer_at_home`], [`Dispatcher::queued_work`]): as many
 /// as a pass may hold, from the queues' head, where the slots that free
 /// soon go. Each question is a placement
 /// query; unbounded, with 1,000 tenants 10,000 requests deep, a pass
@@ -35,13 +36,13 @@ pub struct HoldsBegun {
 }
 
 impl<T> Dispatcher<T> {
-    /// Held requests go first to the endpoint they wait for: when it frees
-    /// a slot, the held request takes it rather than the request next in
-    /// turn, which would prefill its prompt there cold while the held one
-    /// waits on for another slot. Only held requests of the highest waiting
-    /// priority go ahead this way, the nearest to the end of its hold
-    /// first.
-    pub(super) fn place_held(&mut self, now: Instant, out: &mut Vec<Done<T>>) {
+    /// Offer 2: held requests go first to the endpoint they wait for: when
+    /// it frees a slot, the held request takes it rather than the request
+    /// next in turn, which would prefill its prompt there cold while the
+    /// held one waits on for another slot. Only held requests of the
+    /// highest waiting priority go ahead this way, the nearest to the end
+    /// of its hold first.
+    pub(super) fn offer_held(&mut self, now: Instant, out: &mut Vec<Done<T>>) {
         let Some(top) = self.queues.top_priority() else {
             return;
         };
@@ -82,22 +83,8 @@ impl<T> Dispatcher<T> {
                     let route = &self.queues.get(ticket).expect("offered just above").route;
                     spill_evens_out(&self.ledger, route, holder, queued, now)
                 });
-            let waiting = self.queues.get(ticket).expect("offered just above");
-            let pass = Pass {
-                waits: &waits,
-                may_spill,
-            };
-            match placement::pick(&mut self.ledger, &waiting.route, now, Some(pass)) {
-                Pick::Lease(lease) => {
-                    self.grant(ticket, lease, now, out);
-                }
-                Pick::Hold(endpoint) => self.held_for(ticket, endpoint, &mut waits),
-                Pick::Delay(after, holder) => {
-                    self.start_spill_clock(ticket, after, now);
-                    self.held_for(ticket, holder, &mut waits);
-                }
-                Pick::Busy => {}
-            }
+            let may = May::Wait { spill: may_spill };
+            self.offer(ticket, may, &mut waits, now, out);
         }
     }
 
@@ -141,16 +128,8 @@ impl<T> Dispatcher<T> {
     /// Dispatches a request to whichever endpoint takes it now, without
     /// waiting for another; false when none can.
     pub(super) fn go_now(&mut self, ticket: Ticket, now: Instant, out: &mut Vec<Done<T>>) -> bool {
-        let Some(waiting) = self.queues.get(ticket) else {
-            return false;
-        };
-        match placement::pick(&mut self.ledger, &waiting.route, now, None) {
-            Pick::Lease(lease) => {
-                self.grant(ticket, lease, now, out);
-                true
-            }
-            Pick::Hold(_) | Pick::Delay(..) | Pick::Busy => false,
-        }
+        let mut none = Waits::default();
+        self.offer(ticket, May::Go, &mut none, now, out) == Offered::Granted
     }
 
     /// Starts the hold of a request passed over for the endpoint that has
@@ -176,8 +155,9 @@ impl<T> Dispatcher<T> {
         }
     }
 
-    /// Requests at home on a free endpoint (no busy one holds more of their
-    /// prompt; their session's endpoint takes them) take its slots before
+    /// Offer 3: requests at home on a free endpoint (no busy one holds more
+    /// of their prompt; their session's endpoint takes them) take its slots
+    /// before
     /// the others of the highest waiting priority: the request next in
     /// turn may be cached elsewhere, and would take the slot to prefill its
     /// prompt there cold while they wait on (at saturation, the requests
@@ -187,7 +167,10 @@ impl<T> Dispatcher<T> {
     /// clock: once its hold is over it is passed no more and takes the next
     /// free slot. A request no endpoint can take is passed by none of the
     /// same targets, as in the main pass.
-    pub(super) fn place_at_home(&mut self, now: Instant, out: &mut Vec<Done<T>>) {
+    pub(super) fn offer_at_home(&mut self, now: Instant, out: &mut Vec<Done<T>>) {
+        if self.config.scheduling.affinity_hold.is_zero() {
+            return;
+        }
         // Only while some request waits for another endpoint (held, or
         // passed over before): then the request next in turn may well be
         // cached elsewhere. With none, the queue's own order stands, at no
@@ -254,12 +237,9 @@ impl<T> Dispatcher<T> {
                     continue;
                 }
             }
-            let waiting = self.queues.get(ticket).expect("peeked request is queued");
-            let Pick::Lease(lease) = placement::pick(&mut self.ledger, &waiting.route, now, None)
-            else {
+            if !self.go_now(ticket, now, out) {
                 break;
-            };
-            self.grant(ticket, lease, now, out);
+            }
         }
         for (ticket, chose) in passed {
             self.start_hold(ticket, now, chose);

@@ -16,15 +16,20 @@
 
 use std::time::Instant;
 
+use super::offers::{May, Offered};
 use super::{Dispatcher, Done};
 use crate::flow::Ticket;
-use crate::placement::{self, Pick};
+use crate::placement::{self, Waits};
 
-/// Requests looked at per endpoint for one of the highest priority.
+/// Requests looked at per endpoint for one of the highest priority: a
+/// bound on a pass's cost (an endpoint's queue is served in arrival order;
+/// one of a lower priority among its first 16 is passed, the rest wait for
+/// a later pass, when the ones ahead of them went).
 const SCAN: usize = 16;
 
 impl<T> Dispatcher<T> {
-    pub(super) fn place_homed(&mut self, now: Instant, out: &mut Vec<Done<T>>) {
+    /// Offer 1 (module docs).
+    pub(super) fn offer_homed(&mut self, now: Instant, out: &mut Vec<Done<T>>) {
         if self.homed.is_empty() {
             return;
         }
@@ -48,13 +53,10 @@ impl<T> Dispatcher<T> {
                 if self.passes_unfairly(ticket) {
                     return;
                 }
-                let waiting = self.queues.get(ticket).expect("a homed request is queued");
-                let Pick::Lease(lease) =
-                    placement::pick(&mut self.ledger, &waiting.route, now, None)
-                else {
+                let mut none = Waits::default();
+                if self.offer(ticket, May::Go, &mut none, now, out) != Offered::Granted {
                     break;
-                };
-                self.grant(ticket, lease, now, out);
+                }
             }
         }
     }

@@ -11,10 +11,10 @@
 //!   [`Reject`]).
 //! - Every freed slot, new report or new request runs
 //!   [`Dispatcher::dispatch`], which offers the free slots to the queued
-//!   requests in four ordered offers ([`offers`]: a server's own
-//!   conversations, held requests, requests at home, then the fair order of
-//!   strict priority, fairness and ordering) and binds each to an endpoint
-//!   by [`crate::placement`], until nothing can be placed. A request whose model has no unsaturated endpoint is
+//!   requests in three ordered offers ([`offers`]: held requests, requests
+//!   at home, then the fair order of strict priority, fairness and
+//!   ordering) and binds each to an endpoint by [`crate::placement`],
+//!   until nothing can be placed. A request whose model has no unsaturated endpoint is
 //!   held, and nothing of the same model, of any priority, passes it;
 //!   requests for other models may (flows keep one lane per model, offered
 //!   in dispatch order by [`FlowQueues::peek_where`]). A freed slot wakes
@@ -55,10 +55,7 @@
 //!   is saturated the request is held for it like an affinity hold (in
 //!   hard mode until its TTL), then goes elsewhere and is bound there. A
 //!   session is pinned only once a turn of it was served: a first turn
-//!   that must queue waits as any request does. An endpoint's freed slot
-//!   goes first to the oldest request queued for it by its session, as its
-//!   engine's own queue would serve them, unless that would pass the
-//!   request next in fair order unfairly ([`homed`]).
+//!   that must queue waits as any request does.
 //! - A request for a model no endpoint serves (nor served lately) is refused
 //!   404 at once, unless no agent is registered at all: then it waits for
 //!   the fleet to come up.
@@ -89,7 +86,6 @@ pub use crate::flow::Ticket;
 pub use holds::HoldsBegun;
 
 mod holds;
-mod homed;
 mod offers;
 mod reject;
 
@@ -175,9 +171,6 @@ struct Waiting<T> {
     /// Counted among the affinity holds.
     counted: bool,
     priority: i32,
-    /// The endpoint it is counted as queued for by its session
-    /// ([`EndpointLedger::queued_for`]).
-    home: Option<EndpointId>,
     /// The busy endpoint it was last held for by the wait-or-go rule (or
     /// waited out its spill delay beside): the one it spills from, and
     /// where it counts in the work a spill evens out (`holds`'
@@ -207,9 +200,6 @@ pub struct Dispatcher<T> {
     holds: BTreeMap<(Instant, u64), Ticket>,
     /// Holds begun since the last `take_new_holds`.
     new_holds: HoldsBegun,
-    /// Requests queued for their session's endpoint, by endpoint and
-    /// arrival ([`homed`]).
-    homed: BTreeMap<(EndpointId, u64), Ticket>,
 }
 
 impl<T> Dispatcher<T> {
@@ -221,7 +211,6 @@ impl<T> Dispatcher<T> {
             evicted: Vec::new(),
             holds: BTreeMap::new(),
             new_holds: HoldsBegun::default(),
-            homed: BTreeMap::new(),
         }
     }
 
@@ -293,7 +282,6 @@ impl<T> Dispatcher<T> {
             bytes: request.bytes,
             tokens: request.route.tokens.total(),
         };
-        let home = placement::queued_for(&mut self.ledger, &request.route, now);
         let waiting = Waiting {
             handle,
             route: request.route,
@@ -303,28 +291,19 @@ impl<T> Dispatcher<T> {
             deadline,
             counted: false,
             priority: place.key.priority,
-            home,
         };
         match self.queues.push(place, size, waiting, now, deadline) {
             Ok((ticket, evicted)) => {
-                if let Some(id) = home {
-                    self.homed.insert((id, ticket.seq()), ticket);
-                }
                 for r in evicted {
                     let evicted = self.left(r, Err(Reject::Evicted), now);
                     self.evicted.push(evicted);
                 }
                 Admission::Queued { ticket, deadline }
             }
-            Err((full, _)) => {
-                if let Some(id) = home {
-                    self.ledger.left_queue(id);
-                }
-                Admission::Rejected(match full {
-                    QueueFull::Band => Reject::Shed,
-                    QueueFull::Global => Reject::BufferFull,
-                })
-            }
+            Err((full, _)) => Admission::Rejected(match full {
+                QueueFull::Band => Reject::Shed,
+                QueueFull::Global => Reject::BufferFull,
+            }),
         }
     }
 
@@ -337,25 +316,14 @@ impl<T> Dispatcher<T> {
         out.push(self.left(removed, Ok(lease), now));
     }
 
-    /// The end of a request's wait, once it left the queues: no longer
-    /// counted as queued for its session's endpoint.
+    /// The end of a request's wait, once it left the queues.
     fn left(
         &mut self,
         r: Removed<Waiting<T>>,
         result: Result<Lease, Reject>,
         now: Instant,
     ) -> Done<T> {
-        self.unhome(&r);
         done(r, result, now)
-    }
-
-    /// A request counted as queued for its session's endpoint left the
-    /// queues.
-    fn unhome(&mut self, r: &Removed<Waiting<T>>) {
-        if let Some(id) = r.handle.home {
-            self.ledger.left_queue(id);
-            self.homed.remove(&(id, r.seq));
-        }
     }
 
     /// Whether `route` is of a session that waits for its endpoint until
@@ -374,11 +342,7 @@ impl<T> Dispatcher<T> {
     /// Removes a waiter whose client went away. `false` if it is no longer
     /// waiting (it was granted a lease, evicted or expired meanwhile).
     pub fn cancel(&mut self, ticket: Ticket) -> bool {
-        let Some(removed) = self.queues.cancel(ticket) else {
-            return false;
-        };
-        self.unhome(&removed);
-        true
+        self.queues.cancel(ticket).is_some()
     }
 
     /// Binds `session` to the endpoint at `addr`: a response id whose

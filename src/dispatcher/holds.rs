@@ -89,16 +89,15 @@ impl<T> Dispatcher<T> {
     }
 
     /// The requests of priority `top` among the first [`BEHIND_HOLDS`] of
-    /// each flow, at most [`HOME_SCAN`] of them, not queued for an endpoint
-    /// by their session (those are in its load already), by the endpoint
-    /// each waits for: the one it was held for, or the one holding most of
-    /// its prompt (none: unplaced).
+    /// each flow, at most [`HOME_SCAN`] of them, by the endpoint each waits
+    /// for: the one it was held for, or the one holding most of its prompt
+    /// (none: unplaced).
     fn queued_work(&mut self, top: i32, now: Instant) -> QueuedWork {
         let mut work = QueuedWork::default();
         let mut looked = 0;
         let ledger = &self.ledger;
         self.queues.peek_where(BEHIND_HOLDS, |_, w| {
-            if w.priority >= top && w.home.is_none() {
+            if w.priority >= top {
                 match w.held.or_else(|| prompt_holder(ledger, &w.route, now)) {
                     Some(e) => work.by_endpoint.add(e),
                     None => work.unplaced += 1,
@@ -247,16 +246,13 @@ impl<T> Dispatcher<T> {
     }
 
     /// `ticket` is held for `endpoint` (the wait-or-go rule). The requests
-    /// behind it in this pass wait behind it there: counted in `waits`,
-    /// unless counted already as queued for it by its session.
+    /// behind it in this pass wait behind it there: counted in `waits`.
     pub(super) fn held_for(&mut self, ticket: Ticket, endpoint: EndpointId, waits: &mut Waits) {
         let Some(waiting) = self.queues.get_mut(ticket) else {
             return;
         };
         waiting.held = Some(endpoint);
-        if waiting.home != Some(endpoint) {
-            waits.add(endpoint);
-        }
+        waits.add(endpoint);
     }
 
     /// Starts the spill clock of a request that would prefill cold what a

@@ -2,19 +2,15 @@
 //! slots are offered to the queued requests in a fixed order of offers,
 //! each a rule of its own, stated once:
 //!
-//! 1. **Homed** ([`super::homed`]): an endpoint's freed slot to the oldest
-//!    request queued for it by its session, as its engine's own queue
-//!    would serve them, unless that passes the request next in fair order
-//!    unfairly.
-//! 2. **Held** ([`super::holds`]): requests waiting for a busy endpoint
+//! 1. **Held** ([`super::holds`]): requests waiting for a busy endpoint
 //!    (its cache or session, stage 3 of [`crate::placement`]) to that
 //!    endpoint once it frees a slot; one whose spill delay is over
 //!    elsewhere, where that evens out the load.
-//! 3. **At home** ([`super::holds`]), while some request waits for another
+//! 2. **At home** ([`super::holds`]), while some request waits for another
 //!    endpoint: requests at home on a free endpoint (nothing would serve
 //!    them better by their cache) before requests that would prefill their
 //!    prompt there cold.
-//! 4. **Fair order** (this file): every request in the queues' order
+//! 3. **Fair order** (this file): every request in the queues' order
 //!    (strict priority, tenant fairness, the band's ordering), looking a
 //!    few requests deep into each flow past the ones that wait for a busy
 //!    endpoint ([`LOOK_AHEAD`], [`BEHIND_HOLDS`]); a route no endpoint
@@ -54,15 +50,15 @@ pub(super) const BEHIND_HOLDS: usize = LOOK_AHEAD + MAX_HOLDS_PER_PASS;
 /// The offers of a dispatch pass (module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Offer {
-    Homed,
     Held,
     AtHome,
     FairOrder,
 }
 
-/// Their order: a server's own conversations, then the requests that
-/// chose to wait, then those at home, then everyone in turn.
-const OFFERS: [Offer; 4] = [Offer::Homed, Offer::Held, Offer::AtHome, Offer::FairOrder];
+/// Their order: the requests that chose to wait, then those at home, then
+/// everyone in turn. (A fourth offer, a server's own conversations first
+/// in arrival order, earned no place: BENCHMARKS.md, session 32.)
+const OFFERS: [Offer; 3] = [Offer::Held, Offer::AtHome, Offer::FairOrder];
 
 /// How a request offered the free slots may be placed.
 #[derive(Debug, Clone, Copy)]
@@ -105,7 +101,6 @@ impl<T> Dispatcher<T> {
         }
         for offer in OFFERS {
             match offer {
-                Offer::Homed => self.offer_homed(now, &mut out),
                 Offer::Held => self.offer_held(now, &mut out),
                 Offer::AtHome => self.offer_at_home(now, &mut out),
                 Offer::FairOrder => self.offer_in_fair_order(now, &mut out),

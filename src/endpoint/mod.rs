@@ -132,9 +132,6 @@ pub(crate) struct Endpoint {
     /// `None` once the agent deregistered or was dropped as stale.
     pub(crate) agent: Option<AgentState>,
     pub(crate) in_flight: u32,
-    /// Queued requests waiting for it by their session
-    /// ([`crate::placement::queued_for`]).
-    queued_home: u32,
     /// Estimated tokens of the balancer's requests in flight here (orphans
     /// included): what the token budget counts.
     pub(crate) in_flight_tokens: u64,
@@ -373,7 +370,6 @@ impl EndpointLedger {
                         addr,
                         agent: None,
                         in_flight: 0,
-                        queued_home: 0,
                         in_flight_tokens: 0,
                         slot_log: Default::default(),
                         own_at_read: 0,
@@ -579,22 +575,6 @@ impl EndpointLedger {
         self.sessions.release(session);
     }
 
-    /// Counts a request entering the queues as waiting for `id` by its
-    /// session, until [`EndpointLedger::left_queue`].
-    pub(crate) fn count_queued(&mut self, id: EndpointId) {
-        if let Some(e) = self.endpoints.get_mut(&id) {
-            e.queued_home += 1;
-        }
-    }
-
-    /// A request counted by [`EndpointLedger::count_queued`] left the
-    /// queues (served, expired, evicted or cancelled).
-    pub(crate) fn left_queue(&mut self, id: EndpointId) {
-        if let Some(e) = self.endpoints.get_mut(&id) {
-            e.queued_home = e.queued_home.saturating_sub(1);
-        }
-    }
-
     /// Binds `session` to the endpoint at `addr` (a response id whose
     /// answer came from there, for the turn that continues it).
     pub(crate) fn bind_session(&mut self, session: u64, addr: SocketAddr, now: Instant) {
@@ -733,17 +713,6 @@ impl EndpointLedger {
         self.endpoints
             .values()
             .map(|e| u64::from(e.in_flight))
-            .sum()
-    }
-}
-
-#[cfg(test)]
-impl EndpointLedger {
-    /// Requests counted as queued for an endpoint, over all endpoints.
-    pub(crate) fn queued_homes(&self) -> u64 {
-        self.endpoints
-            .values()
-            .map(|e| u64::from(e.queued_home))
             .sum()
     }
 }

@@ -1,7 +1,7 @@
 //! The fleet as placement reads it ([`crate::placement`]): every read it
 //! needs of the ledger and its endpoints, and nothing that books. What a
 //! placement decided is written back only through the ledger's booking
-//! calls (`book`, `release_session`, `count_queued`, `queue_home`).
+//! calls (`book`, `release_session`).
 
 use std::net::SocketAddr;
 use std::time::Instant;
@@ -101,28 +101,12 @@ impl EndpointLedger {
             .filter_map(|id| self.endpoints.get(&id))
             .filter(|e| e.fits(route))
     }
-
-    /// The endpoints that can take work now (of any model): few at
-    /// saturation.
-    pub(crate) fn available_ids(&self, now: Instant) -> Vec<EndpointId> {
-        let config = self.saturation;
-        self.ranking
-            .ranked(None)
-            .filter(|r| self.endpoints[&r.id].available(now, &config))
-            .map(|r| r.id)
-            .collect()
-    }
 }
 
 impl Endpoint {
     /// Leading blocks of `prefix` its prefix index holds.
     pub(crate) fn prefix_matched(&self, prefix: &[u64]) -> usize {
         self.prefix.matched(prefix)
-    }
-
-    /// Queued requests counted as waiting for it by their session.
-    pub(crate) fn queued_home(&self) -> u32 {
-        self.queued_home
     }
 
     /// Busy slots no request of this balancer explains, as last reported.

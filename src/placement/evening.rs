@@ -27,11 +27,10 @@ use crate::endpoint::{EndpointId, EndpointLedger, Route};
 /// Slack for the comparisons of loads (sums of fractions of a request).
 const EPSILON: f64 = 1e-9;
 
-/// Queued requests not counted in any endpoint's load yet, by the endpoint
-/// each waits for: the one it was held for, or the one holding most of
-/// its prompt; `unplaced`: the requests none of those is known for (their
-/// prompt cached nowhere yet), work that lands somewhere all the same.
-/// (Requests queued for an endpoint by their session are in its load.)
+/// Queued requests by the endpoint each waits for: the one it was held
+/// for, or the one holding most of its prompt; `unplaced`: the requests
+/// none of those is known for (their prompt cached nowhere yet), work that
+/// lands somewhere all the same.
 #[derive(Debug, Default)]
 pub(crate) struct QueuedWork {
     pub by_endpoint: Waits,

@@ -5,9 +5,9 @@
 //! Counted ahead of a new request: the balancer's requests running there,
 //! the busy slots no request of this balancer explains (a client that
 //! bypasses the balancers, another balancer: how far along that work is,
-//! nothing says, so each is taken as a whole service), the requests queued
-//! for it by their session ([`super::queued_for`]), those held for it in the
-//! current dispatch pass ([`Waits`]) and its engine's own queue.
+//! nothing says, so each is taken as a whole service), the requests held
+//! for it in the current dispatch pass ([`Waits`]) and its engine's own
+//! queue.
 
 use crate::endpoint::{Endpoint, EndpointId};
 
@@ -45,8 +45,8 @@ pub(crate) struct Load {
     running: u64,
     /// Busy slots no request of this balancer explains.
     foreign: u64,
-    /// Requests waiting for it: by their session, held in this pass, and
-    /// in its engine's queue.
+    /// Requests waiting for it: held in this pass, and in its engine's
+    /// queue.
     queued: u64,
     slots: u64,
 }
@@ -57,9 +57,7 @@ impl Load {
         Load {
             running: u64::from(e.in_flight),
             foreign: u64::from(e.foreign_busy()),
-            queued: u64::from(e.queued_home())
-                + u64::from(held.ahead(e.id))
-                + u64::from(e.engine_waiting()),
+            queued: u64::from(held.ahead(e.id)) + u64::from(e.engine_waiting()),
             slots: u64::from(e.slots_total().max(1)),
         }
     }

@@ -36,8 +36,7 @@
 //!
 //! Besides: [`load`] is the one measure of an endpoint's load every stage
 //! weighs; [`explain`] renders a decision's record for
-//! `x-flowgate-debug: scores` and the route probe; [`queued_for`] counts a
-//! queued turn of a pinned session in its endpoint's load.
+//! `x-flowgate-debug: scores` and the route probe.
 //!
 //! Placement only reads the fleet ([`crate::endpoint`]'s view); [`pick`]
 //! books what it decided into a lease.
@@ -58,7 +57,6 @@ pub use explain::{CandidateScore, Explanation, MAX_EXPLAINED};
 pub(crate) use load::Waits;
 use patience::WaitOrGo;
 use pin::Pin;
-pub(crate) use pin::{queued_for, takes_at_home};
 
 /// What a dispatch pass lets a request placed from the queues do.
 #[derive(Debug, Clone, Copy)]

@@ -44,7 +44,7 @@ pub(crate) enum Pin {
 }
 
 /// Where a request's session stands.
-pub(crate) enum SessionPlace {
+enum SessionPlace {
     /// Its endpoint can take the request.
     Takes(EndpointId),
     /// Its endpoint is live but cannot take it now.
@@ -81,7 +81,7 @@ pub(super) fn pin(fleet: &EndpointLedger, route: &Route, now: Instant) -> Pin {
 }
 
 /// Where `session`'s last turn went, as its next turn sees it.
-pub(crate) fn session_place(
+fn session_place(
     fleet: &EndpointLedger,
     route: &Route,
     session: u64,
@@ -104,7 +104,7 @@ pub(crate) fn session_place(
 }
 
 /// `session`'s rendezvous home for `route`, when it takes the request now.
-pub(crate) fn session_home(
+fn session_home(
     fleet: &EndpointLedger,
     route: &Route,
     session: u64,
@@ -131,36 +131,4 @@ fn goes_home(
         return None;
     }
     session_home(fleet, route, session, now)
-}
-
-/// The endpoint a request entering the queues waits for by its session,
-/// counted there until it leaves them ([`EndpointLedger::left_queue`]):
-/// its last turn's endpoint, eligible and serving it. `None`: no session,
-/// or none served yet (a session is pinned only once a turn of it was
-/// served: a first turn that must queue waits as any request does).
-pub(crate) fn queued_for(
-    ledger: &mut EndpointLedger,
-    route: &Route,
-    now: Instant,
-) -> Option<EndpointId> {
-    let session = route.session?;
-    match session_place(ledger, route, session, now) {
-        SessionPlace::Takes(id) | SessionPlace::Saturated(id) => {
-            ledger.count_queued(id);
-            Some(id)
-        }
-        SessionPlace::Gone | SessionPlace::None => None,
-    }
-}
-
-/// Whether `route`'s session is bound to `id` and `id` takes it now.
-pub(crate) fn takes_at_home(
-    fleet: &EndpointLedger,
-    id: EndpointId,
-    route: &Route,
-    now: Instant,
-) -> bool {
-    route.session.is_some_and(|session| {
-        matches!(session_place(fleet, route, session, now), SessionPlace::Takes(e) if e == id)
-    })
 }

@@ -162,9 +162,9 @@ fn in_a_burst_of_keyed_conversations_no_server_prefills_more_than_two_groups() {
         // the least loaded server of the moment: three or four groups'
         // prompts prefilled cold on every server. Placed by their cached
         // prompts, with spills delayed and the turns held for a server
-        // counted there, most groups start once; homes given by load to
-        // the turns that came once every slot was taken may still start a
-        // group on a second server.
+        // counted there, most groups start once; the turns that came once
+        // every slot was taken may still start a group on a second
+        // server.
         let colds = colds_per_server(&served);
         assert!(colds.iter().all(|&c| c <= 2), "{order:?}: {served:?}");
     }

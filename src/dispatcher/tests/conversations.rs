@@ -191,8 +191,8 @@ fn keyless_conversations_end_eight_to_a_server_whatever_their_groups() {
 #[test]
 fn keyed_conversations_of_equal_groups_end_within_one_of_eight_to_a_server() {
     for order in orders() {
-        // Each session is bound to the server of its last turn, given a
-        // home as it queues; a home given while the burst is still coming
+        // Each session is bound to the server of its last turn once it
+        // was served; a first turn placed while the burst is still coming
         // may leave a server one conversation over.
         let run = converse(&order, &[8, 8, 8, 8], true);
         assert!(

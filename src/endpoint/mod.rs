@@ -49,7 +49,6 @@ pub(crate) use adapters::Wanted;
 pub use breaker::BreakerConfig;
 pub use route::{Route, SchedulingConfig};
 pub use saturation::{Saturation, SaturationConfig};
-pub(crate) use view::Turn;
 
 #[cfg(test)]
 pub(crate) use adapters::tests as adapter_fixtures;

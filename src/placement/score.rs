@@ -20,7 +20,7 @@
 
 use std::time::Instant;
 
-use crate::endpoint::{Endpoint, EndpointId, EndpointLedger, Route, Turn, Wanted};
+use crate::endpoint::{Endpoint, EndpointId, EndpointLedger, Route, Wanted};
 
 /// Scores are sums of a few ratios: closer than this is a tie.
 pub(crate) const TIE: f64 = 1e-9;
@@ -28,7 +28,6 @@ pub(crate) const TIE: f64 = 1e-9;
 /// The best candidate so far.
 struct Best {
     score: f64,
-    turn: Option<Turn>,
     id: Option<EndpointId>,
 }
 
@@ -36,24 +35,40 @@ impl Best {
     fn new() -> Self {
         Best {
             score: f64::NEG_INFINITY,
-            turn: None,
             id: None,
         }
     }
 
     /// Offers `e`, scored `score`: it wins on a higher score, or on an
-    /// equal one when its turn comes first.
-    fn offer(&mut self, fleet: &EndpointLedger, e: &Endpoint, score: f64) {
-        let turn = fleet.turn(e.id);
-        let sooner = turn.is_some() && (self.turn.is_none() || turn < self.turn);
-        let better = score > self.score + TIE || (score >= self.score - TIE && sooner);
-        if self.id.is_none() || better {
+    /// equal one when its turn comes first. `in_turn`: the candidates are
+    /// offered in turn order (a ranked lane's), so an equal one offered
+    /// later never wins and no turn is looked up.
+    fn offer(&mut self, fleet: &EndpointLedger, e: &Endpoint, score: f64, in_turn: bool) {
+        let Some(best) = self.id else {
             *self = Best {
                 score,
-                turn,
+                id: Some(e.id),
+            };
+            return;
+        };
+        let better = score > self.score + TIE
+            || (!in_turn && score >= self.score - TIE && sooner(fleet, e.id, best));
+        if better {
+            *self = Best {
+                score,
                 id: Some(e.id),
             };
         }
+    }
+}
+
+/// Whether `a`'s turn comes before `b`'s (an endpoint not ranked, which
+/// takes no work, comes last).
+fn sooner(fleet: &EndpointLedger, a: EndpointId, b: EndpointId) -> bool {
+    match (fleet.turn(a), fleet.turn(b)) {
+        (Some(a), Some(b)) => a < b,
+        (Some(_), None) => true,
+        (None, _) => false,
     }
 }
 
@@ -87,8 +102,8 @@ pub(crate) fn best(
     let config = fleet.saturation();
     let takes = |e: &&Endpoint| e.takes(route, now, config);
     let mut best = Best::new();
-    let offer = |best: &mut Best, e: &Endpoint| {
-        best.offer(fleet, e, route_score(fleet, e, route, wanted));
+    let offer = |best: &mut Best, e: &Endpoint, in_turn: bool| {
+        best.offer(fleet, e, route_score(fleet, e, route, wanted), in_turn);
     };
     let model = route.model.as_deref();
     if let Some(subset) = &route.subset {
@@ -97,14 +112,14 @@ pub(crate) fn best(
             .filter_map(|a| fleet.endpoint_at(*a))
             .filter(|e| e.fits(route))
             .filter(takes)
-            .for_each(|e| offer(&mut best, e));
+            .for_each(|e| offer(&mut best, e, false));
         return best.id;
     }
     if wanted.is_some() {
         fleet
             .ranked(model)
             .filter(takes)
-            .for_each(|e| offer(&mut best, e));
+            .for_each(|e| offer(&mut best, e, true));
         return best.id;
     }
     let top = fleet.ranked(model).find(takes)?;
@@ -120,7 +135,7 @@ pub(crate) fn best(
     if weight <= 0.0 || depth == 0 {
         return Some(top.id);
     }
-    offer(&mut best, top);
+    offer(&mut best, top, true);
     let held: usize = route.prefix[..depth]
         .iter()
         .map(|h| fleet.holders_of(*h).len())
@@ -131,7 +146,7 @@ pub(crate) fn best(
         fleet
             .ranked(model)
             .filter(takes)
-            .for_each(|e| offer(&mut best, e));
+            .for_each(|e| offer(&mut best, e, true));
         return best.id;
     }
     let top_static = top.static_score(&fleet.scheduling().scorers, config);
@@ -147,7 +162,7 @@ pub(crate) fn best(
             .filter_map(|id| fleet.endpoint(*id))
             .filter(|e| e.fits(route))
             .filter(takes)
-            .for_each(|e| offer(&mut best, e));
+            .for_each(|e| offer(&mut best, e, false));
     }
     best.id
 }

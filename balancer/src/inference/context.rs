@@ -56,6 +56,34 @@ impl Ending {
     }
 }
 
+/// A request's retries on other endpoints ([`super::retry`]).
+#[derive(Debug, Default)]
+pub(crate) struct Retries {
+    /// Retries done so far.
+    pub(super) done: u32,
+    /// The endpoint failed and the request goes to another one.
+    pub(super) pending: bool,
+    /// A stale pooled connection was retried on a fresh one.
+    pub(super) stale_retried: bool,
+    /// An endpoint whose 5xx awaits a second endpoint's answer to the same
+    /// request before it counts against it ([`flowgate::blame`]).
+    pub(super) suspect: Option<(EndpointId, SocketAddr)>,
+}
+
+/// The engine's answer to a request, as it comes.
+#[derive(Debug, Default)]
+pub(crate) struct Answer {
+    /// When the request (its last attempt) went to the engine.
+    pub(super) sent_at: Option<Instant>,
+    /// Status of the upstream response header, once it arrived.
+    pub(super) status: Option<u16>,
+    /// This answer is an engine's refusal of the request, passed on
+    /// uncounted; its body (the first [`super::MAX_ERROR_BODY`] bytes) is
+    /// checked once it has arrived.
+    pub(super) rejected: bool,
+    pub(super) error_body: Vec<u8>,
+}
+
 /// Per-request state.
 pub struct RequestCtx {
     pub(super) start: Instant,
@@ -107,24 +135,10 @@ pub struct RequestCtx {
     pub(super) waiting_ahead: usize,
     /// What it asked of flow control, kept to ask again on a retry.
     pub(super) meta: Option<RequestMeta>,
-    /// Retries done so far.
-    pub(super) retries: u32,
-    /// The endpoint failed and the request goes to another one.
-    pub(super) retry_pending: bool,
-    /// A stale pooled connection was retried on a fresh one.
-    pub(super) stale_retried: bool,
-    /// When the request (its last attempt) went to the engine.
-    pub(super) sent_at: Option<Instant>,
-    /// Status of the upstream response header, once it arrived.
-    pub(super) upstream_status: Option<u16>,
-    /// An endpoint whose 5xx awaits a second endpoint's answer to the same
-    /// request before it counts against it ([`flowgate::blame`]).
-    pub(super) suspect: Option<(EndpointId, SocketAddr)>,
-    /// This answer is an engine's refusal of the request, passed on
-    /// uncounted; its body (the first [`super::MAX_ERROR_BODY`] bytes) is checked
-    /// once it has arrived.
-    pub(super) rejected: bool,
-    pub(super) error_body: Vec<u8>,
+    /// Its retries on other endpoints.
+    pub(super) retry: Retries,
+    /// The engine's answer as it comes.
+    pub(super) answer: Answer,
     /// `x-request-id`, and whether the client sent it.
     pub(crate) request_id: super::RequestId,
     pub(super) request_id_given: bool,
@@ -172,14 +186,8 @@ impl RequestCtx {
             trace: None,
             waiting_ahead: 0,
             meta: None,
-            retries: 0,
-            retry_pending: false,
-            stale_retried: false,
-            sent_at: None,
-            upstream_status: None,
-            suspect: None,
-            rejected: false,
-            error_body: Vec::new(),
+            retry: Retries::default(),
+            answer: Answer::default(),
             request_id: super::RequestId::default(),
             request_id_given: false,
             grant: None,

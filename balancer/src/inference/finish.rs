@@ -32,7 +32,7 @@ impl Inference {
         connection::request_done(session);
         // A retry that never got an answer cannot clear its suspect.
         self.blame_suspect(ctx);
-        if ctx.rejected && e.is_none() && !blame::is_engine_error(&ctx.error_body) {
+        if ctx.answer.rejected && e.is_none() && !blame::is_engine_error(&ctx.answer.error_body) {
             // JSON, but not an engine's error object: the endpoint's.
             self.record_outcome(ctx, false);
         }
@@ -41,14 +41,16 @@ impl Inference {
         let client_left = e.is_some_and(|e| e.esource() == &ErrorSource::Downstream);
         if let Some(served) = ctx.served.take() {
             served.finish(AnswerEnd {
-                sent: ctx.upstream_status.is_some(),
+                sent: ctx.answer.status.is_some(),
                 // What the answer spent (a stream cut short: what was sent).
-                said: (ctx.meter).spent(usage, ctx.tokens.prompt, ctx.upstream_status),
+                said: (ctx.meter).spent(usage, ctx.tokens.prompt, ctx.answer.status),
                 // Only a whole, successful answer shows the engine's speed:
                 // an error comes back fast, a client that left cut the
                 // answer short.
-                timing: (ctx.upstream_status.is_some_and(|s| s < 400) && !client_left)
-                    .then(|| (ctx.meter).timing(&said, ctx.sent_at, std::time::Instant::now()))
+                timing: (ctx.answer.status.is_some_and(|s| s < 400) && !client_left)
+                    .then(|| {
+                        (ctx.meter).timing(&said, ctx.answer.sent_at, std::time::Instant::now())
+                    })
                     .flatten(),
                 // The client left before its answer ended: the engine may
                 // still be working on it, so its slot is not free yet.
@@ -61,7 +63,7 @@ impl Inference {
                 },
             });
         }
-        if ctx.upstream_status.is_some_and(|s| s < 400) {
+        if ctx.answer.status.is_some_and(|s| s < 400) {
             self.bind_response(ctx);
             self.share_session(ctx);
         }
@@ -84,7 +86,7 @@ impl Inference {
         let ttft = ctx.meter.time_to_first_token(ctx.start);
         if ctx.inference {
             self.door.gate.metrics.record_outcome(status, reason);
-            if ctx.upstream_status.is_some_and(|s| s < 400) {
+            if ctx.answer.status.is_some_and(|s| s < 400) {
                 if let (Some(u), Some(model)) = (usage, ctx.served_model.as_deref()) {
                     self.door
                         .gate
@@ -113,7 +115,7 @@ impl Inference {
             status,
             reason,
             upstream = ctx.upstream.map(|a| a.to_string()).unwrap_or_default(),
-            retries = ctx.retries,
+            retries = ctx.retry.done,
             wait_ms = ctx.waited.as_millis() as u64,
             ttft_ms = ttft.map(|t| t.as_millis() as u64),
             estimated_prompt_tokens = ctx.tokens.prompt,

@@ -203,7 +203,7 @@ impl Inference {
                     None => admitted.lease.release(),
                 }
                 ctx.waited += admitted.waited;
-                ctx.upstream_status = None;
+                ctx.answer.status = None;
                 if let Some(m) = admitted.fell_back {
                     self.fell_back(ctx, m);
                 }
@@ -428,8 +428,8 @@ impl ProxyHttp for Inference {
         session: &mut Session,
         ctx: &mut Self::CTX,
     ) -> Result<Box<HttpPeer>> {
-        if ctx.retry_pending {
-            ctx.retry_pending = false;
+        if ctx.retry.pending {
+            ctx.retry.pending = false;
             let mut request = ctx.meta.clone().ok_or_else(|| {
                 Error::explain(ErrorType::InternalError, "retry without a request")
             })?;
@@ -485,7 +485,7 @@ impl ProxyHttp for Inference {
         if !ctx.request_id_given {
             upstream_request.insert_header(REQUEST_ID_HEADER, ctx.request_id.header())?;
         }
-        ctx.sent_at = Some(Instant::now());
+        ctx.answer.sent_at = Some(Instant::now());
         self.trace_upstream(upstream_request, ctx)?;
         if let (true, Some(body)) = (ctx.body_rewritten, &ctx.body) {
             // A chunked body stays chunked; a sized one has a new size.
@@ -507,7 +507,7 @@ impl ProxyHttp for Inference {
         ctx: &mut Self::CTX,
     ) -> Result<()> {
         let status = upstream_response.status.as_u16();
-        ctx.upstream_status = Some(status);
+        ctx.answer.status = Some(status);
         let content_type = upstream_response
             .headers
             .get(http::header::CONTENT_TYPE)
@@ -521,10 +521,10 @@ impl ProxyHttp for Inference {
             self.record_outcome(ctx, true);
             return Ok(());
         }
-        if ctx.suspect.is_some() && blame::corroborates(status) {
+        if ctx.retry.suspect.is_some() && blame::corroborates(status) {
             // A second endpoint failed the same request: the request's
             // fault. Neither endpoint counts; this answer is the client's.
-            ctx.suspect = None;
+            ctx.retry.suspect = None;
             ctx.ending = Ending::RequestRejected;
             self.door
                 .gate
@@ -533,7 +533,7 @@ impl ProxyHttp for Inference {
             return Ok(());
         }
         if verdict == Verdict::RequestRejected {
-            ctx.rejected = true;
+            ctx.answer.rejected = true;
             ctx.ending = Ending::RequestRejected;
             self.door
                 .gate
@@ -547,7 +547,7 @@ impl ProxyHttp for Inference {
             // Nothing went to the client yet: drop this answer and try
             // another endpoint (see `error_while_proxy`); this one counts
             // unless that one fails the same way.
-            ctx.suspect = failed;
+            ctx.retry.suspect = failed;
             return Err(Error::explain(
                 ErrorType::HTTPStatus(status),
                 format!("model server answered {status}; retrying on another endpoint"),
@@ -583,22 +583,22 @@ impl ProxyHttp for Inference {
         upstream_reused: bool,
     ) -> Box<Error> {
         let mut e = e.more_context(format!("Peer: {}", peer.address()));
-        if ctx.retry_pending {
+        if ctx.retry.pending {
             // A 5xx header turned into this error by `upstream_response_filter`.
             e.set_retry(true);
             return e;
         }
         // An upstream failure before any response header: the endpoint
         // failed; after it, the client already has part of the answer.
-        let before_answer = ctx.upstream_status.is_none() && session.response_written().is_none();
+        let before_answer = ctx.answer.status.is_none() && session.response_written().is_none();
         if retry::reused_connection_went_stale(&e, before_answer, upstream_reused)
-            && !ctx.stale_retried
+            && !ctx.retry.stale_retried
         {
             // A pooled connection the server had already closed (its
             // keep-alive ran out: llama-server's after 5 s idle). Not the
             // endpoint's failure: once more on a fresh connection to the
             // same endpoint, with the slot it holds.
-            ctx.stale_retried = true;
+            ctx.retry.stale_retried = true;
             self.door.gate.metrics.upstream_retry("stale-connection");
             e.set_retry(true);
             return e;
@@ -671,9 +671,10 @@ impl ProxyHttp for Inference {
     ) -> Result<Option<Duration>> {
         if let Some(chunk) = body {
             ctx.meter.on_chunk(chunk, Instant::now());
-            if ctx.rejected && ctx.error_body.len() < MAX_ERROR_BODY {
-                let room = MAX_ERROR_BODY - ctx.error_body.len();
-                ctx.error_body
+            if ctx.answer.rejected && ctx.answer.error_body.len() < MAX_ERROR_BODY {
+                let room = MAX_ERROR_BODY - ctx.answer.error_body.len();
+                ctx.answer
+                    .error_body
                     .extend_from_slice(&chunk[..chunk.len().min(room)]);
             }
         }

@@ -18,7 +18,7 @@ impl Inference {
     /// A suspect 5xx that no second endpoint repeated counts against the
     /// endpoint that gave it.
     pub(super) fn blame_suspect(&self, ctx: &mut RequestCtx) {
-        if let Some((endpoint, addr)) = ctx.suspect.take() {
+        if let Some((endpoint, addr)) = ctx.retry.suspect.take() {
             self.door
                 .gate
                 .record_endpoint_outcome(endpoint, addr, false);
@@ -30,15 +30,15 @@ impl Inference {
     /// metric) and returns `true`; `upstream_peer` then waits for the next
     /// slot.
     pub(super) fn begin_retry(&self, ctx: &mut RequestCtx, reason: &str) -> bool {
-        if ctx.retries >= self.retries {
+        if ctx.retry.done >= self.retries {
             return false;
         }
         let Some(meta) = &ctx.meta else { return false };
         if !self.door.gate.has_alternative(&meta.route, ctx.upstream) {
             return false;
         }
-        ctx.retries += 1;
-        ctx.retry_pending = true;
+        ctx.retry.done += 1;
+        ctx.retry.pending = true;
         if let Some(lease) = ctx.served.as_mut().and_then(Served::take_lease) {
             lease.release();
         }

@@ -109,7 +109,7 @@ impl Inference {
         };
         let mut attributes = vec![
             KeyValue::new("flowgate.request_id", ctx.request_id.as_str().to_owned()),
-            KeyValue::new("flowgate.retries", i64::from(ctx.retries)),
+            KeyValue::new("flowgate.retries", i64::from(ctx.retry.done)),
         ];
         if !reason.is_empty() {
             attributes.push(KeyValue::new("flowgate.reason", reason));

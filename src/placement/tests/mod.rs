@@ -397,3 +397,25 @@ proptest::proptest! {
         }
     }
 }
+
+#[test]
+fn equal_endpoints_of_a_subset_take_turns() {
+    let now = Instant::now();
+    let mut r = EndpointLedger::default();
+    for (id, port) in [("a", 1), ("b", 2), ("c", 3)] {
+        let (rep, a) = report_for(id, port, 4, &[]);
+        r.apply_report(rep, a, now);
+    }
+    let mut hinted = route(None, &[]);
+    hinted.subset = Some(vec![addr("127.0.0.1:1"), addr("127.0.0.1:3")].into());
+    // Each lease changes its endpoint's score: released at once, the two
+    // stay equal and the one that went longest ago goes next.
+    let mut ports = Vec::new();
+    for _ in 0..6 {
+        let l = acquire(&mut r, &hinted, now).unwrap();
+        ports.push(l.addr.port());
+        r.release(l, now);
+    }
+    assert!(ports.iter().all(|p| *p == 1 || *p == 3), "{ports:?}");
+    assert!(ports.windows(2).all(|w| w[0] != w[1]), "{ports:?}");
+}

@@ -4,7 +4,7 @@
 //!
 //! 1. **Pin** ([`pin`]). A turn of a session goes back to the endpoint its
 //!    last turn went to while that one takes it; while it is saturated,
-//!    stage 4 weighs waiting for it (its conversation is cached there). A
+//!    stage 3 weighs waiting for it (its conversation is cached there). A
 //!    binding to an endpoint that is gone is released. A session is
 //!    pinned only once a turn of it was served: its first turn goes
 //!    through the stages as any request, except that where other balancers
@@ -13,12 +13,14 @@
 //!    it there. Knobs: `scheduling.sessions.*`.
 //! 2. **Score** ([`score`]). The candidates are the endpoints that serve
 //!    the model, are eligible (ready, not draining, reported lately,
-//!    circuit closed), not saturated (free slot, queue, KV cache and token
-//!    budget under `saturation.*`), in the request's subset (EPP) and not
-//!    the one a retry avoids. One scorer sum picks among them: free slots,
-//!    KV cache, queue, cached prompt blocks, resident LoRA adapter
-//!    (`scheduling.scorers.*`); equal sums take turns. None: the request
-//!    is busy and waits in the queues.
+//!    circuit closed: `scheduling.circuitBreaker.*`), not saturated (free
+//!    slot, queue, KV cache and token budget under `saturationDetector.*`),
+//!    in the request's subset (EPP) and not the one a retry avoids. One
+//!    scorer sum picks among them: free slots, KV cache, queue, cached
+//!    prompt blocks (`scheduling.prefixCache.*`), resident LoRA adapter
+//!    (`scheduling.adapterReplicas`), weighted by `scheduling.scorers.*`;
+//!    equal sums take turns. None: the request is busy and waits in the
+//!    queues.
 //! 3. **Patience** ([`patience`]). With a free endpoint chosen, a request
 //!    placed from the queues waits for a saturated endpoint instead while
 //!    that is predicted to give it its first token sooner: its wait for a
@@ -36,7 +38,10 @@
 //!
 //! Besides: [`load`] is the one measure of an endpoint's load every stage
 //! weighs; [`explain`] renders a decision's record for
-//! `x-flowgate-debug: scores` and the route probe.
+//! `x-flowgate-debug: scores` and the route probe. Which queued request is
+//! offered a free slot first is the dispatcher's (`dispatcher/offers.rs`:
+//! held requests, then those at home, then the queues' fair order); each
+//! is placed here.
 //!
 //! Placement only reads the fleet ([`crate::endpoint`]'s view); [`pick`]
 //! books what it decided into a lease.

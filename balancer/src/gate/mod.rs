@@ -35,7 +35,7 @@ pub use lease::{AnswerSeen, LeaseGuard, SlotEnd};
 pub use served::{AnswerEnd, Served};
 
 use crate::observe::history::History;
-use crate::observe::metrics::Metrics;
+use crate::observe::metrics::{FallbackReason, Metrics};
 
 type Waker = oneshot::Sender<Result<LeaseGuard, Reject>>;
 
@@ -229,7 +229,8 @@ impl FleetGate {
             let asked = request.route.model.clone();
             if let (Some(f), Some(model)) = (fallback, asked) {
                 if let Some(m) = d.fallback_for(&model, &f.models, start) {
-                    self.metrics.fallback(&model, m, "unavailable");
+                    self.metrics
+                        .fallback(&model, m, FallbackReason::Unavailable);
                     request.route.model = Some(Arc::clone(m));
                     fell_back = Some(Arc::clone(m));
                 }
@@ -295,7 +296,7 @@ impl FleetGate {
             }
             let model = request.route.model.replace(Arc::clone(m));
             self.metrics
-                .fallback(model.as_deref().unwrap_or(""), m, "waited");
+                .fallback(model.as_deref().unwrap_or(""), m, FallbackReason::Waited);
             request.ttl = Some(
                 deadline
                     .saturating_duration_since(now)

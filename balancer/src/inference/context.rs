@@ -72,7 +72,7 @@ pub(crate) struct Retries {
 
 /// The engine's answer to a request, as it comes.
 #[derive(Debug, Default)]
-pub(crate) struct Answer {
+pub(crate) struct EngineAnswer {
     /// When the request (its last attempt) went to the engine.
     pub(super) sent_at: Option<Instant>,
     /// Status of the upstream response header, once it arrived.
@@ -138,7 +138,7 @@ pub struct RequestCtx {
     /// Its retries on other endpoints.
     pub(super) retry: Retries,
     /// The engine's answer as it comes.
-    pub(super) answer: Answer,
+    pub(super) answer: EngineAnswer,
     /// `x-request-id`, and whether the client sent it.
     pub(crate) request_id: super::RequestId,
     pub(super) request_id_given: bool,
@@ -187,7 +187,7 @@ impl RequestCtx {
             waiting_ahead: 0,
             meta: None,
             retry: Retries::default(),
-            answer: Answer::default(),
+            answer: EngineAnswer::default(),
             request_id: super::RequestId::default(),
             request_id_given: false,
             grant: None,

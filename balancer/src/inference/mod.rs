@@ -74,6 +74,7 @@ use crate::connection;
 use crate::connection::parking::{Parked, Resumed};
 use crate::door::Door;
 use crate::gate::{AdmitError, Admitted, AnswerEnd, Submitted};
+use crate::observe::metrics::RetryReason;
 use crate::observe::traces::Traces;
 use crate::reply::{Answer, Refusal, REQUEST_ID_HEADER};
 
@@ -543,7 +544,7 @@ impl ProxyHttp for Inference {
         }
         self.door.gate.metrics.upstream_error("status-5xx");
         let failed = ctx.lease().map(|l| (l.endpoint(), l.addr()));
-        if self.begin_retry(ctx, "status-5xx") {
+        if self.begin_retry(ctx, RetryReason::Status5xx) {
             // Nothing went to the client yet: drop this answer and try
             // another endpoint (see `error_while_proxy`); this one counts
             // unless that one fails the same way.
@@ -569,7 +570,7 @@ impl ProxyHttp for Inference {
         self.blame_suspect(ctx);
         self.record_outcome(ctx, false);
         self.door.gate.metrics.upstream_error("connect");
-        let retry = self.begin_retry(ctx, "connect");
+        let retry = self.begin_retry(ctx, RetryReason::Connect);
         e.set_retry(retry);
         e
     }
@@ -599,7 +600,10 @@ impl ProxyHttp for Inference {
             // endpoint's failure: once more on a fresh connection to the
             // same endpoint, with the slot it holds.
             ctx.retry.stale_retried = true;
-            self.door.gate.metrics.upstream_retry("stale-connection");
+            self.door
+                .gate
+                .metrics
+                .upstream_retry(RetryReason::StaleConnection);
             e.set_retry(true);
             return e;
         }
@@ -614,7 +618,7 @@ impl ProxyHttp for Inference {
         if e.esource() == &ErrorSource::Upstream && before_answer {
             self.blame_suspect(ctx);
             self.record_outcome(ctx, false);
-            if self.begin_retry(ctx, "upstream-error") {
+            if self.begin_retry(ctx, RetryReason::UpstreamError) {
                 e.set_retry(true);
                 return e;
             }

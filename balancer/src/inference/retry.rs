@@ -6,6 +6,7 @@ use pingora_core::{Error, ErrorSource};
 
 use super::{Inference, RequestCtx};
 use crate::gate::Served;
+use crate::observe::metrics::RetryReason;
 
 impl Inference {
     /// Feeds the circuit breaker of the endpoint the request holds.
@@ -29,7 +30,7 @@ impl Inference {
     /// endpoint, gives its slot back, counts the retry (`reason` labels the
     /// metric) and returns `true`; `upstream_peer` then waits for the next
     /// slot.
-    pub(super) fn begin_retry(&self, ctx: &mut RequestCtx, reason: &str) -> bool {
+    pub(super) fn begin_retry(&self, ctx: &mut RequestCtx, reason: RetryReason) -> bool {
         if ctx.retry.done >= self.retries {
             return false;
         }

@@ -22,6 +22,51 @@ use super::flow::FlowMetrics;
 use crate::observe::history::{Tallies, OUTCOMES};
 use flowgate::Snapshot;
 
+/// Why a request went to a fallback model: the `reason` label of
+/// `flowgate_model_fallbacks_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FallbackReason {
+    /// No live endpoint served its model when it came.
+    Unavailable,
+    /// It waited its `fallbackAfter` for its own model.
+    Waited,
+}
+
+impl FallbackReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FallbackReason::Unavailable => "unavailable",
+            FallbackReason::Waited => "waited",
+        }
+    }
+}
+
+/// Why a request was sent again: the `reason` label of
+/// `flowgate_upstream_retries_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetryReason {
+    /// The endpoint answered a suspect 5xx header.
+    Status5xx,
+    /// The connection to the endpoint failed.
+    Connect,
+    /// The endpoint failed before the response header.
+    UpstreamError,
+    /// A pooled connection the server had closed: sent again on a fresh
+    /// one to the same endpoint.
+    StaleConnection,
+}
+
+impl RetryReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RetryReason::Status5xx => "status-5xx",
+            RetryReason::Connect => "connect",
+            RetryReason::UpstreamError => "upstream-error",
+            RetryReason::StaleConnection => "stale-connection",
+        }
+    }
+}
+
 pub struct Metrics {
     registry: Registry,
     /// Requests by final HTTP status and drop reason (empty when served).
@@ -296,14 +341,17 @@ impl Metrics {
 
     /// Counts a request sent to `fallback` instead of `model`. Both names
     /// come from the operator's fallback chains, so the series are bounded.
-    pub fn fallback(&self, model: &str, fallback: &str, reason: &str) {
+    pub fn fallback(&self, model: &str, fallback: &str, why: FallbackReason) {
         self.model_fallbacks
-            .with_label_values(&[model, fallback, reason])
+            .with_label_values(&[model, fallback, why.as_str()])
             .inc();
     }
 
-    pub fn upstream_retry(&self, reason: &str) {
-        self.upstream_retries.with_label_values(&[reason]).inc();
+    /// Counts a request sent again to another endpoint.
+    pub fn upstream_retry(&self, why: RetryReason) {
+        self.upstream_retries
+            .with_label_values(&[why.as_str()])
+            .inc();
     }
 
     /// Counts a finished inference request.

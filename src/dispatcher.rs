@@ -295,7 +295,7 @@ impl<T> Dispatcher<T> {
         match self.queues.push(place, size, waiting, now, deadline) {
             Ok((ticket, evicted)) => {
                 for r in evicted {
-                    let evicted = self.left(r, Err(Reject::Evicted), now);
+                    let evicted = done(r, Err(Reject::Evicted), now);
                     self.evicted.push(evicted);
                 }
                 Admission::Queued { ticket, deadline }
@@ -313,17 +313,7 @@ impl<T> Dispatcher<T> {
             .queues
             .pop(ticket)
             .expect("a granted request is queued");
-        out.push(self.left(removed, Ok(lease), now));
-    }
-
-    /// The end of a request's wait, once it left the queues.
-    fn left(
-        &mut self,
-        r: Removed<Waiting<T>>,
-        result: Result<Lease, Reject>,
-        now: Instant,
-    ) -> Done<T> {
-        done(r, result, now)
+        out.push(done(removed, Ok(lease), now));
     }
 
     /// Whether `route` is of a session that waits for its endpoint until

@@ -24,7 +24,7 @@
 use std::collections::HashSet;
 use std::time::Instant;
 
-use super::{Dispatcher, Done, Reject};
+use super::{done, Dispatcher, Done, Reject};
 use crate::endpoint::Route;
 use crate::flow::Ticket;
 use crate::placement::{self, Pass, Pick, Waits};
@@ -90,7 +90,7 @@ impl<T> Dispatcher<T> {
     pub fn dispatch(&mut self, now: Instant) -> Vec<Done<T>> {
         let mut out = std::mem::take(&mut self.evicted);
         for r in self.queues.expire(now) {
-            out.push(self.left(r, Err(Reject::Timeout), now));
+            out.push(done(r, Err(Reject::Timeout), now));
         }
         // Holds that end now are over: this pass places those requests.
         while let Some(entry) = self.holds.first_entry() {

@@ -68,7 +68,7 @@ impl<T> Dispatcher<T> {
         }
         for ticket in self.queues.tickets_in(&route.model) {
             if let Some(r) = self.queues.cancel(ticket) {
-                let done = self.left(r, Err(Reject::AdapterLoadFailed), now);
+                let done = super::done(r, Err(Reject::AdapterLoadFailed), now);
                 self.evicted.push(done);
             }
         }

@@ -74,9 +74,6 @@ pub(crate) fn spill_evens_out(
     queued: &QueuedWork,
     now: Instant,
 ) -> bool {
-    if fleet.endpoint(holder).is_none() {
-        return false;
-    }
     let config = fleet.saturation();
     let (mut requests, mut slots) = (u64::from(queued.unplaced), 0);
     let mut holder_load = None;

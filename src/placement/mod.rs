@@ -136,7 +136,7 @@ pub(crate) fn place(
     let verdict = patience::wait_or_go(fleet, route, go, bound, pass.waits, wanted.as_ref(), now);
     decision.patience = Some(verdict);
     decision.outcome = match verdict {
-        WaitOrGo::Wait { at, .. } => Outcome::Wait(at),
+        WaitOrGo::Wait { at } => Outcome::Wait(at),
         WaitOrGo::Spill { cold_ms, holder } if !pass.may_spill => {
             Outcome::Delay(patience::spill_delay(cold_ms), holder)
         }

@@ -57,13 +57,9 @@ const SPILL_DELAY_MAX_MS: f64 = 60_000.0;
 /// What stage 3 says of a request some endpoint takes now.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) enum WaitOrGo {
-    /// Wait for saturated endpoint `at`: predicted first token there in
-    /// `wait_ms`, against `go_ms` on the free one.
-    Wait {
-        at: EndpointId,
-        wait_ms: f64,
-        go_ms: f64,
-    },
+    /// Wait for saturated endpoint `at`: its first token predicted sooner
+    /// there than on the free one (or a hard session's endpoint).
+    Wait { at: EndpointId },
     /// Go, although a saturated endpoint holds more of its prompt (the
     /// quickest of those, `holder`): a spill, which prefills `cold_ms`
     /// again.
@@ -122,11 +118,7 @@ pub(crate) fn wait_or_go(
     now: Instant,
 ) -> WaitOrGo {
     if let Some(id) = bound.filter(|_| route.waits_hard(fleet.scheduling().sessions.hard)) {
-        return WaitOrGo::Wait {
-            at: id,
-            wait_ms: 0.0,
-            go_ms: 0.0,
-        };
+        return WaitOrGo::Wait { at: id };
     }
     let Some(go_endpoint) = fleet.endpoint(go) else {
         return WaitOrGo::Go;
@@ -177,7 +169,7 @@ pub(crate) fn wait_or_go(
         });
     }
     match best {
-        Some((wait_ms, at)) if wait_ms < go_ms => WaitOrGo::Wait { at, wait_ms, go_ms },
+        Some((wait_ms, at)) if wait_ms < go_ms => WaitOrGo::Wait { at },
         Some((_, holder)) => WaitOrGo::Spill {
             cold_ms: go_ms,
             holder,

@@ -58,6 +58,8 @@ pub use cache_truth::{CacheSeen, CacheTruth, COLD_MISSES};
 pub(crate) use cost::WINDOW as COST_WINDOW;
 pub use cost::{CostModel, CostSnapshot, Estimate, Timing};
 use ranking::{Rank, Ranking};
+#[cfg(test)]
+pub(crate) use tests as ledger_fixtures;
 
 // Keyed by endpoint ids, addresses, agents' and models' names (the fleet's,
 // not clients'): a fast hasher, looked up several times per request.
@@ -717,4 +719,4 @@ impl EndpointLedger {
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -39,7 +39,7 @@ impl EndpointLedger {
     }
 }
 
-fn addr(s: &str) -> SocketAddr {
+pub(crate) fn addr(s: &str) -> SocketAddr {
     s.parse().unwrap()
 }
 
@@ -361,14 +361,21 @@ fn moving_agent_frees_its_old_address() {
     assert_eq!(snap[0].addr.port(), 2);
 }
 
-fn report_for(id: &str, port: u16, slots: u32, models: &[&str]) -> (AgentReport, SocketAddr) {
+/// A report of agent `id` for `127.0.0.1:port`, with `slots` and `models`.
+pub(crate) fn report_for(
+    id: &str,
+    port: u16,
+    slots: u32,
+    models: &[&str],
+) -> (AgentReport, SocketAddr) {
     let a = format!("127.0.0.1:{port}");
     let mut rep = report(id, &a, slots);
     rep.models = models.iter().map(|m| m.to_string()).collect();
     (rep, addr(&a))
 }
 
-fn route(model: Option<&str>, prefix: &[u64]) -> Route {
+/// A route for `model` with these prompt blocks.
+pub(crate) fn route(model: Option<&str>, prefix: &[u64]) -> Route {
     Route {
         model: model.map(Arc::from),
         prefix: prefix.to_vec(),

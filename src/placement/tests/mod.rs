@@ -9,33 +9,15 @@ use std::time::{Duration, Instant};
 use super::load::Load;
 use super::patience::{cached_tokens, prompt_tokens};
 use super::*;
+use crate::endpoint::ledger_fixtures::{addr, report_for, route};
 use crate::endpoint::{
     Endpoint, EndpointLedger, Lease, Route, SaturationConfig, SchedulingConfig, Timing,
 };
 use crate::protocol::tests::report;
-use crate::protocol::{AgentReport, BackendHealth};
+use crate::protocol::BackendHealth;
 use crate::tokens::TokenEstimate;
 
 mod adapters;
-
-fn addr(s: &str) -> SocketAddr {
-    s.parse().unwrap()
-}
-
-fn report_for(id: &str, port: u16, slots: u32, models: &[&str]) -> (AgentReport, SocketAddr) {
-    let a = format!("127.0.0.1:{port}");
-    let mut rep = report(id, &a, slots);
-    rep.models = models.iter().map(|m| m.to_string()).collect();
-    (rep, addr(&a))
-}
-
-fn route(model: Option<&str>, prefix: &[u64]) -> Route {
-    Route {
-        model: model.map(Arc::from),
-        prefix: prefix.to_vec(),
-        ..Route::default()
-    }
-}
 
 /// [`pick`] without holding: a lease, or none.
 fn acquire(r: &mut EndpointLedger, route: &Route, now: Instant) -> Option<Lease> {

@@ -18,16 +18,24 @@
 //!    lower priorities, and a request passed by a tenant too far ahead of
 //!    its own takes the slot instead.
 //!
-//! Whatever the offer, a request is placed one way ([`Dispatcher::offer`]):
-//! placement decides, and the outcome is booked here once.
+//! One loop runs every offer ([`Dispatcher::run`]), while an endpoint is
+//! free: the offer names the next request it offers the slots to and how
+//! that one may be placed; a request the offer passed over earlier in its
+//! round (held for a busy endpoint, or passed by one at home) whose tenant
+//! that next request's would pass by more than fairness allows
+//! ([`crate::flow::FlowQueues::passing_is_unfair`]) takes a slot first;
+//! the request is placed one way ([`Dispatcher::offer`]: placement decides,
+//! and the outcome is booked here once), and the offer notes what became
+//! of it.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::time::Instant;
 
 use super::{done, Dispatcher, Done, Reject};
 use crate::endpoint::Route;
 use crate::flow::Ticket;
-use crate::placement::{self, Pass, Pick, Waits};
+use crate::placement::evening::{spill_evens_out, QueuedWork};
+use crate::placement::{self, Home, Pass, Pick, Waits};
 
 /// How many requests of each flow a dispatch pass looks at when the ones
 /// ahead of them cannot go now (held for affinity, or their route is busy).
@@ -46,6 +54,15 @@ pub(super) const MAX_HOLDS_PER_PASS: usize = 32;
 /// behind them would take it. Only then: a tenant's requests pass its
 /// held ones no further while others could go.
 pub(super) const BEHIND_HOLDS: usize = LOOK_AHEAD + MAX_HOLDS_PER_PASS;
+
+/// Queued requests the at-home offer asks where they are at home, at most,
+/// in a pass (and [`Dispatcher::queued_work`] which endpoint they wait
+/// for): as many as a pass may hold, from the queues' head, where the
+/// slots that free soon go. Each question is a placement query;
+/// unbounded, with 1,000 tenants 10,000 requests deep, a pass asked up to
+/// 36,000 (2.7 ms a request at 1,000 endpoints, `benches/scale.rs`). The
+/// slots this offer leaves go in the queues' order.
+pub(super) const HOME_SCAN: usize = MAX_HOLDS_PER_PASS;
 
 /// The offers of a dispatch pass (module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,6 +99,33 @@ pub(super) enum Offered {
     Busy,
 }
 
+/// An offer's state through one dispatch pass: its round.
+struct Round {
+    offer: Offer,
+    /// The highest priority waiting when the round began.
+    top: i32,
+    /// Requests the round passed over: held for a busy endpoint (fair
+    /// order), or passed by requests at home (their hold clocks start when
+    /// the round ends; `true`: the wait-or-go rule has them wait).
+    passed: HashMap<Ticket, bool>,
+    /// Routes no endpoint takes: a later request with the same targets
+    /// (model, exclusion, subset) is not offered.
+    stuck: Vec<Route>,
+    /// No request below this priority goes: one of it is held (fair order).
+    floor: i32,
+    /// Requests held for each endpoint so far: the next one held for it
+    /// waits behind them.
+    waits: Waits,
+    /// How deep into each flow the round looks.
+    depth: usize,
+    /// The held requests left to offer, in the order their clocks end.
+    held: std::vec::IntoIter<Ticket>,
+    /// What waits for each endpoint, counted once, when first asked.
+    queued: Option<QueuedWork>,
+    /// How many more queued requests the at-home offer may ask.
+    looks_left: usize,
+}
+
 impl<T> Dispatcher<T> {
     /// Ends waits: answers evicted and expired requests, then offers the
     /// free slots to the queued requests, offer by offer (module docs),
@@ -100,13 +144,256 @@ impl<T> Dispatcher<T> {
             entry.remove();
         }
         for offer in OFFERS {
-            match offer {
-                Offer::Held => self.offer_held(now, &mut out),
-                Offer::AtHome => self.offer_at_home(now, &mut out),
-                Offer::FairOrder => self.offer_in_fair_order(now, &mut out),
-            }
+            self.run(offer, now, &mut out);
         }
         out
+    }
+
+    /// Runs one offer's round (module docs): the one loop of a pass.
+    fn run(&mut self, offer: Offer, now: Instant, out: &mut Vec<Done<T>>) {
+        let Some(mut round) = self.open(offer) else {
+            return;
+        };
+        while self.ledger.any_available(now) {
+            let Some((ticket, may)) = self.next_offered(&mut round, now) else {
+                break;
+            };
+            if let Some(slow) = self.unfairly_passed(round.passed.keys().copied(), ticket) {
+                let chose = round.passed.remove(&slow).unwrap_or_default();
+                if self.go_now(slow, now, out) {
+                    continue;
+                }
+                round.passed.insert(slow, chose);
+            }
+            let offered = self.offer(ticket, may, &mut round.waits, now, out);
+            if !self.note(&mut round, ticket, offered) {
+                break;
+            }
+        }
+        if offer == Offer::AtHome {
+            for (ticket, chose) in round.passed {
+                self.start_hold(ticket, now, chose);
+            }
+        }
+    }
+
+    /// Opens an offer's round; `None` when it has nothing to offer.
+    fn open(&self, offer: Offer) -> Option<Round> {
+        let top = self.queues.top_priority()?;
+        let mut held = Vec::new();
+        match offer {
+            Offer::Held => {
+                // A request may have two clocks (its hold's and its spill
+                // delay's): it is offered once. Entries of requests that
+                // left are skipped (and dropped by `next_hold_end`).
+                for &ticket in self.holds.values() {
+                    if held.len() == MAX_HOLDS_PER_PASS {
+                        break;
+                    }
+                    if !held.contains(&ticket) {
+                        held.push(ticket);
+                    }
+                }
+            }
+            // Only while some request waits for another endpoint (held, or
+            // passed over before): then the request next in turn may well
+            // be cached elsewhere. With none, the queues' own order stands,
+            // at no cost to a fleet without prefix affinity.
+            Offer::AtHome => {
+                if self.config.scheduling.affinity_hold.is_zero() || self.holds.is_empty() {
+                    return None;
+                }
+            }
+            Offer::FairOrder => {}
+        }
+        Some(Round {
+            offer,
+            top,
+            passed: HashMap::new(),
+            stuck: Vec::new(),
+            floor: i32::MIN,
+            waits: Waits::default(),
+            depth: LOOK_AHEAD,
+            held: held.into_iter(),
+            queued: None,
+            looks_left: HOME_SCAN,
+        })
+    }
+
+    /// The next request the round's offer offers the free slots to, and
+    /// how it may be placed.
+    fn next_offered(&mut self, round: &mut Round, now: Instant) -> Option<(Ticket, May)> {
+        match round.offer {
+            Offer::Held => self.next_held(round, now),
+            Offer::AtHome => self.next_at_home(round, now).map(|t| (t, May::Go)),
+            Offer::FairOrder => self.next_in_fair_order(round, now),
+        }
+    }
+
+    /// Notes what became of a request the round offered the slots to;
+    /// false: the round is over.
+    fn note(&self, round: &mut Round, ticket: Ticket, offered: Offered) -> bool {
+        match (round.offer, offered) {
+            (Offer::Held, _) | (_, Offered::Granted) => true,
+            // No request at home goes where the one at home could not.
+            (Offer::AtHome, _) => false,
+            (Offer::FairOrder, Offered::Held) => {
+                let waiting = self.queues.get(ticket).expect("a held request is queued");
+                round.floor = round.floor.max(waiting.priority);
+                round.passed.insert(ticket, true);
+                true
+            }
+            (Offer::FairOrder, Offered::Busy) => {
+                let waiting = self.queues.get(ticket).expect("a busy request is queued");
+                round.stuck.push(waiting.route.targets());
+                true
+            }
+        }
+    }
+
+    /// Offer 1, held: the next held request of the top priority, the
+    /// nearest to the end of its clock first. When the endpoint it waits
+    /// for frees a slot it takes it rather than the request next in turn,
+    /// which would prefill its prompt there cold while the held one waits
+    /// on for another slot. One whose spill delay is over may go elsewhere
+    /// ahead of the requests waiting for the free endpoint only where that
+    /// evens out the work ([`crate::placement::evening`]).
+    fn next_held(&mut self, round: &mut Round, now: Instant) -> Option<(Ticket, May)> {
+        while let Some(ticket) = round.held.next() {
+            let Some(waiting) = self.queues.get(ticket) else {
+                continue;
+            };
+            if waiting.priority < round.top {
+                continue;
+            }
+            let spill_over = waiting.spill_at.is_some_and(|at| at <= now);
+            let holder = waiting.held;
+            let may_spill = spill_over
+                && holder.is_none_or(|holder| {
+                    let top = round.top;
+                    let queued = round
+                        .queued
+                        .get_or_insert_with(|| self.queued_work(top, now));
+                    let route = &self.queues.get(ticket).expect("looked at just above").route;
+                    spill_evens_out(&self.ledger, route, holder, queued, now)
+                });
+            return Some((ticket, May::Wait { spill: may_spill }));
+        }
+        None
+    }
+
+    /// Offer 2, at home (while some request waits for another endpoint):
+    /// the first request of the top priority, in the queues' order, at
+    /// home on a free endpoint (no busy one holds more of its prompt; its
+    /// session's endpoint takes it). The request next in turn may be
+    /// cached elsewhere, and would take the slot to prefill its prompt
+    /// there cold while they wait on (at saturation a server's own
+    /// conversations wait in the queue, not held: no slot was free when
+    /// they came). The requests it passes start their hold clocks: once a
+    /// hold is over the request is passed no more and takes the next free
+    /// slot.
+    fn next_at_home(&mut self, round: &mut Round, now: Instant) -> Option<Ticket> {
+        let hard = self.config.scheduling.sessions.hard;
+        loop {
+            let ledger = &self.ledger;
+            let Round {
+                top,
+                passed,
+                stuck,
+                looks_left,
+                ..
+            } = round;
+            let mut out_of_looks = false;
+            let next = self.queues.peek_where(round.depth, |ticket, w| {
+                // Stops the scan; the request is not taken.
+                if *looks_left == 0 {
+                    out_of_looks = true;
+                    return true;
+                }
+                *looks_left -= 1;
+                if w.priority < *top || stuck.iter().any(|r| r.same_targets(&w.route)) {
+                    return false;
+                }
+                match placement::at_home(ledger, &w.route, now) {
+                    Home::Yes => true,
+                    Home::Elsewhere { waits } => {
+                        let over = w.hold_until.is_some_and(|end| end <= now);
+                        if over && !w.route.waits_hard(hard) {
+                            return true;
+                        }
+                        *passed.entry(ticket).or_default() |= waits;
+                        false
+                    }
+                    Home::Busy => {
+                        stuck.push(w.route.targets());
+                        false
+                    }
+                }
+            });
+            // The slots left go in the queues' order, in the fair order.
+            if out_of_looks {
+                return None;
+            }
+            match next {
+                Some(ticket) => return Some(ticket),
+                // None of the first few of any flow is at home on a free
+                // endpoint: one behind them may be (a burst's other
+                // groups, behind one group's turns held for their cache).
+                None if round.depth == LOOK_AHEAD => round.depth = BEHIND_HOLDS,
+                None => return None,
+            }
+        }
+    }
+
+    /// Offer 3, fair order: the next request in the queues' order (strict
+    /// priority, tenant fairness, the band's ordering), looking past the
+    /// ones held in this round ([`LOOK_AHEAD`], then [`BEHIND_HOLDS`]); a
+    /// route no endpoint takes stops the requests with the same targets,
+    /// and a held request stops lower priorities.
+    fn next_in_fair_order(&mut self, round: &mut Round, now: Instant) -> Option<(Ticket, May)> {
+        loop {
+            let next = if round.stuck.is_empty() && round.passed.is_empty() {
+                self.queues.peek()
+            } else {
+                let Round {
+                    passed,
+                    stuck,
+                    floor,
+                    ..
+                } = &*round;
+                self.queues.peek_where(round.depth, |ticket, w| {
+                    w.priority >= *floor
+                        && !passed.contains_key(&ticket)
+                        && !stuck.iter().any(|r| r.same_targets(&w.route))
+                })
+            };
+            let Some(ticket) = next else {
+                // Every request looked at waits for another endpoint, yet
+                // a slot is free: one behind them takes it rather than
+                // let it idle (no request looked at wants it).
+                if round.depth == LOOK_AHEAD && !round.passed.is_empty() {
+                    round.depth = BEHIND_HOLDS;
+                    continue;
+                }
+                return None;
+            };
+            let waiting = self.queues.get(ticket).expect("peeked request is queued");
+            // A hard session waits for its endpoint until its TTL, however
+            // many others are held.
+            let hold = self.config.scheduling.affinity_hold;
+            let may_hold = self.hard_session(&waiting.route)
+                || (!hold.is_zero()
+                    && waiting.hold_until.is_none_or(|end| now < end)
+                    && round.passed.len() < MAX_HOLDS_PER_PASS);
+            let may = if may_hold {
+                May::Wait {
+                    spill: waiting.spill_at.is_some_and(|at| at <= now),
+                }
+            } else {
+                May::Go
+            };
+            return Some((ticket, may));
+        }
     }
 
     /// Offers the free slots to `ticket` as `may` allows, and books what
@@ -148,83 +435,6 @@ impl<T> Dispatcher<T> {
                 Offered::Held
             }
             Pick::Busy => Offered::Busy,
-        }
-    }
-
-    /// Offer 4: every request in the queues' fair order (module docs).
-    fn offer_in_fair_order(&mut self, now: Instant, out: &mut Vec<Done<T>>) {
-        let hold = self.config.scheduling.affinity_hold;
-        // Routes that found no endpoint in this pass: every later request
-        // with the same targets waits too (same model, exclusion, subset).
-        let mut stuck: Vec<Route> = Vec::new();
-        // Requests waiting for the endpoint that caches their prompt: the
-        // requests behind them in their flows may pass them, lower
-        // priorities may not (`floor`).
-        let mut held: HashSet<Ticket> = HashSet::new();
-        let mut floor = i32::MIN;
-        // Requests held for each endpoint in this pass: the next one held
-        // for it waits behind them.
-        let mut waits = Waits::default();
-        let mut depth = LOOK_AHEAD;
-        loop {
-            let next = if stuck.is_empty() && held.is_empty() {
-                self.queues.peek()
-            } else {
-                self.queues.peek_where(depth, |ticket, w| {
-                    w.priority >= floor
-                        && !held.contains(&ticket)
-                        && !stuck.iter().any(|r| r.same_targets(&w.route))
-                })
-            };
-            let Some(ticket) = next else {
-                // Every request looked at waits for another endpoint, yet
-                // a slot is free: one behind them takes it rather than
-                // let it idle (no request looked at wants it).
-                if depth == LOOK_AHEAD && !held.is_empty() && self.ledger.any_available(now) {
-                    depth = BEHIND_HOLDS;
-                    continue;
-                }
-                break;
-            };
-            if !held.is_empty() {
-                if let Some(slow) = self.unfairly_passed(held.iter().copied(), ticket) {
-                    held.remove(&slow);
-                    if self.go_now(slow, now, out) {
-                        continue;
-                    }
-                    held.insert(slow);
-                }
-            }
-            let waiting = self.queues.get(ticket).expect("peeked request is queued");
-            // A hard session waits for its endpoint until its TTL, however
-            // many others are held.
-            let may_hold = self.hard_session(&waiting.route)
-                || (!hold.is_zero()
-                    && waiting.hold_until.is_none_or(|end| now < end)
-                    && held.len() < MAX_HOLDS_PER_PASS);
-            let may = if may_hold {
-                May::Wait {
-                    spill: waiting.spill_at.is_some_and(|at| at <= now),
-                }
-            } else {
-                May::Go
-            };
-            let priority = waiting.priority;
-            match self.offer(ticket, may, &mut waits, now, out) {
-                Offered::Granted => {}
-                Offered::Held => {
-                    floor = floor.max(priority);
-                    held.insert(ticket);
-                }
-                Offered::Busy => {
-                    // Nothing free at all: no other request can go either.
-                    if !self.ledger.any_available(now) {
-                        break;
-                    }
-                    let waiting = self.queues.get(ticket).expect("a busy request is queued");
-                    stuck.push(waiting.route.targets());
-                }
-            }
         }
     }
 }

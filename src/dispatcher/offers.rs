@@ -1,22 +1,26 @@
 //! One dispatch pass. Expired requests are answered first; then the free
 //! slots are offered to the queued requests in a fixed order of offers,
-//! each a rule of its own, stated once:
+//! each a rule of its own, stated once in this file:
 //!
-//! 1. **Held** ([`super::holds`]): requests waiting for a busy endpoint
-//!    (its cache or session, stage 3 of [`crate::placement`]) to that
-//!    endpoint once it frees a slot; one whose spill delay is over
+//! 1. **Held** ([`Dispatcher::next_held`]): requests waiting for a busy
+//!    endpoint (its cache or session, stage 3 of [`crate::placement`]) to
+//!    that endpoint once it frees a slot; one whose spill delay is over
 //!    elsewhere, where that evens out the load.
-//! 2. **At home** ([`super::holds`]), while some request waits for another
-//!    endpoint: requests at home on a free endpoint (nothing would serve
-//!    them better by their cache) before requests that would prefill their
-//!    prompt there cold.
-//! 3. **Fair order** (this file): every request in the queues' order
-//!    (strict priority, tenant fairness, the band's ordering), looking a
-//!    few requests deep into each flow past the ones that wait for a busy
-//!    endpoint ([`LOOK_AHEAD`], [`BEHIND_HOLDS`]); a route no endpoint
-//!    takes stops the requests with the same targets, a held request stops
-//!    lower priorities, and a request passed by a tenant too far ahead of
-//!    its own takes the slot instead.
+//! 2. **At home** ([`Dispatcher::next_at_home`]), while some request waits
+//!    for another endpoint: requests at home on a free endpoint (nothing
+//!    would serve them better by their cache) before requests that would
+//!    prefill their prompt there cold.
+//! 3. **Fair order** ([`Dispatcher::next_in_fair_order`]): every request in
+//!    the queues' order (strict priority, tenant fairness, the band's
+//!    ordering), looking a few requests deep into each flow past the ones
+//!    that wait for a busy endpoint ([`LOOK_AHEAD`], [`BEHIND_HOLDS`]); a
+//!    route no endpoint takes stops the requests with the same targets, and
+//!    a held request stops lower priorities.
+//!
+//! Each rule earns its place: without the held offer's evening out, the
+//! spill delay or the look [`BEHIND_HOLDS`], the controlled-clock
+//! conversation and burst tests fail (BENCHMARKS.md, session 33); without
+//! the at-home offer the sessions bench's p99 rose ×1.02–1.26 (session 32).
 //!
 //! One loop runs every offer ([`Dispatcher::run`]), while an endpoint is
 //! free: the offer names the next request it offers the slots to and how

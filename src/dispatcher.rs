@@ -237,7 +237,9 @@ impl<T> Dispatcher<T> {
     /// Admits a request: a lease now, a place in the queues, or a refusal.
     /// `handle` is kept with the waiter and given back in its [`Done`].
     /// Follow with [`Dispatcher::dispatch`]: a newcomer may evict waiters.
-    pub fn submit(&mut self, request: RequestMeta, handle: T, now: Instant) -> Admission {
+    pub fn submit(&mut self, mut request: RequestMeta, handle: T, now: Instant) -> Admission {
+        request.route.due = request.route.objective.deadline(now);
+        request.route.sheddable = request.flow.priority < 0 && !request.route.objective.is_none();
         if !self.ledger.model_known(request.route.model.as_deref(), now) {
             return Admission::Rejected(Reject::UnknownModel);
         }
@@ -255,14 +257,21 @@ impl<T> Dispatcher<T> {
                 waits: &waits,
                 may_spill: false,
             };
-            if let Pick::Lease(lease) = placement::pick(
+            match placement::pick(
                 &mut self.ledger,
                 &request.route,
                 now,
                 may_hold.then_some(pass),
             ) {
-                return Admission::Ready(lease);
+                Pick::Lease(lease) => return Admission::Ready(lease),
+                Pick::Shed => return Admission::Rejected(Reject::ObjectiveUnmet),
+                _ => {}
             }
+        }
+        if request.route.sheddable
+            && !placement::objective::reachable(&self.ledger, &request.route, now)
+        {
+            return Admission::Rejected(Reject::ObjectiveUnmet);
         }
         if self.config.flow.max_requests == 0 && !self.ledger.any_eligible(now) {
             return Admission::Rejected(Reject::NoEndpoints);
@@ -277,6 +286,7 @@ impl<T> Dispatcher<T> {
             key: request.flow,
             lane: request.route.model.clone(),
             weight: request.weight,
+            due: request.route.due,
         };
         let size = Size {
             bytes: request.bytes,

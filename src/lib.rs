@@ -29,6 +29,8 @@
 //!   headers.
 //! - [`models`]: which served model a requested name goes to (aliases,
 //!   weighted rewrites, a default model, fallback chains).
+//! - [`objective`]: a request's latency objective (time to first token,
+//!   time per output token), from its headers or the operator's defaults.
 //! - [`multipart`]: `multipart/form-data` bodies (uploads, audio requests).
 //! - [`openai`]: OpenAI-style error bodies shared by the binaries.
 //! - [`tokens`]: a request's cost in tokens, estimated at admission and
@@ -48,6 +50,7 @@ pub mod flow;
 pub(crate) mod lru;
 pub mod models;
 pub mod multipart;
+pub mod objective;
 pub mod openai;
 pub mod placement;
 pub mod prefix;

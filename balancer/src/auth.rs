@@ -14,6 +14,8 @@
 //!     name: acme-prod     # optional: the key's name in usage accounting
 //!     quota: {requestsPerMinute: 60, tokensPerMinute: 10000}  # optional, see quotas
 //!     debug: true         # optional: may ask `x-flowgate-debug: scores`
+//!     ttftMs: 500         # optional: latency objective of its requests that name none
+//!     tpotMs: 50
 //!   - key: sk-test-only   # the key itself; prefer sha256 so nothing secret is at rest
 //!     tenant: tests
 //! ```
@@ -118,6 +120,10 @@ struct KeyEntry {
     /// (`x-flowgate-debug: scores`).
     #[serde(default)]
     debug: bool,
+    /// The latency objective of the key's requests that name none
+    /// (README "Latency objectives").
+    ttft_ms: Option<u32>,
+    tpot_ms: Option<u32>,
 }
 
 fn sha256(bytes: &[u8]) -> [u8; 32] {
@@ -194,6 +200,11 @@ impl ApiKeys {
             if entries.iter().any(|e| e.digest == digest) {
                 return Err(format!("{at}: the same key is listed twice"));
             }
+            let objective = flowgate::objective::Objective {
+                ttft_ms: k.ttft_ms,
+                tpot_ms: k.tpot_ms,
+            };
+            objective.check().map_err(|e| format!("{at}: {e}"))?;
             entries.push(Entry {
                 digest,
                 grant: Grant {
@@ -203,6 +214,7 @@ impl ApiKeys {
                     key_id: key_id.into(),
                     quota,
                     debug: k.debug,
+                    objective,
                 },
             });
         }

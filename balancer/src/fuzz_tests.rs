@@ -152,6 +152,7 @@ proptest! {
         objective in proptest::option::of(bytes()),
         priority in proptest::option::of(bytes()),
         ttl in proptest::option::of(bytes()),
+        slo in proptest::option::of(bytes()),
         model in "\\PC{0,12}",
     ) {
         let config = crate::config::FileConfig::parse(
@@ -165,13 +166,14 @@ proptest! {
             objective: objective.as_deref(),
             priority: priority.as_deref(),
             ttl: ttl.as_deref(),
-            content_type: None,
-            sessions: Default::default(),
-            debug: None,
-            delivered_session: None,
+            llmd_slo_tpot: slo.as_deref(),
+            ..FlowHeaders::default()
         };
         if let Ok((flow, _)) = settings.admission().flow(headers, &model, Caller::Anonymous) {
             prop_assert!(flowgate::flow::valid_fairness_id(&flow.fairness_id));
+        }
+        if let Ok(o) = settings.admission().objective(headers, &model, Caller::Anonymous) {
+            prop_assert!(o.tpot_ms.is_none_or(|ms| ms >= 1));
         }
     }
 

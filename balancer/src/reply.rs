@@ -136,6 +136,7 @@ impl Refusal {
         let (kind, code) = match r {
             Reject::BufferFull | Reject::NoEndpoints => ("server_error", "service_unavailable"),
             Reject::Shed | Reject::Evicted => ("rate_limit_error", "rate_limit_exceeded"),
+            Reject::ObjectiveUnmet => ("rate_limit_error", "objective_unmet"),
             Reject::Timeout => ("server_error", "timeout"),
             Reject::TooManyTokens => ("invalid_request_error", "context_length_exceeded"),
             Reject::AdapterLoadFailed => ("server_error", "adapter_load_failed"),
@@ -151,7 +152,8 @@ impl Refusal {
             code,
             message,
             reason: r.reason(),
-            retry_after: None,
+            // What the engines predict can change within a second.
+            retry_after: (r == Reject::ObjectiveUnmet).then_some(Duration::from_secs(1)),
             headers: Vec::new(),
         }
     }

@@ -90,6 +90,7 @@ mod tests {
             key_id: Arc::from("k"),
             quota: None,
             debug,
+            objective: Default::default(),
         };
         let (plain, debug) = (grant(false), grant(true));
         for (mode, asked, g, want) in [

@@ -19,6 +19,9 @@ pub struct Grant {
     /// Its requests may ask why their endpoint was chosen
     /// (`x-flowgate-debug: scores`).
     pub debug: bool,
+    /// The latency objective of its requests that name none
+    /// ([`crate::objective`]).
+    pub objective: crate::objective::Objective,
 }
 
 impl Grant {

@@ -2,6 +2,7 @@
 //! every front door: the flow's, and the session keys clients send
 //! ([`crate::session::SessionSource`]).
 
+use crate::objective::{LLMD_TPOT_HEADER, LLMD_TTFT_HEADER, TPOT_HEADER, TTFT_HEADER};
 use crate::session::{SessionKeys, SessionSource};
 
 /// Header naming the tenant a request belongs to (its fairness id).
@@ -33,6 +34,12 @@ pub struct FlowHeaders<'a> {
     pub priority: Option<&'a [u8]>,
     pub ttl: Option<&'a [u8]>,
     pub content_type: Option<&'a [u8]>,
+    /// The latency objective's parts ([`crate::objective`]): ours, and
+    /// llm-d's names (read when ours is absent).
+    pub slo_ttft: Option<&'a [u8]>,
+    pub slo_tpot: Option<&'a [u8]>,
+    pub llmd_slo_ttft: Option<&'a [u8]>,
+    pub llmd_slo_tpot: Option<&'a [u8]>,
     /// The session keys of the headers, hashed.
     pub sessions: SessionKeys,
     /// What the request asks to be told ([`DEBUG_HEADER`]).
@@ -44,12 +51,16 @@ pub struct FlowHeaders<'a> {
 impl<'a> FlowHeaders<'a> {
     /// Every header name this reads, lower case: a door that collects
     /// headers itself (EPP mode gets them as a list) keeps these.
-    pub const NAMES: [&'static str; 13] = [
+    pub const NAMES: [&'static str; 17] = [
         FAIRNESS_ID_HEADER,
         OBJECTIVE_HEADER,
         PRIORITY_HEADER,
         TTL_HEADER,
         CONTENT_TYPE_HEADER,
+        TTFT_HEADER,
+        TPOT_HEADER,
+        LLMD_TTFT_HEADER,
+        LLMD_TPOT_HEADER,
         SessionSource::HEADER_NAMES[0],
         SessionSource::HEADER_NAMES[1],
         SessionSource::HEADER_NAMES[2],
@@ -94,6 +105,10 @@ impl<'a> FlowHeaders<'a> {
             priority: get(PRIORITY_HEADER),
             ttl: get(TTL_HEADER),
             content_type: get(CONTENT_TYPE_HEADER),
+            slo_ttft: get(TTFT_HEADER),
+            slo_tpot: get(TPOT_HEADER),
+            llmd_slo_ttft: get(LLMD_TTFT_HEADER),
+            llmd_slo_tpot: get(LLMD_TPOT_HEADER),
             sessions,
             debug: get(DEBUG_HEADER),
             delivered_session: get(DELIVERED_SESSION_HEADER),
@@ -114,6 +129,10 @@ impl<'a> FlowHeaders<'a> {
                 PRIORITY_HEADER => &mut h.priority,
                 TTL_HEADER => &mut h.ttl,
                 CONTENT_TYPE_HEADER => &mut h.content_type,
+                TTFT_HEADER => &mut h.slo_ttft,
+                TPOT_HEADER => &mut h.slo_tpot,
+                LLMD_TTFT_HEADER => &mut h.llmd_slo_ttft,
+                LLMD_TPOT_HEADER => &mut h.llmd_slo_tpot,
                 DEBUG_HEADER => &mut h.debug,
                 DELIVERED_SESSION_HEADER => &mut h.delivered_session,
                 _ => {
@@ -147,6 +166,10 @@ mod tests {
             h.priority,
             h.ttl,
             h.content_type,
+            h.slo_ttft,
+            h.slo_tpot,
+            h.llmd_slo_ttft,
+            h.llmd_slo_tpot,
         ];
         for (name, value) in FlowHeaders::NAMES.iter().zip(got) {
             assert_eq!(value, Some(name.as_bytes()));
@@ -164,17 +187,23 @@ mod tests {
             (CONTENT_TYPE_HEADER, b"application/json"),
             ("session_id", b"codex-1"),
             ("x-smg-routing-key", b"k"),
+            (TTFT_HEADER, b"500"),
+            (LLMD_TPOT_HEADER, b"50"),
         ];
         let one_pass = FlowHeaders::from_pairs(pairs);
         let looked_up =
             FlowHeaders::read(|name| pairs.iter().find(|(n, _)| *n == name).map(|(_, v)| *v));
-        fn fields<'a>(h: &FlowHeaders<'a>) -> [Option<&'a [u8]>; 5] {
+        fn fields<'a>(h: &FlowHeaders<'a>) -> [Option<&'a [u8]>; 9] {
             [
                 h.fairness_id,
                 h.objective,
                 h.priority,
                 h.ttl,
                 h.content_type,
+                h.slo_ttft,
+                h.slo_tpot,
+                h.llmd_slo_ttft,
+                h.llmd_slo_tpot,
             ]
         }
         assert_eq!(fields(&one_pass), fields(&looked_up));

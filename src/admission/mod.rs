@@ -31,6 +31,10 @@ pub use priority::{BadHeader, PriorityRules};
 use crate::dispatcher::RequestMeta;
 use crate::flow::FlowKey;
 use crate::models::{ModelRules, Resolved};
+use crate::objective::{
+    self, Objective, ObjectiveDefaults, LLMD_TPOT_HEADER, LLMD_TTFT_HEADER, TPOT_HEADER,
+    TTFT_HEADER,
+};
 use crate::prefix::PrefixConfig;
 use crate::session::SessionRules;
 use crate::tokens::TokenEstimate;
@@ -96,6 +100,8 @@ pub struct AdmissionRules {
     pub weights: HashMap<String, u32>,
     /// Which session keys name a request's conversation.
     pub sessions: SessionRules,
+    /// Latency objectives of requests that name none.
+    pub objectives: ObjectiveDefaults,
 }
 
 impl Default for AdmissionRules {
@@ -107,6 +113,7 @@ impl Default for AdmissionRules {
             default_output_tokens: crate::tokens::DEFAULT_OUTPUT_TOKENS,
             weights: HashMap::new(),
             sessions: SessionRules::default(),
+            objectives: ObjectiveDefaults::default(),
         }
     }
 }
@@ -131,6 +138,7 @@ impl AdmissionRules {
         };
         let (flow, ttl) = self.flow(headers, &facts.model, caller)?;
         let weight = self.weight(&flow, caller);
+        facts.route.objective = self.objective(headers, &facts.model, caller)?;
         let resolved = self
             .models
             .resolve(&facts.model, fleet.draw(), |m| fleet.is_served(m));
@@ -208,6 +216,54 @@ impl AdmissionRules {
         Ok((flow, ttl))
     }
 
+    /// A request's latency objective: its headers' (ours, else llm-d's
+    /// names), then its API key's, its named objective's and its model's
+    /// defaults, part by part ([`ObjectiveDefaults::resolve`]).
+    pub fn objective(
+        &self,
+        headers: FlowHeaders<'_>,
+        model: &str,
+        caller: Caller<'_>,
+    ) -> Result<Objective, BadHeader> {
+        let part = |ours: Option<&[u8]>,
+                    ours_name: &'static str,
+                    theirs: Option<&[u8]>,
+                    theirs_name: &'static str|
+         -> Result<Option<u32>, BadHeader> {
+            let (header, value) = match (ours, theirs) {
+                (Some(v), _) => (ours_name, v),
+                (None, Some(v)) => (theirs_name, v),
+                (None, None) => return Ok(None),
+            };
+            objective::parse_ms(value)
+                .map(Some)
+                .map_err(|reason| BadHeader { header, reason })
+        };
+        let asked = Objective {
+            ttft_ms: part(
+                headers.slo_ttft,
+                TTFT_HEADER,
+                headers.llmd_slo_ttft,
+                LLMD_TTFT_HEADER,
+            )?,
+            tpot_ms: part(
+                headers.slo_tpot,
+                TPOT_HEADER,
+                headers.llmd_slo_tpot,
+                LLMD_TPOT_HEADER,
+            )?,
+        };
+        let key = match caller {
+            Caller::Key(grant) => grant.objective,
+            _ => Objective::default(),
+        };
+        let named = headers
+            .objective
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .map(str::trim);
+        Ok(self.objectives.resolve(asked, key, named, model))
+    }
+
     /// The share of a request's tenant under token fairness: its API
     /// key's weight, else the configured weight of its fairness id, else 1.
     pub fn weight(&self, flow: &FlowKey, caller: Caller<'_>) -> u32 {
@@ -273,6 +329,7 @@ mod tests {
             weights: HashMap::new(),
             default_output_tokens: 100,
             sessions: SessionRules::default(),
+            objectives: ObjectiveDefaults::default(),
         }
     }
 
@@ -338,6 +395,7 @@ mod tests {
             key_id: Arc::from("k"),
             quota: None,
             debug: false,
+            objective: Objective::default(),
         };
         let keyed = r
             .inference(h, Some(body), Caller::Key(&grant), &Fleet)
@@ -367,6 +425,7 @@ mod tests {
             key_id: Arc::from("k"),
             quota: None,
             debug: false,
+            objective: Objective::default(),
         };
         // A malformed header is refused even when a key fixes the tenant.
         assert!(matches!(
@@ -448,6 +507,7 @@ mod tests {
             key_id: Arc::from("k"),
             quota: None,
             debug: false,
+            objective: Objective::default(),
         };
         let (alpha, beta) = (grant("alpha"), grant("beta"));
         let a = session(FlowHeaders::default(), cache_key, Caller::Key(&alpha));
@@ -515,6 +575,7 @@ mod tests {
             fairness in proptest::collection::vec(any::<u8>(), 0..160),
             priority in proptest::collection::vec(any::<u8>(), 0..24),
             ttl in proptest::collection::vec(any::<u8>(), 0..24),
+            slo in proptest::collection::vec(any::<u8>(), 0..24),
             body in proptest::collection::vec(any::<u8>(), 0..64),
             as_form in any::<bool>(),
             ceiling in -100i32..100,
@@ -526,16 +587,17 @@ mod tests {
                 priority: Some(&priority),
                 ttl: Some(&ttl),
                 content_type: None,
-                sessions: Default::default(),
-                debug: None,
-                delivered_session: None,
+                slo_ttft: Some(&slo),
+                ..FlowHeaders::default()
             };
-            let grant = Grant { tenant: Arc::from("alpha"), max_priority: Some(ceiling), weight: None, key_id: Arc::from("k"), quota: None, debug: false };
+            let grant = Grant { tenant: Arc::from("alpha"), max_priority: Some(ceiling), weight: None, key_id: Arc::from("k"), quota: None, debug: false, objective: Objective::default() };
             let form = FlowHeaders { content_type: Some(&b"multipart/form-data; boundary=x"[..]), ..h };
             let _ = r.inference(if as_form { form } else { h }, Some(&body), Caller::Anonymous, &Fleet);
             if let Ok(f) = r.inference(h, Some(br#"{"model":"m"}"#), Caller::Key(&grant), &Fleet) {
                 prop_assert_eq!(&*f.meta.flow.fairness_id, "alpha");
                 prop_assert!(f.meta.flow.priority <= ceiling);
+                let asked = f.meta.route.objective.ttft_ms;
+                prop_assert!(asked.is_some_and(|ms| (1..=objective::MAX_OBJECTIVE_MS).contains(&ms)));
             }
         }
     }

@@ -101,6 +101,8 @@ pub(super) enum Offered {
     Held,
     /// No endpoint takes it now.
     Busy,
+    /// It was refused: sheddable, its objective out of reach.
+    Refused,
 }
 
 /// An offer's state through one dispatch pass: its round.
@@ -238,7 +240,7 @@ impl<T> Dispatcher<T> {
     /// false: the round is over.
     fn note(&self, round: &mut Round, ticket: Ticket, offered: Offered) -> bool {
         match (round.offer, offered) {
-            (Offer::Held, _) | (_, Offered::Granted) => true,
+            (Offer::Held, _) | (_, Offered::Granted | Offered::Refused) => true,
             // No request at home goes where the one at home could not.
             (Offer::AtHome, _) => false,
             (Offer::FairOrder, Offered::Held) => {
@@ -439,6 +441,12 @@ impl<T> Dispatcher<T> {
                 Offered::Held
             }
             Pick::Busy => Offered::Busy,
+            Pick::Shed => {
+                if let Some(r) = self.queues.cancel(ticket) {
+                    out.push(done(r, Err(Reject::ObjectiveUnmet), now));
+                }
+                Offered::Refused
+            }
         }
     }
 }

@@ -25,6 +25,8 @@ pub enum Reject {
     TooManyTokens,
     #[error("the requested LoRA adapter is served by no model server and failed to load on every one that could load it (see load_failed in /api/v1/agents)")]
     AdapterLoadFailed,
+    #[error("no model server is predicted to meet the request's latency objective (x-slo-ttft-ms / x-slo-tpot-ms) now, and its priority is below 0 (sheddable); retry later or relax the objective")]
+    ObjectiveUnmet,
 }
 
 impl Reject {
@@ -38,13 +40,14 @@ impl Reject {
             Reject::UnknownModel => "model-not-found",
             Reject::TooManyTokens => "exceeds-token-capacity",
             Reject::AdapterLoadFailed => "adapter-load-failed",
+            Reject::ObjectiveUnmet => "objective-unmet",
         }
     }
 
     pub fn http_status(self) -> u16 {
         match self {
             Reject::BufferFull | Reject::NoEndpoints => 503,
-            Reject::Shed | Reject::Evicted => 429,
+            Reject::Shed | Reject::Evicted | Reject::ObjectiveUnmet => 429,
             Reject::Timeout => 504,
             Reject::UnknownModel => 404,
             Reject::TooManyTokens => 413,

@@ -12,8 +12,13 @@
 //! Each estimate is the median of the last [`WINDOW`] samples: one slow
 //! answer (a cold start, a preempted request) moves it not at all, an
 //! engine that slows down for good moves it within half a window, and the
-//! memory is fixed (three windows of `f32` per endpoint). Before its first
+//! memory is fixed (five windows of `f32` per endpoint). Before its first
 //! sample an estimate is a cautious default ([`CostModel::default`]).
+//!
+//! Latency objectives need tails, not medians ([`CostModel::ttft_tail_ms`],
+//! [`CostModel::tpot_tail_ms`]): the 90th percentile of the same windows,
+//! and of how much later than its predicted prefill each streamed first
+//! token came (the running batch's slowdown, the engine's own queue).
 
 use std::time::Duration;
 
@@ -21,6 +26,10 @@ use serde::Serialize;
 
 /// Samples each estimate keeps.
 pub const WINDOW: usize = 16;
+
+/// The quantile a tail estimate gives: the 90th percentile, as llm-d's
+/// latency predictor trains for (of 16 samples, the 15th smallest).
+pub const TAIL: f64 = 0.9;
 
 /// A running median of the last [`WINDOW`] samples, in milliseconds.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -72,6 +81,20 @@ impl Estimate {
         };
         f64::from(mid)
     }
+
+    /// The [`TAIL`] quantile of the samples kept (the nearest rank), or
+    /// the default before any.
+    pub fn tail_ms(&self) -> f64 {
+        let n = usize::from(self.len);
+        if n == 0 {
+            return f64::from(self.default_ms);
+        }
+        let mut kept = self.samples;
+        let kept = &mut kept[..n];
+        kept.sort_unstable_by(f32::total_cmp);
+        let rank = ((TAIL * n as f64).ceil() as usize).clamp(1, n);
+        f64::from(kept[rank - 1])
+    }
 }
 
 /// What one answer showed of its engine's speed.
@@ -89,6 +112,9 @@ pub struct Timing {
     pub decode: Option<Duration>,
     /// From the call to the end of the answer.
     pub service: Option<Duration>,
+    /// From the call to the first byte of a streamed answer (a whole
+    /// answer's first byte says nothing of its first token).
+    pub first_token: Option<Duration>,
 }
 
 /// One endpoint's learned costs.
@@ -99,19 +125,53 @@ pub struct CostModel {
     pub service_ms: Estimate,
     /// How long loading a LoRA adapter delays a request's first token.
     pub adapter_load_ms: Estimate,
+    /// How much later than its predicted prefill a streamed first token
+    /// came: what the running batch and the engine's queue add.
+    pub first_token_extra_ms: Estimate,
+    /// How the tail predictions fared against what came.
+    pub checked: PredictionCheck,
+}
+
+/// Predicted 90th-percentile times to first token against the observed
+/// ones, of the requests with a latency objective: a calibrated
+/// prediction is exceeded by about one in ten.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct PredictionCheck {
+    /// Predictions checked against a streamed first token.
+    pub checked: u64,
+    /// Of those, the first token came later than predicted.
+    pub exceeded: u64,
+    /// Sums of the predicted and of the observed times, ms.
+    pub predicted_ms: f64,
+    pub observed_ms: f64,
+}
+
+impl PredictionCheck {
+    fn record(&mut self, predicted_ms: f64, observed_ms: f64) {
+        if !(predicted_ms.is_finite() && observed_ms.is_finite()) {
+            return;
+        }
+        self.checked += 1;
+        self.exceeded += u64::from(observed_ms > predicted_ms);
+        self.predicted_ms += predicted_ms;
+        self.observed_ms += observed_ms;
+    }
 }
 
 impl Default for CostModel {
     /// Before any answer: a CPU-class prefill (1 ms per token, so a long
     /// prompt is worth waiting a little for its cache), 20 ms per output
     /// token, a second per request, half a second to load an adapter
-    /// (vLLM from local disk: a few hundred milliseconds).
+    /// (vLLM from local disk: a few hundred milliseconds), a first token
+    /// one output token later than its prefill.
     fn default() -> Self {
         CostModel {
             prefill_ms_per_token: Estimate::new(1.0),
             decode_ms_per_token: Estimate::new(20.0),
             service_ms: Estimate::new(1_000.0),
             adapter_load_ms: Estimate::new(500.0),
+            first_token_extra_ms: Estimate::new(20.0),
+            checked: PredictionCheck::default(),
         }
     }
 }
@@ -153,6 +213,24 @@ impl CostModel {
         if let Some(service) = t.service {
             self.service_ms.record(ms(service));
         }
+        if let Some(first) = t.first_token {
+            let prefill = t.prefilled_tokens as f64 * self.prefill_ms_per_token.ms();
+            self.first_token_extra_ms
+                .record((ms(first) - prefill).max(0.0));
+        }
+    }
+
+    /// Predicted 90th-percentile time to the first token of a request that
+    /// starts now and prefills `uncached` prompt tokens: the prefill at the
+    /// tail rate, and the tail of what first tokens came later than their
+    /// prefill.
+    pub fn ttft_tail_ms(&self, uncached: u64) -> f64 {
+        uncached as f64 * self.prefill_ms_per_token.tail_ms() + self.first_token_extra_ms.tail_ms()
+    }
+
+    /// Predicted 90th-percentile time per output token.
+    pub fn tpot_tail_ms(&self) -> f64 {
+        self.decode_ms_per_token.tail_ms()
     }
 
     /// What the model says now.
@@ -163,6 +241,9 @@ impl CostModel {
             service_ms: self.service_ms.ms(),
             adapter_load_ms: self.adapter_load_ms.ms(),
             samples: self.service_ms.samples(),
+            first_token_extra_p90_ms: self.first_token_extra_ms.tail_ms(),
+            tpot_p90_ms: self.tpot_tail_ms(),
+            ttft_predictions: self.checked,
         }
     }
 }
@@ -172,6 +253,9 @@ impl super::EndpointLedger {
     /// before the lease is given back.
     pub(crate) fn observe_timing(&mut self, lease: &super::Lease, timing: &Timing) {
         if let Some(ep) = self.endpoints.get_mut(&lease.endpoint) {
+            if let (Some(predicted), Some(first)) = (lease.ttft_p90_ms, timing.first_token) {
+                ep.cost.checked.record(f64::from(predicted), ms(first));
+            }
             if lease.loads_adapter {
                 ep.cost.learn_after_load(timing);
             } else {
@@ -195,6 +279,12 @@ pub struct CostSnapshot {
     /// Answers the service time was learned from (up to the window): 0
     /// means every figure is still the default.
     pub samples: usize,
+    /// The 90th percentile of how much later than their prefill first
+    /// tokens came, and of the time per output token.
+    pub first_token_extra_p90_ms: f64,
+    pub tpot_p90_ms: f64,
+    /// How the predicted TTFT tails fared.
+    pub ttft_predictions: PredictionCheck,
 }
 
 #[cfg(test)]
@@ -209,6 +299,7 @@ mod tests {
             output_tokens: out,
             decode: Some(Duration::from_millis(decode_ms)),
             service: Some(Duration::from_millis(prefill_ms + decode_ms)),
+            first_token: None,
         }
     }
 
@@ -255,6 +346,46 @@ mod tests {
         let s = m.snapshot();
         assert_eq!((s.prefill_ms_per_token, s.decode_ms_per_token), (1.0, 20.0));
         assert_eq!(s.samples, 1, "the service time still counts");
+    }
+
+    #[test]
+    fn a_tail_is_the_ninetieth_percentile_of_the_window_and_follows_a_slowdown() {
+        let mut e = Estimate::new(7.0);
+        assert_eq!(e.tail_ms(), 7.0, "the prior before any sample");
+        for ms in 1..=10 {
+            e.record(f64::from(ms));
+        }
+        assert_eq!(e.tail_ms(), 9.0);
+        assert_eq!(e.ms(), 5.5);
+        for _ in 0..WINDOW {
+            e.record(30.0);
+        }
+        assert_eq!(e.tail_ms(), 30.0, "the window forgets");
+    }
+
+    #[test]
+    fn predictions_are_checked_against_the_first_tokens_that_came() {
+        let mut c = PredictionCheck::default();
+        c.record(100.0, 80.0);
+        c.record(100.0, 120.0);
+        c.record(f64::NAN, 1.0);
+        assert_eq!((c.checked, c.exceeded), (2, 1));
+        assert_eq!((c.predicted_ms, c.observed_ms), (200.0, 200.0));
+    }
+
+    #[test]
+    fn a_first_token_later_than_its_prefill_teaches_the_tail_of_that_delay() {
+        let mut m = CostModel::default();
+        for i in 0..10u64 {
+            // 1,000 tokens at 0.1 ms; first tokens 100-190 ms later.
+            let mut t = timing(1_000, 100, 10, 100);
+            t.first_token = Some(Duration::from_millis(200 + 10 * i));
+            m.learn(&t);
+        }
+        assert!((m.first_token_extra_ms.tail_ms() - 180.0).abs() < 1e-3);
+        // 500 uncached tokens at the tail rate (0.1 ms) and that delay.
+        assert!((m.ttft_tail_ms(500) - 230.0).abs() < 1e-3);
+        assert!((m.tpot_tail_ms() - 10.0).abs() < 1e-6);
     }
 
     proptest! {

@@ -56,7 +56,7 @@ use breaker::Breaker;
 pub use cache_truth::{CacheSeen, CacheTruth, COLD_MISSES};
 #[cfg(test)]
 pub(crate) use cost::WINDOW as COST_WINDOW;
-pub use cost::{CostModel, CostSnapshot, Estimate, Timing};
+pub use cost::{CostModel, CostSnapshot, Estimate, PredictionCheck, Timing};
 use ranking::{Rank, Ranking};
 #[cfg(test)]
 pub(crate) use tests as ledger_fixtures;
@@ -118,6 +118,9 @@ pub struct Lease {
     /// The endpoint was not known to hold the adapter: the request waits
     /// for it to load (what its answer's first token says of load times).
     pub loads_adapter: bool,
+    /// Its predicted 90th-percentile time to first token there, for a
+    /// request with a latency objective (checked against its answer).
+    pub ttft_p90_ms: Option<u32>,
 }
 
 #[derive(Debug, Clone)]
@@ -565,6 +568,7 @@ impl EndpointLedger {
             model: model.map(|(name, _)| Arc::clone(name)),
             adapter,
             loads_adapter,
+            ttft_p90_ms: None,
         };
         self.rerank(chosen);
         lease

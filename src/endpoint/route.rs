@@ -3,6 +3,7 @@
 //! [`crate::placement`]), and what an endpoint says of a route: whether it
 //! fits it, takes it now, and what the scorers see of it.
 
+use crate::objective::Objective;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -34,6 +35,15 @@ pub struct Route {
     /// ([`crate::turn`]), not named by its client: it is followed softly,
     /// even in hard mode.
     pub session_by_prompt: bool,
+    /// How fast it must be served ([`crate::objective`]).
+    pub objective: Objective,
+    /// When its first token is due by that objective, once it was
+    /// submitted ([`Objective::deadline`]).
+    pub due: Option<Instant>,
+    /// Of negative priority (sheddable, as GIE's objectives say): refused
+    /// rather than served late when no endpoint is predicted to meet its
+    /// objective.
+    pub sheddable: bool,
 }
 
 impl Route {

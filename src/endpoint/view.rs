@@ -132,6 +132,24 @@ impl Endpoint {
         !self.cache.keeps_nothing()
     }
 
+    /// Predicted 90th-percentile time to the first token of a request that
+    /// starts here now and prefills `uncached` prompt tokens
+    /// ([`super::CostModel::ttft_tail_ms`]).
+    pub(crate) fn ttft_tail_ms(&self, uncached: u64) -> f64 {
+        self.cost.ttft_tail_ms(uncached)
+    }
+
+    /// Predicted 90th-percentile time per output token here.
+    pub(crate) fn tpot_tail_ms(&self) -> f64 {
+        self.cost.tpot_tail_ms()
+    }
+
+    /// Whether it runs nothing: no request of this balancer, no foreign
+    /// work.
+    pub(crate) fn idle(&self) -> bool {
+        self.in_flight == 0 && self.foreign_busy == 0
+    }
+
     /// Predicted time to load a LoRA adapter here.
     pub(crate) fn predicted_adapter_load_ms(&self) -> f64 {
         self.cost.adapter_load_ms.ms()

@@ -24,8 +24,11 @@
 //!   of the last flow served), so idling banks no credit; one that went
 //!   idle while ahead keeps its lead (its counter is remembered while it is
 //!   above the floor).
-//! - Inside a flow an [`OrderingPolicy`] picks the request: `fcfs` (arrival
-//!   order) or `edf` (earliest deadline first).
+//! - Inside a flow, requests with a latency objective go first, earliest
+//!   first token due first ([`crate::objective`]); the others in the order
+//!   its [`OrderingPolicy`] says: `fcfs` (arrival order) or `edf` (earliest
+//!   deadline first). Between flows fairness decides, as without
+//!   objectives.
 //! - Capacity: `maxRequests` / `maxBytes` / `maxTokens` (estimated tokens,
 //!   [`crate::tokens`]) globally and per band. A band over
 //!   its own limit sheds the newcomer ([`Reject::Shed`], 429). When the whole
@@ -110,10 +113,14 @@ pub struct FlowSnapshot {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 struct FlowIdx(u32);
 
-/// Position inside a flow: `rank` is the arrival time (FCFS) or the
-/// deadline (EDF); `seq` breaks ties and makes every key unique.
+/// Position inside a flow (and across the flows of a `global-strict`
+/// band): requests with a latency objective first, earliest first token
+/// due first; then the others by `rank`, their arrival (FCFS) or their
+/// deadline (EDF). `seq` breaks ties and makes every key unique.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 struct OrderKey {
+    /// No objective: after every request that has one.
+    unhurried: bool,
     rank: Instant,
     seq: u64,
 }
@@ -136,6 +143,10 @@ pub struct Place {
     pub key: FlowKey,
     pub lane: Lane,
     pub weight: u32,
+    /// When its first token is due, by its latency objective
+    /// ([`crate::objective::Objective::deadline`]): it is served before the
+    /// requests of its flow without one, earliest due first.
+    pub due: Option<Instant>,
 }
 
 /// What a queued request counts for against the limits.
@@ -301,7 +312,12 @@ impl<T> FlowQueues<T> {
         now: Instant,
         deadline: Instant,
     ) -> Result<(Ticket, Vec<Removed<T>>), (QueueFull, T)> {
-        let Place { key, lane, weight } = place;
+        let Place {
+            key,
+            lane,
+            weight,
+            due,
+        } = place;
         let Size { bytes, tokens } = size;
         let band_config = self.config.band(key.priority);
         let (band_requests, band_bytes, band_tokens) = self
@@ -329,7 +345,8 @@ impl<T> FlowQueues<T> {
             OrderingPolicy::Edf => deadline,
         };
         let order = OrderKey {
-            rank,
+            unhurried: due.is_none(),
+            rank: due.unwrap_or(rank),
             seq: self.next_seq,
         };
         let priority = key.priority;

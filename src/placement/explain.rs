@@ -11,9 +11,11 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::load::{Load, Waits};
+use super::objective;
 use super::patience::{cached_tokens, prompt_tokens, WaitOrGo};
 use super::{place, Outcome, Pass};
 use crate::endpoint::{Endpoint, EndpointLedger, Route};
+use crate::objective::Objective;
 use crate::scorer::ScoreTerms;
 
 /// Candidates listed at most (the best ones); the rest are counted.
@@ -37,6 +39,13 @@ pub struct Explanation {
     /// A busy endpoint holding more of its prompt that it would leave
     /// (a spill, after its delay); `None`: none.
     pub spills_from: Option<SocketAddr>,
+    /// Its latency objective, if it has one ([`crate::objective`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub objective: Option<Objective>,
+    /// How stage 2½ chose for it ([`super::objective`]): `meets`, `idle`,
+    /// `least-miss`, or `shed` (refused: sheddable, out of reach).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub objective_choice: Option<&'static str>,
     /// Those that can take it first, best score first.
     pub candidates: Vec<CandidateScore>,
     /// Endpoints of the request's model not listed (beyond
@@ -66,6 +75,13 @@ pub struct CandidateScore {
     /// endpoint counts the conversation as cached): what stage 3 weighs.
     pub predicted_wait_ms: f64,
     pub predicted_prefill_ms: f64,
+    /// For a request with a latency objective: its predicted
+    /// 90th-percentile time to first token there (the wait for a slot
+    /// included) and per output token ([`super::objective`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted_ttft_p90_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub predicted_tpot_p90_ms: Option<f64>,
 }
 
 /// How `route` is placed at `now` (see the module docs).
@@ -103,6 +119,12 @@ pub(crate) fn explain(fleet: &EndpointLedger, route: &Route, now: Instant) -> Ex
         } else {
             cached_tokens(fleet, route, prefix_matched)
         };
+        let predicted_wait_ms = if takes {
+            0.0
+        } else {
+            Load::of(e, &none).wait_ms(e.service_ms())
+        };
+        let tails = (!route.objective.is_none()).then(|| objective::tails(fleet, e, route));
         CandidateScore {
             addr: e.addr,
             takes,
@@ -110,12 +132,10 @@ pub(crate) fn explain(fleet: &EndpointLedger, route: &Route, now: Instant) -> Ex
             prefix_matched,
             terms,
             score: terms.total(),
-            predicted_wait_ms: if takes {
-                0.0
-            } else {
-                Load::of(e, &none).wait_ms(e.service_ms())
-            },
+            predicted_wait_ms,
             predicted_prefill_ms: e.predicted_prefill_ms(prompt - cached),
+            predicted_ttft_p90_ms: tails.map(|t| predicted_wait_ms + t.ttft_ms),
+            predicted_tpot_p90_ms: tails.map(|t| t.tpot_ms),
         }
     };
     let mut candidates: Vec<CandidateScore> = fleet.serving(route).map(score).collect();
@@ -139,8 +159,12 @@ pub(crate) fn explain(fleet: &EndpointLedger, route: &Route, now: Instant) -> Ex
     let addr = |id| fleet.endpoint(id).map(|e| e.addr);
     let choice = match decision.outcome {
         Outcome::Go(id) => addr(id),
-        Outcome::Wait(_) | Outcome::Delay(..) => decision.scored.and_then(addr),
-        Outcome::Busy => None,
+        Outcome::Wait(_) | Outcome::Delay(..) => decision
+            .objective
+            .map(|c| c.id)
+            .or(decision.scored)
+            .and_then(addr),
+        Outcome::Busy | Outcome::Shed => None,
     };
     let waits_for = match decision.outcome {
         Outcome::Wait(id) => addr(id),
@@ -148,6 +172,11 @@ pub(crate) fn explain(fleet: &EndpointLedger, route: &Route, now: Instant) -> Ex
     };
     let spills_from = match decision.patience {
         Some(WaitOrGo::Spill { holder, .. }) => addr(holder),
+        _ => None,
+    };
+    let objective_choice = match (decision.outcome, decision.objective) {
+        (Outcome::Shed, _) => Some("shed"),
+        (_, Some(c)) => Some(c.met.as_str()),
         _ => None,
     };
     let more = candidates.len().saturating_sub(MAX_EXPLAINED);
@@ -158,6 +187,8 @@ pub(crate) fn explain(fleet: &EndpointLedger, route: &Route, now: Instant) -> Ex
         choice,
         waits_for,
         spills_from,
+        objective: (!route.objective.is_none()).then_some(route.objective),
+        objective_choice,
         candidates,
         more,
     }

@@ -21,6 +21,15 @@
 //!    (`scheduling.adapterReplicas`), weighted by `scheduling.scorers.*`;
 //!    equal sums take turns. None: the request is busy and waits in the
 //!    queues.
+//!
+//!    **Objectives** ([`objective`], stage 2½), only for a request with a
+//!    latency objective ([`crate::objective`]): the best score stands if
+//!    it is predicted to meet the objective (90th-percentile time to first
+//!    token for this request, and per output token, learned from the
+//!    engines' answers); else the best-scored candidate predicted to; else
+//!    an idle one; else the one missing by least. A sheddable request
+//!    (priority below 0) none is predicted to serve in time is refused
+//!    instead. Knobs: `latencyObjectives.*` and the request's headers.
 //! 3. **Patience** ([`patience`]). With a free endpoint chosen, a request
 //!    placed from the queues waits for a saturated endpoint instead while
 //!    that is predicted to give it its first token sooner: its wait for a
@@ -30,7 +39,9 @@
 //!    learned costs. Going while a busy endpoint holds more of the prompt
 //!    is a spill: it waits 1 % of its cold prefill first (a burst's other
 //!    groups take the free slot meanwhile). `scheduling.affinityHold`
-//!    bounds any wait (0: never wait; hard sessions wait to their TTL).
+//!    bounds any wait (0: never wait; hard sessions wait to their TTL),
+//!    and so does a TTFT objective: a request does not wait where that is
+//!    predicted to miss its deadline and going meets it.
 //! 4. **Evening out** ([`evening`], the dispatcher asks it): a held request
 //!    whose spill delay is over passes the requests waiting for the free
 //!    endpoint only from an endpoint a request per slot above the mean load
@@ -53,6 +64,7 @@ use crate::endpoint::{EndpointId, EndpointLedger, Lease, Route};
 pub(crate) mod evening;
 mod explain;
 mod load;
+pub(crate) mod objective;
 mod patience;
 mod pin;
 mod score;
@@ -86,6 +98,9 @@ pub(crate) enum Outcome {
     Delay(Duration, EndpointId),
     /// No endpoint can take it now.
     Busy,
+    /// Refuse it: it is sheddable and no endpoint is predicted to meet its
+    /// latency objective (stage 2½).
+    Shed,
 }
 
 /// A decision and what each stage saw on the way: what explain renders.
@@ -96,6 +111,9 @@ pub(crate) struct Decision {
     pin: Pin,
     /// Stage 2: the best free endpoint by score, if one was looked for.
     scored: Option<EndpointId>,
+    /// Stage 2½: for a request with a latency objective, where it goes
+    /// instead and how that was chosen.
+    objective: Option<objective::Chosen>,
     /// Stage 3: the wait-or-go verdict, if it was asked.
     patience: Option<WaitOrGo>,
 }
@@ -114,6 +132,7 @@ pub(crate) fn place(
         outcome: Outcome::Busy,
         pin,
         scored: None,
+        objective: None,
         patience: None,
     };
     let bound = match pin {
@@ -126,9 +145,18 @@ pub(crate) fn place(
     };
     let wanted = fleet.adapter_wanted(route, now);
     decision.scored = score::best(fleet, route, wanted.as_ref(), now);
-    let Some(go) = decision.scored else {
+    let Some(mut go) = decision.scored else {
         return decision;
     };
+    if !route.objective.is_none() {
+        let chosen = objective::choose(fleet, route, wanted.as_ref(), go, now);
+        go = chosen.id;
+        decision.objective = Some(chosen);
+        if route.sheddable && chosen.met != objective::Met::Meets {
+            decision.outcome = Outcome::Shed;
+            return decision;
+        }
+    }
     let Some(pass) = pass else {
         decision.outcome = Outcome::Go(go);
         return decision;
@@ -136,6 +164,12 @@ pub(crate) fn place(
     let verdict = patience::wait_or_go(fleet, route, go, bound, pass.waits, wanted.as_ref(), now);
     decision.patience = Some(verdict);
     decision.outcome = match verdict {
+        WaitOrGo::Wait { at }
+            if route.due.is_some()
+                && objective::waiting_misses(fleet, route, at, go, pass.waits, now) =>
+        {
+            Outcome::Go(go)
+        }
         WaitOrGo::Wait { at } => Outcome::Wait(at),
         WaitOrGo::Spill { cold_ms, holder } if !pass.may_spill => {
             Outcome::Delay(patience::spill_delay(cold_ms), holder)
@@ -157,6 +191,8 @@ pub(crate) enum Pick {
     Delay(Duration, EndpointId),
     /// No endpoint can take it now.
     Busy,
+    /// Refuse it (stage 2½).
+    Shed,
 }
 
 /// Places `route` and books the decision: a lease on the endpoint chosen,
@@ -172,10 +208,18 @@ pub(crate) fn pick(
         ledger.release_session(session);
     }
     match decision.outcome {
-        Outcome::Go(id) => Pick::Lease(ledger.book(route, id, now)),
+        Outcome::Go(id) => {
+            let mut lease = ledger.book(route, id, now);
+            lease.ttft_p90_ms = decision
+                .objective
+                .filter(|c| c.id == id && c.tails.ttft_ms.is_finite())
+                .map(|c| c.tails.ttft_ms.round().min(f64::from(u32::MAX)) as u32);
+            Pick::Lease(lease)
+        }
         Outcome::Wait(id) => Pick::Hold(id),
         Outcome::Delay(after, holder) => Pick::Delay(after, holder),
         Outcome::Busy => Pick::Busy,
+        Outcome::Shed => Pick::Shed,
     }
 }
 
@@ -209,7 +253,8 @@ pub(crate) fn at_home(fleet: &EndpointLedger, route: &Route, now: Instant) -> Ho
     };
     let decision = place(fleet, route, Some(pass), now);
     match decision.outcome {
-        Outcome::Go(_) => Home::Yes,
+        // A request to refuse is answered at once, wherever it stands.
+        Outcome::Go(_) | Outcome::Shed => Home::Yes,
         Outcome::Wait(_) => Home::Elsewhere {
             waits: !fleet.scheduling().affinity_hold.is_zero(),
         },

@@ -304,7 +304,7 @@ mod tests {
         match place(ledger, route, Some(pass), now).outcome {
             Outcome::Wait(id) => port(id) + 100,
             Outcome::Go(id) => port(id),
-            Outcome::Delay(..) | Outcome::Busy => 0,
+            Outcome::Delay(..) | Outcome::Busy | Outcome::Shed => 0,
         }
     }
     const HOLD_FOR_A: u16 = 101;

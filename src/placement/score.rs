@@ -91,6 +91,29 @@ pub(crate) fn route_score(
     e.static_score(weights, fleet.saturation()) + prefix + adapter
 }
 
+/// Every candidate for `route` now (module docs), in turn order where
+/// there is one: what a stage that must look at each one scans.
+pub(crate) fn candidates<'a>(
+    fleet: &'a EndpointLedger,
+    route: &'a Route,
+    now: Instant,
+) -> Box<dyn Iterator<Item = &'a Endpoint> + 'a> {
+    let config = fleet.saturation();
+    match &route.subset {
+        Some(subset) => Box::new(
+            subset
+                .iter()
+                .filter_map(|a| fleet.endpoint_at(*a))
+                .filter(move |e| e.fits(route) && e.takes(route, now, config)),
+        ),
+        None => Box::new(
+            fleet
+                .ranked(route.model.as_deref())
+                .filter(move |e| e.takes(route, now, config)),
+        ),
+    }
+}
+
 /// The best endpoint that takes `route` now, if any (module docs);
 /// `wanted`: its adapter ([`EndpointLedger::adapter_wanted`]).
 pub(crate) fn best(

@@ -62,12 +62,45 @@ pub struct FileConfig {
     /// Model name → priority for requests that name no known objective.
     #[serde(default)]
     pub model_priorities: BTreeMap<String, i32>,
+    /// Default latency objectives (README "Latency objectives").
+    pub latency_objectives: Option<LatencyObjectivesSection>,
     /// Scorer weights, prefix index, retries, circuit breaker.
     pub scheduling: Option<SchedulingSection>,
     /// Aliases, default model, rewrites, fallbacks.
     pub models: Option<ModelsSection>,
     /// Quotas per tenant, and where they are kept.
     pub quotas: Option<QuotasSection>,
+}
+
+/// `latencyObjectives:` in the config file: the objectives of requests
+/// whose headers name none, by objective name and by model.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+pub struct LatencyObjectivesSection {
+    #[serde(default)]
+    pub objectives: BTreeMap<String, flowgate::objective::Objective>,
+    #[serde(default)]
+    pub models: BTreeMap<String, flowgate::objective::Objective>,
+}
+
+impl LatencyObjectivesSection {
+    /// Checked: names not empty, every part 1 ms to an hour.
+    pub fn build(self) -> Result<flowgate::objective::ObjectiveDefaults, String> {
+        for (what, map) in [("objectives", &self.objectives), ("models", &self.models)] {
+            for (name, objective) in map {
+                if name.trim().is_empty() {
+                    return Err(format!("latencyObjectives.{what}: a name is empty"));
+                }
+                objective
+                    .check()
+                    .map_err(|e| format!("latencyObjectives.{what}.{name}: {e}"))?;
+            }
+        }
+        Ok(flowgate::objective::ObjectiveDefaults {
+            objectives: self.objectives.into_iter().collect(),
+            models: self.models.into_iter().collect(),
+        })
+    }
 }
 
 /// The config file's `async:` section: the `--async-*` flags (and

@@ -76,6 +76,8 @@ pub struct Settings {
     pub dispatcher: DispatcherConfig,
     /// How requests get their priority.
     pub priorities: PriorityRules,
+    /// Latency objectives of requests that name none.
+    pub objectives: flowgate::objective::ObjectiveDefaults,
     /// Token-fairness weights by fairness id.
     pub weights: std::collections::HashMap<String, u32>,
     /// Which session keys name a conversation, in order.
@@ -146,6 +148,7 @@ impl Settings {
             default_output_tokens: self.default_output_tokens,
             weights: self.weights.clone(),
             sessions: self.sessions.clone(),
+            objectives: self.objectives.clone(),
         }
     }
 
@@ -195,6 +198,12 @@ impl Settings {
             default_ttl,
         )
         .map_err(SettingsError::Invalid)?;
+        let objectives = file
+            .latency_objectives
+            .take()
+            .unwrap_or_default()
+            .build()
+            .map_err(SettingsError::Invalid)?;
         let scheduling_section = file.scheduling.unwrap_or_default();
         let explain = scheduling_section.explain.unwrap_or_default();
         let (sched, retries, sessions) =
@@ -251,6 +260,7 @@ impl Settings {
             epp_addr: cli.epp_addr.or(file.epp_addr),
             dispatcher,
             priorities,
+            objectives,
             weights,
             sessions,
             session_redis_url,

@@ -98,6 +98,15 @@ impl Inference {
                     .gate
                     .model_label(ctx.served_model.as_deref().unwrap_or(&ctx.model));
                 self.door.gate.metrics.answer(model, ttft, tpot, usage);
+                if let Some(meta) = &ctx.meta {
+                    self.door.gate.metrics.objectives.record(
+                        model,
+                        ctx.fairness_id.as_deref().unwrap_or(""),
+                        meta.route.objective,
+                        ttft,
+                        tpot,
+                    );
+                }
             }
         }
         info!(

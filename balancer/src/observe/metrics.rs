@@ -93,6 +93,8 @@ pub struct Metrics {
     pub clients: ClientMetrics,
     /// Tokens and requests per tenant.
     pub tenants: super::tenants::TenantMetrics,
+    /// Latency objectives met and missed.
+    pub objectives: super::objectives::ObjectiveMetrics,
     /// The series an answer of each model updates, found with one look-up
     /// per answer instead of one per series (the labels are bounded by the
     /// callers: reported models, or `other`).
@@ -243,6 +245,7 @@ impl Metrics {
             fleet: FleetMetrics::new(&registry),
             clients: ClientMetrics::new(&registry),
             tenants: super::tenants::TenantMetrics::new(&registry),
+            objectives: super::objectives::ObjectiveMetrics::new(&registry),
             registry,
             models: Mutex::new(HashMap::default()),
             served: OnceLock::new(),

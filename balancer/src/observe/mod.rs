@@ -16,5 +16,6 @@ pub mod flow;
 pub mod history;
 pub mod meter;
 pub mod metrics;
+pub mod objectives;
 pub mod tenants;
 pub mod traces;

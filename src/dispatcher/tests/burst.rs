@@ -69,6 +69,7 @@ pub(super) fn answer(tokens: u64, prefill_ms: u64) -> Timing {
         output_tokens: 11,
         decode: Some(Duration::from_millis(210)),
         service: Some(Duration::from_millis(prefill_ms + 210)),
+        first_token: None,
     }
 }
 

@@ -690,6 +690,7 @@ fn round_robin_shares_are_equal_between_greedy_flows() {
 mod burst;
 mod conversations;
 mod holds;
+mod objectives;
 mod properties;
 mod sessions;
 

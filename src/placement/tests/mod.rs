@@ -18,12 +18,13 @@ use crate::protocol::BackendHealth;
 use crate::tokens::TokenEstimate;
 
 mod adapters;
+mod objectives;
 
 /// [`pick`] without holding: a lease, or none.
 fn acquire(r: &mut EndpointLedger, route: &Route, now: Instant) -> Option<Lease> {
     match pick(r, route, now, None) {
         Pick::Lease(lease) => Some(lease),
-        Pick::Hold(_) | Pick::Delay(..) | Pick::Busy => None,
+        Pick::Hold(_) | Pick::Delay(..) | Pick::Busy | Pick::Shed => None,
     }
 }
 
@@ -321,6 +322,7 @@ proptest::proptest! {
                         tokens: TokenEstimate { prompt: tokens, output: tokens / 2, output_asked: true },
                         session: None,
                         session_by_prompt: false,
+                        ..Route::default()
                     };
                     let want = expected(&r, &route, now, may_hold);
                     let waits = Waits::default();
@@ -328,6 +330,7 @@ proptest::proptest! {
                     match place(&r, &route, hold, now).outcome {
                         Outcome::Busy => proptest::prop_assert_eq!(want, Expected::Busy),
                         Outcome::Delay(..) => proptest::prop_assert!(false, "a spill is allowed"),
+                        Outcome::Shed => proptest::prop_assert!(false, "no objective, nothing shed"),
                         Outcome::Wait(id) => {
                             proptest::prop_assert!(
                                 matches!(want, Expected::Hold | Expected::HoldOrBest(_)),

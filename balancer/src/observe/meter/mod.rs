@@ -252,6 +252,11 @@ impl ResponseMeter {
     pub fn timing(&self, said: &Said, sent_at: Option<Instant>, ended: Instant) -> Option<Timing> {
         let sent_at = sent_at?;
         let service = Some(ended.saturating_duration_since(sent_at));
+        // A streamed answer's first byte is its first token.
+        let first_token = self
+            .first
+            .filter(|_| self.streaming)
+            .map(|first| first.saturating_duration_since(sent_at));
         if let Some(t) = said.timings {
             return Some(Timing {
                 prefilled_tokens: t.prompt_n,
@@ -259,6 +264,7 @@ impl ResponseMeter {
                 output_tokens: t.predicted_n,
                 decode: engine_ms(t.predicted_ms),
                 service,
+                first_token,
             });
         }
         let (first, last) = (self.first?, self.last?);
@@ -282,6 +288,7 @@ impl ResponseMeter {
             output_tokens: usage.completion.saturating_sub(1),
             decode: Some(last.saturating_duration_since(first)),
             service,
+            first_token,
         })
     }
 

@@ -1,0 +1,186 @@
+//! Stage 2½, objectives: for a request with a latency objective
+//! ([`crate::objective`]), an endpoint predicted to meet it.
+//!
+//! Each candidate's tails are predicted for this request ([`tails`]): its
+//! 90th-percentile time to first token (the prefill of what that endpoint
+//! does not cache, at its tail rate, plus the tail of how much later than
+//! their prefill its first tokens came lately: the running batch, the
+//! engine's queue) and its 90th-percentile time per output token, all
+//! learned from its answers ([`crate::endpoint::CostModel`]). The TTFT
+//! objective counts from the request's arrival: what it waited in the
+//! queues is spent.
+//!
+//! Stage 2's choice stands when it is predicted to meet both parts; else
+//! the best-scored candidate predicted to; else, none being, an idle one
+//! (nothing running there: the best a tail can be), the best scored first;
+//! else the one missing by least (the larger of its two overshoots, as a
+//! ratio of the objective). A request without an objective skips the stage
+//! and costs nothing here.
+
+use std::time::Instant;
+
+use super::load::{Load, Waits};
+use super::patience::{cached_tokens, prompt_tokens};
+use super::score::{candidates, route_score};
+use crate::endpoint::{Endpoint, EndpointId, EndpointLedger, Route, Wanted};
+
+/// An endpoint's predicted tails for one request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Tails {
+    /// 90th-percentile time to first token if it starts now, ms.
+    pub ttft_ms: f64,
+    /// 90th-percentile time per output token, ms.
+    pub tpot_ms: f64,
+}
+
+/// How stage 2½ chose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Met {
+    /// The endpoint is predicted to meet the objective.
+    Meets,
+    /// None is; this one runs nothing.
+    Idle,
+    /// None is, none is idle; this one misses by least.
+    LeastMiss,
+}
+
+impl Met {
+    /// Its name in `x-flowgate-scores` and the access log.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Met::Meets => "meets",
+            Met::Idle => "idle",
+            Met::LeastMiss => "least-miss",
+        }
+    }
+}
+
+/// `route`'s predicted tails on `e`, starting now.
+pub(crate) fn tails(fleet: &EndpointLedger, e: &Endpoint, route: &Route) -> Tails {
+    let scored = fleet.scheduling().scorers.prefix_cache > 0.0 && !route.prefix.is_empty();
+    let matched = if scored {
+        e.prefix_matched(&route.prefix)
+    } else {
+        0
+    };
+    let uncached = prompt_tokens(fleet, route) - cached_tokens(fleet, route, matched);
+    Tails {
+        ttft_ms: e.ttft_tail_ms(uncached),
+        tpot_ms: e.tpot_tail_ms(),
+    }
+}
+
+/// Milliseconds left for `route`'s first token at `now` (none: no TTFT
+/// objective).
+pub(crate) fn ttft_budget_ms(route: &Route, now: Instant) -> Option<f64> {
+    let due = route.due?;
+    Some(due.saturating_duration_since(now).as_secs_f64() * 1_000.0)
+}
+
+/// How far `tails` miss `route`'s objective at `now`: the larger of the
+/// two overshoots as a ratio of the objective; at most 1 meets it.
+pub(crate) fn miss(route: &Route, tails: Tails, now: Instant) -> f64 {
+    // A deadline already past: every endpoint misses, the soonest least.
+    let ttft = ttft_budget_ms(route, now).map_or(0.0, |left| tails.ttft_ms / left.max(1.0));
+    let tpot = route
+        .objective
+        .tpot_ms
+        .map_or(0.0, |o| tails.tpot_ms / f64::from(o));
+    ttft.max(tpot)
+}
+
+/// What stage 2½ chose.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Chosen {
+    pub id: EndpointId,
+    pub met: Met,
+    /// Its predicted tails.
+    pub tails: Tails,
+}
+
+/// Stage 2½ (module docs): where `route` goes given stage 2's choice
+/// `scored`, and how it was chosen.
+pub(crate) fn choose(
+    fleet: &EndpointLedger,
+    route: &Route,
+    wanted: Option<&Wanted>,
+    scored: EndpointId,
+    now: Instant,
+) -> Chosen {
+    let chosen = |e: &Endpoint, met| Chosen {
+        id: e.id,
+        met,
+        tails: tails(fleet, e, route),
+    };
+    if let Some(e) = fleet.endpoint(scored) {
+        if miss(route, tails(fleet, e, route), now) <= 1.0 {
+            return chosen(e, Met::Meets);
+        }
+    }
+    // The best candidate by the module's rule: the highest key.
+    type Key = (bool, bool, f64, f64); // (meets, idle, −miss, score)
+    let mut best: Option<(Key, &Endpoint)> = None;
+    for e in candidates(fleet, route, now) {
+        let miss = miss(route, tails(fleet, e, route), now);
+        let score = route_score(fleet, e, route, wanted);
+        let key = if miss <= 1.0 {
+            (true, false, 0.0, score)
+        } else {
+            (false, e.idle(), -miss, score)
+        };
+        if best.is_none_or(|(b, _)| key.partial_cmp(&b) == Some(std::cmp::Ordering::Greater)) {
+            best = Some((key, e));
+        }
+    }
+    match best {
+        Some(((true, ..), e)) => chosen(e, Met::Meets),
+        Some(((false, true, ..), e)) => chosen(e, Met::Idle),
+        Some((_, e)) => chosen(e, Met::LeastMiss),
+        None => Chosen {
+            id: scored,
+            met: Met::LeastMiss,
+            tails: Tails {
+                ttft_ms: f64::INFINITY,
+                tpot_ms: f64::INFINITY,
+            },
+        },
+    }
+}
+
+/// Stage 3 weighs the objective: waiting for saturated `at` (behind the
+/// requests `waits` holds for it) is predicted to miss `route`'s TTFT
+/// deadline where going to `go` now is predicted to meet it. Then it
+/// goes: a cache is not worth a missed deadline.
+pub(crate) fn waiting_misses(
+    fleet: &EndpointLedger,
+    route: &Route,
+    at: EndpointId,
+    go: EndpointId,
+    waits: &Waits,
+    now: Instant,
+) -> bool {
+    let Some(left) = ttft_budget_ms(route, now) else {
+        return false;
+    };
+    let (Some(at), Some(go)) = (fleet.endpoint(at), fleet.endpoint(go)) else {
+        return false;
+    };
+    let waiting = Load::of(at, waits).wait_ms(at.service_ms()) + tails(fleet, at, route).ttft_ms;
+    waiting > left && tails(fleet, go, route).ttft_ms <= left
+}
+
+/// Whether any endpoint serving `route` is predicted to meet its objective
+/// at `now`, waiting for a slot where it must (a saturated one behind its
+/// load): a sheddable request none can serve in time is refused at once
+/// rather than queued to miss.
+pub(crate) fn reachable(fleet: &EndpointLedger, route: &Route, now: Instant) -> bool {
+    let config = fleet.saturation();
+    let none = Waits::default();
+    fleet.serving(route).filter(|e| e.eligible(now)).any(|e| {
+        let mut t = tails(fleet, e, route);
+        if !e.takes(route, now, config) {
+            t.ttft_ms += Load::of(e, &none).wait_ms(e.service_ms());
+        }
+        miss(route, t, now) <= 1.0
+    })
+}

@@ -1,0 +1,145 @@
+//! Stage 2½, latency objectives, on a ledger: the choice among endpoints
+//! by their predicted tails, and the refusal of sheddable work.
+
+use std::time::{Duration, Instant};
+
+use super::acquire;
+use crate::endpoint::ledger_fixtures::{report_for, route};
+use crate::endpoint::{EndpointLedger, Route, Timing};
+use crate::objective::Objective;
+use crate::placement::{pick, Pick};
+
+/// Teaches the endpoint on `port` answers of 1,000 prefilled tokens at
+/// `prefill_ms`, 100 output tokens `tpot_ms` apart, and first tokens
+/// `extra_ms` later than their prefill.
+fn teach(r: &mut EndpointLedger, port: u16, prefill_ms: u64, tpot_ms: u64, extra_ms: u64) {
+    let addr = format!("127.0.0.1:{port}").parse().unwrap();
+    for _ in 0..16 {
+        r.learn_cost(
+            addr,
+            &Timing {
+                prefilled_tokens: 1_000,
+                prefill: Some(Duration::from_millis(prefill_ms)),
+                output_tokens: 100,
+                decode: Some(Duration::from_millis(100 * tpot_ms)),
+                service: Some(Duration::from_millis(prefill_ms + 100 * tpot_ms)),
+                first_token: Some(Duration::from_millis(prefill_ms + extra_ms)),
+            },
+        );
+    }
+}
+
+fn with(objective: Objective, now: Instant) -> Route {
+    Route {
+        objective,
+        due: objective.deadline(now),
+        ..route(None, &[1, 2, 3, 4])
+    }
+}
+
+fn tpot(ms: u32) -> Objective {
+    Objective {
+        ttft_ms: None,
+        tpot_ms: Some(ms),
+    }
+}
+
+#[test]
+fn a_tight_objective_goes_where_the_tails_meet_it_and_none_changes_nothing() {
+    let now = Instant::now();
+    let mut r = EndpointLedger::default();
+    for port in [1, 2] {
+        let (rep, a) = report_for(&format!("e{port}"), port, 4, &[]);
+        r.apply_report(rep, a, now);
+    }
+    // The prompt's first request goes to `home`, which caches it...
+    let first = acquire(&mut r, &route(None, &[1, 2, 3, 4]), now).unwrap();
+    let home = first.addr.port();
+    r.release(first, now);
+    // ... and is the slow one: 40 ms an output token against 10.
+    let other = 3 - home;
+    teach(&mut r, home, 200, 40, 40);
+    teach(&mut r, other, 100, 10, 20);
+    let plain = acquire(&mut r, &route(None, &[1, 2, 3, 4]), now).unwrap();
+    assert_eq!(plain.addr.port(), home, "no objective: its cache wins");
+    assert_eq!(plain.ttft_p90_ms, None, "nothing predicted without one");
+    r.release(plain, now);
+    let tight = acquire(&mut r, &with(tpot(20), now), now).unwrap();
+    assert_eq!(tight.addr.port(), other, "40 ms misses 20 ms; 10 meets it");
+    assert!(tight.ttft_p90_ms.is_some(), "its prediction is kept");
+    r.release(tight, now);
+    // Both meet a loose one: the usual choice stands.
+    let loose = acquire(&mut r, &with(tpot(100), now), now).unwrap();
+    assert_eq!(loose.addr.port(), home);
+    r.release(loose, now);
+}
+
+#[test]
+fn when_none_meets_it_an_idle_endpoint_then_the_least_miss() {
+    let now = Instant::now();
+    let mut r = EndpointLedger::default();
+    for port in [1, 2] {
+        let (rep, a) = report_for(&format!("e{port}"), port, 4, &[]);
+        r.apply_report(rep, a, now);
+    }
+    teach(&mut r, 1, 100, 30, 20);
+    teach(&mut r, 2, 200, 60, 40);
+    // Port 1 is busier (two running), port 2 idle: neither meets 10 ms.
+    let a = acquire(&mut r, &route(None, &[7]), now).unwrap();
+    let b = acquire(&mut r, &route(None, &[8]), now).unwrap();
+    assert_eq!((a.addr.port(), b.addr.port()), (1, 2));
+    r.release(b, now);
+    let c = acquire(&mut r, &route(None, &[9]), now).unwrap();
+    assert_eq!(c.addr.port(), 2);
+    r.release(c, now);
+    let on_idle = acquire(&mut r, &with(tpot(10), now), now).unwrap();
+    assert_eq!(on_idle.addr.port(), 2, "the idle one, though slower");
+    // Neither idle now: the one missing by least (port 1, 30 ms).
+    let least = acquire(&mut r, &with(tpot(10), now), now).unwrap();
+    assert_eq!(least.addr.port(), 1);
+    for l in [a, on_idle, least] {
+        r.release(l, now);
+    }
+}
+
+#[test]
+fn sheddable_work_none_can_serve_in_time_is_refused_the_rest_is_served() {
+    let now = Instant::now();
+    let mut r = EndpointLedger::default();
+    let (rep, a) = report_for("e1", 1, 4, &[]);
+    r.apply_report(rep, a, now);
+    teach(&mut r, 1, 100, 30, 20);
+    let sheddable = Route {
+        sheddable: true,
+        ..with(tpot(10), now)
+    };
+    assert!(matches!(pick(&mut r, &sheddable, now, None), Pick::Shed));
+    // Not sheddable: served late rather than refused.
+    assert!(matches!(
+        pick(&mut r, &with(tpot(10), now), now, None),
+        Pick::Lease(_)
+    ));
+    // Sheddable but within reach: served.
+    let reachable = Route {
+        sheddable: true,
+        ..with(tpot(100), now)
+    };
+    assert!(matches!(
+        pick(&mut r, &reachable, now, None),
+        Pick::Lease(_)
+    ));
+    // A TTFT deadline already past is out of reach.
+    let late = Route {
+        sheddable: true,
+        objective: Objective {
+            ttft_ms: Some(50),
+            tpot_ms: None,
+        },
+        due: Some(now),
+        ..route(None, &[5])
+    };
+    assert!(matches!(
+        pick(&mut r, &late, now + Duration::from_millis(1), None),
+        Pick::Shed
+    ));
+}

@@ -341,6 +341,10 @@ keys:
             assert!(e.is_err(), "weight {w}");
         }
         assert!(err("keys:\n  - tenant: a\n").contains("exactly one"));
+        assert!(err("keys:\n  - key: k\n    tenant: a\n    ttftMs: 0\n").contains("ttftMs"));
+        let keys = ApiKeys::parse("keys:\n  - key: k\n    tenant: a\n    tpotMs: 40\n").unwrap();
+        let grant = keys.authenticate(Some(&b"Bearer k"[..])).unwrap();
+        assert_eq!(grant.objective.tpot_ms, Some(40));
         assert!(err("keys:\n  - key: k\n    sha256: ab\n    tenant: a\n").contains("exactly one"));
         assert!(err("keys:\n  - sha256: xyz\n    tenant: a\n").contains("64 hex"));
         assert!(err("keys:\n  - key: ''\n    tenant: a\n").contains("empty"));

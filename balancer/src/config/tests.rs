@@ -309,6 +309,22 @@ fn bad_flow_control_config_names_the_field() {
     );
     bad("scheduling:\n  scorers:\n    latency: 1\n", "unknown field");
     bad(
+        "latencyObjectives:\n  objectives:\n    chat: {ttftMs: 0}\n",
+        "latencyObjectives.objectives.chat: ttftMs must be 1 to 3600000",
+    );
+    bad(
+        "latencyObjectives:\n  models:\n    m: {tpotMs: 3600001}\n",
+        "latencyObjectives.models.m: tpotMs",
+    );
+    bad(
+        "latencyObjectives:\n  models:\n    m: {ttft: 5}\n",
+        "unknown field",
+    );
+    bad(
+        "latencyObjectives:\n  models:\n    m: {ttftMs: -5}\n",
+        "latencyObjectives",
+    );
+    bad(
         "scheduling:\n  prefixCache:\n    blockBytes: 0\n",
         "scheduling.prefixCache.blockBytes",
     );
@@ -506,4 +522,31 @@ fn the_session_redis_url_comes_from_the_flag_or_the_file_and_is_checked() {
     )
     .unwrap_err();
     assert!(err.to_string().contains("redis://"), "{err}");
+}
+
+#[test]
+fn latency_objectives_are_defaults_by_objective_and_model() {
+    let file = FileConfig::parse(
+        "latencyObjectives:\n  objectives:\n    chat: {ttftMs: 500, tpotMs: 50}\n  models:\n    \
+         m: {ttftMs: 2000}\n",
+    )
+    .unwrap();
+    let s = Settings::merge(cli(&[]), file).unwrap();
+    let o = &s.admission().objectives;
+    assert_eq!(o.objectives["chat"].ttft_ms, Some(500));
+    assert_eq!(o.objectives["chat"].tpot_ms, Some(50));
+    assert_eq!(o.models["m"].ttft_ms, Some(2000));
+    assert_eq!(o.models["m"].tpot_ms, None);
+}
+
+#[test]
+fn the_shipped_config_loads() {
+    let text = include_str!("../../../config/balancer.yaml");
+    let file = FileConfig::parse(text).unwrap();
+    let s = Settings::merge(cli(&[]), file).unwrap();
+    assert!(s
+        .admission()
+        .objectives
+        .objectives
+        .contains_key("interactive"));
 }

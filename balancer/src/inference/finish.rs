@@ -103,7 +103,7 @@ impl Inference {
                         model,
                         ctx.fairness_id.as_deref().unwrap_or(""),
                         meta.route.objective,
-                        ttft,
+                        ctx.meter.time_to_first_byte(ctx.start),
                         tpot,
                     );
                 }

@@ -55,8 +55,10 @@ impl ObjectiveMetrics {
     }
 
     /// Counts one answered request of `tenant` for `model` with objective
-    /// `objective`: its first token came `ttft` after it arrived, the
-    /// others `tpot` apart (`None`: the answer did not tell, a miss).
+    /// `objective`: its first token came `ttft` after it arrived (a whole
+    /// answer's: when it came; `None`: nothing came, a miss), the others
+    /// `tpot` apart (`None`: a whole answer, which does not tell: the part
+    /// is not counted).
     pub fn record(
         &self,
         model: &str,
@@ -77,6 +79,9 @@ impl ObjectiveMetrics {
             let Some(limit) = limit else {
                 continue;
             };
+            if part == "tpot" && took.is_none() {
+                continue;
+            }
             let met = took.is_some_and(|t| t <= Duration::from_millis(u64::from(limit)));
             all_met &= met;
             let result = if met { "met" } else { "missed" };
@@ -129,7 +134,11 @@ mod tests {
                 .get()
         };
         assert_eq!((count("ttft", "met"), count("ttft", "missed")), (1, 2));
-        assert_eq!((count("tpot", "met"), count("tpot", "missed")), (2, 1));
+        assert_eq!(
+            (count("tpot", "met"), count("tpot", "missed")),
+            (2, 0),
+            "a whole answer does not tell its time per token"
+        );
         assert_eq!(m.goodput.with_label_values(&["m", "a"]).get(), 1);
         for i in 0..MAX_TENANT_LABELS + 5 {
             m.record("m", &format!("t{i}"), o, Some(ms(1)), Some(ms(1)));

@@ -170,7 +170,12 @@ pub struct Sim {
 
 impl Sim {
     pub fn start(args: &[&str]) -> Sim {
-        let mut all: Vec<String> = vec!["--listen".into(), "127.0.0.1:0".into()];
+        Sim::start_at("127.0.0.1:0", args)
+    }
+
+    /// A simulator listening on `listen` (a server restarted where it was).
+    pub fn start_at(listen: &str, args: &[&str]) -> Sim {
+        let mut all: Vec<String> = vec!["--listen".into(), listen.into()];
         all.extend(args.iter().map(|s| s.to_string()));
         let mut proc = Proc::spawn("llm-sim", &all);
         let stdout = proc.child.stdout.take().expect("piped stdout");

@@ -171,6 +171,13 @@ impl ResponseMeter {
     }
 
     /// From `start` to the first byte of a stream.
+    /// From `start` to the answer's first byte: a stream's first token, a
+    /// whole answer's end (its first token came no later).
+    pub fn time_to_first_byte(&self, start: Instant) -> Option<Duration> {
+        self.first
+            .map(|first| first.saturating_duration_since(start))
+    }
+
     pub fn time_to_first_token(&self, start: Instant) -> Option<Duration> {
         self.streaming
             .then_some(self.first?)

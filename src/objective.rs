@@ -106,6 +106,10 @@ impl ObjectiveDefaults {
         objective: Option<&str>,
         model: &str,
     ) -> Objective {
+        // Most fleets set no defaults: no look-ups then.
+        if self.objectives.is_empty() && self.models.is_empty() {
+            return asked.or(key);
+        }
         let named = objective
             .and_then(|o| self.objectives.get(o))
             .copied()

@@ -160,10 +160,8 @@ impl<T> Dispatcher<T> {
         let Some(mut round) = self.open(offer) else {
             return;
         };
-        while self.ledger.any_available(now) {
-            let Some((ticket, may)) = self.next_offered(&mut round, now) else {
-                break;
-            };
+        // Each offer stops when nothing is free ([`Dispatcher::next_offered`]).
+        while let Some((ticket, may)) = self.next_offered(&mut round, now) {
             if let Some(slow) = self.unfairly_passed(round.passed.keys().copied(), ticket) {
                 let chose = round.passed.remove(&slow).unwrap_or_default();
                 if self.go_now(slow, now, out) {
@@ -172,7 +170,7 @@ impl<T> Dispatcher<T> {
                 round.passed.insert(slow, chose);
             }
             let offered = self.offer(ticket, may, &mut round.waits, now, out);
-            if !self.note(&mut round, ticket, offered) {
+            if !self.note(&mut round, ticket, offered, now) {
                 break;
             }
         }
@@ -199,6 +197,9 @@ impl<T> Dispatcher<T> {
                     if !held.contains(&ticket) {
                         held.push(ticket);
                     }
+                }
+                if held.is_empty() {
+                    return None;
                 }
             }
             // Only while some request waits for another endpoint (held, or
@@ -227,18 +228,24 @@ impl<T> Dispatcher<T> {
     }
 
     /// The next request the round's offer offers the free slots to, and
-    /// how it may be placed.
+    /// how it may be placed; none once no endpoint is free (the fair order
+    /// finds that out from a busy request, [`Dispatcher::note`]: most of
+    /// its passes place a request or two, and the check costs a look at
+    /// the fleet).
     fn next_offered(&mut self, round: &mut Round, now: Instant) -> Option<(Ticket, May)> {
         match round.offer {
             Offer::Held => self.next_held(round, now),
-            Offer::AtHome => self.next_at_home(round, now).map(|t| (t, May::Go)),
+            Offer::AtHome if self.ledger.any_available(now) => {
+                self.next_at_home(round, now).map(|t| (t, May::Go))
+            }
+            Offer::AtHome => None,
             Offer::FairOrder => self.next_in_fair_order(round, now),
         }
     }
 
     /// Notes what became of a request the round offered the slots to;
     /// false: the round is over.
-    fn note(&self, round: &mut Round, ticket: Ticket, offered: Offered) -> bool {
+    fn note(&self, round: &mut Round, ticket: Ticket, offered: Offered, now: Instant) -> bool {
         match (round.offer, offered) {
             (Offer::Held, _) | (_, Offered::Granted | Offered::Refused) => true,
             // No request at home goes where the one at home could not.
@@ -250,6 +257,10 @@ impl<T> Dispatcher<T> {
                 true
             }
             (Offer::FairOrder, Offered::Busy) => {
+                // Nothing free at all: no other request can go either.
+                if !self.ledger.any_available(now) {
+                    return false;
+                }
                 let waiting = self.queues.get(ticket).expect("a busy request is queued");
                 round.stuck.push(waiting.route.targets());
                 true
@@ -272,6 +283,10 @@ impl<T> Dispatcher<T> {
             if waiting.priority < round.top {
                 continue;
             }
+            if !self.ledger.any_available(now) {
+                return None;
+            }
+            let waiting = self.queues.get(ticket).expect("looked at just above");
             let spill_over = waiting.spill_at.is_some_and(|at| at <= now);
             let holder = waiting.held;
             let may_spill = spill_over
@@ -377,7 +392,10 @@ impl<T> Dispatcher<T> {
                 // Every request looked at waits for another endpoint, yet
                 // a slot is free: one behind them takes it rather than
                 // let it idle (no request looked at wants it).
-                if round.depth == LOOK_AHEAD && !round.passed.is_empty() {
+                if round.depth == LOOK_AHEAD
+                    && !round.passed.is_empty()
+                    && self.ledger.any_available(now)
+                {
                     round.depth = BEHIND_HOLDS;
                     continue;
                 }

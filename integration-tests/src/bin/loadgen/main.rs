@@ -20,11 +20,14 @@
 //!   the decision latency it sees (`scripts/bench/epp`; see `epp.rs`).
 //! - `loadgen lora`: requests for Zipf-popular LoRA adapters
 //!   (`scripts/bench/lora`; see `lora.rs`).
+//! - `loadgen slo`: interactive requests with a latency objective beside
+//!   batch work, open loop (`scripts/bench/objectives`; see `slo.rs`).
 
 mod agentic;
 mod epp;
 mod lora;
 mod proxy;
+mod slo;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -62,6 +65,8 @@ enum Command {
     Epp(epp::EppArgs),
     /// Requests for Zipf-popular LoRA adapters of one base model
     Lora(lora::LoraArgs),
+    /// Interactive requests with a latency objective beside batch work
+    Slo(slo::SloArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -233,6 +238,7 @@ fn main() {
         Command::Tenants(args) => rt.block_on(tenants(args)),
         Command::Epp(args) => rt.block_on(epp::epp(args)),
         Command::Lora(args) => rt.block_on(lora::lora(args)),
+        Command::Slo(args) => rt.block_on(slo::slo(args)),
     }
 }
 

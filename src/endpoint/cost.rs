@@ -222,10 +222,13 @@ impl CostModel {
 
     /// Predicted 90th-percentile time to the first token of a request that
     /// starts now and prefills `uncached` prompt tokens: the prefill at the
-    /// tail rate, and the tail of what first tokens came later than their
-    /// prefill.
+    /// median rate, and the 90th percentile of how much later than that
+    /// prediction first tokens came (the residuals of the same prediction:
+    /// a tail learned for the very estimate it corrects, so nine in ten
+    /// first tokens come within it; the tail rate on top of it would count
+    /// the spread twice).
     pub fn ttft_tail_ms(&self, uncached: u64) -> f64 {
-        uncached as f64 * self.prefill_ms_per_token.tail_ms() + self.first_token_extra_ms.tail_ms()
+        uncached as f64 * self.prefill_ms_per_token.ms() + self.first_token_extra_ms.tail_ms()
     }
 
     /// Predicted 90th-percentile time per output token.
@@ -383,7 +386,7 @@ mod tests {
             m.learn(&t);
         }
         assert!((m.first_token_extra_ms.tail_ms() - 180.0).abs() < 1e-3);
-        // 500 uncached tokens at the tail rate (0.1 ms) and that delay.
+        // 500 uncached tokens at the median rate (0.1 ms) and that delay.
         assert!((m.ttft_tail_ms(500) - 230.0).abs() < 1e-3);
         assert!((m.tpot_tail_ms() - 10.0).abs() < 1e-6);
     }

@@ -26,8 +26,10 @@
 //!    latency objective ([`crate::objective`]): the best score stands if
 //!    it is predicted to meet the objective (90th-percentile time to first
 //!    token for this request, and per output token, learned from the
-//!    engines' answers); else the best-scored candidate predicted to; else
-//!    an idle one; else the one missing by least. A sheddable request
+//!    engines' answers); else the best-scored candidate predicted to; else,
+//!    for a request from the queues, a saturated one predicted to meet it
+//!    after its wait for a slot (it waits there, as stage 3's waits do);
+//!    else an idle one; else the one missing by least. A sheddable request
 //!    (priority below 0) none is predicted to serve in time is refused
 //!    instead. Knobs: `latencyObjectives.*` and the request's headers.
 //! 3. **Patience** ([`patience`]). With a free endpoint chosen, a request
@@ -152,9 +154,18 @@ pub(crate) fn place(
         let chosen = objective::choose(fleet, route, wanted.as_ref(), go, now);
         go = chosen.id;
         decision.objective = Some(chosen);
-        if route.sheddable && chosen.met != objective::Met::Meets {
-            decision.outcome = Outcome::Shed;
-            return decision;
+        if chosen.met != objective::Met::Meets {
+            // No free endpoint meets it: a busy one predicted to, wait for
+            // a slot included, is waited for (a request from the queues).
+            if let Some(at) = pass.and_then(|p| objective::busy_meeting(fleet, route, p.waits, now))
+            {
+                decision.outcome = Outcome::Wait(at);
+                return decision;
+            }
+            if route.sheddable {
+                decision.outcome = Outcome::Shed;
+                return decision;
+            }
         }
     }
     let Some(pass) = pass else {

@@ -3,17 +3,19 @@
 //!
 //! Each candidate's tails are predicted for this request ([`tails`]): its
 //! 90th-percentile time to first token (the prefill of what that endpoint
-//! does not cache, at its tail rate, plus the tail of how much later than
-//! their prefill its first tokens came lately: the running batch, the
-//! engine's queue) and its 90th-percentile time per output token, all
+//! does not cache, at its learned rate, plus the 90th percentile of how
+//! much later than that its first tokens came lately: the running batch,
+//! the engine's queue) and its 90th-percentile time per output token, all
 //! learned from its answers ([`crate::endpoint::CostModel`]). The TTFT
 //! objective counts from the request's arrival: what it waited in the
 //! queues is spent.
 //!
 //! Stage 2's choice stands when it is predicted to meet both parts; else
-//! the best-scored candidate predicted to; else, none being, an idle one
-//! (nothing running there: the best a tail can be), the best scored first;
-//! else the one missing by least (the larger of its two overshoots, as a
+//! the best-scored candidate predicted to; else, for a request from the
+//! queues, the saturated endpoint predicted to meet it soonest after its
+//! wait for a slot ([`busy_meeting`]: it waits for that one); else, none
+//! being, an idle one (nothing running there: the best a tail can be), the
+//! best scored first; else the one missing by least (the larger of its two overshoots, as a
 //! ratio of the objective). A request without an objective skips the stage
 //! and costs nothing here.
 
@@ -167,6 +169,31 @@ pub(crate) fn waiting_misses(
     };
     let waiting = Load::of(at, waits).wait_ms(at.service_ms()) + tails(fleet, at, route).ttft_ms;
     waiting > left && tails(fleet, go, route).ttft_ms <= left
+}
+
+/// The saturated endpoint predicted to meet `route`'s objective soonest,
+/// its wait for a slot (behind the requests `waits` holds for it)
+/// included, if any: where a request no free endpoint can serve in time
+/// waits.
+pub(crate) fn busy_meeting(
+    fleet: &EndpointLedger,
+    route: &Route,
+    waits: &Waits,
+    now: Instant,
+) -> Option<EndpointId> {
+    let config = fleet.saturation();
+    let mut best: Option<(f64, EndpointId)> = None;
+    for e in fleet.serving(route) {
+        if !e.eligible(now) || e.takes(route, now, config) {
+            continue;
+        }
+        let mut t = tails(fleet, e, route);
+        t.ttft_ms += Load::of(e, waits).wait_ms(e.service_ms());
+        if miss(route, t, now) <= 1.0 && best.is_none_or(|(ms, _)| t.ttft_ms < ms) {
+            best = Some((t.ttft_ms, e.id));
+        }
+    }
+    best.map(|(_, id)| id)
 }
 
 /// Whether any endpoint serving `route` is predicted to meet its objective

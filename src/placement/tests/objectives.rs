@@ -143,3 +143,32 @@ fn sheddable_work_none_can_serve_in_time_is_refused_the_rest_is_served() {
         Pick::Shed
     ));
 }
+
+#[test]
+fn a_queued_request_no_free_server_serves_in_time_waits_for_a_busy_one_that_will() {
+    let now = Instant::now();
+    let mut r = EndpointLedger::default();
+    for port in [1, 2] {
+        let (rep, a) = report_for(&format!("e{port}"), port, 1, &[]);
+        r.apply_report(rep, a, now);
+    }
+    // Port 1 is busy; port 2 is free but 40 ms a token misses 20 ms.
+    let first = acquire(&mut r, &route(None, &[7]), now).unwrap();
+    let (busy, free) = (first.addr.port(), 3 - first.addr.port());
+    teach(&mut r, busy, 100, 10, 20);
+    teach(&mut r, free, 200, 40, 40);
+    let tight = with(tpot(20), now);
+    let waits = crate::placement::Waits::default();
+    let pass = crate::placement::Pass {
+        waits: &waits,
+        may_spill: false,
+    };
+    let outcome = crate::placement::place(&r, &tight, Some(pass), now).outcome;
+    let busy_id = r.endpoint_at(first.addr).unwrap().id;
+    assert_eq!(outcome, crate::placement::Outcome::Wait(busy_id));
+    // A request that may not wait goes where it misses by least.
+    let lease = acquire(&mut r, &tight, now).unwrap();
+    assert_eq!(lease.addr.port(), free);
+    r.release(lease, now);
+    r.release(first, now);
+}

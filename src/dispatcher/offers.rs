@@ -119,9 +119,6 @@ struct Round {
     stuck: Vec<Route>,
     /// No request below this priority goes: one of it is held (fair order).
     floor: i32,
-    /// Requests held for each endpoint so far: the next one held for it
-    /// waits behind them.
-    waits: Waits,
     /// How deep into each flow the round looks.
     depth: usize,
     /// The held requests left to offer, in the order their clocks end.
@@ -149,14 +146,18 @@ impl<T> Dispatcher<T> {
             }
             entry.remove();
         }
+        // Requests held for each endpoint so far, in the offer and in the
+        // pass ([`Waits`]): the next one held for it waits behind them.
+        let mut waits = Waits::default();
         for offer in OFFERS {
-            self.run(offer, now, &mut out);
+            waits.next_offer();
+            self.run(offer, &mut waits, now, &mut out);
         }
         out
     }
 
     /// Runs one offer's round (module docs): the one loop of a pass.
-    fn run(&mut self, offer: Offer, now: Instant, out: &mut Vec<Done<T>>) {
+    fn run(&mut self, offer: Offer, waits: &mut Waits, now: Instant, out: &mut Vec<Done<T>>) {
         let Some(mut round) = self.open(offer) else {
             return;
         };
@@ -169,7 +170,7 @@ impl<T> Dispatcher<T> {
                 }
                 round.passed.insert(slow, chose);
             }
-            let offered = self.offer(ticket, may, &mut round.waits, now, out);
+            let offered = self.offer(ticket, may, waits, now, out);
             if !self.note(&mut round, ticket, offered, now) {
                 break;
             }
@@ -219,7 +220,6 @@ impl<T> Dispatcher<T> {
             passed: HashMap::new(),
             stuck: Vec::new(),
             floor: i32::MIN,
-            waits: Waits::default(),
             depth: LOOK_AHEAD,
             held: held.into_iter(),
             queued: None,

@@ -13,28 +13,48 @@ use crate::endpoint::{Endpoint, EndpointId};
 
 /// Requests held for each endpoint so far in one dispatch pass (or
 /// queued for it, [`super::evening`]): a request held for an endpoint
-/// waits behind them. Few entries (holds per pass are bounded), so a
-/// list.
+/// waits behind them. Counted twice: in the current offer of the pass
+/// (what the wait-or-go rule weighs, [`Waits::ahead`]) and in the whole
+/// pass (every request held for it, by whichever offer: what a latency
+/// objective weighs, [`Waits::ahead_in_pass`]). Few entries (holds per
+/// pass are bounded), so a list.
 #[derive(Debug, Default)]
 pub(crate) struct Waits {
-    held: Vec<(EndpointId, u32)>,
+    /// (endpoint, held in this offer, held in this pass).
+    held: Vec<(EndpointId, u32, u32)>,
 }
 
 impl Waits {
-    /// Requests held for `id` so far.
+    /// Requests held for `id` so far in this offer.
     pub(crate) fn ahead(&self, id: EndpointId) -> u32 {
         self.held
             .iter()
-            .find(|(e, _)| *e == id)
-            .map_or(0, |(_, n)| *n)
+            .find(|(e, ..)| *e == id)
+            .map_or(0, |(_, n, _)| *n)
+    }
+
+    /// Requests held for `id` so far in this pass.
+    pub(crate) fn ahead_in_pass(&self, id: EndpointId) -> u32 {
+        self.held
+            .iter()
+            .find(|(e, ..)| *e == id)
+            .map_or(0, |(.., n)| *n)
     }
 
     /// Counts one more request held for `id`.
     pub(crate) fn add(&mut self, id: EndpointId) {
-        match self.held.iter_mut().find(|(e, _)| *e == id) {
-            Some((_, n)) => *n += 1,
-            None => self.held.push((id, 1)),
+        match self.held.iter_mut().find(|(e, ..)| *e == id) {
+            Some((_, n, p)) => {
+                *n += 1;
+                *p += 1;
+            }
+            None => self.held.push((id, 1, 1)),
         }
+    }
+
+    /// The pass goes on to its next offer: that one's counts start over.
+    pub(crate) fn next_offer(&mut self) {
+        self.held.iter_mut().for_each(|(_, n, _)| *n = 0);
     }
 }
 
@@ -59,6 +79,15 @@ impl Load {
             foreign: u64::from(e.foreign_busy()),
             queued: u64::from(held.ahead(e.id)) + u64::from(e.engine_waiting()),
             slots: u64::from(e.slots_total().max(1)),
+        }
+    }
+
+    /// `e`'s load with every request held for it in this pass, by
+    /// whichever offer ([`Waits::ahead_in_pass`]).
+    pub(crate) fn of_pass(e: &Endpoint, held: &Waits) -> Load {
+        Load {
+            queued: u64::from(held.ahead_in_pass(e.id)) + u64::from(e.engine_waiting()),
+            ..Load::of(e, held)
         }
     }
 
@@ -121,5 +150,20 @@ mod tests {
             (2, 1)
         );
         assert_eq!(waits.ahead(EndpointId(3)), 0);
+        waits.next_offer();
+        waits.add(EndpointId(2));
+        assert_eq!(
+            (waits.ahead(EndpointId(1)), waits.ahead(EndpointId(2))),
+            (0, 1),
+            "a new offer counts its own"
+        );
+        assert_eq!(
+            (
+                waits.ahead_in_pass(EndpointId(1)),
+                waits.ahead_in_pass(EndpointId(2))
+            ),
+            (2, 2),
+            "the pass counts them all"
+        );
     }
 }

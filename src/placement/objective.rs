@@ -188,7 +188,10 @@ pub(crate) fn busy_meeting(
             continue;
         }
         let mut t = tails(fleet, e, route);
-        t.ttft_ms += Load::of(e, waits).wait_ms(e.service_ms());
+        // Behind every request held for it in this pass, not only this
+        // offer's: many requests with objectives waiting for the same few
+        // fast servers would each count on a short wait.
+        t.ttft_ms += Load::of_pass(e, waits).wait_ms(e.service_ms());
         if miss(route, t, now) <= 1.0 && best.is_none_or(|(ms, _)| t.ttft_ms < ms) {
             best = Some((t.ttft_ms, e.id));
         }

@@ -93,6 +93,12 @@ impl LeaseGuard {
 
     /// The model that answers a request that named none: the first its
     /// endpoint's agent reported when the slot was taken.
+    /// The predicted 90th-percentile time to first token there, for a
+    /// request with a latency objective.
+    pub fn ttft_p90_ms(&self) -> Option<u32> {
+        self.lease.as_ref()?.ttft_p90_ms
+    }
+
     pub fn served_model(&self) -> Option<&str> {
         self.lease.as_ref()?.model.as_deref()
     }

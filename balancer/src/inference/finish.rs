@@ -39,6 +39,11 @@ impl Inference {
         let said = ctx.meter.said();
         let usage = said.usage;
         let client_left = e.is_some_and(|e| e.esource() == &ErrorSource::Downstream);
+        let predicted_ttft_ms = ctx
+            .served
+            .as_ref()
+            .and_then(|s| s.lease())
+            .and_then(|l| l.ttft_p90_ms());
         if let Some(served) = ctx.served.take() {
             served.finish(AnswerEnd {
                 sent: ctx.answer.status.is_some(),
@@ -109,6 +114,11 @@ impl Inference {
                 }
             }
         }
+        let objective = ctx
+            .meta
+            .as_ref()
+            .map(|m| m.route.objective)
+            .unwrap_or_default();
         info!(
             target: "access",
             request_id = ctx.request_id.as_str(),
@@ -127,6 +137,9 @@ impl Inference {
             retries = ctx.retry.done,
             wait_ms = ctx.waited.as_millis() as u64,
             ttft_ms = ttft.map(|t| t.as_millis() as u64),
+            slo_ttft_ms = objective.ttft_ms,
+            slo_tpot_ms = objective.tpot_ms,
+            predicted_ttft_ms,
             estimated_prompt_tokens = ctx.tokens.prompt,
             estimated_output_tokens = ctx.tokens.output,
             prompt_tokens = usage.map(|u| u.prompt),

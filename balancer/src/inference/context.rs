@@ -84,12 +84,51 @@ pub(crate) struct EngineAnswer {
     pub(super) error_body: Vec<u8>,
 }
 
+/// The request's facts as admission found them, and what the model rules
+/// made of its model: what the access log, the metrics, its trace and the
+/// session store name it by.
+#[derive(Debug, Default)]
+pub(super) struct Facts {
+    /// The request's `model` field.
+    pub(super) model: String,
+    /// The model it was sent for after the model rules (`None`: any
+    /// endpoint's), told to the client in [`super::SERVED_MODEL_HEADER`].
+    pub(super) served_model: Option<Arc<str>>,
+    /// The fallback model it went to instead of its own, if it did.
+    pub(super) fallback: Option<Arc<str>>,
+    /// The request asked for a streamed answer.
+    pub(super) stream: bool,
+    /// Its token estimate, and its prompt text's length (learned from
+    /// against the answer's usage).
+    pub(super) tokens: TokenEstimate,
+    pub(super) prompt_bytes: u64,
+    /// Its flow.
+    pub(super) fairness_id: Option<Arc<str>>,
+    pub(super) priority: i32,
+    /// Its session, hashed ([`flowgate::session`]).
+    pub(super) session: Option<u64>,
+    /// What the session store records where it went once served: its
+    /// session, or its prompt for a keyless conversation
+    /// ([`flowgate::turn::StoreKeys`]).
+    pub(super) store_key: Option<u64>,
+}
+
+/// The request's body as the balancer holds it.
+#[derive(Debug, Default)]
+pub(super) struct Body {
+    /// The whole body when it is longer than Pingora's retry buffer
+    /// (which then holds only its tail), sent by `request_body_filter`.
+    pub(super) whole: Option<Bytes>,
+    /// It was rewritten (its `model`): its length changed.
+    pub(super) rewritten: bool,
+    /// Its `multipart/form-data` content type, when it is a form.
+    pub(super) form: Option<String>,
+}
+
 /// Per-request state.
 pub struct RequestCtx {
     pub(super) start: Instant,
-    /// The whole request body when it is longer than Pingora's retry buffer
-    /// (which then holds only its tail), sent by `request_body_filter`.
-    pub(super) body: Option<Bytes>,
+    pub(super) body: Body,
     /// What it holds once let in (its quotas' reservation, its slot),
     /// settled when it ends.
     pub(super) served: Option<Served>,
@@ -100,32 +139,7 @@ pub struct RequestCtx {
     /// How the request ended when not simply proxied, for metrics, the
     /// access log and its trace.
     pub(crate) ending: Ending,
-    /// The request's `model` field, for the access log.
-    pub(super) model: String,
-    /// The model it was sent for after the model rules (`None`: any
-    /// endpoint's), told to the client in [`super::SERVED_MODEL_HEADER`].
-    pub(super) served_model: Option<Arc<str>>,
-    /// The body was rewritten (its `model`): its length changed.
-    pub(super) body_rewritten: bool,
-    /// The body's `multipart/form-data` content type, when it is a form.
-    pub(super) form: Option<String>,
-    /// The fallback model it went to instead of its own, if it did.
-    pub(super) fallback: Option<Arc<str>>,
-    /// The request asked for a streamed answer.
-    pub(super) stream: bool,
-    /// Its token estimate, and its prompt text's length (learned from
-    /// against the answer's usage).
-    pub(super) tokens: TokenEstimate,
-    pub(super) prompt_bytes: u64,
-    /// The request's flow, for the access log.
-    pub(super) fairness_id: Option<Arc<str>>,
-    pub(super) priority: i32,
-    /// Its session, hashed ([`flowgate::session`]), for the access log.
-    pub(super) session: Option<u64>,
-    /// What the session store records where it went once served: its
-    /// session, or its prompt for a keyless conversation
-    /// ([`flowgate::turn::StoreKeys`]).
-    pub(super) store_key: Option<u64>,
+    pub(super) facts: Facts,
     /// Whether its answer tells why its endpoint was chosen.
     pub(super) explain: Explain,
     /// Its trace, when traces are on ([`crate::observe::traces`]).
@@ -164,24 +178,13 @@ impl RequestCtx {
     pub(super) fn new(rules: Arc<DoorRules>) -> RequestCtx {
         RequestCtx {
             start: Instant::now(),
-            body: None,
+            body: Body::default(),
             served: None,
             upstream: None,
             waited: Duration::ZERO,
             inference: false,
             ending: Ending::Proxied,
-            model: String::new(),
-            served_model: None,
-            body_rewritten: false,
-            form: None,
-            fallback: None,
-            stream: false,
-            tokens: TokenEstimate::default(),
-            prompt_bytes: 0,
-            fairness_id: None,
-            priority: 0,
-            session: None,
-            store_key: None,
+            facts: Facts::default(),
             explain: Explain::No,
             trace: None,
             waiting_ahead: 0,

@@ -48,7 +48,7 @@ impl Inference {
             served.finish(AnswerEnd {
                 sent: ctx.answer.status.is_some(),
                 // What the answer spent (a stream cut short: what was sent).
-                said: (ctx.meter).spent(usage, ctx.tokens.prompt, ctx.answer.status),
+                said: (ctx.meter).spent(usage, ctx.facts.tokens.prompt, ctx.answer.status),
                 // Only a whole, successful answer shows the engine's speed:
                 // an error comes back fast, a client that left cut the
                 // answer short.
@@ -61,7 +61,7 @@ impl Inference {
                 // still be working on it, so its slot is not free yet.
                 slot: if client_left {
                     SlotEnd::Orphaned {
-                        streamed: ctx.stream || ctx.meter.streaming,
+                        streamed: ctx.facts.stream || ctx.meter.streaming,
                     }
                 } else {
                     SlotEnd::Free
@@ -92,21 +92,23 @@ impl Inference {
         if ctx.inference {
             self.door.gate.metrics.record_outcome(status, reason);
             if ctx.answer.status.is_some_and(|s| s < 400) {
-                if let (Some(u), Some(model)) = (usage, ctx.served_model.as_deref()) {
+                if let (Some(u), Some(model)) = (usage, ctx.facts.served_model.as_deref()) {
                     self.door
                         .gate
-                        .learn_tokens(model, ctx.prompt_bytes, u.prompt);
+                        .learn_tokens(model, ctx.facts.prompt_bytes, u.prompt);
                 }
                 let tpot = ctx.meter.time_per_output_token(usage);
-                let model = self
-                    .door
-                    .gate
-                    .model_label(ctx.served_model.as_deref().unwrap_or(&ctx.model));
+                let model = self.door.gate.model_label(
+                    ctx.facts
+                        .served_model
+                        .as_deref()
+                        .unwrap_or(&ctx.facts.model),
+                );
                 self.door.gate.metrics.answer(model, ttft, tpot, usage);
                 if let Some(meta) = &ctx.meta {
                     self.door.gate.metrics.objectives.record(
                         model,
-                        ctx.fairness_id.as_deref().unwrap_or(""),
+                        ctx.facts.fairness_id.as_deref().unwrap_or(""),
                         meta.route.objective,
                         ctx.meter.time_to_first_byte(ctx.start),
                         tpot,
@@ -124,13 +126,13 @@ impl Inference {
             request_id = ctx.request_id.as_str(),
             method = %session.req_header().method,
             path = session.req_header().uri.path(),
-            model = ctx.model.as_str(),
-            served_model = ctx.served_model.as_deref().unwrap_or(""),
-            fallback = ctx.fallback.as_deref().unwrap_or(""),
-            fairness_id = ctx.fairness_id.as_deref().unwrap_or(""),
-            priority = ctx.priority,
+            model = ctx.facts.model.as_str(),
+            served_model = ctx.facts.served_model.as_deref().unwrap_or(""),
+            fallback = ctx.facts.fallback.as_deref().unwrap_or(""),
+            fairness_id = ctx.facts.fairness_id.as_deref().unwrap_or(""),
+            priority = ctx.facts.priority,
             // Nothing to format for a request without a session.
-            session = ctx.session.map(|s| tracing::field::display(SessionLabel(Some(s)))),
+            session = ctx.facts.session.map(|s| tracing::field::display(SessionLabel(Some(s)))),
             status,
             reason,
             upstream = ctx.upstream.map(|a| a.to_string()).unwrap_or_default(),
@@ -140,8 +142,8 @@ impl Inference {
             slo_ttft_ms = objective.ttft_ms,
             slo_tpot_ms = objective.tpot_ms,
             predicted_ttft_ms,
-            estimated_prompt_tokens = ctx.tokens.prompt,
-            estimated_output_tokens = ctx.tokens.output,
+            estimated_prompt_tokens = ctx.facts.tokens.prompt,
+            estimated_output_tokens = ctx.facts.tokens.output,
             prompt_tokens = usage.map(|u| u.prompt),
             completion_tokens = usage.map(|u| u.completion),
             cached_tokens = usage.map(|u| u.cached),
@@ -155,7 +157,7 @@ impl Inference {
     /// binding's idle time starts again).
     fn share_session(&self, ctx: &RequestCtx) {
         if let (Some(store), Some(key), Some(addr)) =
-            (&self.door.session_store, ctx.store_key, ctx.upstream)
+            (&self.door.session_store, ctx.facts.store_key, ctx.upstream)
         {
             store.record(key, addr);
         }
@@ -167,7 +169,7 @@ impl Inference {
         let (Some(id), Some(addr), Some(tenant)) = (
             ctx.meter.response_id(),
             ctx.upstream,
-            ctx.fairness_id.as_deref(),
+            ctx.facts.fairness_id.as_deref(),
         ) else {
             return;
         };

@@ -211,9 +211,10 @@ impl Inference {
                 self.trace_bound(ctx, admitted.waited);
                 Ok(())
             }
-            Err(AdmitError::Rejected(r)) => {
-                Err(self.door.turned_away(&ctx.rules, r, &ctx.model).into())
-            }
+            Err(AdmitError::Rejected(r)) => Err(self
+                .door
+                .turned_away(&ctx.rules, r, &ctx.facts.model)
+                .into()),
             Err(AdmitError::ClientGone) => {
                 ctx.ending = Ending::ClientGone;
                 Err(Error::explain(
@@ -233,8 +234,8 @@ impl Inference {
             meta.route.model = Some(Arc::clone(&m));
         }
         rename_body(ctx, &m);
-        ctx.served_model = Some(Arc::clone(&m));
-        ctx.fallback = Some(m);
+        ctx.facts.served_model = Some(Arc::clone(&m));
+        ctx.facts.fallback = Some(m);
     }
 
     /// The one place the balancer answers a request itself.
@@ -297,7 +298,7 @@ impl Inference {
         let headers = &session.req_header().headers;
         let flow_headers =
             FlowHeaders::from_pairs(headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())));
-        ctx.form = flow_headers.form().map(str::to_string);
+        ctx.body.form = flow_headers.form().map(str::to_string);
         let asked = flow_headers.asks_scores();
         ctx.explain = if ctx.rules.explain.allows(asked, ctx.grant.as_ref()) {
             Explain::Yes
@@ -308,14 +309,14 @@ impl Inference {
         };
         let door = &self.door;
         let mut facts = door.facts(&ctx.rules, flow_headers, Some(&body.bytes), caller)?;
-        ctx.model = std::mem::take(&mut facts.model);
-        ctx.served_model.clone_from(&facts.resolved.model);
-        ctx.stream = facts.stream;
-        ctx.tokens = facts.tokens;
-        ctx.prompt_bytes = facts.prompt_bytes;
-        ctx.fairness_id = Some(Arc::clone(&facts.meta.flow.fairness_id));
-        ctx.priority = facts.meta.flow.priority;
-        ctx.session = facts.meta.route.session;
+        ctx.facts.model = std::mem::take(&mut facts.model);
+        ctx.facts.served_model.clone_from(&facts.resolved.model);
+        ctx.facts.stream = facts.stream;
+        ctx.facts.tokens = facts.tokens;
+        ctx.facts.prompt_bytes = facts.prompt_bytes;
+        ctx.facts.fairness_id = Some(Arc::clone(&facts.meta.flow.fairness_id));
+        ctx.facts.priority = facts.meta.flow.priority;
+        ctx.facts.session = facts.meta.route.session;
         // A Responses answer's id names where a later turn continuing it
         // (`previous_response_id`) should go.
         ctx.meter.want_id = matches!(
@@ -328,12 +329,12 @@ impl Inference {
             .reads(SessionSource::PreviousResponseId);
         // Keep a second copy only when the retry buffer cannot replay it
         // all, or the model in it is (or may be, by a fallback) renamed.
-        let rename_to = facts.resolved.rewritten_name(&ctx.model);
+        let rename_to = facts.resolved.rewritten_name(&ctx.facts.model);
         // (The route's model is the resolved one.)
         let may_fall_back = Door::fallback(&ctx.rules, &facts.meta).is_some();
         let keep = !body.in_retry_buffer || rename_to.is_some() || may_fall_back;
         let replay_body = body.bytes.clone();
-        ctx.body = keep.then_some(body.bytes);
+        ctx.body.whole = keep.then_some(body.bytes);
         if let Some(name) = rename_to {
             // The engine gets the name of the model it serves, not an alias.
             rename_body(ctx, name);
@@ -346,7 +347,7 @@ impl Inference {
                     ctx.upstream = Some(addr);
                     Ok(Step::Proxy)
                 }
-                Err(r) => Err(door.turned_away(&ctx.rules, r, &ctx.model).into()),
+                Err(r) => Err(door.turned_away(&ctx.rules, r, &ctx.facts.model).into()),
             };
         }
         let entry = door
@@ -354,7 +355,7 @@ impl Inference {
             .await?;
         ctx.served = Some(entry.served);
         ctx.rate_headers = entry.rate_headers;
-        ctx.store_key = entry.store_key;
+        ctx.facts.store_key = entry.store_key;
         ctx.meta = Some(facts.meta.clone());
         self.trace_admitted(ctx);
         self.first_slot(session, ctx, facts.meta, &replay_body)
@@ -371,10 +372,10 @@ async fn client_gone(session: &mut Session) {
 /// Renames the model in the request's kept body to `model` (the engine
 /// may check it); the new body replaces the retry buffer's.
 fn rename_body(ctx: &mut RequestCtx, model: &str) {
-    let renamed = |b: &Bytes| renamed(b, ctx.form.as_deref(), model);
-    if let Some(body) = ctx.body.as_ref().and_then(renamed) {
-        ctx.body = Some(body.into());
-        ctx.body_rewritten = true;
+    let renamed = |b: &Bytes| renamed(b, ctx.body.form.as_deref(), model);
+    if let Some(body) = ctx.body.whole.as_ref().and_then(renamed) {
+        ctx.body.whole = Some(body.into());
+        ctx.body.rewritten = true;
     }
 }
 
@@ -488,7 +489,7 @@ impl ProxyHttp for Inference {
         }
         ctx.answer.sent_at = Some(Instant::now());
         self.trace_upstream(upstream_request, ctx)?;
-        if let (true, Some(body)) = (ctx.body_rewritten, &ctx.body) {
+        if let (true, Some(body)) = (ctx.body.rewritten, &ctx.body.whole) {
             // A chunked body stays chunked; a sized one has a new size.
             if upstream_request
                 .headers
@@ -642,7 +643,7 @@ impl ProxyHttp for Inference {
         }
         // The model the rules chose, else the one its endpoint reports. A
         // name the header cannot carry is left out, not an error.
-        let served = (ctx.served_model.as_deref())
+        let served = (ctx.facts.served_model.as_deref())
             .or_else(|| ctx.lease()?.served_model())
             .and_then(|m| http::HeaderValue::from_str(m).ok());
         if let Some(served) = served {
@@ -656,7 +657,7 @@ impl ProxyHttp for Inference {
                     let x = self.door.gate.explain(&meta.route);
                     let scores = serde_json::json!({
                         "endpoint": ctx.upstream,
-                        "session": ctx.session.map(|s| SessionLabel(Some(s)).to_string()),
+                        "session": ctx.facts.session.map(|s| SessionLabel(Some(s)).to_string()),
                         "explanation": x,
                     });
                     upstream_response.insert_header(SCORES_HEADER, scores.to_string())?;
@@ -695,7 +696,7 @@ impl ProxyHttp for Inference {
         // Pingora hands us the retry buffer once, with end_of_stream set, on
         // every attempt; when that is only the body's tail, send the whole
         // body instead.
-        if let Some(full) = &ctx.body {
+        if let Some(full) = &ctx.body.whole {
             *body = end_of_stream.then(|| full.clone());
         }
         Ok(())

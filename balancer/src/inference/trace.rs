@@ -31,12 +31,15 @@ impl Inference {
             return;
         };
         let mut attributes = vec![
-            KeyValue::new("flowgate.model", ctx.model.clone()),
+            KeyValue::new("flowgate.model", ctx.facts.model.clone()),
             KeyValue::new("flowgate.fairness_id", tenant(ctx)),
-            KeyValue::new("flowgate.priority", i64::from(ctx.priority)),
-            KeyValue::new("flowgate.estimated_prompt_tokens", ctx.tokens.prompt as i64),
+            KeyValue::new("flowgate.priority", i64::from(ctx.facts.priority)),
+            KeyValue::new(
+                "flowgate.estimated_prompt_tokens",
+                ctx.facts.tokens.prompt as i64,
+            ),
         ];
-        if let Some(s) = ctx.session {
+        if let Some(s) = ctx.facts.session {
             attributes.push(KeyValue::new("flowgate.session", format!("{s:016x}")));
         }
         trace.child(traces, "admission", ctx.start, Instant::now(), attributes);
@@ -57,7 +60,7 @@ impl Inference {
             now,
             vec![
                 KeyValue::new("flowgate.fairness_id", tenant(ctx)),
-                KeyValue::new("flowgate.priority", i64::from(ctx.priority)),
+                KeyValue::new("flowgate.priority", i64::from(ctx.facts.priority)),
                 KeyValue::new("flowgate.queue.waiting_ahead", ctx.waiting_ahead as i64),
                 KeyValue::new("flowgate.queue.waited_ms", waited.as_secs_f64() * 1000.0),
             ],
@@ -114,7 +117,7 @@ impl Inference {
         if !reason.is_empty() {
             attributes.push(KeyValue::new("flowgate.reason", reason));
         }
-        if let Some(m) = ctx.served_model.as_deref() {
+        if let Some(m) = ctx.facts.served_model.as_deref() {
             attributes.push(KeyValue::new("flowgate.served_model", m.to_string()));
         }
         trace.end(status, ctx.meter.first_byte_at(), attributes);
@@ -132,5 +135,5 @@ impl Inference {
 }
 
 fn tenant(ctx: &RequestCtx) -> String {
-    ctx.fairness_id.as_deref().unwrap_or("").to_string()
+    ctx.facts.fairness_id.as_deref().unwrap_or("").to_string()
 }

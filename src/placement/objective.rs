@@ -26,6 +26,15 @@ use super::patience::{cached_tokens, prompt_tokens};
 use super::score::{candidates, route_score};
 use crate::endpoint::{Endpoint, EndpointId, EndpointLedger, Route, Wanted};
 
+/// Endpoints this stage looks at, at most, when stage 2's choice misses
+/// (and when it asks whether any busy one, or any at all, would meet the
+/// objective): the first of the model's lane, least loaded first. Each
+/// look is a prefix-index match and two tails; unbounded, a flood of
+/// requests with objectives none meets would scan a 1,000-endpoint fleet
+/// under the dispatcher's lock each time. Past the 64 least loaded, an
+/// endpoint is rarely the one to meet a deadline the first 64 miss.
+pub(crate) const OBJECTIVE_SCAN: usize = 64;
+
 /// An endpoint's predicted tails for one request.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Tails {
@@ -122,7 +131,7 @@ pub(crate) fn choose(
     // The best candidate by the module's rule: the highest key.
     type Key = (bool, bool, f64, f64); // (meets, idle, −miss, score)
     let mut best: Option<(Key, &Endpoint)> = None;
-    for e in candidates(fleet, route, now) {
+    for e in candidates(fleet, route, now).take(OBJECTIVE_SCAN) {
         let miss = miss(route, tails(fleet, e, route), now);
         let score = route_score(fleet, e, route, wanted);
         let key = if miss <= 1.0 {
@@ -183,7 +192,7 @@ pub(crate) fn busy_meeting(
 ) -> Option<EndpointId> {
     let config = fleet.saturation();
     let mut best: Option<(f64, EndpointId)> = None;
-    for e in fleet.serving(route) {
+    for e in fleet.serving(route).take(OBJECTIVE_SCAN) {
         if !e.eligible(now) || e.takes(route, now, config) {
             continue;
         }
@@ -206,11 +215,15 @@ pub(crate) fn busy_meeting(
 pub(crate) fn reachable(fleet: &EndpointLedger, route: &Route, now: Instant) -> bool {
     let config = fleet.saturation();
     let none = Waits::default();
-    fleet.serving(route).filter(|e| e.eligible(now)).any(|e| {
-        let mut t = tails(fleet, e, route);
-        if !e.takes(route, now, config) {
-            t.ttft_ms += Load::of(e, &none).wait_ms(e.service_ms());
-        }
-        miss(route, t, now) <= 1.0
-    })
+    fleet
+        .serving(route)
+        .take(OBJECTIVE_SCAN)
+        .filter(|e| e.eligible(now))
+        .any(|e| {
+            let mut t = tails(fleet, e, route);
+            if !e.takes(route, now, config) {
+                t.ttft_ms += Load::of(e, &none).wait_ms(e.service_ms());
+            }
+            miss(route, t, now) <= 1.0
+        })
 }

@@ -82,6 +82,9 @@ impl AsyncDispatcher {
                 session.as_str(),
             );
         }
+        if let Some(ms) = deadline_objective_ms(job.deadline_ms, now_ms()) {
+            request = request.header(flowgate::objective::TTFT_HEADER, ms.to_string());
+        }
         let sent = request.body(job.body.clone()).send().await;
         let (id, attempt) = (job.id.clone(), job.attempts);
         let q = Arc::clone(&queue);
@@ -425,9 +428,31 @@ fn prometheus_value(body: &Value) -> Result<f64, String> {
         .ok_or_else(|| "the query gave no number (an empty vector or NaN)".to_string())
 }
 
+/// An async job's latency objective: its first token by its deadline
+/// (`deadline_ms`, Unix ms), what is left of it at `now_ms`, within the
+/// objectives' range; none without a deadline, or once it passed (the job
+/// expires).
+fn deadline_objective_ms(deadline_ms: Option<u64>, now_ms: u64) -> Option<u32> {
+    let left = deadline_ms?.checked_sub(now_ms).filter(|&ms| ms > 0)?;
+    Some(left.min(u64::from(flowgate::objective::MAX_OBJECTIVE_MS)) as u32)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_async_job_is_due_by_its_deadline() {
+        assert_eq!(deadline_objective_ms(None, 1_000), None);
+        assert_eq!(deadline_objective_ms(Some(1_500), 1_000), Some(500));
+        assert_eq!(deadline_objective_ms(Some(1_000), 1_000), None, "passed");
+        assert_eq!(deadline_objective_ms(Some(900), 1_000), None);
+        assert_eq!(
+            deadline_objective_ms(Some(u64::MAX), 0),
+            Some(flowgate::objective::MAX_OBJECTIVE_MS),
+            "an hour at most"
+        );
+    }
     use crate::asyncq::job::NewJob;
     use crate::asyncq::AsyncConfig;
     use serde_json::json;

@@ -211,19 +211,25 @@ pub(crate) fn busy_meeting(
 /// Whether any endpoint serving `route` is predicted to meet its objective
 /// at `now`, waiting for a slot where it must (a saturated one behind its
 /// load): a sheddable request none can serve in time is refused at once
-/// rather than queued to miss.
+/// rather than queued to miss. With no eligible endpoint to predict from
+/// (a fleet scaling up from zero, every server down) nothing is known: it
+/// waits as any request does.
 pub(crate) fn reachable(fleet: &EndpointLedger, route: &Route, now: Instant) -> bool {
     let config = fleet.saturation();
     let none = Waits::default();
-    fleet
+    let mut eligible = fleet
         .serving(route)
         .take(OBJECTIVE_SCAN)
         .filter(|e| e.eligible(now))
-        .any(|e| {
-            let mut t = tails(fleet, e, route);
-            if !e.takes(route, now, config) {
-                t.ttft_ms += Load::of(e, &none).wait_ms(e.service_ms());
-            }
-            miss(route, t, now) <= 1.0
-        })
+        .peekable();
+    if eligible.peek().is_none() {
+        return true;
+    }
+    eligible.any(|e| {
+        let mut t = tails(fleet, e, route);
+        if !e.takes(route, now, config) {
+            t.ttft_ms += Load::of(e, &none).wait_ms(e.service_ms());
+        }
+        miss(route, t, now) <= 1.0
+    })
 }

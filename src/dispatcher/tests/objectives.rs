@@ -84,3 +84,14 @@ fn sheddable_work_out_of_reach_is_refused_at_once_and_other_work_waits() {
     let done = d.dispatch(t0);
     assert_eq!(granted(&done), ["late"]);
 }
+
+#[test]
+fn with_no_server_to_predict_from_sheddable_work_waits_as_any_request() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    // No agent yet (scale from zero): nothing to predict a miss from.
+    queued(d.submit(with_ttft("batch", -1, Some(50)), "early", t0));
+    d.report(report("a", "127.0.0.1:1", 1), t0).unwrap();
+    let done = d.dispatch(t0);
+    assert_eq!(granted(&done), ["early"], "served once a server came");
+}

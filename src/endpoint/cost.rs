@@ -65,8 +65,9 @@ impl Estimate {
         usize::from(self.len)
     }
 
-    /// The median of the samples kept, or the default before any.
-    pub fn ms(&self) -> f64 {
+    /// `pick` of the samples kept, sorted (never empty), or the default
+    /// before any.
+    fn of_sorted(&self, pick: impl FnOnce(&[f32]) -> f32) -> f64 {
         let n = usize::from(self.len);
         if n == 0 {
             return f64::from(self.default_ms);
@@ -74,26 +75,28 @@ impl Estimate {
         let mut kept = self.samples;
         let kept = &mut kept[..n];
         kept.sort_unstable_by(f32::total_cmp);
-        let mid = if n % 2 == 1 {
-            kept[n / 2]
-        } else {
-            (kept[n / 2 - 1] + kept[n / 2]) / 2.0
-        };
-        f64::from(mid)
+        f64::from(pick(kept))
+    }
+
+    /// The median of the samples kept, or the default before any.
+    pub fn ms(&self) -> f64 {
+        self.of_sorted(|kept| {
+            let n = kept.len();
+            if n % 2 == 1 {
+                kept[n / 2]
+            } else {
+                (kept[n / 2 - 1] + kept[n / 2]) / 2.0
+            }
+        })
     }
 
     /// The [`TAIL`] quantile of the samples kept (the nearest rank), or
     /// the default before any.
     pub fn tail_ms(&self) -> f64 {
-        let n = usize::from(self.len);
-        if n == 0 {
-            return f64::from(self.default_ms);
-        }
-        let mut kept = self.samples;
-        let kept = &mut kept[..n];
-        kept.sort_unstable_by(f32::total_cmp);
-        let rank = ((TAIL * n as f64).ceil() as usize).clamp(1, n);
-        f64::from(kept[rank - 1])
+        self.of_sorted(|kept| {
+            let n = kept.len();
+            kept[((TAIL * n as f64).ceil() as usize).clamp(1, n) - 1]
+        })
     }
 }
 

@@ -22,7 +22,7 @@
 use std::time::Instant;
 
 use super::load::{Load, Waits};
-use super::patience::{cached_tokens, prompt_tokens};
+use super::patience::{cached_tokens, matched_blocks, prompt_tokens};
 use super::score::{candidates, route_score};
 use crate::endpoint::{Endpoint, EndpointId, EndpointLedger, Route, Wanted};
 
@@ -68,17 +68,20 @@ impl Met {
 
 /// `route`'s predicted tails on `e`, starting now.
 pub(crate) fn tails(fleet: &EndpointLedger, e: &Endpoint, route: &Route) -> Tails {
-    let scored = fleet.scheduling().scorers.prefix_cache > 0.0 && !route.prefix.is_empty();
-    let matched = if scored {
-        e.prefix_matched(&route.prefix)
-    } else {
-        0
-    };
+    let matched = matched_blocks(fleet, route, e);
     let uncached = prompt_tokens(fleet, route) - cached_tokens(fleet, route, matched);
     Tails {
         ttft_ms: e.ttft_tail_ms(uncached),
         tpot_ms: e.tpot_tail_ms(),
     }
+}
+
+/// `route`'s predicted tails on saturated `e` carrying `load`: its wait
+/// for a slot there first.
+fn tails_behind(fleet: &EndpointLedger, e: &Endpoint, route: &Route, load: Load) -> Tails {
+    let mut t = tails(fleet, e, route);
+    t.ttft_ms += load.wait_ms(e.service_ms());
+    t
 }
 
 /// Milliseconds left for `route`'s first token at `now` (none: no TTFT
@@ -118,35 +121,43 @@ pub(crate) fn choose(
     scored: EndpointId,
     now: Instant,
 ) -> Chosen {
-    let chosen = |e: &Endpoint, met| Chosen {
-        id: e.id,
-        met,
-        tails: tails(fleet, e, route),
-    };
     if let Some(e) = fleet.endpoint(scored) {
-        if miss(route, tails(fleet, e, route), now) <= 1.0 {
-            return chosen(e, Met::Meets);
+        let t = tails(fleet, e, route);
+        if miss(route, t, now) <= 1.0 {
+            return Chosen {
+                id: e.id,
+                met: Met::Meets,
+                tails: t,
+            };
         }
     }
     // The best candidate by the module's rule: the highest key.
     type Key = (bool, bool, f64, f64); // (meets, idle, −miss, score)
-    let mut best: Option<(Key, &Endpoint)> = None;
+    let mut best: Option<(Key, EndpointId, Tails)> = None;
     for e in candidates(fleet, route, now).take(OBJECTIVE_SCAN) {
-        let miss = miss(route, tails(fleet, e, route), now);
+        let t = tails(fleet, e, route);
+        let miss = miss(route, t, now);
         let score = route_score(fleet, e, route, wanted);
         let key = if miss <= 1.0 {
             (true, false, 0.0, score)
         } else {
             (false, e.idle(), -miss, score)
         };
-        if best.is_none_or(|(b, _)| key.partial_cmp(&b) == Some(std::cmp::Ordering::Greater)) {
-            best = Some((key, e));
+        if best.is_none_or(|(b, ..)| key.partial_cmp(&b) == Some(std::cmp::Ordering::Greater)) {
+            best = Some((key, e.id, t));
         }
     }
+    let met = |key: Key| match key {
+        (true, ..) => Met::Meets,
+        (false, true, ..) => Met::Idle,
+        _ => Met::LeastMiss,
+    };
     match best {
-        Some(((true, ..), e)) => chosen(e, Met::Meets),
-        Some(((false, true, ..), e)) => chosen(e, Met::Idle),
-        Some((_, e)) => chosen(e, Met::LeastMiss),
+        Some((key, id, tails)) => Chosen {
+            id,
+            met: met(key),
+            tails,
+        },
         None => Chosen {
             id: scored,
             met: Met::LeastMiss,
@@ -176,7 +187,7 @@ pub(crate) fn waiting_misses(
     let (Some(at), Some(go)) = (fleet.endpoint(at), fleet.endpoint(go)) else {
         return false;
     };
-    let waiting = Load::of(at, waits).wait_ms(at.service_ms()) + tails(fleet, at, route).ttft_ms;
+    let waiting = tails_behind(fleet, at, route, Load::of(at, waits)).ttft_ms;
     waiting > left && tails(fleet, go, route).ttft_ms <= left
 }
 
@@ -196,11 +207,10 @@ pub(crate) fn busy_meeting(
         if !e.eligible(now) || e.takes(route, now, config) {
             continue;
         }
-        let mut t = tails(fleet, e, route);
         // Behind every request held for it in this pass, not only this
         // offer's: many requests with objectives waiting for the same few
         // fast servers would each count on a short wait.
-        t.ttft_ms += Load::of_pass(e, waits).wait_ms(e.service_ms());
+        let t = tails_behind(fleet, e, route, Load::of_pass(e, waits));
         if miss(route, t, now) <= 1.0 && best.is_none_or(|(ms, _)| t.ttft_ms < ms) {
             best = Some((t.ttft_ms, e.id));
         }
@@ -226,10 +236,11 @@ pub(crate) fn reachable(fleet: &EndpointLedger, route: &Route, now: Instant) -> 
         return true;
     }
     eligible.any(|e| {
-        let mut t = tails(fleet, e, route);
-        if !e.takes(route, now, config) {
-            t.ttft_ms += Load::of(e, &none).wait_ms(e.service_ms());
-        }
+        let t = if e.takes(route, now, config) {
+            tails(fleet, e, route)
+        } else {
+            tails_behind(fleet, e, route, Load::of(e, &none))
+        };
         miss(route, t, now) <= 1.0
     })
 }

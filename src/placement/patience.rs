@@ -84,6 +84,22 @@ pub(crate) fn prompt_tokens(fleet: &EndpointLedger, route: &Route) -> u64 {
         .max(route.prefix.len() as u64 * block_bytes / BYTES_PER_TOKEN)
 }
 
+/// Whether placement weighs the route's cached prompt blocks: the prefix
+/// scorer is on and the prompt has blocks.
+fn prefix_counts(fleet: &EndpointLedger, route: &Route) -> bool {
+    fleet.scheduling().scorers.prefix_cache > 0.0 && !route.prefix.is_empty()
+}
+
+/// Leading blocks of the route's prompt `e` holds, as placement counts
+/// them ([`prefix_counts`]: none when it does not weigh them).
+pub(crate) fn matched_blocks(fleet: &EndpointLedger, route: &Route, e: &Endpoint) -> usize {
+    if prefix_counts(fleet, route) {
+        e.prefix_matched(&route.prefix)
+    } else {
+        0
+    }
+}
+
 /// Tokens of the route's prompt an endpoint holding `matched` of its
 /// leading blocks has cached.
 pub(crate) fn cached_tokens(fleet: &EndpointLedger, route: &Route, matched: usize) -> u64 {
@@ -124,14 +140,8 @@ pub(crate) fn wait_or_go(
         return WaitOrGo::Go;
     };
     let prompt = prompt_tokens(fleet, route);
-    let scored = fleet.scheduling().scorers.prefix_cache > 0.0 && !route.prefix.is_empty();
-    let matched = |e: &Endpoint| {
-        if scored {
-            e.prefix_matched(&route.prefix)
-        } else {
-            0
-        }
-    };
+    let scored = prefix_counts(fleet, route);
+    let matched = |e: &Endpoint| matched_blocks(fleet, route, e);
     let go_matched = matched(go_endpoint);
     // A request for a LoRA adapter waits for its load where the adapter
     // is not resident.

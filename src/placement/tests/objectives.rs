@@ -29,6 +29,16 @@ fn teach(r: &mut EndpointLedger, port: u16, prefill_ms: u64, tpot_ms: u64, extra
     }
 }
 
+/// A ledger of servers on `ports` of `slots` each.
+fn servers(ports: &[u16], slots: u32, now: Instant) -> EndpointLedger {
+    let mut r = EndpointLedger::default();
+    for &port in ports {
+        let (rep, a) = report_for(&format!("e{port}"), port, slots, &[]);
+        r.apply_report(rep, a, now);
+    }
+    r
+}
+
 fn with(objective: Objective, now: Instant) -> Route {
     Route {
         objective,
@@ -47,11 +57,7 @@ fn tpot(ms: u32) -> Objective {
 #[test]
 fn a_tight_objective_goes_where_the_tails_meet_it_and_none_changes_nothing() {
     let now = Instant::now();
-    let mut r = EndpointLedger::default();
-    for port in [1, 2] {
-        let (rep, a) = report_for(&format!("e{port}"), port, 4, &[]);
-        r.apply_report(rep, a, now);
-    }
+    let mut r = servers(&[1, 2], 4, now);
     // The prompt's first request goes to `home`, which caches it...
     let first = acquire(&mut r, &route(None, &[1, 2, 3, 4]), now).unwrap();
     let home = first.addr.port();
@@ -77,11 +83,7 @@ fn a_tight_objective_goes_where_the_tails_meet_it_and_none_changes_nothing() {
 #[test]
 fn when_none_meets_it_an_idle_endpoint_then_the_least_miss() {
     let now = Instant::now();
-    let mut r = EndpointLedger::default();
-    for port in [1, 2] {
-        let (rep, a) = report_for(&format!("e{port}"), port, 4, &[]);
-        r.apply_report(rep, a, now);
-    }
+    let mut r = servers(&[1, 2], 4, now);
     teach(&mut r, 1, 100, 30, 20);
     teach(&mut r, 2, 200, 60, 40);
     // Port 1 is busier (two running), port 2 idle: neither meets 10 ms.
@@ -105,9 +107,7 @@ fn when_none_meets_it_an_idle_endpoint_then_the_least_miss() {
 #[test]
 fn sheddable_work_none_can_serve_in_time_is_refused_the_rest_is_served() {
     let now = Instant::now();
-    let mut r = EndpointLedger::default();
-    let (rep, a) = report_for("e1", 1, 4, &[]);
-    r.apply_report(rep, a, now);
+    let mut r = servers(&[1], 4, now);
     teach(&mut r, 1, 100, 30, 20);
     let sheddable = Route {
         sheddable: true,
@@ -147,11 +147,7 @@ fn sheddable_work_none_can_serve_in_time_is_refused_the_rest_is_served() {
 #[test]
 fn a_queued_request_no_free_server_serves_in_time_waits_for_a_busy_one_that_will() {
     let now = Instant::now();
-    let mut r = EndpointLedger::default();
-    for port in [1, 2] {
-        let (rep, a) = report_for(&format!("e{port}"), port, 1, &[]);
-        r.apply_report(rep, a, now);
-    }
+    let mut r = servers(&[1, 2], 1, now);
     // Port 1 is busy; port 2 is free but 40 ms a token misses 20 ms.
     let first = acquire(&mut r, &route(None, &[7]), now).unwrap();
     let (busy, free) = (first.addr.port(), 3 - first.addr.port());

@@ -30,7 +30,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 use tonic::Streaming;
 
-use super::{pct, sorted, system_prompt, Rng};
+use super::{pct_or_nan, sorted, system_prompt, Rng};
 
 /// The header (and `envoy.lb` key) that names the chosen endpoint.
 const DESTINATION: &str = "x-gateway-destination-endpoint";
@@ -157,13 +157,7 @@ pub async fn epp(args: EppArgs) {
     }
     let t = tally.lock().unwrap();
     let latency = sorted(&t.latency_ms);
-    let p = |q| {
-        if latency.is_empty() {
-            f64::NAN
-        } else {
-            pct(&latency, q)
-        }
-    };
+    let p = |q| pct_or_nan(&latency, q);
     println!(
         "{}",
         json!({

@@ -372,13 +372,7 @@ async fn tenants(args: TenantsArgs) {
     let total: u64 = s.values().map(|t| t.tokens).sum();
     for (name, t) in s.iter() {
         let ttft = sorted(&t.ttft);
-        let p = |q| {
-            if ttft.is_empty() {
-                f64::NAN
-            } else {
-                pct(&ttft, q)
-            }
-        };
+        let p = |q| pct_or_nan(&ttft, q);
         let errors: BTreeMap<String, u64> =
             t.errors.iter().map(|(k, v)| (k.to_string(), *v)).collect();
         out.insert(
@@ -398,17 +392,23 @@ async fn tenants(args: TenantsArgs) {
 /// Prompt plus completion tokens of the last `usage` in an SSE body (0 if
 /// none).
 fn usage_tokens(body: &[u8]) -> u64 {
+    last_usage(body).map_or(0, |(prompt, completion)| prompt + completion)
+}
+
+/// The (prompt, completion) tokens of a stream's last `usage` object.
+fn last_usage(body: &[u8]) -> Option<(u64, u64)> {
     let text = String::from_utf8_lossy(body);
     text.lines()
         .rev()
         .filter_map(|l| l.strip_prefix("data: "))
         .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-        .filter_map(|v| {
+        .find_map(|v| {
             let u = v.get("usage")?;
-            Some(u["prompt_tokens"].as_u64()? + u["completion_tokens"].as_u64()?)
+            Some((
+                u["prompt_tokens"].as_u64()?,
+                u["completion_tokens"].as_u64()?,
+            ))
         })
-        .next()
-        .unwrap_or(0)
 }
 
 // ---- load generator ---------------------------------------------------
@@ -711,6 +711,15 @@ fn sorted(v: &[f64]) -> Vec<f64> {
 /// The `p` quantile of sorted, non-empty samples.
 fn pct(v: &[f64], p: f64) -> f64 {
     v[((v.len() as f64 * p) as usize).min(v.len() - 1)]
+}
+
+/// [`pct`], or NaN (`null` in the JSON line) when there are no samples.
+fn pct_or_nan(v: &[f64], p: f64) -> f64 {
+    if v.is_empty() {
+        f64::NAN
+    } else {
+        pct(v, p)
+    }
 }
 
 // ---- many requests at once --------------------------------------------------

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use futures_util::StreamExt;
 use serde_json::json;
 
-use super::{pct, sorted, Rng};
+use super::{last_usage, pct_or_nan, sorted, Rng};
 
 #[derive(Debug, clap::Args)]
 pub struct SloArgs {
@@ -83,23 +83,13 @@ async fn stream(req: reqwest::RequestBuilder) -> Result<(f64, f64, u64), u16> {
     }
     let first = first.ok_or(0u16)?;
     let total = sent.elapsed();
-    let tokens = completion_tokens(&text);
+    let tokens = last_usage(&text).map_or(0, |(_, completion)| completion);
     let tpot = if tokens >= 2 {
         (total - first).as_secs_f64() / (tokens - 1) as f64
     } else {
         0.0
     };
     Ok((first.as_secs_f64(), tpot, tokens))
-}
-
-fn completion_tokens(body: &[u8]) -> u64 {
-    String::from_utf8_lossy(body)
-        .lines()
-        .rev()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
-        .find_map(|v| v.get("usage")?["completion_tokens"].as_u64())
-        .unwrap_or(0)
 }
 
 pub async fn slo(args: SloArgs) {
@@ -179,13 +169,7 @@ pub async fn slo(args: SloArgs) {
     let all = classes.lock().unwrap();
     let report = |c: &Class| {
         let ttft = sorted(&c.ttft);
-        let p = |q| {
-            if ttft.is_empty() {
-                f64::NAN
-            } else {
-                pct(&ttft, q)
-            }
-        };
+        let p = |q| pct_or_nan(&ttft, q);
         let errors: BTreeMap<String, u64> =
             c.errors.iter().map(|(k, v)| (k.to_string(), *v)).collect();
         json!({"sent": c.sent, "ok": c.ok, "met": c.met,

@@ -432,6 +432,12 @@ impl<T> Dispatcher<T> {
         self.ledger.deregister(agent_id)
     }
 
+    /// The endpoint a registered agent reports; none for an agent not
+    /// registered (never, deregistered, dropped or displaced).
+    pub fn endpoint_of_agent(&self, agent_id: &str) -> Option<EndpointId> {
+        self.ledger.endpoint_of_agent(agent_id)
+    }
+
     /// Drops agents that missed three reports; returns their ids.
     pub fn drop_stale(&mut self, now: Instant) -> Vec<String> {
         self.ledger.drop_stale(now)

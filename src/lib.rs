@@ -15,6 +15,8 @@
 //!   the whole rule, stage by stage.
 //! - [`scorer`]: the weighted scorers that pick an endpoint.
 //! - [`prefix`]: prompt block hashing and the per-endpoint prefix index.
+//! - [`kv_events`]: the engines' own KV-cache events: decoded, keyed by
+//!   their tokens, and indexed per engine.
 //! - [`session`]: session keys clients send and the endpoint each
 //!   conversation was last served by.
 //! - [`turn`]: a conversation sent without a key, named turn by turn by
@@ -47,6 +49,7 @@ pub mod dispatcher;
 pub mod duration;
 pub mod endpoint;
 pub mod flow;
+pub mod kv_events;
 pub(crate) mod lru;
 pub mod models;
 pub mod multipart;

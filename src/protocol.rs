@@ -116,7 +116,47 @@ pub struct AgentReport {
     /// The server's LoRA adapters, when its engine serves any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub adapters: Option<AdapterReport>,
+    /// The engine's KV-cache events, when the agent follows them
+    /// (`--kv-events`): their state. The blocks themselves go on their own
+    /// route (`POST /api/v1/agents/{agent_id}/blocks`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<KvEventsReport>,
 }
+
+/// What an agent says of the engine's KV-cache events it follows.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvEventsReport {
+    /// The version of the blocks' keys ([`crate::kv_events::KEY_VERSION`]):
+    /// a balancer routes only on keys of its own version.
+    pub key_version: u32,
+    /// Tokens per block, once a stored block said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
+    /// Whether the blocks stand for the engine's whole cache: false after
+    /// events were lost, until the engine's cache turned over (then the
+    /// balancer routes on its own guess, as for an engine without events).
+    pub whole: bool,
+    pub blocks_gpu: u64,
+    pub blocks_cpu: u64,
+    /// Batches and events applied, since the agent started.
+    pub batches: u64,
+    pub events: u64,
+    /// Gaps in the batches' numbering, replays asked, gaps no replay
+    /// covered (the index dropped: resyncs), engine restarts seen.
+    pub gaps: u64,
+    pub replays: u64,
+    pub resyncs: u64,
+    pub restarts: u64,
+    /// Frames and events skipped: undecodable, of an unknown type or
+    /// medium, malformed, or after a parent the agent does not hold.
+    pub skipped: u64,
+    /// How long ago the last batch came.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_batch_ms_ago: Option<u64>,
+}
+
+/// Largest block an engine may report, in tokens.
+pub const MAX_BLOCK_SIZE: u32 = 65_536;
 
 /// What a server says of its LoRA adapters (vLLM: `/v1/models` entries
 /// with a `parent`, and `vllm:lora_requests_info`). Names are the ones a
@@ -227,6 +267,8 @@ pub enum ReportError {
     BadModelName,
     #[error("adapters: each list holds at most {MAX_ADAPTERS_PER_REPORT} names of 1..={MAX_MODEL_NAME_LEN} bytes, {MAX_ADAPTER_NAME_BYTES} bytes of names in all; load_failed at most {MAX_LOAD_FAILURES} entries with errors of at most {MAX_LOAD_ERROR_LEN} bytes")]
     BadAdapters,
+    #[error("kv_events.block_size {0} is not 1..={MAX_BLOCK_SIZE}")]
+    BadBlockSize(u32),
     #[error("last_error is at most {MAX_LAST_ERROR_LEN} bytes")]
     LastErrorTooLong,
     #[error("this balancer takes at most {0} agents: refused a new one")]
@@ -305,6 +347,11 @@ impl AgentReport {
         if self.adapters.as_ref().is_some_and(|a| !a.valid()) {
             return Err(ReportError::BadAdapters);
         }
+        if let Some(size) = self.kv_events.and_then(|k| k.block_size) {
+            if !(1..=MAX_BLOCK_SIZE).contains(&size) {
+                return Err(ReportError::BadBlockSize(size));
+            }
+        }
         if self
             .last_error
             .as_ref()
@@ -357,6 +404,7 @@ pub(crate) mod tests {
             read_began_ms_ago: None,
             read_ended_ms_ago: None,
             adapters: None,
+            kv_events: None,
         }
     }
 

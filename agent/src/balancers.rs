@@ -30,6 +30,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use flowgate::kv_events::{BlocksUpdate, BlocksVersion};
 use flowgate::shares::{Demand, Ledger};
 use flowgate::AgentReport;
 use reqwest::Client;
@@ -38,6 +39,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
+use crate::kv_events::SharedKv;
 use crate::loader::AdapterLoader;
 
 /// How often the balancers' names are resolved again.
@@ -162,8 +164,16 @@ pub struct Balancers {
     published: u64,
     /// The slots' division between the balancers, unless off.
     shares: Option<Ledger<SocketAddr>>,
+    side: EngineSide,
+}
+
+/// What the agent does at the engine for the balancers besides reporting.
+#[derive(Clone, Default)]
+pub struct EngineSide {
     /// Loads LoRA adapters the balancers ask for (`--lora-adapter`).
-    loader: Option<Arc<AdapterLoader>>,
+    pub loader: Option<Arc<AdapterLoader>>,
+    /// The engine's blocks, from its KV-cache events (`--kv-events`).
+    pub kv: Option<SharedKv>,
 }
 
 impl Balancers {
@@ -172,10 +182,10 @@ impl Balancers {
         agent_id: String,
         token: Option<String>,
         share: bool,
-        loader: Option<Arc<AdapterLoader>>,
+        side: EngineSide,
     ) -> Self {
         Balancers {
-            loader,
+            side,
             by_addr: BTreeMap::new(),
             client,
             agent_id,
@@ -213,7 +223,7 @@ impl Balancers {
                     self.token.clone(),
                     self.latest.subscribe(),
                     Arc::clone(&answer),
-                    self.loader.clone(),
+                    self.side.clone(),
                 ));
                 let added_after = self.published;
                 self.by_addr.insert(
@@ -326,9 +336,14 @@ async fn report_to(
     token: Option<String>,
     mut latest: watch::Receiver<Published>,
     answer: Arc<Mutex<Answer>>,
-    loader: Option<Arc<AdapterLoader>>,
+    side: EngineSide,
 ) {
+    let EngineSide { loader, kv } = side;
     let mut failing = false;
+    // The engine's blocks this balancer holds, as it last said (in its
+    // answer to each report, and to each update).
+    let mut blocks_seen: Option<BlocksVersion> = None;
+    let mut blocks_failing = false;
     while latest.changed().await.is_ok() {
         let Some((n, report, (began, ended), shares)) = latest.borrow_and_update().clone() else {
             continue;
@@ -343,10 +358,11 @@ async fn report_to(
         report.read_ended_ms_ago = Some(ended.elapsed().as_millis() as u64);
         let result = send(&client, &url, &token, &report)
             .await
-            .map(|(demand, load)| {
+            .map(|(demand, load, blocks)| {
                 if let Some(l) = loader.as_ref().filter(|_| !load.is_empty()) {
                     l.ask(&load);
                 }
+                blocks_seen = blocks;
                 demand
             });
         match (&result, failing) {
@@ -355,12 +371,72 @@ async fn report_to(
             _ => {}
         }
         failing = result.is_err();
-        let mut answer = answer.lock().unwrap_or_else(|e| e.into_inner());
-        if let Ok(demand) = &result {
-            answer.accepted = Some((n, report.slots_busy, *demand));
+        let accepted = result.is_ok();
+        {
+            let mut answer = answer.lock().unwrap_or_else(|e| e.into_inner());
+            if let Ok(demand) = &result {
+                answer.accepted = Some((n, report.slots_busy, *demand));
+            }
+            answer.last = Some((n, result));
         }
-        answer.last = Some((n, result));
+        // The blocks it lacks, once it took the report (which registers
+        // the agent): a delta since what it holds, or a snapshot.
+        let Some(kv) = kv.as_ref().filter(|_| accepted) else {
+            continue;
+        };
+        let update = kv
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .update_since(blocks_seen);
+        if let Some(update) = update {
+            match send_blocks(&client, &url, &token, &update).await {
+                Ok(held) => {
+                    if blocks_failing {
+                        info!(balancer = %addr, "blocks accepted again");
+                    }
+                    blocks_failing = false;
+                    blocks_seen = held;
+                }
+                Err(e) => {
+                    if !blocks_failing {
+                        warn!(balancer = %addr, "{e}");
+                    }
+                    blocks_failing = true;
+                }
+            }
+        }
     }
+}
+
+/// Sends an update of the engine's blocks; returns what the balancer
+/// holds after it (`None`: nothing of this agent's, so a snapshot next).
+async fn send_blocks(
+    client: &Client,
+    url: &str,
+    token: &Option<String>,
+    update: &BlocksUpdate,
+) -> Result<Option<BlocksVersion>, String> {
+    let resp = authorized(client.post(format!("{url}/blocks")), token)
+        .header(reqwest::header::CONTENT_TYPE, "application/octet-stream")
+        .body(update.encode())
+        .send()
+        .await
+        .map_err(|e| format!("balancer unreachable for blocks: {e}"))?;
+    let status = resp.status();
+    let body = resp.text().await.unwrap_or_default();
+    // 409: the update did not apply to what it holds, which it says.
+    if status.is_success() || status == reqwest::StatusCode::CONFLICT {
+        #[derive(serde::Deserialize)]
+        struct Held {
+            held: Option<BlocksVersion>,
+        }
+        return serde_json::from_str::<Held>(&body)
+            .map(|h| h.held)
+            .map_err(|e| format!("balancer answered blocks with {body:?}: {e}"));
+    }
+    Err(format!(
+        "balancer refused the blocks: HTTP {status}: {body}"
+    ))
 }
 
 /// Sends a report; returns the balancer's demand on the endpoint (what
@@ -370,7 +446,7 @@ async fn send(
     url: &str,
     token: &Option<String>,
     report: &AgentReport,
-) -> Result<(Demand, Vec<String>), Failure> {
+) -> Result<(Demand, Vec<String>, Option<BlocksVersion>), Failure> {
     let resp = authorized(client.post(format!("{url}/report")), token)
         .json(report)
         .send()
@@ -397,7 +473,9 @@ async fn send(
         let load = (v["load_adapters"].as_array().into_iter().flatten())
             .filter_map(|n| n.as_str().map(str::to_string))
             .collect();
-        Ok((demand, load))
+        // The engine's blocks it holds (a restarted balancer: none).
+        let blocks = serde_json::from_value(v["blocks_held"].clone()).ok();
+        Ok((demand, load, blocks))
     } else {
         Err(Failure {
             refused: false,
@@ -435,7 +513,7 @@ mod tests {
 
     #[tokio::test]
     async fn every_report_says_how_many_balancers_it_goes_to() {
-        let mut b = Balancers::new(Client::new(), "a".into(), None, true, None);
+        let mut b = Balancers::new(Client::new(), "a".into(), None, true, EngineSide::default());
         let said = |b: &Balancers| {
             let latest = b.latest.borrow();
             latest.as_ref().map(|(_, r, _, _)| r.balancers)

@@ -5,6 +5,7 @@ mod backend;
 mod balancers;
 mod engines;
 mod http;
+mod kv_events;
 mod llamacpp;
 mod loader;
 mod lora;
@@ -137,6 +138,37 @@ struct Cli {
     #[arg(long, env = "FLOWGATE_BACKEND_API_KEY", hide_env_values = true)]
     backend_api_key: Option<String>,
 
+    /// Follow the engine's KV-cache events (vLLM `--kv-events-config` with
+    /// `"publisher": "zmq"`, SGLang `--kv-events-config`): the address of
+    /// its ZeroMQ PUB socket, `host:port` or `tcp://host:port` (rank 0;
+    /// rank r publishes on the port plus r). The agent keeps the blocks the
+    /// engine holds and sends them to every balancer, which then routes on
+    /// what the engine really caches. vLLM and SGLang only
+    #[arg(long, value_name = "ADDR", value_parser = parse_zmq_addr)]
+    kv_events: Option<(String, u16)>,
+
+    /// The engine's event replay socket (vLLM's `replay_endpoint`), rank 0,
+    /// to fill a gap in the events; without one a gap drops the engine's
+    /// blocks until they rebuild
+    #[arg(long, value_name = "ADDR", value_parser = parse_zmq_addr, requires = "kv_events")]
+    kv_events_replay: Option<(String, u16)>,
+
+    /// The events' topic to subscribe to (vLLM's `topic`; empty: all)
+    #[arg(long, value_name = "TOPIC", default_value = "", requires = "kv_events")]
+    kv_events_topic: String,
+
+    /// Data-parallel ranks of the engine, each publishing on its own port
+    /// (the port plus its rank)
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "kv_events",
+        value_parser = clap::value_parser!(u16).range(1..=64))]
+    kv_events_ranks: u16,
+
+    /// Blocks the agent keeps per rank, least recently stored forgotten
+    /// first: about 64 bytes each (1,000,000 blocks: 64 MB)
+    #[arg(long, value_name = "BLOCKS", default_value_t = 1_000_000, requires = "kv_events",
+        value_parser = clap::value_parser!(u64).range(1..=4_000_000))]
+    kv_events_capacity: u64,
+
     /// Log filter (error, warn, info, debug, trace or a tracing directive);
     /// env RUST_LOG wins
     #[arg(long, default_value = "info")]
@@ -175,6 +207,27 @@ fn parse_interval(s: &str) -> Result<Duration, String> {
         return Err(format!("{} is outside 50ms..=60s", s.trim()));
     }
     Ok(d)
+}
+
+/// `host:port` or `tcp://host:port` → (host, port): where the agent
+/// connects to an engine's ZeroMQ socket.
+fn parse_zmq_addr(s: &str) -> Result<(String, u16), String> {
+    let hostport = s.trim().strip_prefix("tcp://").unwrap_or(s.trim());
+    let (host, port) = hostport
+        .rsplit_once(':')
+        .ok_or_else(|| format!("{s:?} is not host:port or tcp://host:port"))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() || host == "*" || host.contains('/') {
+        return Err(format!(
+            "{s:?}: name the engine's host (not *) to connect to"
+        ));
+    }
+    let port: u16 = port
+        .parse()
+        .ok()
+        .filter(|&p| p > 0)
+        .ok_or_else(|| format!("{s:?}: the port is 1..=65535"))?;
+    Ok((host.to_string(), port))
 }
 
 /// `host:port` or `http://host:port[/]` → `http://host:port`.
@@ -272,6 +325,7 @@ fn report_of(
         read_began_ms_ago: None,
         read_ended_ms_ago: None,
         adapters: status.adapters,
+        kv_events: None,
     }
 }
 
@@ -317,12 +371,24 @@ async fn run(cli: Cli) -> Result<(), String> {
     };
     let agent_id = format!("agent-{}", uuid::Uuid::new_v4().simple());
     let name = cli.name.clone().unwrap_or_else(|| backend_base.clone());
+    let kv = cli.kv_events.clone().map(|publisher| {
+        kv_events::spawn(kv_events::KvEventsConfig {
+            publisher,
+            replay: cli.kv_events_replay.clone(),
+            topic: cli.kv_events_topic.clone(),
+            ranks: cli.kv_events_ranks,
+            capacity_blocks: cli.kv_events_capacity as usize,
+        })
+    });
     let mut balancers = Balancers::new(
         client,
         agent_id.clone(),
         cli.management_token.clone(),
         cli.share_slots,
-        loader.clone(),
+        balancers::EngineSide {
+            loader: loader.clone(),
+            kv: kv.clone(),
+        },
     );
     info!(
         agent = agent_id,
@@ -395,6 +461,11 @@ async fn run(cli: Cli) -> Result<(), String> {
         if let Some(l) = loader.as_ref().filter(|_| report.last_error.is_none()) {
             l.annotate(&mut report.adapters, std::time::Instant::now());
         }
+        if let Some(kv) = &kv {
+            let mut state = kv.lock().unwrap_or_else(|e| e.into_inner());
+            state.set_capacity_tokens(report.kv_capacity_tokens);
+            report.kv_events = Some(state.report(std::time::Instant::now()));
+        }
         let problem = report
             .last_error
             .as_ref()
@@ -432,6 +503,15 @@ fn main() -> ExitCode {
             .error(
                 clap::error::ErrorKind::ArgumentConflict,
                 "--lora-adapter needs --backend vllm: only vLLM loads adapters at run time",
+            )
+            .exit();
+    }
+    if cli.kv_events.is_some() && matches!(cli.backend, BackendArg::Llamacpp) {
+        use clap::CommandFactory;
+        Cli::command()
+            .error(
+                clap::error::ErrorKind::ArgumentConflict,
+                "--kv-events needs --backend vllm or sglang: llama.cpp publishes no cache events",
             )
             .exit();
     }
@@ -479,6 +559,20 @@ mod tests {
         assert!(parse_interval("10ms").is_err());
         assert!(parse_interval("2h").is_err());
         assert!(parse_interval("fast").is_err());
+    }
+
+    #[test]
+    fn zmq_addresses() {
+        assert_eq!(
+            parse_zmq_addr("tcp://10.0.0.1:5557"),
+            Ok(("10.0.0.1".into(), 5557))
+        );
+        assert_eq!(parse_zmq_addr("vllm:5557"), Ok(("vllm".into(), 5557)));
+        assert_eq!(parse_zmq_addr("[::1]:5557"), Ok(("::1".into(), 5557)));
+        assert!(parse_zmq_addr("tcp://*:5557").is_err(), "a bind address");
+        assert!(parse_zmq_addr("vllm").is_err());
+        assert!(parse_zmq_addr("vllm:0").is_err());
+        assert!(parse_zmq_addr("vllm:99999").is_err());
     }
 
     #[test]

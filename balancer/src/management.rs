@@ -4,6 +4,10 @@
 //! - `POST   /api/v1/agents/{id}/report`  register or update (JSON `AgentReport`);
 //!   answers `{"status", "endpoint_id", "in_flight"}` (the balancer's
 //!   requests in flight to that endpoint, which a draining agent waits on)
+//! - `POST   /api/v1/agents/{id}/blocks`  the blocks its engine holds, from
+//!   the engine's KV-cache events (a binary `BlocksUpdate`: a delta or a
+//!   snapshot); answers `{"held": {"epoch", "version"}}`, 409 with what it
+//!   holds when a delta is not for that
 //! - `DELETE /api/v1/agents/{id}`         deregister
 //! - `GET    /`                           the dashboard (`/dashboard.js`, `/dashboard.css`)
 //! - `GET    /api/v1/agents`              reports + the balancer's in-flight view
@@ -42,6 +46,8 @@ use crate::rules::LiveRules;
 
 /// Largest accepted report body.
 const MAX_REPORT_BYTES: usize = 64 * 1024;
+/// Largest blocks update: a snapshot of the most blocks one names.
+const MAX_BLOCKS_BYTES: usize = 64 + 8 * flowgate::kv_events::holdings::MAX_UPDATE_KEYS;
 /// Largest request body the route probe scores.
 const MAX_PROBE_BYTES: usize = 4 * 1024 * 1024;
 
@@ -201,6 +207,31 @@ impl Management {
         json_response(StatusCode::OK, body.to_string().into_bytes())
     }
 
+    /// `POST /api/v1/agents/{id}/blocks`: an update of the blocks the
+    /// agent's engine holds (module docs).
+    async fn blocks(&self, session: &mut ServerSession, agent_id: &str) -> Response<Vec<u8>> {
+        let body = match read_body(session, MAX_BLOCKS_BYTES).await {
+            Ok(b) => b,
+            Err(resp) => return resp,
+        };
+        if !self.shared.is_registered(agent_id) {
+            return error(
+                StatusCode::NOT_FOUND,
+                "unknown_agent",
+                &format!("no agent {agent_id}: its report registers it first"),
+            );
+        }
+        let update = match flowgate::kv_events::BlocksUpdate::decode(&body) {
+            Ok(u) => u,
+            Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_blocks", &e.to_string()),
+        };
+        let (status, held) = match self.shared.blocks.apply(agent_id, &update) {
+            crate::gate::Applied::Now(held) => (StatusCode::OK, Some(held)),
+            crate::gate::Applied::NotForIt(held) => (StatusCode::CONFLICT, held),
+        };
+        json_response(status, json!({ "held": held }).to_string().into_bytes())
+    }
+
     async fn report(&self, session: &mut ServerSession, agent_id: &str) -> Response<Vec<u8>> {
         let body = match read_body(session, MAX_REPORT_BYTES).await {
             Ok(b) => b,
@@ -269,6 +300,11 @@ impl Management {
                 if !load.is_empty() {
                     body["load_adapters"] = json!(load.iter().map(|a| &**a).collect::<Vec<_>>());
                 }
+                // The engine's blocks it holds from this agent: the agent
+                // sends what changed since (a restarted balancer: all).
+                if let Some(held) = self.shared.blocks.held(agent_id) {
+                    body["blocks_held"] = json!(held);
+                }
                 json_response(StatusCode::OK, body.to_string().into_bytes())
             }
             Err((status, code, msg)) => {
@@ -294,6 +330,7 @@ impl Management {
                 .map(|(model, n)| json!({"model": model.as_deref(), "requests": n}))
                 .collect::<Vec<_>>(),
             "endpoints": snap.endpoints,
+            "engine_blocks": self.shared.blocks.states(),
         });
         json_response(StatusCode::OK, body.to_string().into_bytes())
     }
@@ -413,6 +450,10 @@ impl ServeHttp for Management {
             (&Method::POST, ["api", "v1", "agents", id, "report"]) => {
                 let id = id.to_string();
                 self.report(session, &id).await
+            }
+            (&Method::POST, ["api", "v1", "agents", id, "blocks"]) => {
+                let id = id.to_string();
+                self.blocks(session, &id).await
             }
             (&Method::DELETE, ["api", "v1", "agents", id]) => {
                 if self.shared.deregister(id) {

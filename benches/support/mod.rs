@@ -26,5 +26,6 @@ pub fn report(i: u32, slots: u32) -> AgentReport {
         read_began_ms_ago: None,
         read_ended_ms_ago: None,
         adapters: None,
+        kv_events: None,
     }
 }

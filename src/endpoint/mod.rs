@@ -483,6 +483,11 @@ impl EndpointLedger {
         }
     }
 
+    /// The endpoint a registered agent reports.
+    pub(crate) fn endpoint_of_agent(&self, agent_id: &str) -> Option<EndpointId> {
+        self.by_agent.get(agent_id).copied()
+    }
+
     /// Removes an agent; its endpoint lingers while requests are in flight.
     pub(crate) fn deregister(&mut self, agent_id: &str) -> bool {
         match self.by_agent.get(agent_id).copied() {

@@ -28,9 +28,11 @@ use flowgate::{
 use tokio::sync::{oneshot, Notify};
 use tracing::warn;
 
+mod blocks;
 mod lease;
 mod served;
 
+pub use blocks::{Applied, EngineBlocks};
 pub use lease::{AnswerSeen, LeaseGuard, SlotEnd};
 pub use served::{AnswerEnd, Served};
 
@@ -48,6 +50,9 @@ fn now() -> Instant {
 
 pub struct FleetGate {
     dispatcher: Mutex<Dispatcher<Waker>>,
+    /// The engines' blocks their agents sent from the engines' KV-cache
+    /// events, off the dispatcher's lock.
+    pub blocks: EngineBlocks,
     pub metrics: Metrics,
     /// The last minutes of traffic, for the dashboard.
     pub history: History,
@@ -122,6 +127,7 @@ impl FleetGate {
     pub fn new(config: DispatcherConfig) -> Arc<Self> {
         Arc::new(FleetGate {
             dispatcher: Mutex::new(Dispatcher::new(config)),
+            blocks: EngineBlocks::default(),
             metrics: Metrics::new(),
             history: History::default(),
             shutting_down: AtomicBool::new(false),
@@ -474,7 +480,13 @@ impl FleetGate {
     }
 
     pub fn deregister(self: &Arc<Self>, agent_id: &str) -> bool {
+        self.blocks.forget(agent_id);
         self.with_dispatch(|d| d.deregister(agent_id))
+    }
+
+    /// Whether `agent_id` is registered (reports an endpoint now).
+    pub fn is_registered(&self, agent_id: &str) -> bool {
+        self.lock().endpoint_of_agent(agent_id).is_some()
     }
 
     /// Housekeeping's round: drops stale agents and places the requests
@@ -484,6 +496,10 @@ impl FleetGate {
         let mut d = self.lock();
         let dropped = d.drop_stale(now());
         self.deliver(&mut d);
+        // Blocks of agents no longer registered (dropped, or displaced by
+        // another agent of their endpoint) go.
+        self.blocks
+            .retain(|agent| d.endpoint_of_agent(agent).is_some());
         let next = [d.next_stale_deadline(), d.next_hold_end()]
             .into_iter()
             .flatten()

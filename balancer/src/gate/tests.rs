@@ -38,6 +38,7 @@ fn agent(id: &str, port: u16, model: &str) -> AgentReport {
         read_began_ms_ago: None,
         read_ended_ms_ago: None,
         adapters: None,
+        kv_events: None,
     }
 }
 

@@ -106,6 +106,20 @@ pub(crate) struct Cli {
     /// more evicts the least recently used adapter no request runs on
     #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub(crate) max_loras: u32,
+    /// Publish KV-cache events from the prefix cache as vLLM and SGLang do,
+    /// on a ZeroMQ PUB socket at this port of `--listen`'s address (its
+    /// replay socket on the next port; 0: free ports, printed as `kv
+    /// events on tcp://IP:PORT replay tcp://IP:PORT`; with `--servers`, each
+    /// server the next pair of ports)
+    #[arg(long, value_name = "PORT")]
+    pub(crate) kv_events_port: Option<u16>,
+    /// The events' layout: vLLM's tagged maps, its older positional
+    /// arrays, or SGLang's
+    #[arg(long, value_enum, default_value = "tagged")]
+    pub(crate) kv_events_layout: KvLayout,
+    /// The events' topic
+    #[arg(long, default_value = "")]
+    pub(crate) kv_events_topic: String,
     /// Milliseconds an adapter takes to load, its requests waiting
     #[arg(long, value_name = "MS", default_value_t = 500)]
     pub(crate) lora_load_ms: u64,
@@ -115,5 +129,12 @@ pub(crate) struct Cli {
 pub(crate) enum EngineKind {
     Llamacpp,
     Vllm,
+    Sglang,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum KvLayout {
+    Tagged,
+    Positional,
     Sglang,
 }

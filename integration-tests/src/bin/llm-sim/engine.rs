@@ -21,6 +21,8 @@ use flowgate::prefix::PrefixLru;
 use flowgate_integration_tests::sim_cache::{self, BLOCK_BYTES};
 use tokio::sync::oneshot;
 
+use crate::kv_events::{events_of, Publisher, SimEvent};
+
 pub use sim_cache::BYTES_PER_TOKEN;
 
 #[derive(Debug, Clone, Copy)]
@@ -55,6 +57,8 @@ pub struct Engine {
     config: EngineConfig,
     state: Mutex<State>,
     cache: Mutex<PrefixLru>,
+    /// Where the cache's changes go as KV-cache events (`--kv-events-port`).
+    events: Option<Arc<Publisher>>,
     pub prompt_tokens_total: AtomicU64,
     pub cached_tokens_total: AtomicU64,
 }
@@ -99,12 +103,13 @@ impl Drop for Queued<'_> {
 }
 
 impl Engine {
-    pub fn new(config: EngineConfig) -> Arc<Self> {
+    pub fn new(config: EngineConfig, events: Option<Arc<Publisher>>) -> Arc<Self> {
         let blocks = (config.prefix_cache_tokens * BYTES_PER_TOKEN) as usize / BLOCK_BYTES;
         Arc::new(Engine {
             config,
             state: Mutex::new(State::default()),
             cache: Mutex::new(PrefixLru::new(blocks)),
+            events,
             prompt_tokens_total: AtomicU64::new(0),
             cached_tokens_total: AtomicU64::new(0),
         })
@@ -204,10 +209,14 @@ impl Engine {
         (cap > 0).then(|| self.state.lock().unwrap().kv_used as f64 / cap as f64)
     }
 
-    /// Forgets every cached prompt (a restarted engine).
+    /// Forgets every cached prompt (a restarted engine, or a cache reset:
+    /// `AllBlocksCleared`).
     pub fn clear_cache(&self) {
         let mut cache = self.cache.lock().unwrap();
         *cache = PrefixLru::new(cache.capacity());
+        if let Some(events) = &self.events {
+            events.push(SimEvent::Cleared);
+        }
     }
 
     /// Looks the prompt up in the prefix cache, then caches it. Returns the
@@ -218,7 +227,25 @@ impl Engine {
             let blocks = sim_cache::blocks(prompt);
             let mut cache = self.cache.lock().unwrap();
             let matched = cache.matched(&blocks);
-            cache.insert(&blocks);
+            match &self.events {
+                None => cache.insert(&blocks),
+                Some(events) => {
+                    let mut stored = Vec::new();
+                    let mut evicted = Vec::new();
+                    cache.insert_tracked(&blocks, |h, holds| {
+                        if holds {
+                            stored.push(h);
+                        } else {
+                            evicted.push(h);
+                        }
+                    });
+                    let stored: std::collections::HashSet<u64> = stored.into_iter().collect();
+                    let new: Vec<bool> = blocks.iter().map(|h| stored.contains(h)).collect();
+                    for e in events_of(prompt, &blocks, &new, evicted) {
+                        events.push(e);
+                    }
+                }
+            }
             sim_cache::cached_tokens(matched)
         } else {
             0
@@ -250,13 +277,16 @@ mod tests {
     use super::*;
 
     fn engine(slots: u32, kv: u64) -> Arc<Engine> {
-        Engine::new(EngineConfig {
-            slots,
-            kv_capacity_tokens: kv,
-            prefix_cache_tokens: 1_000,
-            prefill_per_token: Duration::from_millis(1),
-            decode_slowdown: 0.5,
-        })
+        Engine::new(
+            EngineConfig {
+                slots,
+                kv_capacity_tokens: kv,
+                prefix_cache_tokens: 1_000,
+                prefill_per_token: Duration::from_millis(1),
+                decode_slowdown: 0.5,
+            },
+            None,
+        )
     }
 
     #[tokio::test]

@@ -29,6 +29,8 @@
 mod answer;
 mod cli;
 mod engine;
+mod fault;
+mod kv_events;
 mod lora;
 mod report;
 
@@ -54,36 +56,11 @@ use tokio::net::TcpListener;
 use crate::answer::{final_body, pause, stream_response};
 use crate::cli::{Cli, EngineKind};
 use crate::engine::{Engine, EngineConfig, Running};
+use crate::fault::{parse_fault, Fault};
 use crate::report::report_loop;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type Body = http_body_util::combinators::BoxBody<Bytes, BoxError>;
-
-#[derive(Debug, Clone, PartialEq)]
-enum Fault {
-    Status(u16),
-    Reject(u16),
-    Hang,
-    DropMidStream,
-    SlowStream,
-}
-
-fn parse_fault(s: &str) -> Option<Fault> {
-    match s.trim() {
-        "hang" => Some(Fault::Hang),
-        "drop-mid-stream" => Some(Fault::DropMidStream),
-        "slow-stream" => Some(Fault::SlowStream),
-        other => {
-            if let Some(code) = other.strip_prefix("reject=") {
-                return code.parse().ok().map(Fault::Reject);
-            }
-            other
-                .strip_prefix("status=")
-                .and_then(|c| c.parse().ok())
-                .map(Fault::Status)
-        }
-    }
-}
 
 #[derive(Default)]
 struct Stats {
@@ -109,6 +86,7 @@ struct Sim {
     next_id: AtomicU64,
     stats: Mutex<Stats>,
     adapters: Arc<lora::Adapters>,
+    kv_events: Option<Arc<kv_events::Publisher>>,
 }
 
 /// Counts a request as processing while alive (it holds a slot).
@@ -399,6 +377,9 @@ async fn route(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>, 
         (&Method::POST, "/v1/load_lora_adapter") => lora_admin(sim, req, true).await,
         (&Method::POST, "/v1/unload_lora_adapter") => lora_admin(sim, req, false).await,
         (&Method::GET, "/sim/stats") => json_resp(StatusCode::OK, sim.stats_json()),
+        (&Method::POST, "/sim/kv-events" | "/tokenize") => {
+            kv_events::route(sim.kv_events.as_deref(), &sim.engine, &path, req).await
+        }
         (&Method::POST, "/sim/reset") => {
             sim.reset();
             json_resp(StatusCode::OK, json!({"status": "reset"}))
@@ -715,14 +696,21 @@ async fn serve(cli: Cli) {
         };
         let addr = listener.local_addr().expect("local addr");
         println!("listening on {addr}");
+        let events = cli
+            .kv_events_port
+            .map(|_| Arc::new(kv_events::Publisher::default()));
         let sim = Arc::new(Sim {
-            engine: Engine::new(EngineConfig {
-                slots: cli.slots,
-                kv_capacity_tokens: cli.kv_capacity_tokens,
-                prefix_cache_tokens: cli.prefix_cache_tokens,
-                prefill_per_token: Duration::from_micros(cli.prefill_us_per_token),
-                decode_slowdown: cli.decode_slowdown,
-            }),
+            engine: Engine::new(
+                EngineConfig {
+                    slots: cli.slots,
+                    kv_capacity_tokens: cli.kv_capacity_tokens,
+                    prefix_cache_tokens: cli.prefix_cache_tokens,
+                    prefill_per_token: Duration::from_micros(cli.prefill_us_per_token),
+                    decode_slowdown: cli.decode_slowdown,
+                },
+                events.clone(),
+            ),
+            kv_events: events.clone(),
             cli: cli.clone(),
             server: hyper::header::HeaderValue::from_str(&addr.to_string())
                 .expect("a socket address is a header value"),
@@ -740,6 +728,16 @@ async fn serve(cli: Cli) {
                 Duration::from_millis(cli.lora_load_ms),
             )),
         });
+        if let (Some(events), Some(first)) = (events, cli.kv_events_port) {
+            // Server i publishes on the i-th pair of ports after the first.
+            let port = if first == 0 {
+                0
+            } else {
+                first.saturating_add(2 * i as u16)
+            };
+            let (layout, topic) = (cli.kv_events_layout, cli.kv_events_topic.clone());
+            tokio::spawn(kv_events::serve(events, addr.ip(), port, layout, topic));
+        }
         sims.push((addr, Arc::clone(&sim)));
         tokio::spawn(accept_loop(listener, sim));
     }
@@ -771,18 +769,5 @@ async fn accept_loop(listener: TcpListener, sim: Arc<Sim>) {
                 .serve_connection(TokioIo::new(stream), svc)
                 .await;
         });
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn faults_parse() {
-        assert_eq!(parse_fault("status=503"), Some(Fault::Status(503)));
-        assert_eq!(parse_fault("hang"), Some(Fault::Hang));
-        assert_eq!(parse_fault("drop-mid-stream"), Some(Fault::DropMidStream));
-        assert_eq!(parse_fault("nonsense"), None);
     }
 }

@@ -38,6 +38,7 @@ pub(crate) async fn report_loop(base: String, cli: Cli, sims: Vec<(SocketAddr, A
                 read_began_ms_ago: Some(0),
                 read_ended_ms_ago: Some(0),
                 adapters: None,
+                kv_events: None,
             };
             let mut req = client
                 .post(format!("{base}/api/v1/agents/{agent_id}/report"))

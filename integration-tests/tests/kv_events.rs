@@ -1,0 +1,249 @@
+//! Engine KV-cache events end to end: llm-sim publishes its prefix cache's
+//! changes as vLLM and SGLang do (each layout), the agent follows them
+//! (replaying a gap, dropping and rebuilding what a gap it cannot replay
+//! left unknown, surviving garbage and a restart), and the balancer holds
+//! the blocks each engine holds.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::time::Duration;
+
+use common::*;
+use serde_json::{json, Value};
+
+/// An llm-sim with a prefix cache publishing events in `layout`, and the
+/// addresses of its PUB and replay sockets.
+fn sim_with_events(layout: &str) -> (Sim, String, String) {
+    let args: Vec<String> = [
+        "--listen",
+        "127.0.0.1:0",
+        "--engine",
+        "vllm",
+        "--prefix-cache-tokens",
+        "100000",
+        "--kv-events-port",
+        "0",
+        "--kv-events-layout",
+        layout,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut proc = Proc::spawn("llm-sim", &args);
+    let stdout = proc.child.stdout.take().expect("piped stdout");
+    let mut lines = BufReader::new(stdout).lines();
+    let mut next = || {
+        lines
+            .next()
+            .expect("a banner line")
+            .expect("read llm-sim banner")
+    };
+    let addr = next()
+        .strip_prefix("listening on ")
+        .expect("the address first")
+        .parse()
+        .expect("llm-sim address");
+    let kv = next();
+    let rest = kv
+        .strip_prefix("kv events on ")
+        .expect("the events' sockets");
+    let (publisher, replay) = rest.split_once(" replay ").expect("both sockets");
+    (
+        Sim { proc, addr },
+        publisher.to_string(),
+        replay.to_string(),
+    )
+}
+
+/// A prompt of `blocks` whole cache blocks (64 bytes each), named by `tag`.
+fn prompt(tag: &str, blocks: usize) -> Value {
+    let mut text = format!("{tag}: ");
+    while text.len() < blocks * 64 + 32 {
+        text.push_str("the quick brown fox jumps over the lazy dog. ");
+    }
+    text.truncate(blocks * 64 + 32);
+    json!({"model": "sim-model", "messages": [{"role": "user", "content": text}]})
+}
+
+async fn send(b: &Balancer, body: &Value) {
+    let r = client()
+        .post(b.url("/v1/chat/completions"))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+async fn fault(sim: &Sim, body: Value) {
+    let r = client()
+        .post(format!("http://{}/sim/kv-events", sim.addr))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+/// The agent's report of the events, and the balancer's copy of the
+/// blocks, once `cond` holds of them.
+async fn wait_blocks(
+    b: &Balancer,
+    what: &str,
+    cond: impl Fn(&Value, &Value) -> bool,
+) -> (Value, Value) {
+    wait_for(what, Duration::from_secs(10), || async {
+        let agents = b.agents().await;
+        let report = agents["endpoints"][0]["agent"]["kv_events"].clone();
+        let copy = agents["engine_blocks"][0].clone();
+        cond(&report, &copy).then_some((report, copy))
+    })
+    .await
+}
+
+fn n(v: &Value) -> u64 {
+    v.as_u64().unwrap_or(0)
+}
+
+async fn follows(layout: &str) {
+    let b = Balancer::start(&[]).await;
+    let (sim, publisher, replay) = sim_with_events(layout);
+    let _agent = agent_at(
+        &sim.addr.to_string(),
+        &b,
+        &[
+            "--backend",
+            "vllm",
+            "--max-concurrency",
+            "4",
+            "--kv-events",
+            &publisher,
+            "--kv-events-replay",
+            &replay,
+        ],
+    );
+    b.wait_eligible(1).await;
+    // Nothing cached yet: no blocks, but the copy exists once the agent
+    // sent its first snapshot.
+    wait_blocks(&b, "the first snapshot", |r, c| {
+        r["whole"] == true && c["version"].is_u64()
+    })
+    .await;
+
+    // A prompt of 8 blocks is cached: the balancer holds its 8 blocks.
+    send(&b, &prompt("first", 8)).await;
+    let (report, _) = wait_blocks(&b, "8 blocks", |r, c| {
+        n(&c["blocks_gpu"]) == 8 && n(&r["blocks_gpu"]) == 8
+    })
+    .await;
+    assert_eq!(
+        report["block_size"], 16,
+        "{layout}: 16 tokens of 4 bytes a block"
+    );
+
+    // Two batches never sent: the agent sees the gap at the next one sent
+    // (the next prompt's) and replays it from the ring.
+    fault(&sim, json!({"drop": 2})).await;
+    send(&b, &prompt("second", 4)).await;
+    send(&b, &prompt("nudge-1", 1)).await;
+    let (report, _) = wait_blocks(&b, "the replayed gap", |r, c| {
+        n(&c["blocks_gpu"]) == 13 && n(&r["replays"]) >= 1
+    })
+    .await;
+    assert_eq!(report["resyncs"], 0, "{layout}: {report}");
+    assert_eq!(report["whole"], true);
+
+    // Garbage is counted and skipped; the events after it still apply.
+    fault(&sim, json!({"garbage": 3})).await;
+    send(&b, &prompt("third", 2)).await;
+    let (report, _) = wait_blocks(&b, "garbage skipped", |_, c| n(&c["blocks_gpu"]) == 15).await;
+    assert!(n(&report["skipped"]) >= 3, "{layout}: {report}");
+
+    // Batches lost from the ring too: the index is dropped and partial.
+    fault(&sim, json!({"lose": 2})).await;
+    send(&b, &prompt("fourth", 2)).await;
+    send(&b, &prompt("nudge-2", 1)).await;
+    let (report, _) = wait_blocks(&b, "the lost gap", |r, _| n(&r["resyncs"]) >= 1).await;
+    assert_eq!(report["whole"], false, "{layout}: {report}");
+
+    // The engine restarts (numbering from 0, cache empty): nothing held,
+    // whole again.
+    fault(&sim, json!({"restart": true})).await;
+    send(&b, &prompt("fifth", 3)).await;
+    let (report, _) = wait_blocks(&b, "the restart", |r, c| {
+        n(&r["restarts"]) >= 1 && n(&c["blocks_gpu"]) == 3
+    })
+    .await;
+    assert_eq!(report["whole"], true, "{layout}: {report}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_follows_vllms_tagged_events() {
+    follows("tagged").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_follows_vllms_positional_events() {
+    follows("positional").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_follows_sglangs_events() {
+    follows("sglang").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_balancer_that_restarts_gets_a_snapshot() {
+    let b = Balancer::start(&[]).await;
+    let (sim, publisher, _) = sim_with_events("tagged");
+    let _agent = agent_at(
+        &sim.addr.to_string(),
+        &b,
+        &[
+            "--backend",
+            "vllm",
+            "--max-concurrency",
+            "4",
+            "--kv-events",
+            &publisher,
+        ],
+    );
+    b.wait_eligible(1).await;
+    send(&b, &prompt("kept", 5)).await;
+    wait_blocks(&b, "5 blocks", |_, c| n(&c["blocks_gpu"]) == 5).await;
+    let (inference, management) = (b.inference, b.management);
+    drop(b);
+    let b = Balancer::start_on(inference, management, &[]).await;
+    b.wait_eligible(1).await;
+    wait_blocks(&b, "the snapshot after the restart", |_, c| {
+        n(&c["blocks_gpu"]) == 5
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocks_from_an_unknown_agent_or_garbage_are_refused() {
+    let b = Balancer::start(&[]).await;
+    let r = client()
+        .post(b.mgmt("/api/v1/agents/nobody/blocks"))
+        .body(vec![0u8; 64])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    let sim = Sim::start(&[]);
+    let _agent = agent(&sim, &b);
+    b.wait_eligible(1).await;
+    let id = b.agents().await["endpoints"][0]["agent"]["agent_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let r = client()
+        .post(b.mgmt(&format!("/api/v1/agents/{id}/blocks")))
+        .body(b"{\"not\": \"blocks\"}".to_vec())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+}

@@ -74,15 +74,17 @@ impl Door {
         Ok((rules.admission).inference(headers, body, caller, &*self.gate)?)
     }
 
-    /// Lets in a request of these `facts`, sent with `grant`: where another
-    /// balancer served its conversation last becomes its session here
-    /// (`facts.meta.route`), then its quotas reserve its estimate (429
-    /// when one is spent).
+    /// Lets in a request of these `facts`, sent with `grant` and `body`:
+    /// where another balancer served its conversation last becomes its
+    /// session here (`facts.meta.route`), what the engines that publish
+    /// their caches hold of its prompt is matched, then its quotas reserve
+    /// its estimate (429 when one is spent).
     pub async fn enter(
         &self,
         rules: &DoorRules,
         facts: &mut RequestFacts,
         grant: Option<&Grant>,
+        body: Option<&[u8]>,
     ) -> Result<Entry, Refusal> {
         let store_key = match &self.session_store {
             // Boxed: a Redis round trip's future, which a request's future
@@ -94,6 +96,15 @@ impl Door {
             }
             None => None,
         };
+        // Only where an engine with events serves the model (a read of an
+        // empty map for every other request).
+        let model = facts.meta.route.model.as_deref();
+        let source = model.and_then(|m| self.gate.blocks.tokenizer_for(m));
+        if let (Some(body), Some(model), Some(source)) = (body, model, source) {
+            // Boxed as the store's round trip is: an engine's `/tokenize`.
+            let held = Box::pin(self.gate.engine_held(model, body, source)).await;
+            facts.meta.route.engine_held = held;
+        }
         let tenant = &facts.meta.flow.fairness_id;
         let key = grant.map(|g| &g.key_id);
         let mut served = Served::new(tenant, key, facts.tokens, facts.prompt_bytes);

@@ -179,7 +179,7 @@ impl Management {
         let headers = &session.req_header().headers;
         let flow_headers =
             FlowHeaders::from_pairs(headers.iter().map(|(n, v)| (n.as_str(), v.as_bytes())));
-        let facts = match (rules.admission).inference(
+        let mut facts = match (rules.admission).inference(
             flow_headers,
             Some(&body),
             Caller::Anonymous,
@@ -194,6 +194,14 @@ impl Management {
                 )
             }
         };
+        // What the engines with events hold of it, as a request is matched.
+        let model = facts.meta.route.model.clone();
+        let source = model
+            .as_deref()
+            .and_then(|m| self.shared.blocks.tokenizer_for(m));
+        if let (Some(model), Some(source)) = (model, source) {
+            facts.meta.route.engine_held = self.shared.engine_held(&model, &body, source).await;
+        }
         let route = &facts.meta.route;
         let x = self.shared.explain(route);
         let body = json!({
@@ -250,7 +258,22 @@ impl Management {
                         .to_string(),
                     ));
                 }
-                self.shared.report(report).map_err(|e| match e {
+                // What the report says of the engine's events, kept beside
+                // its blocks once the report is taken.
+                let engine = report.kv_events.map(|events| {
+                    let addr = report.external_addr.parse().ok();
+                    (addr, report.models.clone(), events)
+                });
+                let taken = self.shared.report(report);
+                if taken.is_ok() {
+                    match engine {
+                        Some((addr, models, events)) => {
+                            (self.shared.blocks).reported(agent_id, addr, &models, Some(events))
+                        }
+                        None => self.shared.blocks.reported(agent_id, None, &[], None),
+                    }
+                }
+                taken.map_err(|e| match e {
                     // Full, not malformed: the agent may try again later.
                     ReportError::TooManyAgents(_) | ReportError::TooManyModelNames(_) => (
                         StatusCode::TOO_MANY_REQUESTS,

@@ -247,3 +247,100 @@ async fn blocks_from_an_unknown_agent_or_garbage_are_refused() {
         .unwrap();
     assert_eq!(r.status(), 400);
 }
+
+/// Two engines publishing their caches behind one balancer, each with its
+/// agent following the events.
+async fn two_engines(b: &Balancer) -> (Vec<Sim>, Vec<Proc>) {
+    let mut sims = Vec::new();
+    let mut agents = Vec::new();
+    for _ in 0..2 {
+        let (sim, publisher, replay) = sim_with_events("tagged");
+        agents.push(agent_at(
+            &sim.addr.to_string(),
+            b,
+            &[
+                "--backend",
+                "vllm",
+                "--max-concurrency",
+                "4",
+                "--kv-events",
+                &publisher,
+                "--kv-events-replay",
+                &replay,
+            ],
+        ));
+        sims.push(sim);
+    }
+    b.wait_eligible(2).await;
+    (sims, agents)
+}
+
+/// Where the balancer sends `body`.
+async fn served_by(b: &Balancer, body: &Value) -> String {
+    let r = client()
+        .post(b.url("/v1/chat/completions"))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.headers()["x-sim-server"].to_str().unwrap().to_string()
+}
+
+/// Sends `body` straight to `sim`, behind the balancer's back.
+async fn warm(sim: &Sim, body: &Value) {
+    let r = client()
+        .post(format!("http://{}/v1/chat/completions", sim.addr))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+/// Blocks the balancer's copy of `sim`'s engine holds.
+async fn copy_of(b: &Balancer, sim: &Sim) -> u64 {
+    let agents = b.agents().await;
+    let agent_id = endpoint_of(&agents, sim)["agent"]["agent_id"].clone();
+    let copies = agents["engine_blocks"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    copies
+        .iter()
+        .find(|c| c["agent"] == agent_id)
+        .map_or(0, |c| n(&c["blocks_gpu"]))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_warmed_behind_the_balancers_back_draws_its_requests() {
+    let b = Balancer::start(&[]).await;
+    let (sims, _agents) = two_engines(&b).await;
+    let p = prompt("warmed behind the back", 8);
+    // Each engine in turn holds the prompt (sent straight to it), and the
+    // next three requests for it all go there.
+    for (i, sim) in sims.iter().enumerate() {
+        let other = &sims[1 - i];
+        let r = client()
+            .post(format!("http://{}/sim/reset", other.addr))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        warm(sim, &p).await;
+        wait_for("the copies to show it", Duration::from_secs(10), || async {
+            (copy_of(&b, sim).await >= 8 && copy_of(&b, other).await == 0).then_some(())
+        })
+        .await;
+        // The route probe says why, for each candidate.
+        let probe = post_json(&b.mgmt("/api/v1/route/probe"), &p).await;
+        let x = &probe["explanation"];
+        assert_eq!(x["choice"], sim.addr.to_string(), "round {i}: {x}");
+        for c in x["candidates"].as_array().unwrap() {
+            assert_eq!(c["prefix_source"], "engine", "{c}");
+        }
+        for _ in 0..3 {
+            assert_eq!(served_by(&b, &p).await, sim.addr.to_string(), "round {i}");
+        }
+    }
+}

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use super::adapters::Wanted;
 use super::{BreakerConfig, Endpoint, EndpointLedger, SaturationConfig};
+use crate::kv_events::EngineHeld;
 use crate::prefix::PrefixConfig;
 use crate::scorer::{Candidate, ScorerWeights};
 use crate::session::SessionConfig;
@@ -22,6 +23,10 @@ pub struct Route {
     pub model: Option<Arc<str>>,
     /// Chained hashes of the prompt's leading blocks ([`crate::prefix`]).
     pub prefix: Vec<u64>,
+    /// What the endpoints that publish their caches hold of the prompt
+    /// ([`crate::kv_events::prompt`]): weighed for them instead of
+    /// `prefix`'s guess.
+    pub engine_held: Option<Arc<EngineHeld>>,
     /// Not this endpoint (a retry after it failed).
     pub avoid: Option<SocketAddr>,
     /// Only these endpoints, sorted (EPP mode's subset hint); `None`: any.

@@ -104,9 +104,15 @@ impl EndpointLedger {
 }
 
 impl Endpoint {
-    /// Leading blocks of `prefix` its prefix index holds.
-    pub(crate) fn prefix_matched(&self, prefix: &[u64]) -> usize {
-        self.prefix.matched(prefix)
+    /// Leading blocks of the route's prompt it holds, in the units of
+    /// the route's `prefix`: as its engine's events say, when they do
+    /// (the share of the prompt's token blocks it holds), else as its
+    /// prefix index guesses.
+    pub(crate) fn prefix_matched(&self, route: &Route) -> usize {
+        match route.engine_held.as_ref().and_then(|h| h.share(self.addr)) {
+            Some(share) => (share * route.prefix.len() as f64).round() as usize,
+            None => self.prefix.matched(&route.prefix),
+        }
     }
 
     /// Busy slots no request of this balancer explains, as last reported.

@@ -16,12 +16,14 @@ pub mod copy;
 pub mod holdings;
 pub mod index;
 pub mod key;
+pub mod prompt;
 pub mod wire;
 
 pub use copy::{BlocksCopy, Matched};
 pub use holdings::{BlocksUpdate, BlocksVersion, Holdings};
 pub use index::{Change, EngineIndex, IndexStats, Order};
 pub use key::{BlockKey, KEY_VERSION};
+pub use prompt::EngineHeld;
 pub use wire::{decode_batch, Batch, EngineHash, Event, FrameError, Medium, Skipped, Stored};
 
 #[cfg(test)]

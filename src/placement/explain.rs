@@ -63,8 +63,11 @@ pub struct CandidateScore {
     /// Why it cannot: `ineligible` (not ready, draining, stale, circuit
     /// open) or why it is saturated.
     pub reason: Option<&'static str>,
-    /// Leading prompt blocks its prefix index holds.
+    /// Leading prompt blocks it holds (in the units of the prompt's
+    /// byte blocks), and where that comes from: `engine` (its KV-cache
+    /// events, [`crate::kv_events`]) or `guess` (its prefix index).
     pub prefix_matched: usize,
+    pub prefix_source: &'static str,
     /// Each scorer's weighted part, and their sum.
     pub terms: ScoreTerms,
     pub score: f64,
@@ -95,7 +98,7 @@ pub(crate) fn explain(fleet: &EndpointLedger, route: &Route, now: Instant) -> Ex
     let prompt = prompt_tokens(fleet, route);
     let none = Waits::default();
     let score = |e: &Endpoint| {
-        let prefix_matched = e.prefix_matched(&route.prefix);
+        let prefix_matched = e.prefix_matched(route);
         let terms = e
             .candidate(prefix_matched, blocks, wanted.as_ref(), config)
             .map_or_else(ScoreTerms::default, |c| weights.terms(&c));
@@ -125,11 +128,13 @@ pub(crate) fn explain(fleet: &EndpointLedger, route: &Route, now: Instant) -> Ex
             Load::of(e, &none).wait_ms(e.service_ms())
         };
         let tails = (!route.objective.is_none()).then(|| objective::tails(fleet, e, route));
+        let engine = route.engine_held.as_ref().and_then(|h| h.share(e.addr));
         CandidateScore {
             addr: e.addr,
             takes,
             reason,
             prefix_matched,
+            prefix_source: if engine.is_some() { "engine" } else { "guess" },
             terms,
             score: terms.total(),
             predicted_wait_ms,

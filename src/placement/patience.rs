@@ -94,7 +94,7 @@ fn prefix_counts(fleet: &EndpointLedger, route: &Route) -> bool {
 /// them ([`prefix_counts`]: none when it does not weigh them).
 pub(crate) fn matched_blocks(fleet: &EndpointLedger, route: &Route, e: &Endpoint) -> usize {
     if prefix_counts(fleet, route) {
-        e.prefix_matched(&route.prefix)
+        e.prefix_matched(route)
     } else {
         0
     }
@@ -204,7 +204,7 @@ fn busy_holding_more(
     let busy_here =
         |e: &&Endpoint| e.fits(route) && e.eligible(now) && !e.takes(route, now, config);
     let mut look = |e: &Endpoint| {
-        let matched = e.prefix_matched(&route.prefix);
+        let matched = e.prefix_matched(route);
         if matched > than {
             f(e, matched);
         }

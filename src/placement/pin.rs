@@ -22,6 +22,10 @@
 //! - A conversation found by its prompt in the balancers' shared store
 //!   ([`crate::turn`]), no longer where it was, goes by its prompt as any
 //!   keyless request.
+//! - A soft session whose endpoint's engine says (its KV-cache events,
+//!   [`crate::kv_events`]) it holds none of the prompt, while another
+//!   engine holds some, goes by its prompt too: its cache is gone from
+//!   there.
 
 use std::time::Instant;
 
@@ -96,11 +100,30 @@ fn session_place(
     if !e.fits(route) {
         // Another model, or the endpoint a retry avoids.
         SessionPlace::None
+    } else if evicted_there(fleet, route, addr) {
+        SessionPlace::None
     } else if e.takes(route, now, fleet.saturation()) {
         SessionPlace::Takes(e.id)
     } else {
         SessionPlace::Saturated(e.id)
     }
+}
+
+/// Whether the engine at `addr` says (its KV-cache events) it holds none
+/// of the prompt while another engine holds some: the conversation's cache
+/// is gone from there (evicted, or the engine restarted), so a soft
+/// session follows the prompt instead. A session that waits hard stays.
+fn evicted_there(fleet: &EndpointLedger, route: &Route, addr: std::net::SocketAddr) -> bool {
+    let Some(held) = &route.engine_held else {
+        return false;
+    };
+    let hard = fleet.scheduling().sessions.hard;
+    !route.waits_hard(hard)
+        && held.share(addr) == Some(0.0)
+        && held
+            .by_endpoint
+            .iter()
+            .any(|(a, _)| held.share(*a) > Some(0.0))
 }
 
 /// `session`'s rendezvous home for `route`, when it takes the request now.

@@ -14,7 +14,9 @@
 //! the prefix term is the first of the model's ranked lane that takes the
 //! request; only endpoints that hold the prompt's blocks
 //! ([`crate::prefix::PrefixHolders`]) can beat it with their prefix term,
-//! and they are looked at deepest match first until none could. A subset
+//! and they are looked at deepest match first until none could; so can
+//! the endpoints whose engines say (their KV-cache events) they hold some
+//! of it, each scored. A subset
 //! and an adapter's route (whose residency term no ranking can order) are
 //! scored in full: both are a few endpoints.
 
@@ -83,7 +85,7 @@ pub(crate) fn route_score(
     let weights = &fleet.scheduling().scorers;
     let blocks = route.prefix.len();
     let prefix = if weights.prefix_cache > 0.0 && blocks > 0 {
-        weights.prefix_cache * e.prefix_matched(&route.prefix) as f64 / blocks as f64
+        weights.prefix_cache * e.prefix_matched(route) as f64 / blocks as f64
     } else {
         0.0
     };
@@ -148,6 +150,18 @@ pub(crate) fn best(
     let top = fleet.ranked(model).find(takes)?;
     let weight = fleet.scheduling().scorers.prefix_cache;
     let blocks = route.prefix.len();
+    // The endpoints whose engines say they hold some of the prompt (their
+    // KV-cache events: a few) are scored each.
+    if let Some(held) = route.engine_held.as_ref().filter(|_| weight > 0.0) {
+        offer(&mut best, top, true);
+        held.by_endpoint
+            .iter()
+            .filter(|(addr, _)| held.share(*addr) > Some(0.0))
+            .filter_map(|(addr, _)| fleet.endpoint_at(*addr))
+            .filter(|e| e.fits(route))
+            .filter(takes)
+            .for_each(|e| offer(&mut best, e, false));
+    }
     // Blocks are chained, and an LRU touches a prompt's first block last:
     // an endpoint holding block `d` holds every block before it.
     let depth = route
@@ -156,7 +170,7 @@ pub(crate) fn best(
         .take_while(|h| !fleet.holders_of(**h).is_empty())
         .count();
     if weight <= 0.0 || depth == 0 {
-        return Some(top.id);
+        return best.id.or(Some(top.id));
     }
     offer(&mut best, top, true);
     let held: usize = route.prefix[..depth]

@@ -397,7 +397,8 @@ impl Exchange {
             Ok(r) => r,
             Err(refusal) => return self.refuse(refusal).await,
         };
-        let entry = match door.enter(&rules, &mut facts, grant.as_ref()).await {
+        let body = (!self.body.is_empty()).then_some(self.body.as_slice());
+        let entry = match door.enter(&rules, &mut facts, grant.as_ref(), body).await {
             Ok(entry) => entry,
             Err(refusal) => return self.refuse(refusal).await,
         };

@@ -2,13 +2,54 @@
 //! KV-cache events (`POST /api/v1/agents/{id}/blocks`): one copy per
 //! registered agent ([`flowgate::kv_events::BlocksCopy`]), kept apart from
 //! the dispatcher's lock (a snapshot of a million blocks is built beside
-//! the copy it replaces, then swapped in).
+//! the copy it replaces, then swapped in), with what the agent's last
+//! report said of its engine (its address, models, and whether its blocks
+//! stand for its whole cache), so that a request's prompt is matched
+//! against the engines that serve its model before it is placed
+//! ([`EngineBlocks::held_of`]).
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::{Arc, PoisonError, RwLock};
 
-use flowgate::kv_events::{BlocksCopy, BlocksUpdate, BlocksVersion, Medium};
+use flowgate::kv_events::key::prompt_keys;
+use flowgate::kv_events::{
+    BlocksCopy, BlocksUpdate, BlocksVersion, EngineHeld, Matched, Medium, KEY_VERSION,
+};
+use flowgate::protocol::KvEventsReport;
 use serde::Serialize;
+
+/// Blocks of a prompt matched at most (a prefix cache holds no more of
+/// one prompt than its first blocks).
+const MAX_PROMPT_BLOCKS: usize = 8_192;
+
+/// What the agent's last report said of its engine.
+#[derive(Debug, Clone, Default)]
+struct Engine {
+    addr: Option<SocketAddr>,
+    models: Vec<String>,
+    events: Option<KvEventsReport>,
+}
+
+impl Engine {
+    /// Whether its blocks may be matched against a prompt of `model`: it
+    /// serves the model and its blocks are whole and of this key version.
+    /// Its address, and its block size once a stored block said (before,
+    /// it holds nothing).
+    fn usable(&self, model: &str) -> Option<(SocketAddr, Option<u32>)> {
+        let events = self
+            .events
+            .filter(|e| e.whole && e.key_version == KEY_VERSION)?;
+        self.models.iter().any(|m| m == model).then_some(())?;
+        Some((self.addr?, events.block_size))
+    }
+}
+
+#[derive(Default)]
+struct AgentBlocks {
+    engine: Engine,
+    copy: Arc<RwLock<BlocksCopy>>,
+}
 
 /// What became of an update.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,15 +74,84 @@ pub struct BlocksState {
 /// Every registered agent's copy.
 #[derive(Default)]
 pub struct EngineBlocks {
-    by_agent: RwLock<HashMap<String, Arc<RwLock<BlocksCopy>>>>,
+    by_agent: RwLock<HashMap<String, AgentBlocks>>,
 }
 
 impl EngineBlocks {
+    /// What `agent`'s report (accepted) says of its engine: where it
+    /// serves, its models, its events' state. An agent that follows no
+    /// events has no copy.
+    pub fn reported(
+        &self,
+        agent: &str,
+        addr: Option<SocketAddr>,
+        models: &[String],
+        events: Option<KvEventsReport>,
+    ) {
+        let mut write = self
+            .by_agent
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if events.is_none() {
+            write.remove(agent);
+            return;
+        }
+        let entry = write.entry(agent.to_string()).or_default();
+        entry.engine = Engine {
+            addr,
+            models: models.to_vec(),
+            events,
+        };
+    }
+
+    /// An engine that serves `model` and whose blocks can be matched:
+    /// where to ask for a prompt's tokens, and its block size.
+    pub fn tokenizer_for(&self, model: &str) -> Option<(SocketAddr, u32)> {
+        let read = self.by_agent.read().unwrap_or_else(PoisonError::into_inner);
+        let mut usable: Vec<(SocketAddr, u32)> = read
+            .values()
+            .filter_map(|a| {
+                let (addr, size) = a.engine.usable(model)?;
+                Some((addr, size?))
+            })
+            .collect();
+        // The same engine every time for the same fleet: its answers are
+        // remembered.
+        usable.sort();
+        usable.first().copied()
+    }
+
+    /// What the engines serving `model` in blocks of `block_size` hold of
+    /// a prompt of `tokens`.
+    pub fn held_of(&self, model: &str, tokens: &[u32], block_size: u32) -> EngineHeld {
+        let keys = prompt_keys(tokens, block_size as usize, MAX_PROMPT_BLOCKS, |_| 0);
+        let read = self.by_agent.read().unwrap_or_else(PoisonError::into_inner);
+        let by_endpoint = read
+            .values()
+            .filter_map(|a| {
+                let (addr, size) = a.engine.usable(model)?;
+                let copy = a.copy.read().unwrap_or_else(PoisonError::into_inner);
+                copy.held()?;
+                match size {
+                    Some(size) if size == block_size => Some((addr, copy.matched(&keys))),
+                    // Blocks of another size: not comparable.
+                    Some(_) => None,
+                    // No block stored yet: it holds none of the prompt.
+                    None => Some((addr, Matched::default())),
+                }
+            })
+            .collect();
+        EngineHeld {
+            blocks: keys.len(),
+            by_endpoint,
+        }
+    }
+
     /// Applies `update` from `agent` (the caller checked it is registered).
     pub fn apply(&self, agent: &str, update: &BlocksUpdate) -> Applied {
         let copy = {
             let read = self.by_agent.read().unwrap_or_else(PoisonError::into_inner);
-            read.get(agent).cloned()
+            read.get(agent).map(|a| Arc::clone(&a.copy))
         };
         let copy = match copy {
             Some(c) => c,
@@ -50,7 +160,7 @@ impl EngineBlocks {
                     .by_agent
                     .write()
                     .unwrap_or_else(PoisonError::into_inner);
-                write.entry(agent.to_string()).or_default().clone()
+                Arc::clone(&write.entry(agent.to_string()).or_default().copy)
             }
         };
         // A snapshot is built before the copy is locked.
@@ -70,8 +180,12 @@ impl EngineBlocks {
     /// The version of `agent`'s copy, if it has one.
     pub fn held(&self, agent: &str) -> Option<BlocksVersion> {
         let read = self.by_agent.read().unwrap_or_else(PoisonError::into_inner);
-        let copy = read.get(agent)?;
-        let held = copy.read().unwrap_or_else(PoisonError::into_inner).held();
+        let agent = read.get(agent)?;
+        let held = agent
+            .copy
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .held();
         held
     }
 
@@ -96,8 +210,8 @@ impl EngineBlocks {
         let read = self.by_agent.read().unwrap_or_else(PoisonError::into_inner);
         let mut out: Vec<BlocksState> = read
             .iter()
-            .map(|(agent, copy)| {
-                let copy = copy.read().unwrap_or_else(PoisonError::into_inner);
+            .map(|(agent, a)| {
+                let copy = a.copy.read().unwrap_or_else(PoisonError::into_inner);
                 let held = copy.held();
                 BlocksState {
                     agent: agent.clone(),

@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
+use flowgate::kv_events::EngineHeld;
 use flowgate::models::Fallback;
 use flowgate::tokens::{TokenRatios, TokenUsage};
 use flowgate::usage::{TenantUsage, UsageLedger};
@@ -29,10 +30,12 @@ use tokio::sync::{oneshot, Notify};
 use tracing::warn;
 
 mod blocks;
+mod engine_tokens;
 mod lease;
 mod served;
 
 pub use blocks::{Applied, EngineBlocks};
+use engine_tokens::EngineTokens;
 pub use lease::{AnswerSeen, LeaseGuard, SlotEnd};
 pub use served::{AnswerEnd, Served};
 
@@ -53,6 +56,8 @@ pub struct FleetGate {
     /// The engines' blocks their agents sent from the engines' KV-cache
     /// events, off the dispatcher's lock.
     pub blocks: EngineBlocks,
+    /// Prompts in those engines' tokens.
+    engine_tokens: EngineTokens,
     pub metrics: Metrics,
     /// The last minutes of traffic, for the dashboard.
     pub history: History,
@@ -128,6 +133,7 @@ impl FleetGate {
         Arc::new(FleetGate {
             dispatcher: Mutex::new(Dispatcher::new(config)),
             blocks: EngineBlocks::default(),
+            engine_tokens: EngineTokens::default(),
             metrics: Metrics::new(),
             history: History::default(),
             shutting_down: AtomicBool::new(false),
@@ -482,6 +488,24 @@ impl FleetGate {
     pub fn deregister(self: &Arc<Self>, agent_id: &str) -> bool {
         self.blocks.forget(agent_id);
         self.with_dispatch(|d| d.deregister(agent_id))
+    }
+
+    /// What the engines that publish their caches and serve `model` hold
+    /// of the prompt in `body`, its tokens asked of the engine at `source`
+    /// (with its block size: [`EngineBlocks::tokenizer_for`]); `None` when
+    /// the prompt's tokens cannot be had in time.
+    pub async fn engine_held(
+        &self,
+        model: &str,
+        body: &[u8],
+        (addr, block_size): (SocketAddr, u32),
+    ) -> Option<Arc<EngineHeld>> {
+        let tokens = self.engine_tokens.of(addr, body).await?;
+        // A prompt shorter than a block matches nothing anywhere.
+        if tokens.len() < block_size as usize {
+            return None;
+        }
+        Some(Arc::new(self.blocks.held_of(model, &tokens, block_size)))
     }
 
     /// Whether `agent_id` is registered (reports an endpoint now).

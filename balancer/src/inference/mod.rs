@@ -351,7 +351,12 @@ impl Inference {
             };
         }
         let entry = door
-            .enter(&ctx.rules, &mut facts, ctx.grant.as_ref())
+            .enter(
+                &ctx.rules,
+                &mut facts,
+                ctx.grant.as_ref(),
+                Some(&replay_body),
+            )
             .await?;
         ctx.served = Some(entry.served);
         ctx.rate_headers = entry.rate_headers;

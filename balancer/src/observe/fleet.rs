@@ -11,6 +11,7 @@ use super::adapters::AdapterMetrics;
 use super::cache::CacheMetrics;
 use super::cost::CostMetrics;
 use super::family::{endpoint_labels, register};
+use super::kv_events::KvEventMetrics;
 use flowgate::{EndpointSnapshot, Snapshot};
 
 pub struct FleetMetrics {
@@ -37,6 +38,7 @@ pub struct FleetMetrics {
     /// What every endpoint's engine costs, as learned.
     cost: CostMetrics,
     adapters: AdapterMetrics,
+    kv_events: KvEventMetrics,
 }
 
 impl FleetMetrics {
@@ -150,6 +152,7 @@ impl FleetMetrics {
             cache: CacheMetrics::new(registry),
             cost: CostMetrics::new(registry),
             adapters: AdapterMetrics::new(registry),
+            kv_events: KvEventMetrics::new(registry),
         }
     }
 
@@ -194,6 +197,7 @@ impl FleetMetrics {
         self.cache.refresh(&snap.endpoints);
         self.cost.refresh(&snap.endpoints);
         self.adapters.refresh(&snap.endpoints);
+        self.kv_events.refresh(&snap.endpoints);
     }
 }
 

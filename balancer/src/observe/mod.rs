@@ -14,6 +14,7 @@ pub mod family;
 pub mod fleet;
 pub mod flow;
 pub mod history;
+pub mod kv_events;
 pub mod meter;
 pub mod metrics;
 pub mod objectives;

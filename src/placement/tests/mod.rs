@@ -64,6 +64,92 @@ fn prefix_affinity_wins_until_the_endpoint_saturates() {
 }
 
 #[test]
+fn what_an_engine_says_it_holds_outweighs_the_guess_and_only_for_it() {
+    use crate::kv_events::{EngineHeld, Matched};
+    let now = Instant::now();
+    let mut r = EndpointLedger::default();
+    for (id, port) in [("a", 1), ("b", 2), ("c", 3)] {
+        let (rep, a) = report_for(id, port, 4, &[]);
+        r.apply_report(rep, a, now);
+    }
+    // The balancer sent the prompt to a: its guess says a holds it.
+    let mut prompt = route(None, &[21, 22, 23, 24]);
+    let first = acquire(&mut r, &prompt, now).unwrap();
+    let guessed = first.addr;
+    r.release(first, now);
+    assert_eq!(acquire_and_release(&mut r, &prompt, now), guessed);
+    // The engines with events say otherwise: another one holds all of it,
+    // the guessed one none (it was evicted, or another client warmed the
+    // other): the request goes where the prompt is.
+    let holder = [
+        addr("127.0.0.1:1"),
+        addr("127.0.0.1:2"),
+        addr("127.0.0.1:3"),
+    ]
+    .into_iter()
+    .find(|a| *a != guessed)
+    .unwrap();
+    prompt.engine_held = Some(Arc::new(EngineHeld {
+        blocks: 16,
+        by_endpoint: vec![
+            (guessed, Matched::default()),
+            (holder, Matched { gpu: 16, cpu: 0 }),
+        ],
+    }));
+    assert_eq!(acquire_and_release(&mut r, &prompt, now), holder);
+    // An endpoint without events keeps its guess: listed for none but
+    // the holder, which holds a quarter, the guessed one's whole prefix
+    // wins.
+    prompt.engine_held = Some(Arc::new(EngineHeld {
+        blocks: 16,
+        by_endpoint: vec![(holder, Matched { gpu: 4, cpu: 0 })],
+    }));
+    assert_eq!(acquire_and_release(&mut r, &prompt, now), guessed);
+}
+
+#[test]
+fn a_soft_session_follows_its_prompt_once_its_engine_says_the_cache_is_gone() {
+    use crate::kv_events::{EngineHeld, Matched};
+    let now = Instant::now();
+    let mut r = EndpointLedger::default();
+    for (id, port) in [("a", 1), ("b", 2)] {
+        let (rep, a) = report_for(id, port, 4, &[]);
+        r.apply_report(rep, a, now);
+    }
+    let (a, b) = (addr("127.0.0.1:1"), addr("127.0.0.1:2"));
+    let mut turn = route(None, &[31, 32]);
+    turn.session = Some(7);
+    r.bind_session(7, a, now);
+    assert_eq!(acquire_and_release(&mut r, &turn, now), a, "bound there");
+    // a's engine holds none of the prompt (evicted), b's all of it.
+    let gone = Arc::new(EngineHeld {
+        blocks: 8,
+        by_endpoint: vec![(a, Matched::default()), (b, Matched { gpu: 8, cpu: 0 })],
+    });
+    turn.engine_held = Some(Arc::clone(&gone));
+    assert_eq!(
+        acquire_and_release(&mut r, &turn, now),
+        b,
+        "follows the prompt"
+    );
+    // Bound where it went; an engine that holds nothing anywhere (a new
+    // prompt) leaves the binding alone.
+    turn.engine_held = Some(Arc::new(EngineHeld {
+        blocks: 8,
+        by_endpoint: vec![(a, Matched::default()), (b, Matched::default())],
+    }));
+    assert_eq!(acquire_and_release(&mut r, &turn, now), b);
+}
+
+/// Where `route` goes now; its slot given back at once.
+fn acquire_and_release(r: &mut EndpointLedger, route: &Route, now: Instant) -> SocketAddr {
+    let lease = acquire(r, route, now).unwrap();
+    let at = lease.addr;
+    r.release(lease, now);
+    at
+}
+
+#[test]
 fn without_shared_prefixes_load_stays_balanced() {
     let now = Instant::now();
     let mut r = EndpointLedger::default();
@@ -111,7 +197,7 @@ fn expected(r: &EndpointLedger, route: &Route, now: Instant, may_hold: bool) -> 
     let score_prefix = weights.prefix_cache > 0.0 && blocks > 0;
     let matched = |e: &Endpoint| {
         if score_prefix {
-            e.prefix_matched(&route.prefix)
+            e.prefix_matched(route)
         } else {
             0
         }
@@ -166,7 +252,7 @@ fn score_of(r: &EndpointLedger, e: &Endpoint, route: &Route) -> f64 {
     let weights = r.scheduling().scorers;
     e.static_score(&weights, r.saturation())
         + if blocks > 0 && weights.prefix_cache > 0.0 {
-            weights.prefix_cache * e.prefix_matched(&route.prefix) as f64 / blocks as f64
+            weights.prefix_cache * e.prefix_matched(route) as f64 / blocks as f64
         } else {
             0.0
         }

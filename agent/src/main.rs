@@ -164,7 +164,7 @@ struct Cli {
     kv_events_ranks: u16,
 
     /// Blocks the agent keeps per rank, least recently stored forgotten
-    /// first: about 64 bytes each (1,000,000 blocks: 64 MB)
+    /// first: about 110 bytes each (1,000,000 blocks: 111 MB)
     #[arg(long, value_name = "BLOCKS", default_value_t = 1_000_000, requires = "kv_events",
         value_parser = clap::value_parser!(u64).range(1..=4_000_000))]
     kv_events_capacity: u64,

@@ -13,8 +13,9 @@
 //!
 //! Each block is held under its engine hash and medium (what a removal
 //! names) with its key ([`super::key`]), least recently stored forgotten
-//! first past `capacity_blocks` (the agent's memory bound: about 64 bytes
-//! a block, so 1,000,000 blocks take about 64 MB). Every change to the
+//! first past `capacity_blocks` (the agent's memory bound: with the union
+//! it reports, [`super::holdings`], about 110 bytes a block, so 1,000,000
+//! blocks take about 111 MB: `benches/kv_events.rs`). Every change to the
 //! keys held is told to the caller ([`Change`]) for the balancers.
 
 use std::time::Instant;

@@ -25,6 +25,7 @@
 
 mod agentic;
 mod epp;
+mod hold;
 mod lora;
 mod proxy;
 mod slo;
@@ -33,7 +34,6 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use clap::{Parser, Subcommand, ValueEnum};
 use flowgate_integration_tests::sim_cache::{self, Ceiling};
 
@@ -58,7 +58,7 @@ enum Command {
     /// A baseline router without a queue of its own
     Proxy(proxy::ProxyArgs),
     /// Send many requests at once and wait for all of them
-    Hold(HoldArgs),
+    Hold(hold::HoldArgs),
     /// Open-loop tenants at fixed request rates; tokens and TTFT per tenant
     Tenants(TenantsArgs),
     /// Envoy's side of EPP mode at a fixed request rate: decision latency
@@ -179,6 +179,16 @@ struct RunArgs {
     /// when the router passes it on
     #[arg(long)]
     trace: Option<std::path::PathBuf>,
+    /// Servers some closed-loop clients send to straight, bypassing the
+    /// router (comma-separated base URLs): every `--bypass-every`th client,
+    /// each to one of them in turn. Their requests are measured apart
+    /// (class `bypass`); they warm and evict the servers' caches behind the
+    /// router's back
+    #[arg(long, value_delimiter = ',')]
+    bypass: Vec<String>,
+    /// With `--bypass`: one client in this many bypasses the router
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    bypass_every: u64,
 }
 
 /// A rate of conversations per second: finite and above zero.
@@ -201,29 +211,6 @@ fn group_of(i: usize, groups: &[usize]) -> usize {
     groups.len() + (i - start) / groups.last().map_or(8, |l| *l.max(&1))
 }
 
-#[derive(Debug, clap::Args)]
-struct HoldArgs {
-    /// Router base URL, e.g. http://127.0.0.1:8061
-    #[arg(long)]
-    target: String,
-    /// Requests to send, each on its own connection
-    #[arg(long, default_value_t = 10_000)]
-    requests: usize,
-    /// Size of each request body
-    #[arg(long, default_value_t = 1024)]
-    body_bytes: usize,
-    /// Microseconds between two sends, so they arrive in order (tokio's
-    /// timer rounds up to whole milliseconds)
-    #[arg(long, default_value_t = 1000)]
-    pace_us: u64,
-    /// A Flowgate management URL (`http://HOST:PORT`): before sending the
-    /// next request, wait until the balancer reports this one buffered
-    /// (`buffered_requests` in `/api/v1/agents`), so the order the requests
-    /// joined its queue is exactly the order they were sent
-    #[arg(long)]
-    confirm_buffered: Option<String>,
-}
-
 fn main() {
     let cli = Cli::parse();
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -234,7 +221,7 @@ fn main() {
     match cli.command {
         Command::Run(args) => rt.block_on(run(args)),
         Command::Proxy(args) => rt.block_on(proxy::proxy(args)),
-        Command::Hold(args) => rt.block_on(hold(args)),
+        Command::Hold(args) => rt.block_on(hold::hold(args)),
         Command::Tenants(args) => rt.block_on(tenants(args)),
         Command::Epp(args) => rt.block_on(epp::epp(args)),
         Command::Lora(args) => rt.block_on(lora::lora(args)),
@@ -480,6 +467,12 @@ impl Sender {
     /// header, when both are set), reads the answer to its end and records
     /// it.
     async fn send(&self, messages: Vec<Value>, tenant: &str, batch: bool, key: &str) {
+        self.send_to(&self.url, messages, tenant, batch, key).await;
+    }
+
+    /// [`Sender::send`] to `url` (a server straight, when it is not the
+    /// router's: measured as class `bypass`).
+    async fn send_to(&self, url: &str, messages: Vec<Value>, tenant: &str, batch: bool, key: &str) {
         let mut body = json!({"stream": true, "messages": messages});
         if !self.model.is_empty() {
             body["model"] = json!(self.model);
@@ -491,7 +484,7 @@ impl Sender {
         self.samples.lock().unwrap().ceiling.add(&prompt_text);
         let mut req = self
             .client
-            .post(&self.url)
+            .post(url)
             .header("x-gateway-inference-fairness-id", tenant)
             .json(&body);
         if batch {
@@ -539,10 +532,17 @@ impl Sender {
                     s.trace.push(line.to_string());
                 }
                 if Instant::now() <= self.until {
-                    let class = if batch { "batch" } else { "interactive" };
+                    let class = match (batch, url == self.url) {
+                        (true, _) => "batch",
+                        (false, true) => "interactive",
+                        (false, false) => "bypass",
+                    };
                     s.ttft.entry(class).or_default().push(ttft);
                     s.total.entry(class).or_default().push(total);
-                    *s.per_tenant.entry(tenant.to_string()).or_default() += 1;
+                    // The router's throughput: not what went around it.
+                    if class != "bypass" {
+                        *s.per_tenant.entry(tenant.to_string()).or_default() += 1;
+                    }
                 }
             }
             Err(code) => *s.errors.entry(code).or_default() += 1,
@@ -597,6 +597,14 @@ async fn run(args: RunArgs) {
         let (workload, repeat) = (args.workload, args.system_repeat);
         let group = group_of(i, &args.groups);
         let mut rng = Rng((args.seed << 16) ^ ((i as u64 + 1) * 0x9E37_79B9));
+        let every = args.bypass_every as usize;
+        let url = match args.bypass.len() {
+            n if n > 0 && !batch && i % every == every - 1 => format!(
+                "{}/v1/chat/completions",
+                args.bypass[(i / every) % n].trim_end_matches('/')
+            ),
+            _ => sender.url.clone(),
+        };
         tasks.push(tokio::spawn(async move {
             let tenant = if batch {
                 "batch".to_string()
@@ -641,7 +649,7 @@ async fn run(args: RunArgs) {
                         "content": format!("Question {n} from client {i}?")}));
                     messages.clone()
                 };
-                sender.send(prompt, &tenant, batch, &key).await;
+                sender.send_to(&url, prompt, &tenant, batch, &key).await;
                 if !batch && matches!(workload, Workload::Chat | Workload::ChatBatch) {
                     messages.push(json!({"role": "assistant", "content": "Noted."}));
                 }
@@ -720,83 +728,4 @@ fn pct_or_nan(v: &[f64], p: f64) -> f64 {
     } else {
         pct(v, p)
     }
-}
-
-// ---- many requests at once --------------------------------------------------
-
-/// Sends `requests` non-streamed chats, each on its own connection and
-/// tagged with its index (`x-sim-tag`), waits for all, and prints one JSON
-/// line: answers by status and seconds until the last one.
-/// `buffered_requests` from a balancer's `/api/v1/agents` at `url`.
-async fn buffered_requests(client: &reqwest::Client, url: &str) -> Option<u64> {
-    let v: Value = client.get(url).send().await.ok()?.json().await.ok()?;
-    v["buffered_requests"].as_u64()
-}
-
-async fn hold(args: HoldArgs) {
-    let url = format!("{}/v1/chat/completions", args.target.trim_end_matches('/'));
-    // Pad the prompt so the whole body is `body_bytes` long.
-    let empty = json!({"messages": [{"role": "user", "content": ""}]}).to_string();
-    let pad = "x".repeat(args.body_bytes.saturating_sub(empty.len()));
-    let body = Bytes::from(json!({"messages": [{"role": "user", "content": pad}]}).to_string());
-    let start = Instant::now();
-    let agents_url = args
-        .confirm_buffered
-        .as_ref()
-        .map(|m| format!("{}/api/v1/agents", m.trim_end_matches('/')));
-    let poller = reqwest::Client::new();
-    let base = match &agents_url {
-        Some(url) => buffered_requests(&poller, url)
-            .await
-            .expect("the management URL answers /api/v1/agents"),
-        None => 0,
-    };
-    let mut tasks = Vec::with_capacity(args.requests);
-    for i in 0..args.requests {
-        // One client per request: a connection of its own, as real
-        // clients waiting for an answer each hold one.
-        let client = reqwest::Client::builder()
-            .pool_max_idle_per_host(0)
-            .build()
-            .expect("http client");
-        let req = client
-            .post(&url)
-            .header("content-type", "application/json")
-            .header("x-sim-tag", i.to_string())
-            .body(body.clone());
-        tasks.push(tokio::spawn(async move {
-            match req.send().await {
-                Ok(r) => {
-                    let code = r.status().as_u16();
-                    let _ = r.bytes().await;
-                    code
-                }
-                Err(_) => 0,
-            }
-        }));
-        match &agents_url {
-            Some(url) => {
-                let want = base + i as u64 + 1;
-                let deadline = Instant::now() + Duration::from_secs(10);
-                while buffered_requests(&poller, url).await.unwrap_or(0) < want {
-                    assert!(
-                        Instant::now() < deadline,
-                        "request {i} was not buffered within 10 s"
-                    );
-                    tokio::time::sleep(Duration::from_micros(200)).await;
-                }
-            }
-            None => tokio::time::sleep(Duration::from_micros(args.pace_us)).await,
-        }
-    }
-    let mut statuses: BTreeMap<String, u64> = BTreeMap::new();
-    for t in tasks {
-        let code = t.await.unwrap_or(0);
-        *statuses.entry(code.to_string()).or_default() += 1;
-    }
-    println!(
-        "{}",
-        json!({"requests": args.requests, "statuses": statuses,
-               "seconds": start.elapsed().as_secs_f64()})
-    );
 }

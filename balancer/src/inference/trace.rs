@@ -77,6 +77,10 @@ impl Inference {
                     "flowgate.prefix_matched_blocks",
                     winner.prefix_matched as i64,
                 ));
+                attributes.push(KeyValue::new(
+                    "flowgate.prefix_source",
+                    winner.prefix_source,
+                ));
             }
             attributes.push(KeyValue::new(
                 "flowgate.candidates",

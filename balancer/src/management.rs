@@ -260,18 +260,19 @@ impl Management {
                 }
                 // What the report says of the engine's events, kept beside
                 // its blocks once the report is taken.
-                let engine = report.kv_events.map(|events| {
-                    let addr = report.external_addr.parse().ok();
-                    (addr, report.models.clone(), events)
-                });
+                let engine = match report.kv_events {
+                    Some(events) => crate::gate::Engine {
+                        addr: report.external_addr.parse().ok(),
+                        models: report.models.clone(),
+                        adapters: (report.adapters.as_ref())
+                            .map_or_else(Vec::new, |a| a.servable.clone()),
+                        events: Some(events),
+                    },
+                    None => crate::gate::Engine::default(),
+                };
                 let taken = self.shared.report(report);
                 if taken.is_ok() {
-                    match engine {
-                        Some((addr, models, events)) => {
-                            (self.shared.blocks).reported(agent_id, addr, &models, Some(events))
-                        }
-                        None => self.shared.blocks.reported(agent_id, None, &[], None),
-                    }
+                    self.shared.blocks.reported(agent_id, engine);
                 }
                 taken.map_err(|e| match e {
                     // Full, not malformed: the agent may try again later.

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, PoisonError, RwLock};
 
-use flowgate::kv_events::key::prompt_keys;
+use flowgate::kv_events::key::{extra_digest, prompt_keys};
 use flowgate::kv_events::{
     BlocksCopy, BlocksUpdate, BlocksVersion, EngineHeld, Matched, Medium, KEY_VERSION,
 };
@@ -23,12 +23,15 @@ use serde::Serialize;
 /// one prompt than its first blocks).
 const MAX_PROMPT_BLOCKS: usize = 8_192;
 
-/// What the agent's last report said of its engine.
+/// What the agent's last report said of its engine: where it serves, the
+/// models it answers for (of which the LoRA adapters it can serve), and its
+/// events' state.
 #[derive(Debug, Clone, Default)]
-struct Engine {
-    addr: Option<SocketAddr>,
-    models: Vec<String>,
-    events: Option<KvEventsReport>,
+pub struct Engine {
+    pub addr: Option<SocketAddr>,
+    pub models: Vec<String>,
+    pub adapters: Vec<String>,
+    pub events: Option<KvEventsReport>,
 }
 
 impl Engine {
@@ -78,30 +81,18 @@ pub struct EngineBlocks {
 }
 
 impl EngineBlocks {
-    /// What `agent`'s report (accepted) says of its engine: where it
-    /// serves, its models, its events' state. An agent that follows no
-    /// events has no copy.
-    pub fn reported(
-        &self,
-        agent: &str,
-        addr: Option<SocketAddr>,
-        models: &[String],
-        events: Option<KvEventsReport>,
-    ) {
+    /// What `agent`'s report (accepted) says of its engine. An agent that
+    /// follows no events has no copy.
+    pub fn reported(&self, agent: &str, engine: Engine) {
         let mut write = self
             .by_agent
             .write()
             .unwrap_or_else(PoisonError::into_inner);
-        if events.is_none() {
+        if engine.events.is_none() {
             write.remove(agent);
             return;
         }
-        let entry = write.entry(agent.to_string()).or_default();
-        entry.engine = Engine {
-            addr,
-            models: models.to_vec(),
-            events,
-        };
+        write.entry(agent.to_string()).or_default().engine = engine;
     }
 
     /// An engine that serves `model` and whose blocks can be matched:
@@ -122,10 +113,24 @@ impl EngineBlocks {
     }
 
     /// What the engines serving `model` in blocks of `block_size` hold of
-    /// a prompt of `tokens`.
-    pub fn held_of(&self, model: &str, tokens: &[u32], block_size: u32) -> EngineHeld {
-        let keys = prompt_keys(tokens, block_size as usize, MAX_PROMPT_BLOCKS, |_| 0);
+    /// a prompt of `tokens` sent with `cache_salt`. Its blocks are keyed as
+    /// the engines key them: with the adapter's name when `model` is a
+    /// LoRA adapter an engine serves (every block), and the salt (the
+    /// first block).
+    pub fn held_of(
+        &self,
+        model: &str,
+        tokens: &[u32],
+        block_size: u32,
+        cache_salt: Option<&str>,
+    ) -> EngineHeld {
         let read = self.by_agent.read().unwrap_or_else(PoisonError::into_inner);
+        let adapter = read
+            .values()
+            .any(|a| a.engine.adapters.iter().any(|n| n == model))
+            .then_some(model);
+        let extra = |i: usize| extra_digest(adapter, cache_salt.filter(|_| i == 0));
+        let keys = prompt_keys(tokens, block_size as usize, MAX_PROMPT_BLOCKS, extra);
         let by_endpoint = read
             .values()
             .filter_map(|a| {
@@ -224,5 +229,65 @@ impl EngineBlocks {
             .collect();
         out.sort_by(|a, b| a.agent.cmp(&b.agent));
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use flowgate::kv_events::{Change, Holdings};
+
+    use super::*;
+
+    /// One agent's engine serving `base` and the adapter `sql`, holding
+    /// `keys`, in blocks of 4.
+    fn one_engine(keys: &[u64]) -> (EngineBlocks, SocketAddr) {
+        let blocks = EngineBlocks::default();
+        let addr: SocketAddr = "127.0.0.1:9".parse().unwrap();
+        let events = KvEventsReport {
+            key_version: KEY_VERSION,
+            block_size: Some(4),
+            whole: true,
+            ..KvEventsReport::default()
+        };
+        let engine = Engine {
+            addr: Some(addr),
+            models: vec!["base".into(), "sql".into()],
+            adapters: vec!["sql".into()],
+            events: Some(events),
+        };
+        blocks.reported("a", engine);
+        let mut h = Holdings::new(1);
+        for &k in keys {
+            h.change(Change::Stored(k, Medium::Gpu));
+        }
+        assert!(matches!(
+            blocks.apply("a", &h.since(None).unwrap()),
+            Applied::Now(_)
+        ));
+        (blocks, addr)
+    }
+
+    #[test]
+    fn an_adapters_and_a_salted_prompts_blocks_are_keyed_as_the_engine_keys_them() {
+        let tokens: Vec<u32> = (0..8).collect();
+        let extra = |i: usize| extra_digest(Some("sql"), Some("s").filter(|_| i == 0));
+        let keys = prompt_keys(&tokens, 4, 16, extra);
+        let (blocks, addr) = one_engine(&keys);
+        let held = |model: &str, salt: Option<&str>| {
+            let held = blocks.held_of(model, &tokens, 4, salt);
+            held.share(addr)
+        };
+        assert_eq!(held("sql", Some("s")), Some(1.0));
+        assert_eq!(held("sql", None), Some(0.0), "another salt, other blocks");
+        assert_eq!(
+            held("base", Some("s")),
+            Some(0.0),
+            "the base model's are others"
+        );
+        assert_eq!(blocks.tokenizer_for("sql"), Some((addr, 4)));
+        assert_eq!(blocks.tokenizer_for("other"), None);
+        // An agent that stops following events loses its copy.
+        blocks.reported("a", Engine::default());
+        assert!(blocks.states().is_empty());
     }
 }

@@ -48,23 +48,33 @@ impl Default for EngineTokens {
 }
 
 /// What `/tokenize` is asked of a request body: its model and prompt only
-/// (an engine may refuse fields it does not know there). `None` for a
-/// body with neither `messages` nor `prompt`.
-fn question(body: &[u8]) -> Option<Value> {
+/// (an engine may refuse fields it does not know there); and its
+/// `cache_salt`. `None` for a body with neither `messages` nor `prompt`.
+fn question(body: &[u8]) -> Option<(Value, Option<String>)> {
     let v: Value = serde_json::from_slice(body).ok()?;
     let model = v.get("model").cloned().unwrap_or(Value::Null);
+    let salt = v
+        .get("cache_salt")
+        .and_then(Value::as_str)
+        .map(str::to_string);
     if let Some(messages) = v.get("messages").filter(|m| m.is_array()) {
-        return Some(json!({"model": model, "messages": messages}));
+        return Some((json!({"model": model, "messages": messages}), salt));
     }
     let prompt = v.get("prompt").filter(|p| p.is_string())?;
-    Some(json!({"model": model, "prompt": prompt}))
+    Some((json!({"model": model, "prompt": prompt}), salt))
 }
 
 impl EngineTokens {
     /// The tokens of the prompt in `body`, as the engine at `addr` counts
-    /// them; `None` when it cannot tell in time.
-    pub async fn of(&self, addr: SocketAddr, body: &[u8]) -> Option<Arc<[u32]>> {
-        let question = question(body)?;
+    /// them, and the body's `cache_salt` (which the engine keys its first
+    /// block with); `None` when it cannot tell in time.
+    pub async fn of(&self, addr: SocketAddr, body: &[u8]) -> Option<(Arc<[u32]>, Option<String>)> {
+        let (question, salt) = question(body)?;
+        let tokens = self.tokens(addr, question).await?;
+        Some((tokens, salt))
+    }
+
+    async fn tokens(&self, addr: SocketAddr, question: Value) -> Option<Arc<[u32]>> {
         let asked = serde_json::to_vec(&question).ok()?;
         let key = fold_bytes(&asked);
         if let Some(t) = self.remembered().tokens.get(&key) {
@@ -114,18 +124,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_the_model_and_the_prompt_are_asked() {
+    fn only_the_model_and_the_prompt_are_asked_and_the_salt_kept() {
         let chat =
             br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":0.2}"#;
-        assert_eq!(
-            question(chat),
-            Some(json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
-        );
-        let completion = br#"{"model":"m","prompt":"hi","max_tokens":3}"#;
-        assert_eq!(
-            question(completion),
-            Some(json!({"model": "m", "prompt": "hi"}))
-        );
+        let asked = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        assert_eq!(question(chat), Some((asked, None)));
+        let completion = br#"{"model":"m","prompt":"hi","max_tokens":3,"cache_salt":"s"}"#;
+        let asked = json!({"model": "m", "prompt": "hi"});
+        assert_eq!(question(completion), Some((asked, Some("s".into()))));
         assert_eq!(question(br#"{"model":"m","input":"hi"}"#), None);
         assert_eq!(question(b"not json"), None);
     }

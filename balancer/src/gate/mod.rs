@@ -34,7 +34,7 @@ mod engine_tokens;
 mod lease;
 mod served;
 
-pub use blocks::{Applied, EngineBlocks};
+pub use blocks::{Applied, Engine, EngineBlocks};
 use engine_tokens::EngineTokens;
 pub use lease::{AnswerSeen, LeaseGuard, SlotEnd};
 pub use served::{AnswerEnd, Served};
@@ -500,12 +500,15 @@ impl FleetGate {
         body: &[u8],
         (addr, block_size): (SocketAddr, u32),
     ) -> Option<Arc<EngineHeld>> {
-        let tokens = self.engine_tokens.of(addr, body).await?;
+        let (tokens, salt) = self.engine_tokens.of(addr, body).await?;
         // A prompt shorter than a block matches nothing anywhere.
         if tokens.len() < block_size as usize {
             return None;
         }
-        Some(Arc::new(self.blocks.held_of(model, &tokens, block_size)))
+        let held = self
+            .blocks
+            .held_of(model, &tokens, block_size, salt.as_deref());
+        Some(Arc::new(held))
     }
 
     /// Whether `agent_id` is registered (reports an endpoint now).

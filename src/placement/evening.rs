@@ -22,7 +22,7 @@
 use std::time::Instant;
 
 use super::load::{Load, Waits};
-use crate::endpoint::{EndpointId, EndpointLedger, Route};
+use crate::endpoint::{Endpoint, EndpointId, EndpointLedger, Route};
 
 /// Slack for the comparisons of loads (sums of fractions of a request).
 const EPSILON: f64 = 1e-9;
@@ -42,7 +42,8 @@ pub(crate) struct QueuedWork {
 /// endpoint waits for. Its blocks are chained hashes, and an endpoint
 /// forgets a prompt from its end, so the holders of its deepest block held
 /// anywhere hold the most: found in a few lookups, whatever the fleet's
-/// size.
+/// size. Where engines say what they hold (their KV-cache events), the one
+/// holding the largest share, before any guess.
 pub(crate) fn prompt_holder(
     fleet: &EndpointLedger,
     route: &Route,
@@ -51,6 +52,24 @@ pub(crate) fn prompt_holder(
     if fleet.scheduling().scorers.prefix_cache <= 0.0 {
         return None;
     }
+    let usable = |e: &&Endpoint| e.fits(route) && e.eligible(now);
+    // The engines that say what they hold (KV-cache events): the one
+    // holding the most of the prompt.
+    let engine = route.engine_held.as_ref().and_then(|held| {
+        held.by_endpoint
+            .iter()
+            .filter_map(|(addr, _)| Some((held.share(*addr)?, fleet.endpoint_at(*addr)?)))
+            .filter(|(share, e)| *share > 0.0 && usable(e))
+            .max_by(|a, b| a.0.total_cmp(&b.0))
+            .map(|(_, e)| e.id)
+    });
+    if engine.is_some() {
+        return engine;
+    }
+    // Else the guess, for the endpoints without events.
+    let guessed = |e: &&Endpoint| {
+        (route.engine_held.as_ref()).is_none_or(|held| held.share(e.addr).is_none())
+    };
     let held = route
         .prefix
         .partition_point(|block| !fleet.holders_of(*block).is_empty());
@@ -59,7 +78,7 @@ pub(crate) fn prompt_holder(
         .holders_of(*deepest)
         .iter()
         .filter_map(|id| fleet.endpoint(*id))
-        .find(|e| e.fits(route) && e.eligible(now))
+        .find(|e| usable(e) && guessed(e))
         .map(|e| e.id)
 }
 

@@ -141,6 +141,41 @@ fn a_soft_session_follows_its_prompt_once_its_engine_says_the_cache_is_gone() {
     assert_eq!(acquire_and_release(&mut r, &turn, now), b);
 }
 
+#[test]
+fn a_queued_requests_holder_is_the_engine_that_says_it_holds_its_prompt() {
+    use super::evening::prompt_holder;
+    use crate::kv_events::{EngineHeld, Matched};
+    let now = Instant::now();
+    let mut r = EndpointLedger::default();
+    for (id, port) in [("a", 1), ("b", 2)] {
+        let (rep, a) = report_for(id, port, 4, &[]);
+        r.apply_report(rep, a, now);
+    }
+    let mut prompt = route(None, &[41, 42]);
+    let guessed = acquire_and_release(&mut r, &prompt, now);
+    let holder = |r: &EndpointLedger, p: &Route| {
+        prompt_holder(r, p, now).and_then(|id| r.endpoint(id).map(|e| e.addr))
+    };
+    assert_eq!(holder(&r, &prompt), Some(guessed), "the guess");
+    let other = [addr("127.0.0.1:1"), addr("127.0.0.1:2")]
+        .into_iter()
+        .find(|a| *a != guessed)
+        .unwrap();
+    prompt.engine_held = Some(Arc::new(EngineHeld {
+        blocks: 4,
+        by_endpoint: vec![
+            (guessed, Matched::default()),
+            (other, Matched { gpu: 3, cpu: 0 }),
+        ],
+    }));
+    assert_eq!(holder(&r, &prompt), Some(other), "the engine's word");
+    prompt.engine_held = Some(Arc::new(EngineHeld {
+        blocks: 4,
+        by_endpoint: vec![(guessed, Matched::default()), (other, Matched::default())],
+    }));
+    assert_eq!(holder(&r, &prompt), None, "both say they hold none");
+}
+
 /// Where `route` goes now; its slot given back at once.
 fn acquire_and_release(r: &mut EndpointLedger, route: &Route, now: Instant) -> SocketAddr {
     let lease = acquire(r, route, now).unwrap();

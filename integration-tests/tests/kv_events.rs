@@ -344,3 +344,47 @@ async fn a_prefix_warmed_behind_the_balancers_back_draws_its_requests() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_balancers_agree_on_the_engines_blocks_without_a_shared_store() {
+    let a = Balancer::start(&[]).await;
+    let b = Balancer::start(&[]).await;
+    let both = format!("{},{}", a.management, b.management);
+    let mut sims = Vec::new();
+    let mut agents = Vec::new();
+    for _ in 0..2 {
+        let (sim, publisher, replay) = sim_with_events("positional");
+        agents.push(agent_at(
+            &sim.addr.to_string(),
+            &a,
+            &[
+                "--management-addr",
+                &both,
+                "--backend",
+                "vllm",
+                "--max-concurrency",
+                "4",
+                "--kv-events",
+                &publisher,
+                "--kv-events-replay",
+                &replay,
+            ],
+        ));
+        sims.push(sim);
+    }
+    a.wait_eligible(2).await;
+    b.wait_eligible(2).await;
+    // A prompt warmed on the second engine behind both balancers' backs:
+    // both hold the same blocks for it, and both send it there.
+    let p = prompt("shared by both", 6);
+    warm(&sims[1], &p).await;
+    for balancer in [&a, &b] {
+        wait_for("both copies", Duration::from_secs(10), || async {
+            (copy_of(balancer, &sims[1]).await >= 6).then_some(())
+        })
+        .await;
+    }
+    for balancer in [&a, &b, &a, &b] {
+        assert_eq!(served_by(balancer, &p).await, sims[1].addr.to_string());
+    }
+}

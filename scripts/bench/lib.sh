@@ -4,6 +4,22 @@ say() { echo "==> $*" >&2; }
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
+# free_port_pair: a free port whose next port is free too (a server that
+# binds both, as llm-sim's KV-cache events and their replay socket).
+free_port_pair() {
+    python3 -c '
+import socket
+while True:
+    a = socket.socket(); a.bind(("127.0.0.1", 0)); p = a.getsockname()[1]
+    b = socket.socket()
+    try:
+        b.bind(("127.0.0.1", p + 1))
+    except OSError:
+        continue
+    print(p)
+    break'
+}
+
 # wait_http URL: until URL answers 2xx (30 s at most).
 wait_http() {
     for _ in $(seq 300); do

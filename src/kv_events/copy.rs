@@ -31,6 +31,9 @@ pub struct Matched {
 pub struct BlocksCopy {
     held: Option<BlocksVersion>,
     media: HashIndex<u8>,
+    /// Blocks held per medium (`Medium as usize`), kept as keys come and
+    /// go: `/api/v1/agents` reads them without counting a million keys.
+    on: [usize; 2],
 }
 
 impl BlocksCopy {
@@ -49,8 +52,24 @@ impl BlocksCopy {
 
     /// Blocks held on `medium`.
     pub fn len_on(&self, medium: Medium) -> usize {
+        self.on[medium as usize]
+    }
+
+    /// Sets whether `key` is held on `medium`.
+    fn set(&mut self, key: BlockKey, medium: Medium, present: bool) {
         let bit = bit(medium);
-        self.media.values().filter(|&&m| m & bit != 0).count()
+        let m = self.media.entry(key).or_insert(0);
+        if (*m & bit != 0) != present {
+            *m ^= bit;
+            if present {
+                self.on[medium as usize] += 1;
+            } else {
+                self.on[medium as usize] -= 1;
+            }
+        }
+        if *m == 0 {
+            self.media.remove(&key);
+        }
     }
 
     /// Applies a delta made from the version it holds; false when the
@@ -64,28 +83,26 @@ impl BlocksCopy {
         if !fits {
             return false;
         }
-        for (keys, bit, present) in [
-            (&update.removed_gpu, GPU, false),
-            (&update.removed_cpu, CPU, false),
-            (&update.stored_gpu, GPU, true),
-            (&update.stored_cpu, CPU, true),
+        self.take(update);
+        true
+    }
+
+    /// Applies `update`'s keys (removals first) and takes its version.
+    fn take(&mut self, update: &BlocksUpdate) {
+        for (keys, medium, present) in [
+            (&update.removed_gpu, Medium::Gpu, false),
+            (&update.removed_cpu, Medium::Cpu, false),
+            (&update.stored_gpu, Medium::Gpu, true),
+            (&update.stored_cpu, Medium::Cpu, true),
         ] {
             for &key in keys {
-                if present {
-                    *self.media.entry(key).or_insert(0) |= bit;
-                } else if let Some(m) = self.media.get_mut(&key) {
-                    *m &= !bit;
-                    if *m == 0 {
-                        self.media.remove(&key);
-                    }
-                }
+                self.set(key, medium, present);
             }
         }
         self.held = Some(BlocksVersion {
             epoch: update.epoch,
             version: update.to,
         });
-        true
     }
 
     /// The copy a snapshot makes, built apart from the one it replaces.
@@ -94,21 +111,10 @@ impl BlocksCopy {
         if update.from.is_some() {
             return None;
         }
-        let mut media = HashIndex::default();
-        media.reserve(update.stored_gpu.len() + update.stored_cpu.len());
-        for &key in &update.stored_gpu {
-            *media.entry(key).or_insert(0) |= GPU;
-        }
-        for &key in &update.stored_cpu {
-            *media.entry(key).or_insert(0) |= CPU;
-        }
-        Some(BlocksCopy {
-            held: Some(BlocksVersion {
-                epoch: update.epoch,
-                version: update.to,
-            }),
-            media,
-        })
+        let mut copy = BlocksCopy::default();
+        (copy.media).reserve(update.stored_gpu.len() + update.stored_cpu.len());
+        copy.take(update);
+        Some(copy)
     }
 
     /// How many of `keys` (a prompt's blocks, first to last) the endpoint

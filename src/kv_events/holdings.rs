@@ -150,6 +150,9 @@ pub struct Holdings {
     epoch: u64,
     /// Holders of each key, per medium (`Medium as usize`).
     held: HashIndex<[u32; 2]>,
+    /// Keys held per medium: every report says them, and counting a
+    /// million keys each time would hold the lock the events wait on.
+    on: [usize; 2],
     version: u64,
     /// The last changes, each with the version it made.
     journal: VecDeque<(u64, Change)>,
@@ -167,6 +170,7 @@ impl Holdings {
         Holdings {
             epoch,
             held: HashIndex::default(),
+            on: [0; 2],
             version: 0,
             journal: VecDeque::new(),
             journal_cap: journal_cap.max(1),
@@ -182,10 +186,7 @@ impl Holdings {
 
     /// Keys held on `medium`.
     pub fn len_on(&self, medium: Medium) -> usize {
-        self.held
-            .values()
-            .filter(|c| c[medium as usize] > 0)
-            .count()
+        self.on[medium as usize]
     }
 
     /// Applies a change one engine's index made.
@@ -213,6 +214,10 @@ impl Holdings {
             }
         };
         if let Some(change) = effective {
+            match change {
+                Change::Stored(_, medium) => self.on[medium as usize] += 1,
+                Change::Removed(_, medium) => self.on[medium as usize] -= 1,
+            }
             self.version += 1;
             if self.journal.len() == self.journal_cap {
                 self.journal.pop_front();

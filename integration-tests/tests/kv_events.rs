@@ -56,6 +56,31 @@ fn sim_with_events(layout: &str) -> (Sim, String, String) {
     )
 }
 
+/// An agent watching `sim` as a vLLM server of 4 slots and following its
+/// events at `publisher` (and its replay socket, when given), reporting to
+/// `b` (and to the balancers `also` names).
+fn events_agent(
+    sim: &Sim,
+    b: &Balancer,
+    publisher: &str,
+    replay: Option<&str>,
+    also: &[&str],
+) -> Proc {
+    let mut args = vec![
+        "--backend",
+        "vllm",
+        "--max-concurrency",
+        "4",
+        "--kv-events",
+        publisher,
+    ];
+    if let Some(replay) = replay {
+        args.extend(["--kv-events-replay", replay]);
+    }
+    args.extend_from_slice(also);
+    agent_at(&sim.addr.to_string(), b, &args)
+}
+
 /// A prompt of `blocks` whole cache blocks (64 bytes each), named by `tag`.
 fn prompt(tag: &str, blocks: usize) -> Value {
     let mut text = format!("{tag}: ");
@@ -109,20 +134,7 @@ fn n(v: &Value) -> u64 {
 async fn follows(layout: &str) {
     let b = Balancer::start(&[]).await;
     let (sim, publisher, replay) = sim_with_events(layout);
-    let _agent = agent_at(
-        &sim.addr.to_string(),
-        &b,
-        &[
-            "--backend",
-            "vllm",
-            "--max-concurrency",
-            "4",
-            "--kv-events",
-            &publisher,
-            "--kv-events-replay",
-            &replay,
-        ],
-    );
+    let _agent = events_agent(&sim, &b, &publisher, Some(&replay), &[]);
     b.wait_eligible(1).await;
     // Nothing cached yet: no blocks, but the copy exists once the agent
     // sent its first snapshot.
@@ -197,18 +209,7 @@ async fn the_agent_follows_sglangs_events() {
 async fn a_balancer_that_restarts_gets_a_snapshot() {
     let b = Balancer::start(&[]).await;
     let (sim, publisher, _) = sim_with_events("tagged");
-    let _agent = agent_at(
-        &sim.addr.to_string(),
-        &b,
-        &[
-            "--backend",
-            "vllm",
-            "--max-concurrency",
-            "4",
-            "--kv-events",
-            &publisher,
-        ],
-    );
+    let _agent = events_agent(&sim, &b, &publisher, None, &[]);
     b.wait_eligible(1).await;
     send(&b, &prompt("kept", 5)).await;
     wait_blocks(&b, "5 blocks", |_, c| n(&c["blocks_gpu"]) == 5).await;
@@ -255,20 +256,7 @@ async fn two_engines(b: &Balancer) -> (Vec<Sim>, Vec<Proc>) {
     let mut agents = Vec::new();
     for _ in 0..2 {
         let (sim, publisher, replay) = sim_with_events("tagged");
-        agents.push(agent_at(
-            &sim.addr.to_string(),
-            b,
-            &[
-                "--backend",
-                "vllm",
-                "--max-concurrency",
-                "4",
-                "--kv-events",
-                &publisher,
-                "--kv-events-replay",
-                &replay,
-            ],
-        ));
+        agents.push(events_agent(&sim, b, &publisher, Some(&replay), &[]));
         sims.push(sim);
     }
     b.wait_eligible(2).await;
@@ -354,22 +342,8 @@ async fn two_balancers_agree_on_the_engines_blocks_without_a_shared_store() {
     let mut agents = Vec::new();
     for _ in 0..2 {
         let (sim, publisher, replay) = sim_with_events("positional");
-        agents.push(agent_at(
-            &sim.addr.to_string(),
-            &a,
-            &[
-                "--management-addr",
-                &both,
-                "--backend",
-                "vllm",
-                "--max-concurrency",
-                "4",
-                "--kv-events",
-                &publisher,
-                "--kv-events-replay",
-                &replay,
-            ],
-        ));
+        let also = ["--management-addr", both.as_str()];
+        agents.push(events_agent(&sim, &a, &publisher, Some(&replay), &also));
         sims.push(sim);
     }
     a.wait_eligible(2).await;

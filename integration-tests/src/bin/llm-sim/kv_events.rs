@@ -284,6 +284,17 @@ fn frames(topic: &str, seq: i64, payload: Bytes) -> ZmqMessage {
     m
 }
 
+/// Binds `socket` at `host:port`, or says why not and exits.
+async fn bind(socket: &mut impl Socket, host: std::net::IpAddr, port: u16, what: &str) -> String {
+    match socket.bind(&format!("tcp://{host}:{port}")).await {
+        Ok(endpoint) => endpoint.to_string(),
+        Err(e) => {
+            eprintln!("llm-sim: cannot bind the {what} socket: {e}");
+            std::process::exit(1)
+        }
+    }
+}
+
 /// Binds the PUB and replay sockets on `host` (port 0: free ports) and
 /// says where; then publishes for the life of the process.
 pub(crate) async fn serve(
@@ -294,22 +305,10 @@ pub(crate) async fn serve(
     topic: String,
 ) {
     let mut socket = PubSocket::new();
-    let bound = socket
-        .bind(&format!("tcp://{host}:{port}"))
-        .await
-        .unwrap_or_else(|e| {
-            eprintln!("llm-sim: cannot bind the kv events socket: {e}");
-            std::process::exit(1)
-        });
+    let bound = bind(&mut socket, host, port, "kv events").await;
     let mut router = RouterSocket::new();
     let replay_port = if port == 0 { 0 } else { port.saturating_add(1) };
-    let replay_bound = router
-        .bind(&format!("tcp://{host}:{replay_port}"))
-        .await
-        .unwrap_or_else(|e| {
-            eprintln!("llm-sim: cannot bind the kv events replay socket: {e}");
-            std::process::exit(1)
-        });
+    let replay_bound = bind(&mut router, host, replay_port, "kv events replay").await;
     println!("kv events on {bound} replay {replay_bound}");
     let ring: Arc<Mutex<VecDeque<(i64, Bytes)>>> = Arc::default();
     let replay_ring = ring.clone();

@@ -1,0 +1,226 @@
+//! Encoding a text piece by piece, remembering each piece's ids.
+//!
+//! A Hugging Face tokenizer first cuts its input at its added tokens
+//! (`<|im_start|>`, `<s>`, …: each becomes its own id) and then normalizes,
+//! pre-tokenizes and encodes every piece between two of them on its own.
+//! So a text's ids are its pieces' ids in order, and a piece's ids depend
+//! on the piece alone — with one exception: a Metaspace pre-tokenizer that
+//! prepends its space to the *first* piece only. A piece that does not
+//! start the text is therefore encoded behind the added token that
+//! precedes it (exactly as it stood) and that token's id taken off again;
+//! if it is not found there, the whole text is encoded at once instead.
+//!
+//! Remembered: up to [`IDS_PER_GENERATION`] ids in a young and an old
+//! generation; a piece found in the old one moves to the young one, and
+//! when the young one is full the old one is dropped (a bounded cache with
+//! no per-entry bookkeeping). Keys are a seeded 64-bit hash of (the
+//! preceding added token, the piece's bytes) — a collision costs a request
+//! its prefix match, nothing more.
+
+use std::collections::HashMap;
+use std::hash::BuildHasher;
+use std::sync::{Mutex, PoisonError};
+
+use tokenizers::{OffsetReferential, OffsetType, Tokenizer};
+
+use crate::Unsupported;
+
+/// Ids remembered per generation (4 bytes each: 4 MiB, twice, at most,
+/// per model): a few hundred conversations of 8k tokens.
+pub const IDS_PER_GENERATION: usize = 1 << 20;
+
+/// Pieces' ids remembered (module docs).
+#[derive(Default)]
+pub struct Pieces {
+    hasher: foldhash::quality::RandomState,
+    generations: Mutex<Generations>,
+}
+
+#[derive(Default)]
+struct Generations {
+    young: HashMap<u64, Box<[u32]>, foldhash::fast::FixedState>,
+    old: HashMap<u64, Box<[u32]>, foldhash::fast::FixedState>,
+    young_ids: usize,
+}
+
+impl Generations {
+    fn get(&mut self, key: u64) -> Option<&[u32]> {
+        if !self.young.contains_key(&key) {
+            let ids = self.old.remove(&key)?;
+            self.insert(key, ids);
+        }
+        self.young.get(&key).map(|ids| &ids[..])
+    }
+
+    fn contains(&self, key: u64) -> bool {
+        self.young.contains_key(&key) || self.old.contains_key(&key)
+    }
+
+    fn insert(&mut self, key: u64, ids: Box<[u32]>) {
+        if self.young_ids + ids.len() > IDS_PER_GENERATION {
+            self.old = std::mem::take(&mut self.young);
+            self.young_ids = 0;
+        }
+        self.young_ids += ids.len();
+        if let Some(before) = self.young.insert(key, ids) {
+            self.young_ids -= before.len();
+        }
+    }
+}
+
+/// One piece of a text as the tokenizer cuts it.
+enum Piece<'t> {
+    /// An added token's id.
+    Added(u32),
+    /// Text between added tokens; `behind`: the added token before it
+    /// (`None` for the text's first piece).
+    Text {
+        text: &'t str,
+        behind: Option<(&'t str, u32)>,
+    },
+}
+
+impl Pieces {
+    /// `text`'s ids (without special tokens added), or `None` when more
+    /// than `max` of its bytes are in pieces not remembered.
+    pub fn encode(
+        &self,
+        tokenizer: &Tokenizer,
+        whole: &str,
+        max: usize,
+    ) -> Result<Option<Vec<u32>>, Unsupported> {
+        let pieces = cut(tokenizer, whole);
+        let key = |text: &str, behind: Option<(&str, u32)>| {
+            self.hasher
+                .hash_one((behind.map_or(u32::MAX, |(_, id)| id), text.as_bytes()))
+        };
+        let unremembered: usize = {
+            let generations = self.generations();
+            pieces
+                .iter()
+                .filter_map(|p| match p {
+                    Piece::Text { text, behind } if !generations.contains(key(text, *behind)) => {
+                        Some(text.len())
+                    }
+                    _ => None,
+                })
+                .sum()
+        };
+        if unremembered > max {
+            return Ok(None);
+        }
+        let mut ids = Vec::with_capacity(whole.len() / 3);
+        for piece in &pieces {
+            let (text, behind) = match *piece {
+                Piece::Added(id) => {
+                    ids.push(id);
+                    continue;
+                }
+                Piece::Text { text, behind } => (text, behind),
+            };
+            let k = key(text, behind);
+            if let Some(known) = self.generations().get(k) {
+                ids.extend_from_slice(known);
+                continue;
+            }
+            match encode_piece(tokenizer, text, behind)? {
+                Some(new) => {
+                    ids.extend_from_slice(&new);
+                    self.generations().insert(k, new.into_boxed_slice());
+                }
+                // The piece does not encode on its own as it does in the
+                // text (module docs): the whole text, remembering nothing.
+                None => return encode_whole(tokenizer, whole).map(Some),
+            }
+        }
+        Ok(Some(ids))
+    }
+
+    fn generations(&self) -> std::sync::MutexGuard<'_, Generations> {
+        self.generations
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// `text` cut at its added tokens, as the tokenizer cuts it.
+fn cut<'t>(tokenizer: &Tokenizer, text: &'t str) -> Vec<Piece<'t>> {
+    let split = tokenizer
+        .get_added_vocabulary()
+        .extract_and_normalize(tokenizer.get_normalizer(), text);
+    let mut pieces = Vec::new();
+    let mut behind = None;
+    for (_, (start, end), tokens) in split.get_splits(OffsetReferential::Original, OffsetType::Byte) {
+        let Some(original) = text.get(start..end) else {
+            continue;
+        };
+        match tokens.as_deref() {
+            Some([token]) => {
+                pieces.push(Piece::Added(token.id));
+                behind = Some((original, token.id));
+            }
+            // An added token is one id; anything else is text to encode.
+            _ if original.is_empty() => {}
+            _ => pieces.push(Piece::Text {
+                text: original,
+                behind,
+            }),
+        }
+    }
+    pieces
+}
+
+/// A piece's ids as they come out in its text; `None` if encoding it
+/// behind its added token does not give that token's id first.
+fn encode_piece(
+    tokenizer: &Tokenizer,
+    text: &str,
+    behind: Option<(&str, u32)>,
+) -> Result<Option<Vec<u32>>, Unsupported> {
+    let Some((added, id)) = behind else {
+        return encode_whole(tokenizer, text).map(Some);
+    };
+    let ids = encode_whole(tokenizer, &format!("{added}{text}"))?;
+    Ok(match ids.split_first() {
+        Some((first, rest)) if *first == id => Some(rest.to_vec()),
+        _ => None,
+    })
+}
+
+fn encode_whole(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, Unsupported> {
+    tokenizer
+        .encode_fast(text, false)
+        .map(|e| e.get_ids().to_vec())
+        .map_err(|e| Unsupported::Encode(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn remembered_ids_stay_within_two_generations_and_a_used_piece_survives() {
+        let mut g = Generations::default();
+        let piece = IDS_PER_GENERATION / 4;
+        g.insert(0, vec![7; piece].into());
+        for key in 1..=3 {
+            g.insert(key, vec![1; piece].into());
+        }
+        // The young generation is full: the next piece starts a new one.
+        g.insert(4, vec![1; piece].into());
+        assert!(g.contains(0) && g.young.len() == 1);
+        // Read from the old generation, piece 0 moves to the young one...
+        assert_eq!(g.get(0).map(<[u32]>::len), Some(piece));
+        for key in 5..=7 {
+            g.insert(key, vec![1; piece].into());
+        }
+        // ...so it outlives the old generation's end, which 1 does not.
+        assert!(g.contains(0) && !g.contains(1));
+        let held: usize = g.young.values().chain(g.old.values()).map(|ids| ids.len()).sum();
+        assert!(held <= 2 * IDS_PER_GENERATION);
+        // The same piece again counts once.
+        let before = g.young_ids;
+        g.insert(7, vec![1; piece].into());
+        assert_eq!(g.young_ids, before);
+    }
+}

@@ -162,7 +162,8 @@ fn check_ports(settings: &Settings) -> Result<TcpListener, String> {
 
 /// The gate and the parts the settings turn on, each opened or refused.
 fn open_parts(settings: &Settings) -> Result<Parts, String> {
-    let shared = FleetGate::new(settings.dispatcher.clone());
+    let tokenizers = gate::prompt_tokens::Tokenizers::load(&settings.tokenizers)?;
+    let shared = FleetGate::with_tokenizers(settings.dispatcher.clone(), tokenizers);
     let rules = rules::LiveRules::new(settings.door_rules());
     let scale_up = (settings.scale_up_webhook.as_ref())
         .map(|(url, interval)| {

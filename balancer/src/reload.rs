@@ -139,6 +139,10 @@ fn needs_restart(a: &Settings, b: &Settings) -> Vec<&'static str> {
             "managementToken",
             differ(&a.management_token, &b.management_token),
         ),
+        (
+            "models.tokenizers / --tokenizer",
+            differ(&a.tokenizers, &b.tokenizers),
+        ),
     ]
     .into_iter()
     .filter_map(|(name, changed)| changed.then_some(name))

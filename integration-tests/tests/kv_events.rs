@@ -15,6 +15,11 @@ use serde_json::{json, Value};
 /// An llm-sim with a prefix cache publishing events in `layout`, and the
 /// addresses of its PUB and replay sockets.
 fn sim_with_events(layout: &str) -> (Sim, String, String) {
+    sim_with_events_and(layout, &[])
+}
+
+/// The same, with `extra` arguments.
+fn sim_with_events_and(layout: &str, extra: &[&str]) -> (Sim, String, String) {
     let args: Vec<String> = [
         "--listen",
         "127.0.0.1:0",
@@ -28,6 +33,7 @@ fn sim_with_events(layout: &str) -> (Sim, String, String) {
         layout,
     ]
     .iter()
+    .chain(extra)
     .map(|s| s.to_string())
     .collect();
     let mut proc = Proc::spawn("llm-sim", &args);
@@ -252,10 +258,15 @@ async fn blocks_from_an_unknown_agent_or_garbage_are_refused() {
 /// Two engines publishing their caches behind one balancer, each with its
 /// agent following the events.
 async fn two_engines(b: &Balancer) -> (Vec<Sim>, Vec<Proc>) {
+    two_engines_with(b, &[]).await
+}
+
+/// The same, each llm-sim given `extra` arguments.
+async fn two_engines_with(b: &Balancer, extra: &[&str]) -> (Vec<Sim>, Vec<Proc>) {
     let mut sims = Vec::new();
     let mut agents = Vec::new();
     for _ in 0..2 {
-        let (sim, publisher, replay) = sim_with_events("tagged");
+        let (sim, publisher, replay) = sim_with_events_and("tagged", extra);
         agents.push(events_agent(&sim, b, &publisher, Some(&replay), &[]));
         sims.push(sim);
     }
@@ -361,4 +372,66 @@ async fn two_balancers_agree_on_the_engines_blocks_without_a_shared_store() {
     for balancer in [&a, &b, &a, &b] {
         assert_eq!(served_by(balancer, &p).await, sims[1].addr.to_string());
     }
+}
+
+/// A small byte-level BPE tokenizer with a ChatML template, written by
+/// Hugging Face's own `tokenizers` (the tokenizer crate's golden files).
+fn chatml_tokenizer() -> String {
+    format!("{}/../tokenizer/golden/chatml", env!("CARGO_MANIFEST_DIR"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_balancers_own_tokenizer_matches_the_engines_blocks_without_asking_them() {
+    let dir = chatml_tokenizer();
+    let b = Balancer::start(&["--tokenizer", &format!("sim-model={dir}")]).await;
+    // The engines count prompts in the same model's tokens.
+    let (sims, _agents) = two_engines_with(&b, &["--tokenizer", &dir]).await;
+    let mut p = prompt("counted by the balancer", 12);
+    warm(&sims[1], &p).await;
+    wait_for("the copy to show it", Duration::from_secs(10), || async {
+        (copy_of(&b, &sims[1]).await >= 8).then_some(())
+    })
+    .await;
+    for _ in 0..3 {
+        assert_eq!(served_by(&b, &p).await, sims[1].addr.to_string());
+    }
+    // The conversation's next turn goes there too.
+    let turns = p["messages"].as_array_mut().unwrap();
+    turns.push(json!({"role": "assistant", "content": "a fox, quick"}));
+    turns.push(json!({"role": "user", "content": "and the dog?"}));
+    assert_eq!(served_by(&b, &p).await, sims[1].addr.to_string());
+    let by = |by: &'static str, reason: &'static str| {
+        let b = &b;
+        async move {
+            metric(
+                b,
+                "flowgate_prompt_tokenizations_total",
+                &[("by", by), ("reason", reason)],
+            )
+            .await
+        }
+    };
+    assert_eq!(by("tokenizer", "").await, 4.0);
+    assert_eq!(by("engine", "field").await, 0.0);
+    // A chat with tools is the engine's to render: its /tokenize is asked.
+    p["tools"] = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+    served_by(&b, &p).await;
+    assert_eq!(by("engine", "field").await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tokenizer_that_cannot_be_read_stops_the_balancer_naming_the_model() {
+    let (inference, management) = (free_port(), free_port());
+    let out = std::process::Command::new(bin("balancer"))
+        .args(["--tokenizer", "chat-model=/nonexistent/flowgate-model"])
+        .args(["--inference-addr", &format!("127.0.0.1:{inference}")])
+        .args(["--management-addr", &format!("127.0.0.1:{management}")])
+        .output()
+        .expect("run the balancer");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("chat-model") && err.contains("/nonexistent/flowgate-model/tokenizer.json"),
+        "{err}"
+    );
 }

@@ -72,6 +72,20 @@ pub enum Unsupported {
     Encode(String),
 }
 
+impl Unsupported {
+    /// A short name of the reason, for a metric's label.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Unsupported::NoTemplate => "no_template",
+            Unsupported::Field(_) => "field",
+            Unsupported::Message(_) => "message",
+            Unsupported::NoPrompt => "no_prompt",
+            Unsupported::Render(_) => "render",
+            Unsupported::Encode(_) => "encode",
+        }
+    }
+}
+
 /// A request's tokens, or a sign that it has more than the allowed bytes
 /// still to encode (see [`ModelTokenizer::tokens`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,7 +105,12 @@ pub struct ModelTokenizer {
 }
 
 /// Request fields that make vLLM render a chat in ways left to it.
-const ENGINE_RENDERED: [&str; 4] = ["tools", "documents", "chat_template", "continue_final_message"];
+const ENGINE_RENDERED: [&str; 4] = [
+    "tools",
+    "documents",
+    "chat_template",
+    "continue_final_message",
+];
 
 impl ModelTokenizer {
     /// Reads a Hugging Face snapshot directory: `tokenizer.json` (needed),
@@ -112,8 +131,8 @@ impl ModelTokenizer {
         };
         let tokenizer = read("tokenizer.json", true)?.unwrap_or_default();
         let config = read("tokenizer_config.json", false)?;
-        let template = read("chat_template.jinja", false)?
-            .map(|t| String::from_utf8_lossy(&t).into_owned());
+        let template =
+            read("chat_template.jinja", false)?.map(|t| String::from_utf8_lossy(&t).into_owned());
         Self::from_parts(&tokenizer, config.as_deref(), template)
     }
 
@@ -123,8 +142,8 @@ impl ModelTokenizer {
         config_json: Option<&[u8]>,
         template: Option<String>,
     ) -> Result<Self, LoadError> {
-        let mut tokenizer =
-            Tokenizer::from_bytes(tokenizer_json).map_err(|e| LoadError::Tokenizer(e.to_string()))?;
+        let mut tokenizer = Tokenizer::from_bytes(tokenizer_json)
+            .map_err(|e| LoadError::Tokenizer(e.to_string()))?;
         // `transformers` turns the file's truncation and padding off unless
         // a call asks for them; vLLM's calls do not.
         tokenizer
@@ -175,13 +194,16 @@ impl ModelTokenizer {
 
     /// The chat template rendered for a request, as vLLM renders it.
     pub fn render(&self, body: &Value, messages: &Value) -> Result<String, Unsupported> {
-        if let Some(field) = ENGINE_RENDERED
-            .into_iter()
-            .find(|f| body.get(*f).is_some_and(|v| !v.is_null() && v != &Value::Bool(false)))
-        {
+        if let Some(field) = ENGINE_RENDERED.into_iter().find(|f| {
+            body.get(*f)
+                .is_some_and(|v| !v.is_null() && v != &Value::Bool(false))
+        }) {
             return Err(Unsupported::Field(field));
         }
-        let template = self.template.as_ref().map_err(|_| Unsupported::NoTemplate)?;
+        let template = self
+            .template
+            .as_ref()
+            .map_err(|_| Unsupported::NoTemplate)?;
         let messages = template::plain_messages(messages)?;
         let generation_prompt = body
             .get("add_generation_prompt")

@@ -150,7 +150,8 @@ fn cut<'t>(tokenizer: &Tokenizer, text: &'t str) -> Vec<Piece<'t>> {
         .extract_and_normalize(tokenizer.get_normalizer(), text);
     let mut pieces = Vec::new();
     let mut behind = None;
-    for (_, (start, end), tokens) in split.get_splits(OffsetReferential::Original, OffsetType::Byte) {
+    for (_, (start, end), tokens) in split.get_splits(OffsetReferential::Original, OffsetType::Byte)
+    {
         let Some(original) = text.get(start..end) else {
             continue;
         };
@@ -216,7 +217,12 @@ mod tests {
         }
         // ...so it outlives the old generation's end, which 1 does not.
         assert!(g.contains(0) && !g.contains(1));
-        let held: usize = g.young.values().chain(g.old.values()).map(|ids| ids.len()).sum();
+        let held: usize = g
+            .young
+            .values()
+            .chain(g.old.values())
+            .map(|ids| ids.len())
+            .sum();
         assert!(held <= 2 * IDS_PER_GENERATION);
         // The same piece again counts once.
         let before = g.young_ids;

@@ -6,11 +6,27 @@
 use std::time::{SystemTime, UNIX_EPOCH};
 
 const MONTHS: [&str; 12] = [
-    "January", "February", "March", "April", "May", "June", "July", "August", "September",
-    "October", "November", "December",
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
 ];
 const DAYS: [&str; 7] = [
-    "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday",
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+    "Thursday",
+    "Friday",
+    "Saturday",
+    "Sunday",
 ];
 
 pub fn now(format: &str) -> Result<String, String> {
@@ -50,7 +66,12 @@ pub fn format_at(format: &str, secs: u64) -> Result<String, String> {
             Some('M') => out.push_str(&format!("{:02}", of_day / 60 % 60)),
             Some('S') => out.push_str(&format!("{:02}", of_day % 60)),
             Some('%') => out.push('%'),
-            other => return Err(format!("strftime_now: %{} is not supported", other.unwrap_or(' '))),
+            other => {
+                return Err(format!(
+                    "strftime_now: %{} is not supported",
+                    other.unwrap_or(' ')
+                ))
+            }
         }
     }
     Ok(out)
@@ -86,7 +107,10 @@ mod tests {
         );
         assert_eq!(format_at("%Y-%m-%d", 0).unwrap(), "1970-01-01");
         // A leap day, and the day after.
-        assert_eq!(format_at("%Y-%m-%d %a", 951_782_400).unwrap(), "2000-02-29 Tue");
+        assert_eq!(
+            format_at("%Y-%m-%d %a", 951_782_400).unwrap(),
+            "2000-02-29 Tue"
+        );
         assert_eq!(format_at("%Y-%m-%d", 951_868_800).unwrap(), "2000-03-01");
         assert!(format_at("%Z", at).unwrap_err().contains("%Z"));
     }

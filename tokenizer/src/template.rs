@@ -60,9 +60,12 @@ impl ChatTemplate {
             .map_err(|e| e.to_string())?;
         env.set_syntax(syntax);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |message: String| -> Result<Jinja, Error> {
-            Err(Error::new(ErrorKind::InvalidOperation, message))
-        });
+        env.add_function(
+            "raise_exception",
+            |message: String| -> Result<Jinja, Error> {
+                Err(Error::new(ErrorKind::InvalidOperation, message))
+            },
+        );
         env.add_function("strftime_now", |format: String| -> Result<String, Error> {
             crate::strftime::now(&format).map_err(|e| Error::new(ErrorKind::InvalidOperation, e))
         });
@@ -117,8 +120,12 @@ pub fn plain_messages(messages: &Value) -> Result<Vec<Value>, Unsupported> {
             let Value::Object(m) = m else {
                 return Err(Unsupported::Message("no object"));
             };
-            if m.keys().any(|k| !matches!(k.as_str(), "role" | "content" | "name")) {
-                return Err(Unsupported::Message("fields other than role, content and name"));
+            if m.keys()
+                .any(|k| !matches!(k.as_str(), "role" | "content" | "name"))
+            {
+                return Err(Unsupported::Message(
+                    "fields other than role, content and name",
+                ));
             }
             if !m.get("role").is_some_and(Value::is_string) {
                 return Err(Unsupported::Message("no role"));
@@ -138,10 +145,12 @@ pub fn plain_messages(messages: &Value) -> Result<Vec<Value>, Unsupported> {
 fn text_parts(parts: &[Value]) -> Result<String, Unsupported> {
     let texts = parts
         .iter()
-        .map(|p| match (p.get("type").and_then(Value::as_str), p.get("text")) {
-            (Some("text"), Some(Value::String(t))) => Ok(t.as_str()),
-            _ => Err(Unsupported::Message("a part that is not text")),
-        })
+        .map(
+            |p| match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                (Some("text"), Some(Value::String(t))) => Ok(t.as_str()),
+                _ => Err(Unsupported::Message("a part that is not text")),
+            },
+        )
         .collect::<Result<Vec<_>, _>>()?;
     Ok(texts.join("\n"))
 }
@@ -151,7 +160,7 @@ fn text_parts(parts: &[Value]) -> Result<String, Unsupported> {
 fn tojson(value: Jinja, indent: Option<Jinja>, kwargs: Kwargs) -> Result<String, Error> {
     let indent = match kwargs.get::<Option<usize>>("indent")? {
         Some(width) => Some(width),
-        None => indent.map(|v| usize::try_from(v)).transpose()?,
+        None => indent.map(usize::try_from).transpose()?,
     };
     kwargs.assert_all_used()?;
     let value = serde_json::to_value(&value)

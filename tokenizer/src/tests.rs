@@ -11,7 +11,9 @@ use serde_json::{json, Value};
 use super::*;
 
 fn golden(name: &str) -> ModelTokenizer {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("golden").join(name);
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("golden")
+        .join(name);
     ModelTokenizer::from_dir(&dir).expect("a golden tokenizer")
 }
 
@@ -70,7 +72,11 @@ fn a_prompt_gets_what_the_post_processor_adds_a_chat_does_not() {
     let bos = llama.tokenizer.token_to_id("<s>").unwrap();
     assert_eq!(llama.around, (vec![bos], vec![]));
     assert_eq!(golden("chatml").around, (vec![], vec![]));
-    let chat = ids(&llama, &json!({"messages": [{"role": "user", "content": "hi"}]})).unwrap();
+    let chat = ids(
+        &llama,
+        &json!({"messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .unwrap();
     // The template writes the BOS once; nothing adds a second.
     assert_eq!(chat.iter().filter(|&&id| id == bos).count(), 1);
 }
@@ -90,7 +96,13 @@ fn a_conversations_next_turn_encodes_only_what_it_added() {
     let Tokens::Ids(next_ids) = t.tokens(&next, 100).unwrap() else {
         panic!("the first turn was not remembered");
     };
-    assert_eq!(next_ids, t.tokenizer.encode_fast(t.render(&next, &next["messages"]).unwrap(), false).unwrap().get_ids());
+    assert_eq!(
+        next_ids,
+        t.tokenizer
+            .encode_fast(t.render(&next, &next["messages"]).unwrap(), false)
+            .unwrap()
+            .get_ids()
+    );
     // The first turn's ids, up to its generation prompt, begin the next's.
     let common = first_ids.len() - 3;
     assert_eq!(first_ids[..common], next_ids[..common]);
@@ -105,33 +117,61 @@ fn what_the_engine_renders_its_own_way_is_left_to_it() {
         body[field] = v;
         t.tokens(&body, usize::MAX).unwrap_err()
     };
-    assert_eq!(with("tools", json!([{"type": "function"}])), Unsupported::Field("tools"));
-    assert_eq!(with("documents", json!([{"text": "x"}])), Unsupported::Field("documents"));
-    assert_eq!(with("chat_template", json!("{{ x }}")), Unsupported::Field("chat_template"));
+    assert_eq!(
+        with("tools", json!([{"type": "function"}])),
+        Unsupported::Field("tools")
+    );
+    assert_eq!(
+        with("documents", json!([{"text": "x"}])),
+        Unsupported::Field("documents")
+    );
+    assert_eq!(
+        with("chat_template", json!("{{ x }}")),
+        Unsupported::Field("chat_template")
+    );
     assert_eq!(
         with("continue_final_message", json!(true)),
         Unsupported::Field("continue_final_message")
     );
     // Absent in all but name: served in process.
-    assert!(ids(&t, &json!({"messages": user, "tools": null, "continue_final_message": false})).is_ok());
-    let message = |m: Value| t.tokens(&json!({ "messages": [m] }), usize::MAX).unwrap_err();
+    assert!(ids(
+        &t,
+        &json!({"messages": user, "tools": null, "continue_final_message": false})
+    )
+    .is_ok());
+    let message = |m: Value| {
+        t.tokens(&json!({ "messages": [m] }), usize::MAX)
+            .unwrap_err()
+    };
     assert!(matches!(
         message(json!({"role": "assistant", "content": null, "tool_calls": []})),
         Unsupported::Message(_)
     ));
     assert!(matches!(
-        message(json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]})),
+        message(
+            json!({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]})
+        ),
         Unsupported::Message(_)
     ));
-    assert!(matches!(message(json!({"content": "no role"})), Unsupported::Message(_)));
-    assert_eq!(t.tokens(&json!({"prompt": [1, 2, 3]}), 0).unwrap_err(), Unsupported::NoPrompt);
-    assert_eq!(t.tokens(&json!({"input": "x"}), 0).unwrap_err(), Unsupported::NoPrompt);
+    assert!(matches!(
+        message(json!({"content": "no role"})),
+        Unsupported::Message(_)
+    ));
+    assert_eq!(
+        t.tokens(&json!({"prompt": [1, 2, 3]}), 0).unwrap_err(),
+        Unsupported::NoPrompt
+    );
+    assert_eq!(
+        t.tokens(&json!({"input": "x"}), 0).unwrap_err(),
+        Unsupported::NoPrompt
+    );
 }
 
 #[test]
 fn a_template_that_raises_or_is_missing_leaves_chats_to_the_engine() {
     let llama = golden("llama");
-    let twice = json!({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]});
+    let twice =
+        json!({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]});
     match llama.tokens(&twice, usize::MAX) {
         Err(Unsupported::Render(why)) => assert!(why.contains("alternate"), "{why}"),
         other => panic!("{other:?}"),
@@ -158,10 +198,19 @@ fn files_that_are_not_a_tokenizer_are_refused_by_name() {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("golden/chatml/tokenizer.json"),
     )
     .unwrap();
-    assert!(err(ModelTokenizer::from_parts(&tokenizer_json, Some(b"[1]"), None))
-        .starts_with("tokenizer_config.json"));
-    let missing = err(ModelTokenizer::from_dir(&PathBuf::from("/nonexistent/flowgate")));
-    assert!(missing.contains("/nonexistent/flowgate/tokenizer.json"), "{missing}");
+    assert!(err(ModelTokenizer::from_parts(
+        &tokenizer_json,
+        Some(b"[1]"),
+        None
+    ))
+    .starts_with("tokenizer_config.json"));
+    let missing = err(ModelTokenizer::from_dir(&PathBuf::from(
+        "/nonexistent/flowgate",
+    )));
+    assert!(
+        missing.contains("/nonexistent/flowgate/tokenizer.json"),
+        "{missing}"
+    );
 }
 
 #[test]

@@ -163,6 +163,15 @@ pub struct Cli {
     #[arg(long = "model-fallback", value_name = "MODEL=FALLBACKS", value_parser = parse_pair)]
     pub model_fallbacks: Vec<(String, String)>,
 
+    /// A model's tokenizer, counted in process to match prompts against
+    /// the KV-cache blocks engines report (`--kv-events` on their agents):
+    /// `MODEL=DIR`, DIR a Hugging Face snapshot holding `tokenizer.json`
+    /// (and `tokenizer_config.json` / `chat_template.jinja` for chats)
+    /// (repeatable; beats the config file's `models.tokenizers`). Without
+    /// one, prompts are tokenized by the engine's `/tokenize` [default: none]
+    #[arg(long = "tokenizer", value_name = "MODEL=DIR", value_parser = parse_pair)]
+    pub tokenizers: Vec<(String, String)>,
+
     /// Output tokens a request is assumed to produce when it names no
     /// bound (`max_tokens`, `max_completion_tokens`, `max_output_tokens`):
     /// part of its token estimate [default: 1024]

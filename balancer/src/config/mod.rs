@@ -92,6 +92,8 @@ pub struct Settings {
     pub quota_store: quotas::QuotaStore,
     /// Which served model a requested name goes to.
     pub models: flowgate::models::ModelRules,
+    /// Each served model's tokenizer directory, for those given one.
+    pub tokenizers: std::collections::BTreeMap<String, PathBuf>,
     /// Output tokens assumed for a request that names no bound.
     pub default_output_tokens: u64,
     /// Retries on another endpoint after a failure before the first byte.
@@ -215,8 +217,10 @@ impl Settings {
         let (quota_rules, quota_store) =
             quotas::build(&cli, &file.quotas.take().unwrap_or_default())
                 .map_err(SettingsError::Invalid)?;
-        let models = models::build(&cli, &file.models.take().unwrap_or_default())
-            .map_err(SettingsError::Invalid)?;
+        let models_section = file.models.take().unwrap_or_default();
+        let models = models::build(&cli, &models_section).map_err(SettingsError::Invalid)?;
+        let tokenizers =
+            models::tokenizers(&cli, &models_section).map_err(SettingsError::Invalid)?;
         let api_keys = match cli.api_keys_file.or(file.api_keys_file) {
             Some(path) => Some(Arc::new(
                 ApiKeys::load(&path).map_err(SettingsError::Invalid)?,
@@ -268,6 +272,7 @@ impl Settings {
             quotas: quota_rules,
             quota_store,
             models,
+            tokenizers,
             default_output_tokens: layer(
                 cli.default_output_tokens,
                 file.default_output_tokens,

@@ -13,9 +13,12 @@
 //!       - {model: model-b, weight: 10}
 //!   fallbacks:                 # where requests go when their model is down
 //!     model-a: {models: [model-b], after: 5s}
+//!   tokenizers:                # served model -> its Hugging Face snapshot
+//!     model-a: /models/model-a # (README "Engine KV events")
 //! ```
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 
 use flowgate::models::ModelRules;
 use serde::Deserialize;
@@ -35,6 +38,21 @@ pub struct ModelsSection {
     pub rewrites: BTreeMap<String, Vec<RewriteTarget>>,
     #[serde(default)]
     pub fallbacks: BTreeMap<String, FallbackChain>,
+    #[serde(default)]
+    pub tokenizers: BTreeMap<String, PathBuf>,
+}
+
+/// Each model's tokenizer directory: a flag beats the file's entry for
+/// the same model.
+pub fn tokenizers(cli: &Cli, file: &ModelsSection) -> Result<BTreeMap<String, PathBuf>, String> {
+    let mut dirs = file.tokenizers.clone();
+    for (model, dir) in &cli.tokenizers {
+        dirs.insert(model.clone(), PathBuf::from(dir));
+    }
+    match dirs.iter().find(|(model, _)| model.trim().is_empty()) {
+        Some(_) => Err("models.tokenizers: a model name is empty".into()),
+        None => Ok(dirs),
+    }
 }
 
 #[derive(Debug, Deserialize)]

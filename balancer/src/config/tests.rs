@@ -540,6 +540,36 @@ fn latency_objectives_are_defaults_by_objective_and_model() {
 }
 
 #[test]
+fn tokenizers_come_from_the_file_and_the_flags_win() {
+    let file = || FileConfig::parse("models:\n  tokenizers:\n    a: /m/a\n    b: /m/b\n");
+    let s = Settings::merge(
+        cli(&["--tokenizer", "b=/n/b", "--tokenizer", "c=/n/c"]),
+        file().unwrap(),
+    )
+    .unwrap();
+    let dirs: Vec<(&str, &Path)> = s
+        .tokenizers
+        .iter()
+        .map(|(m, d)| (m.as_str(), d.as_path()))
+        .collect();
+    assert_eq!(
+        dirs,
+        [
+            ("a", Path::new("/m/a")),
+            ("b", Path::new("/n/b")),
+            ("c", Path::new("/n/c"))
+        ]
+    );
+    assert!(Cli::try_parse_from(["balancer", "--tokenizer", "no-directory"]).is_err());
+    let err = Settings::merge(
+        cli(&[]),
+        FileConfig::parse("models:\n  tokenizers:\n    ' ': /m\n").unwrap(),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("models.tokenizers"), "{err}");
+}
+
+#[test]
 fn the_shipped_config_loads() {
     let text = include_str!("../../../config/balancer.yaml");
     let file = FileConfig::parse(text).unwrap();

@@ -1,8 +1,9 @@
 //! A request's prompt in the engine's own tokens, for matching it against
 //! the blocks the engines hold ([`super::blocks`]): asked of an engine's
 //! `POST /tokenize` (vLLM applies its chat template to `messages` there;
-//! llm-sim answers the same way), with the request's `model` and
-//! `messages` (or `prompt`) only, within [`ASK_TIMEOUT`], and remembered
+//! llm-sim answers the same way), with the request's `model`, `messages`
+//! (or `prompt`) and what vLLM renders a chat with ([`RENDERED_WITH`])
+//! only, within [`ASK_TIMEOUT`], and remembered
 //! by the prompt's hash so a prompt sent again is not asked twice. Any
 //! failure (no answer in time, an error, an answer that is no token list)
 //! leaves the request to placement's own guess.
@@ -21,7 +22,7 @@ pub const ASK_TIMEOUT: Duration = Duration::from_millis(250);
 const REMEMBERED: usize = 1_024;
 /// Longest prompt asked for, in tokens kept (its first ones: what a
 /// prefix cache can hold of it).
-const MAX_TOKENS: usize = 131_072;
+pub const MAX_TOKENS: usize = 131_072;
 
 /// Asks engines for prompts' tokens (module docs).
 pub struct EngineTokens {
@@ -47,31 +48,41 @@ impl Default for EngineTokens {
     }
 }
 
-/// What `/tokenize` is asked of a request body: its model and prompt only
-/// (an engine may refuse fields it does not know there); and its
-/// `cache_salt`. `None` for a body with neither `messages` nor `prompt`.
-fn question(body: &[u8]) -> Option<(Value, Option<String>)> {
-    let v: Value = serde_json::from_slice(body).ok()?;
+/// The fields of a chat request that vLLM's `/tokenize` takes too and
+/// renders the chat with.
+const RENDERED_WITH: [&str; 6] = [
+    "tools",
+    "documents",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+];
+
+/// What `/tokenize` is asked of a request body: its model and prompt and
+/// what the chat is rendered with, nothing else (an engine may refuse
+/// fields it does not know there). `None` for a body with neither
+/// `messages` nor `prompt`.
+fn question(v: &Value) -> Option<Value> {
     let model = v.get("model").cloned().unwrap_or(Value::Null);
-    let salt = v
-        .get("cache_salt")
-        .and_then(Value::as_str)
-        .map(str::to_string);
     if let Some(messages) = v.get("messages").filter(|m| m.is_array()) {
-        return Some((json!({"model": model, "messages": messages}), salt));
+        let mut asked = json!({"model": model, "messages": messages});
+        for field in RENDERED_WITH {
+            if let Some(x) = v.get(field).filter(|x| !x.is_null()) {
+                asked[field] = x.clone();
+            }
+        }
+        return Some(asked);
     }
     let prompt = v.get("prompt").filter(|p| p.is_string())?;
-    Some((json!({"model": model, "prompt": prompt}), salt))
+    Some(json!({"model": model, "prompt": prompt}))
 }
 
 impl EngineTokens {
-    /// The tokens of the prompt in `body`, as the engine at `addr` counts
-    /// them, and the body's `cache_salt` (which the engine keys its first
-    /// block with); `None` when it cannot tell in time.
-    pub async fn of(&self, addr: SocketAddr, body: &[u8]) -> Option<(Arc<[u32]>, Option<String>)> {
-        let (question, salt) = question(body)?;
-        let tokens = self.tokens(addr, question).await?;
-        Some((tokens, salt))
+    /// The tokens of the prompt in the request `body`, as the engine at
+    /// `addr` counts them; `None` when it cannot tell in time.
+    pub async fn of(&self, addr: SocketAddr, body: &Value) -> Option<Arc<[u32]>> {
+        self.tokens(addr, question(body)?).await
     }
 
     async fn tokens(&self, addr: SocketAddr, question: Value) -> Option<Arc<[u32]>> {
@@ -124,15 +135,26 @@ mod tests {
     use super::*;
 
     #[test]
-    fn only_the_model_and_the_prompt_are_asked_and_the_salt_kept() {
-        let chat =
-            br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"temperature":0.2}"#;
-        let asked = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
-        assert_eq!(question(chat), Some((asked, None)));
-        let completion = br#"{"model":"m","prompt":"hi","max_tokens":3,"cache_salt":"s"}"#;
-        let asked = json!({"model": "m", "prompt": "hi"});
-        assert_eq!(question(completion), Some((asked, Some("s".into()))));
-        assert_eq!(question(br#"{"model":"m","input":"hi"}"#), None);
-        assert_eq!(question(b"not json"), None);
+    fn only_the_model_the_prompt_and_what_renders_it_are_asked() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        let chat = json!({"model": "m", "messages": user, "temperature": 0.2, "tools": null});
+        assert_eq!(
+            question(&chat),
+            Some(json!({"model": "m", "messages": user}))
+        );
+        let tools = json!([{"type": "function", "function": {"name": "f"}}]);
+        let with = json!({"model": "m", "messages": user, "tools": tools, "stream": true,
+            "chat_template_kwargs": {"enable_thinking": false}});
+        assert_eq!(
+            question(&with),
+            Some(json!({"model": "m", "messages": user, "tools": tools,
+                "chat_template_kwargs": {"enable_thinking": false}}))
+        );
+        let completion = json!({"model": "m", "prompt": "hi", "max_tokens": 3, "cache_salt": "s"});
+        assert_eq!(
+            question(&completion),
+            Some(json!({"model": "m", "prompt": "hi"}))
+        );
+        assert_eq!(question(&json!({"model": "m", "input": "hi"})), None);
     }
 }

@@ -32,6 +32,7 @@ use tracing::warn;
 mod blocks;
 mod engine_tokens;
 mod lease;
+pub mod prompt_tokens;
 mod served;
 
 pub use blocks::{Applied, Engine, EngineBlocks};
@@ -56,7 +57,9 @@ pub struct FleetGate {
     /// The engines' blocks their agents sent from the engines' KV-cache
     /// events, off the dispatcher's lock.
     pub blocks: EngineBlocks,
-    /// Prompts in those engines' tokens.
+    /// Prompts in those engines' tokens: counted here where the operator
+    /// gave the model's tokenizer, else asked of an engine.
+    tokenizers: prompt_tokens::Tokenizers,
     engine_tokens: EngineTokens,
     pub metrics: Metrics,
     /// The last minutes of traffic, for the dashboard.
@@ -129,8 +132,18 @@ pub enum AdmitError {
 }
 
 impl FleetGate {
+    #[cfg(test)]
     pub fn new(config: DispatcherConfig) -> Arc<Self> {
+        Self::with_tokenizers(config, prompt_tokens::Tokenizers::default())
+    }
+
+    /// A gate that counts the prompts of the models in `tokenizers` itself.
+    pub fn with_tokenizers(
+        config: DispatcherConfig,
+        tokenizers: prompt_tokens::Tokenizers,
+    ) -> Arc<Self> {
         Arc::new(FleetGate {
+            tokenizers,
             dispatcher: Mutex::new(Dispatcher::new(config)),
             blocks: EngineBlocks::default(),
             engine_tokens: EngineTokens::default(),
@@ -491,23 +504,39 @@ impl FleetGate {
     }
 
     /// What the engines that publish their caches and serve `model` hold
-    /// of the prompt in `body`, its tokens asked of the engine at `source`
-    /// (with its block size: [`EngineBlocks::tokenizer_for`]); `None` when
-    /// the prompt's tokens cannot be had in time.
+    /// of the prompt in `body`, its tokens counted by the model's
+    /// tokenizer or else asked of the engine at `source` (with its block
+    /// size: [`EngineBlocks::tokenizer_for`]); `None` when the prompt's
+    /// tokens cannot be had in time.
     pub async fn engine_held(
         &self,
         model: &str,
         body: &[u8],
         (addr, block_size): (SocketAddr, u32),
     ) -> Option<Arc<EngineHeld>> {
-        let (tokens, salt) = self.engine_tokens.of(addr, body).await?;
+        let body: serde_json::Value = serde_json::from_slice(body).ok()?;
+        let tokens: Arc<[u32]> = match self.tokenizers.tokens(model, &body).await {
+            Ok(ids) => {
+                self.metrics.prompt_tokenized("tokenizer", "");
+                ids.into()
+            }
+            Err(why) => match self.engine_tokens.of(addr, &body).await {
+                Some(tokens) => {
+                    self.metrics.prompt_tokenized("engine", why);
+                    tokens
+                }
+                None => {
+                    self.metrics.prompt_tokenized("none", why);
+                    return None;
+                }
+            },
+        };
+        let salt = body.get("cache_salt").and_then(serde_json::Value::as_str);
         // A prompt shorter than a block matches nothing anywhere.
         if tokens.len() < block_size as usize {
             return None;
         }
-        let held = self
-            .blocks
-            .held_of(model, &tokens, block_size, salt.as_deref());
+        let held = self.blocks.held_of(model, &tokens, block_size, salt);
         Some(Arc::new(held))
     }
 

@@ -83,6 +83,8 @@ pub struct Metrics {
     upstream_retries: IntCounterVec,
     /// Requests sent to a fallback model (names from the config only).
     model_fallbacks: IntCounterVec,
+    /// Prompts matched against engines' blocks, by who counted their tokens.
+    tokenizations: IntCounterVec,
     /// Learned bytes of prompt text per token, by reported model.
     bytes_per_token: prometheus::GaugeVec,
     /// How waits in flow control ended.
@@ -230,6 +232,19 @@ impl Metrics {
                     &["model", "fallback", "reason"],
                 ),
             ),
+            tokenizations: register(
+                &registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "flowgate_prompt_tokenizations_total",
+                        "Prompts matched against the blocks engines report, by who counted \
+                     their tokens (tokenizer: the balancer's own, engine: the engine's \
+                     /tokenize, none: neither in time) and why the balancer's own did not \
+                     (no_tokenizer, no_template, field, message, no_prompt, render, encode)",
+                    ),
+                    &["by", "reason"],
+                ),
+            ),
             upstream_retries: register(
                 &registry,
                 IntCounterVec::new(
@@ -348,6 +363,13 @@ impl Metrics {
         self.model_fallbacks
             .with_label_values(&[model, fallback, why.as_str()])
             .inc();
+    }
+
+    /// Counts a prompt whose tokens were counted `by` (`tokenizer`,
+    /// `engine`, `none`), with why the balancer's tokenizer did not, if
+    /// it did not (both from fixed sets).
+    pub fn prompt_tokenized(&self, by: &str, reason: &str) {
+        self.tokenizations.with_label_values(&[by, reason]).inc();
     }
 
     /// Counts a request sent again to another endpoint.

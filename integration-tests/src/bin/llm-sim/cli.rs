@@ -120,6 +120,12 @@ pub(crate) struct Cli {
     /// The events' topic
     #[arg(long, default_value = "")]
     pub(crate) kv_events_topic: String,
+    /// Count prompts in this model's tokens (a Hugging Face snapshot
+    /// directory, as the balancer's `--tokenizer`): the prefix cache, its
+    /// events and `/tokenize` then go by the rendered chat's token ids
+    /// instead of a token per 4 bytes of text
+    #[arg(long, value_name = "DIR")]
+    pub(crate) tokenizer: Option<std::path::PathBuf>,
     /// Milliseconds an adapter takes to load, its requests waiting
     #[arg(long, value_name = "MS", default_value_t = 500)]
     pub(crate) lora_load_ms: u64,

@@ -9,7 +9,9 @@
 //!
 //! Its tokenizer is a word of 4 prompt bytes per token (little-endian), so
 //! a cache block of 64 bytes is a block of 16 tokens; `POST /tokenize`
-//! answers the same token ids for a request body.
+//! answers the same token ids for a request body. With `--tokenizer`, a
+//! prompt's bytes are its token ids from the model's own tokenizer (4
+//! bytes each, [`prompt_bytes`]), so the same holds of the real ids.
 //!
 //! For tests, `POST /sim/kv-events` breaks the stream on purpose:
 //! `{"drop": N}` leaves the next N batches unsent (the ring keeps them: a
@@ -100,6 +102,21 @@ pub(crate) fn token_ids(prompt: &[u8]) -> Vec<u32> {
             u32::from_le_bytes(word)
         })
         .collect()
+}
+
+/// A request's prompt as the cache keys it: its text, or with a model's
+/// tokenizer its token ids (little-endian words: [`token_ids`] reads them
+/// back). A request the tokenizer leaves to the engine is read as text.
+pub(crate) fn prompt_bytes(
+    tokenizer: Option<&flowgate_tokenizer::ModelTokenizer>,
+    body: &serde_json::Value,
+) -> Vec<u8> {
+    match tokenizer.map(|t| t.tokens(body, usize::MAX)) {
+        Some(Ok(flowgate_tokenizer::Tokens::Ids(ids))) => {
+            ids.iter().flat_map(|id| id.to_le_bytes()).collect()
+        }
+        _ => flowgate_integration_tests::sim_cache::prompt_text(body),
+    }
 }
 
 /// The events of one prompt's insertion into the cache: each run of new
@@ -231,6 +248,7 @@ fn encode_batch(layout: KvLayout, events: &[SimEvent]) -> Vec<u8> {
 /// token ids of a request body, as vLLM's `/tokenize` answers them).
 pub(crate) async fn route(
     publisher: Option<&Publisher>,
+    tokenizer: Option<&flowgate_tokenizer::ModelTokenizer>,
     engine: &crate::engine::Engine,
     path: &str,
     req: hyper::Request<hyper::body::Incoming>,
@@ -253,7 +271,7 @@ pub(crate) async fn route(
                 serde_json::json!({"error": "not JSON"}),
             );
         };
-        let tokens = token_ids(&flowgate_integration_tests::sim_cache::prompt_text(&v));
+        let tokens = token_ids(&prompt_bytes(tokenizer, &v));
         return crate::json_resp(
             StatusCode::OK,
             serde_json::json!({"count": tokens.len(), "max_model_len": 131_072, "tokens": tokens}),

@@ -87,6 +87,7 @@ struct Sim {
     stats: Mutex<Stats>,
     adapters: Arc<lora::Adapters>,
     kv_events: Option<Arc<kv_events::Publisher>>,
+    tokenizer: Option<Arc<flowgate_tokenizer::ModelTokenizer>>,
 }
 
 /// Counts a request as processing while alive (it holds a slot).
@@ -378,7 +379,8 @@ async fn route(sim: Arc<Sim>, req: Request<Incoming>) -> Result<Response<Body>, 
         (&Method::POST, "/v1/unload_lora_adapter") => lora_admin(sim, req, false).await,
         (&Method::GET, "/sim/stats") => json_resp(StatusCode::OK, sim.stats_json()),
         (&Method::POST, "/sim/kv-events" | "/tokenize") => {
-            kv_events::route(sim.kv_events.as_deref(), &sim.engine, &path, req).await
+            let tokenizer = sim.tokenizer.as_deref();
+            kv_events::route(sim.kv_events.as_deref(), tokenizer, &sim.engine, &path, req).await
         }
         (&Method::POST, "/sim/reset") => {
             sim.reset();
@@ -499,8 +501,9 @@ async fn inference(sim: Arc<Sim>, req: Request<Incoming>, path: String) -> Respo
         );
     }
 
-    // The prompt as the balancer reads it (its hash is the prefix cache's key).
-    let prompt = flowgate_integration_tests::sim_cache::prompt_text(&parsed);
+    // The prompt as the balancer reads it (its hash is the prefix cache's
+    // key), or its token ids with `--tokenizer`.
+    let prompt = kv_events::prompt_bytes(sim.tokenizer.as_deref(), &parsed);
     let asked_tokens = ["max_tokens", "max_completion_tokens"]
         .iter()
         .find_map(|k| parsed.get(*k).and_then(serde_json::Value::as_u64));
@@ -672,6 +675,9 @@ fn main() {
 
 async fn serve(cli: Cli) {
     let mut sims = Vec::new();
+    let tokenizer = cli.tokenizer.as_deref().map(|dir| {
+        Arc::new(flowgate_tokenizer::ModelTokenizer::from_dir(dir).expect("--tokenizer"))
+    });
     for i in 0..cli.servers {
         let mut at = cli.listen;
         if at.port() != 0 {
@@ -711,6 +717,7 @@ async fn serve(cli: Cli) {
                 events.clone(),
             ),
             kv_events: events.clone(),
+            tokenizer: tokenizer.clone(),
             cli: cli.clone(),
             server: hyper::header::HeaderValue::from_str(&addr.to_string())
                 .expect("a socket address is a header value"),

@@ -41,7 +41,7 @@ use std::path::Path;
 use serde_json::{Map, Value};
 use tokenizers::{Encoding, Token, Tokenizer};
 
-use pieces::Pieces;
+use pieces::{Cutter, Pieces};
 use template::ChatTemplate;
 
 /// Why a model's files cannot be used.
@@ -101,6 +101,7 @@ pub struct ModelTokenizer {
     /// The ids the post-processor puts before and after a prompt when
     /// special tokens are added (a BOS, an EOS).
     around: (Vec<u32>, Vec<u32>),
+    cutter: Cutter,
     pieces: Pieces,
 }
 
@@ -163,10 +164,12 @@ impl ModelTokenizer {
             None => Err("none in tokenizer_config.json or chat_template.jinja".into()),
         };
         let around = around(&tokenizer)?;
+        let cutter = Cutter::new(&tokenizer).map_err(LoadError::Tokenizer)?;
         Ok(ModelTokenizer {
             tokenizer,
             template,
             around,
+            cutter,
             pieces: Pieces::default(),
         })
     }
@@ -221,7 +224,7 @@ impl ModelTokenizer {
     }
 
     fn encode(&self, text: &str, specials: bool, max: usize) -> Result<Tokens, Unsupported> {
-        let Some(ids) = self.pieces.encode(&self.tokenizer, text, max)? else {
+        let Some(ids) = self.pieces.encode(&self.tokenizer, &self.cutter, text, max)? else {
             return Ok(Tokens::TooMuchToEncode);
         };
         if !specials {

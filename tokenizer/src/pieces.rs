@@ -1,7 +1,8 @@
 //! Encoding a text piece by piece, remembering each piece's ids.
 //!
 //! A Hugging Face tokenizer first cuts its input at its added tokens
-//! (`<|im_start|>`, `<s>`, …: each becomes its own id) and then normalizes,
+//! (`<|im_start|>`, `<s>`, …: each becomes its own id; [`Cutter`] finds
+//! the same cuts without the tokenizer's per-byte bookkeeping) and then normalizes,
 //! pre-tokenizes and encodes every piece between two of them on its own.
 //! So a text's ids are its pieces' ids in order, and a piece's ids depend
 //! on the piece alone — with one exception: a Metaspace pre-tokenizer that
@@ -21,7 +22,8 @@ use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::{Mutex, PoisonError};
 
-use tokenizers::{OffsetReferential, OffsetType, Tokenizer};
+use aho_corasick::{AhoCorasick, MatchKind};
+use tokenizers::{AddedToken, Tokenizer};
 
 use crate::Unsupported;
 
@@ -86,10 +88,11 @@ impl Pieces {
     pub fn encode(
         &self,
         tokenizer: &Tokenizer,
+        cutter: &Cutter,
         whole: &str,
         max: usize,
     ) -> Result<Option<Vec<u32>>, Unsupported> {
-        let pieces = cut(tokenizer, whole);
+        let pieces = cutter.cut(whole);
         let key = |text: &str, behind: Option<(&str, u32)>| {
             self.hasher
                 .hash_one((behind.map_or(u32::MAX, |(_, id)| id), text.as_bytes()))
@@ -143,32 +146,79 @@ impl Pieces {
     }
 }
 
-/// `text` cut at its added tokens, as the tokenizer cuts it.
-fn cut<'t>(tokenizer: &Tokenizer, text: &'t str) -> Vec<Piece<'t>> {
-    let split = tokenizer
-        .get_added_vocabulary()
-        .extract_and_normalize(tokenizer.get_normalizer(), text);
-    let mut pieces = Vec::new();
-    let mut behind = None;
-    for (_, (start, end), tokens) in split.get_splits(OffsetReferential::Original, OffsetType::Byte)
-    {
-        let Some(original) = text.get(start..end) else {
-            continue;
+/// Where a tokenizer cuts a text: the same leftmost-longest search for
+/// its added tokens matched on the raw text (those not `normalized`) that
+/// the tokenizer runs first, cutting at the matches of tokens that match
+/// exactly their text (no `lstrip`, `rstrip` or `single_word`, and not a
+/// special token the tokenizer is told to encode as text); other matches
+/// stay inside a piece, which the tokenizer itself then encodes.
+pub struct Cutter {
+    search: Option<AhoCorasick>,
+    /// Per pattern: its id, and whether the text is cut there.
+    tokens: Vec<(u32, bool)>,
+}
+
+impl Cutter {
+    pub fn new(tokenizer: &Tokenizer) -> Result<Self, String> {
+        let vocabulary = tokenizer.get_added_vocabulary();
+        let as_text = tokenizer.get_encode_special_tokens();
+        let mut added: Vec<(u32, &AddedToken)> = vocabulary
+            .get_added_tokens_decoder()
+            .iter()
+            .filter(|(_, t)| !t.normalized && !t.content.is_empty())
+            .map(|(id, t)| (*id, t))
+            .collect();
+        added.sort_by_key(|(id, _)| *id);
+        let tokens = added
+            .iter()
+            .map(|(id, t)| {
+                let exact = !(t.lstrip || t.rstrip || t.single_word || (as_text && t.special));
+                (*id, exact)
+            })
+            .collect();
+        let search = if added.is_empty() {
+            None
+        } else {
+            let patterns = added.iter().map(|(_, t)| t.content.as_str());
+            Some(
+                AhoCorasick::builder()
+                    .match_kind(MatchKind::LeftmostLongest)
+                    .build(patterns)
+                    .map_err(|e| e.to_string())?,
+            )
         };
-        match tokens.as_deref() {
-            Some([token]) => {
-                pieces.push(Piece::Added(token.id));
-                behind = Some((original, token.id));
-            }
-            // An added token is one id; anything else is text to encode.
-            _ if original.is_empty() => {}
-            _ => pieces.push(Piece::Text {
-                text: original,
-                behind,
-            }),
-        }
+        Ok(Cutter { search, tokens })
     }
-    pieces
+
+    /// `text` cut at its added tokens, as the tokenizer cuts it.
+    fn cut<'t>(&self, text: &'t str) -> Vec<Piece<'t>> {
+        let mut pieces = Vec::new();
+        let mut behind = None;
+        let mut from = 0;
+        let matches = self.search.iter().flat_map(|s| s.find_iter(text));
+        for m in matches {
+            let (id, exact) = self.tokens[m.pattern().as_usize()];
+            if !exact {
+                continue;
+            }
+            if from < m.start() {
+                pieces.push(Piece::Text {
+                    text: &text[from..m.start()],
+                    behind,
+                });
+            }
+            pieces.push(Piece::Added(id));
+            behind = Some((&text[m.start()..m.end()], id));
+            from = m.end();
+        }
+        if from < text.len() {
+            pieces.push(Piece::Text {
+                text: &text[from..],
+                behind,
+            });
+        }
+        pieces
+    }
 }
 
 /// A piece's ids as they come out in its text; `None` if encoding it

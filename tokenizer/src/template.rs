@@ -84,7 +84,7 @@ impl ChatTemplate {
 
     pub fn render(
         &self,
-        messages: Vec<Value>,
+        messages: Jinja,
         add_generation_prompt: bool,
         kwargs: &Map<String, Value>,
     ) -> Result<String, String> {
@@ -95,7 +95,7 @@ impl ChatTemplate {
         for (name, v) in kwargs {
             context.insert(name.clone(), Jinja::from(Serde(v)));
         }
-        context.insert("messages".into(), Jinja::from(Serde(&messages)));
+        context.insert("messages".into(), messages);
         context.insert("tools".into(), Jinja::from(()));
         context.insert("documents".into(), Jinja::from(()));
         context.insert(
@@ -110,7 +110,7 @@ impl ChatTemplate {
 /// The messages as the template is given them, when they are plain (see
 /// the crate's docs): a `role`, a `content` (text parts joined by
 /// newlines) and a `name`.
-pub fn plain_messages(messages: &Value) -> Result<Vec<Value>, Unsupported> {
+pub fn plain_messages(messages: &Value) -> Result<Jinja, Unsupported> {
     let Value::Array(messages) = messages else {
         return Err(Unsupported::Message("a list that is no list"));
     };
@@ -120,24 +120,29 @@ pub fn plain_messages(messages: &Value) -> Result<Vec<Value>, Unsupported> {
             let Value::Object(m) = m else {
                 return Err(Unsupported::Message("no object"));
             };
-            if m.keys()
-                .any(|k| !matches!(k.as_str(), "role" | "content" | "name"))
-            {
-                return Err(Unsupported::Message(
-                    "fields other than role, content and name",
-                ));
+            let mut plain = Vec::with_capacity(m.len());
+            for (key, v) in m {
+                let v = match (key.as_str(), v) {
+                    ("role" | "name", Value::String(s)) => Jinja::from(s.as_str()),
+                    ("content", Value::String(s)) => Jinja::from(s.as_str()),
+                    ("content", Value::Array(parts)) => Jinja::from(text_parts(parts)?),
+                    ("role", _) => return Err(Unsupported::Message("no role")),
+                    ("content", _) => return Err(Unsupported::Message("no content")),
+                    _ => {
+                        return Err(Unsupported::Message(
+                            "fields other than role, content and name",
+                        ))
+                    }
+                };
+                plain.push((key.as_str(), v));
             }
-            if !m.get("role").is_some_and(Value::is_string) {
+            if !m.contains_key("role") {
                 return Err(Unsupported::Message("no role"));
             }
-            let content = match m.get("content") {
-                Some(Value::String(s)) => s.clone(),
-                Some(Value::Array(parts)) => text_parts(parts)?,
-                _ => return Err(Unsupported::Message("no content")),
-            };
-            let mut plain = m.clone();
-            plain.insert("content".into(), Value::String(content));
-            Ok(Value::Object(plain))
+            if !m.contains_key("content") {
+                return Err(Unsupported::Message("no content"));
+            }
+            Ok(Jinja::from_pairs(plain))
         })
         .collect()
 }

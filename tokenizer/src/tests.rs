@@ -8,6 +8,8 @@ use std::path::PathBuf;
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
+use minijinja::Value as Jinja;
+
 use super::*;
 
 fn golden(name: &str) -> ModelTokenizer {
@@ -223,7 +225,7 @@ fn python_json_spacing_and_non_ascii_are_kept() {
     let mut kwargs = serde_json::Map::new();
     kwargs.insert("x".into(), json!({"a": [1, "é\n"], "b": {}}));
     assert_eq!(
-        t.render(vec![], false, &kwargs).unwrap(),
+        t.render(Jinja::from(Vec::<Jinja>::new()), false, &kwargs).unwrap(),
         "{\"a\": [1, \"é\\n\"], \"b\": {}}|{\n  \"a\": [\n    1,\n    \"é\\n\"\n  ],\n  \"b\": {}\n}"
     );
 }
@@ -252,7 +254,7 @@ proptest! {
         for t in [golden("chatml"), golden("llama")] {
             for text in &texts {
                 let whole = t.tokenizer.encode_fast(text.as_str(), false).unwrap().get_ids().to_vec();
-                prop_assert_eq!(t.pieces.encode(&t.tokenizer, text, usize::MAX).unwrap(), Some(whole));
+                prop_assert_eq!(t.pieces.encode(&t.tokenizer, &t.cutter, text, usize::MAX).unwrap(), Some(whole));
             }
         }
     }

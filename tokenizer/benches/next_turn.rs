@@ -81,7 +81,10 @@ fn main() {
         .map(|m| m["content"].as_str().unwrap().len())
         .sum();
     let count = ids(&t, &body);
-    println!("prompt: {} messages, {text_bytes} bytes of text, {count} ids", messages.len());
+    println!(
+        "prompt: {} messages, {text_bytes} bytes of text, {count} ids",
+        messages.len()
+    );
 
     let cold: Vec<Duration> = (0..200)
         .map(|_| {

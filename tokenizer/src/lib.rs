@@ -224,7 +224,10 @@ impl ModelTokenizer {
     }
 
     fn encode(&self, text: &str, specials: bool, max: usize) -> Result<Tokens, Unsupported> {
-        let Some(ids) = self.pieces.encode(&self.tokenizer, &self.cutter, text, max)? else {
+        let Some(ids) = self
+            .pieces
+            .encode(&self.tokenizer, &self.cutter, text, max)?
+        else {
             return Ok(Tokens::TooMuchToEncode);
         };
         if !specials {

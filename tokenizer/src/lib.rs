@@ -42,6 +42,7 @@ use serde_json::{Map, Value};
 use tokenizers::{Encoding, Token, Tokenizer};
 
 use pieces::{Cutter, Pieces};
+pub use pieces::{MAX_IDS, MAX_PIECE_BYTES};
 use template::ChatTemplate;
 
 /// Why a model's files cannot be used.

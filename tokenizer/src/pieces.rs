@@ -27,6 +27,18 @@ use tokenizers::{AddedToken, Tokenizer};
 
 use crate::Unsupported;
 
+/// The most ids a text is counted to: more than any engine's prefix cache
+/// holds of one prompt (128k tokens); the rest of a longer text is not
+/// encoded.
+pub const MAX_IDS: usize = 131_072;
+/// The longest piece encoded: a longer one (a message of megabytes with
+/// no added token in it) is encoded to here (at least [`MAX_IDS`] tokens
+/// at 4 bytes a token), its last ids dropped (the word cut there may
+/// encode otherwise whole) and the text's ids end there.
+pub const MAX_PIECE_BYTES: usize = 4 * MAX_IDS;
+/// Ids dropped at the end of a cut piece: more than a cut word yields.
+const CUT_WORD_IDS: usize = 16;
+
 /// Ids remembered per generation (4 bytes each: 4 MiB, twice, at most,
 /// per model): a few hundred conversations of 8k tokens.
 pub const IDS_PER_GENERATION: usize = 1 << 20;
@@ -103,7 +115,7 @@ impl Pieces {
                 .iter()
                 .filter_map(|p| match p {
                     Piece::Text { text, behind } if !generations.contains(key(text, *behind)) => {
-                        Some(text.len())
+                        Some(text.len().min(MAX_PIECE_BYTES))
                     }
                     _ => None,
                 })
@@ -112,8 +124,11 @@ impl Pieces {
         if unremembered > max {
             return Ok(None);
         }
-        let mut ids = Vec::with_capacity(whole.len() / 3);
+        let mut ids = Vec::with_capacity((whole.len() / 3).min(MAX_IDS));
         for piece in &pieces {
+            if ids.len() >= MAX_IDS {
+                break;
+            }
             let (text, behind) = match *piece {
                 Piece::Added(id) => {
                     ids.push(id);
@@ -121,6 +136,14 @@ impl Pieces {
                 }
                 Piece::Text { text, behind } => (text, behind),
             };
+            if text.len() > MAX_PIECE_BYTES {
+                let cut = char_floor(text, MAX_PIECE_BYTES);
+                if let Some(mut new) = encode_piece(tokenizer, &text[..cut], behind)? {
+                    new.truncate(new.len().saturating_sub(CUT_WORD_IDS));
+                    ids.extend_from_slice(&new);
+                }
+                break;
+            }
             let k = key(text, behind);
             if let Some(known) = self.generations().get(k) {
                 ids.extend_from_slice(known);
@@ -133,9 +156,18 @@ impl Pieces {
                 }
                 // The piece does not encode on its own as it does in the
                 // text (module docs): the whole text, remembering nothing.
-                None => return encode_whole(tokenizer, whole).map(Some),
+                None => {
+                    let end = char_floor(whole, MAX_PIECE_BYTES);
+                    let mut ids = encode_whole(tokenizer, &whole[..end])?;
+                    if end < whole.len() {
+                        ids.truncate(ids.len().saturating_sub(CUT_WORD_IDS));
+                    }
+                    ids.truncate(MAX_IDS);
+                    return Ok(Some(ids));
+                }
             }
         }
+        ids.truncate(MAX_IDS);
         Ok(Some(ids))
     }
 
@@ -236,6 +268,15 @@ fn encode_piece(
         Some((first, rest)) if *first == id => Some(rest.to_vec()),
         _ => None,
     })
+}
+
+/// The last char boundary of `text` at or before `at`.
+fn char_floor(text: &str, at: usize) -> usize {
+    let mut at = at.min(text.len());
+    while !text.is_char_boundary(at) {
+        at -= 1;
+    }
+    at
 }
 
 fn encode_whole(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, Unsupported> {

@@ -259,3 +259,28 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_huge_message_is_encoded_to_a_bound_its_ids_a_prefix_of_the_whole() {
+    let t = golden("chatml");
+    let huge = "the water é ".repeat(MAX_PIECE_BYTES / 10);
+    assert!(huge.len() > MAX_PIECE_BYTES);
+    let Tokens::Ids(ids) = t.tokens(&json!({ "prompt": huge }), usize::MAX).unwrap() else {
+        unreachable!()
+    };
+    assert!(ids.len() <= MAX_IDS);
+    let head = &huge[..MAX_PIECE_BYTES + 4_000];
+    let whole = t
+        .tokenizer
+        .encode_fast(head, false)
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    assert!(
+        ids.len() > whole.len() / 2,
+        "{} of {}",
+        ids.len(),
+        whole.len()
+    );
+    assert_eq!(ids[..], whole[..ids.len()]);
+}

@@ -21,8 +21,8 @@ pub const ASK_TIMEOUT: Duration = Duration::from_millis(250);
 /// Prompts remembered, the oldest forgotten first.
 const REMEMBERED: usize = 1_024;
 /// Longest prompt asked for, in tokens kept (its first ones: what a
-/// prefix cache can hold of it).
-pub const MAX_TOKENS: usize = 131_072;
+/// prefix cache can hold of it), as the balancer's own tokenizer keeps.
+const MAX_TOKENS: usize = flowgate_tokenizer::MAX_IDS;
 
 /// Asks engines for prompts' tokens (module docs).
 pub struct EngineTokens {

@@ -13,8 +13,6 @@ use std::sync::Arc;
 use flowgate_tokenizer::{ModelTokenizer, Tokens};
 use serde_json::Value;
 
-use super::engine_tokens::MAX_TOKENS;
-
 /// Bytes of a prompt not yet remembered that are encoded on the event
 /// loop (about 500 tokens: well under a millisecond); a request with more
 /// is encoded on tokio's blocking threads, so one long new prompt never
@@ -22,9 +20,22 @@ use super::engine_tokens::MAX_TOKENS;
 const INLINE_BYTES: usize = 2_048;
 
 /// The operator's tokenizers, by the served model's name.
-#[derive(Default)]
 pub struct Tokenizers {
     by_model: HashMap<String, Arc<ModelTokenizer>>,
+    /// Encodes running off the event loop. Bounded so that many new long
+    /// prompts at once cannot take every core: past it a prompt is asked
+    /// of the engine's `/tokenize` instead (reason `busy`).
+    off_loop: Arc<tokio::sync::Semaphore>,
+}
+
+impl Default for Tokenizers {
+    fn default() -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, usize::from);
+        Tokenizers {
+            by_model: HashMap::new(),
+            off_loop: Arc::new(tokio::sync::Semaphore::new((cores / 2).max(1))),
+        }
+    }
 }
 
 impl Tokenizers {
@@ -45,25 +56,28 @@ impl Tokenizers {
             }
             by_model.insert(model.clone(), Arc::new(tokenizer));
         }
-        Ok(Tokenizers { by_model })
+        Ok(Tokenizers {
+            by_model,
+            ..Tokenizers::default()
+        })
     }
 
     /// The tokens of the prompt in `body`, or why the balancer cannot
     /// count them (a label of `flowgate_prompt_tokenizations_total`).
-    /// Only the first [`MAX_TOKENS`] are kept, as of an engine's answer.
+    /// At most [`flowgate_tokenizer::MAX_IDS`], as of an engine's answer.
     pub async fn tokens(&self, model: &str, body: &Value) -> Result<Vec<u32>, &'static str> {
-        let mut ids = self.all_tokens(model, body).await?;
-        ids.truncate(MAX_TOKENS);
-        Ok(ids)
-    }
-
-    async fn all_tokens(&self, model: &str, body: &Value) -> Result<Vec<u32>, &'static str> {
         let tokenizer = self.by_model.get(model).ok_or("no_tokenizer")?;
         match tokenizer.tokens(body, INLINE_BYTES) {
             Ok(Tokens::Ids(ids)) => Ok(ids),
             Ok(Tokens::TooMuchToEncode) => {
+                let Ok(turn) = Arc::clone(&self.off_loop).try_acquire_owned() else {
+                    return Err("busy");
+                };
                 let (tokenizer, body) = (Arc::clone(tokenizer), body.clone());
-                let all = tokio::task::spawn_blocking(move || tokenizer.tokens(&body, usize::MAX));
+                let all = tokio::task::spawn_blocking(move || {
+                    let _turn = turn;
+                    tokenizer.tokens(&body, usize::MAX)
+                });
                 match all.await {
                     Ok(Ok(Tokens::Ids(ids))) => Ok(ids),
                     Ok(Ok(Tokens::TooMuchToEncode)) | Err(_) => Err("encode"),
@@ -72,5 +86,35 @@ impl Tokenizers {
             }
             Err(why) => Err(why.kind()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn chatml() -> Tokenizers {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tokenizer/golden/chatml");
+        Tokenizers::load(&BTreeMap::from([("m".to_string(), dir)])).unwrap()
+    }
+
+    #[tokio::test]
+    async fn long_new_prompts_go_off_the_loop_while_a_turn_is_free_else_to_the_engine() {
+        let mut t = chatml();
+        let long = json!({"messages": [{"role": "user", "content": "the farm ".repeat(1_000)}]});
+        let short = json!({"messages": [{"role": "user", "content": "hi"}]});
+        assert_eq!(t.tokens("other", &short).await, Err("no_tokenizer"));
+        t.off_loop = Arc::new(tokio::sync::Semaphore::new(0));
+        // Short enough for the event loop: no turn needed.
+        assert!(t.tokens("m", &short).await.is_ok());
+        assert_eq!(t.tokens("m", &long).await, Err("busy"));
+        t.off_loop.add_permits(1);
+        let ids = t.tokens("m", &long).await.unwrap();
+        assert!(ids.len() > 1_000);
+        // The turn is given back.
+        assert_eq!(t.off_loop.available_permits(), 1);
+        let tools = json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{}]});
+        assert_eq!(t.tokens("m", &tools).await, Err("field"));
     }
 }

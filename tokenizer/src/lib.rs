@@ -198,10 +198,16 @@ impl ModelTokenizer {
 
     /// The chat template rendered for a request, as vLLM renders it.
     pub fn render(&self, body: &Value, messages: &Value) -> Result<String, Unsupported> {
-        if let Some(field) = ENGINE_RENDERED.into_iter().find(|f| {
-            body.get(*f)
-                .is_some_and(|v| !v.is_null() && v != &Value::Bool(false))
-        }) {
+        // Absent, null, false or an empty list: rendered as never sent.
+        let sent = |v: &Value| match v {
+            Value::Null | Value::Bool(false) => false,
+            Value::Array(a) => !a.is_empty(),
+            _ => true,
+        };
+        if let Some(field) = ENGINE_RENDERED
+            .into_iter()
+            .find(|f| body.get(*f).is_some_and(sent))
+        {
             return Err(Unsupported::Field(field));
         }
         let template = self

@@ -105,27 +105,34 @@ impl Pieces {
         max: usize,
     ) -> Result<Option<Vec<u32>>, Unsupported> {
         let pieces = cutter.cut(whole);
-        let key = |text: &str, behind: Option<(&str, u32)>| {
-            self.hasher
-                .hash_one((behind.map_or(u32::MAX, |(_, id)| id), text.as_bytes()))
-        };
-        let unremembered: usize = {
+        // Each text piece's key, hashed once (an added token's is unused).
+        let keys: Vec<u64> = pieces
+            .iter()
+            .map(|p| match p {
+                Piece::Text { text, behind } => self
+                    .hasher
+                    .hash_one((behind.map_or(u32::MAX, |(_, id)| id), text.as_bytes())),
+                Piece::Added(_) => 0,
+            })
+            .collect();
+        if max < usize::MAX {
             let generations = self.generations();
-            pieces
+            let unremembered: usize = pieces
                 .iter()
-                .filter_map(|p| match p {
-                    Piece::Text { text, behind } if !generations.contains(key(text, *behind)) => {
+                .zip(&keys)
+                .filter_map(|(p, k)| match p {
+                    Piece::Text { text, .. } if !generations.contains(*k) => {
                         Some(text.len().min(MAX_PIECE_BYTES))
                     }
                     _ => None,
                 })
-                .sum()
-        };
-        if unremembered > max {
-            return Ok(None);
+                .sum();
+            if unremembered > max {
+                return Ok(None);
+            }
         }
         let mut ids = Vec::with_capacity((whole.len() / 3).min(MAX_IDS));
-        for piece in &pieces {
+        for (piece, &k) in pieces.iter().zip(&keys) {
             if ids.len() >= MAX_IDS {
                 break;
             }
@@ -144,7 +151,6 @@ impl Pieces {
                 }
                 break;
             }
-            let k = key(text, behind);
             if let Some(known) = self.generations().get(k) {
                 ids.extend_from_slice(known);
                 continue;

@@ -97,16 +97,6 @@ fn prompt(tag: &str, blocks: usize) -> Value {
     json!({"model": "sim-model", "messages": [{"role": "user", "content": text}]})
 }
 
-async fn send(b: &Balancer, body: &Value) {
-    let r = client()
-        .post(b.url("/v1/chat/completions"))
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-}
-
 async fn fault(sim: &Sim, body: Value) {
     let r = client()
         .post(format!("http://{}/sim/kv-events", sim.addr))
@@ -150,7 +140,7 @@ async fn follows(layout: &str) {
     .await;
 
     // A prompt of 8 blocks is cached: the balancer holds its 8 blocks.
-    send(&b, &prompt("first", 8)).await;
+    served_by(&b, &prompt("first", 8)).await;
     let (report, _) = wait_blocks(&b, "8 blocks", |r, c| {
         n(&c["blocks_gpu"]) == 8 && n(&r["blocks_gpu"]) == 8
     })
@@ -163,8 +153,8 @@ async fn follows(layout: &str) {
     // Two batches never sent: the agent sees the gap at the next one sent
     // (the next prompt's) and replays it from the ring.
     fault(&sim, json!({"drop": 2})).await;
-    send(&b, &prompt("second", 4)).await;
-    send(&b, &prompt("nudge-1", 1)).await;
+    served_by(&b, &prompt("second", 4)).await;
+    served_by(&b, &prompt("nudge-1", 1)).await;
     let (report, _) = wait_blocks(&b, "the replayed gap", |r, c| {
         n(&c["blocks_gpu"]) == 13 && n(&r["replays"]) >= 1
     })
@@ -174,21 +164,21 @@ async fn follows(layout: &str) {
 
     // Garbage is counted and skipped; the events after it still apply.
     fault(&sim, json!({"garbage": 3})).await;
-    send(&b, &prompt("third", 2)).await;
+    served_by(&b, &prompt("third", 2)).await;
     let (report, _) = wait_blocks(&b, "garbage skipped", |_, c| n(&c["blocks_gpu"]) == 15).await;
     assert!(n(&report["skipped"]) >= 3, "{layout}: {report}");
 
     // Batches lost from the ring too: the index is dropped and partial.
     fault(&sim, json!({"lose": 2})).await;
-    send(&b, &prompt("fourth", 2)).await;
-    send(&b, &prompt("nudge-2", 1)).await;
+    served_by(&b, &prompt("fourth", 2)).await;
+    served_by(&b, &prompt("nudge-2", 1)).await;
     let (report, _) = wait_blocks(&b, "the lost gap", |r, _| n(&r["resyncs"]) >= 1).await;
     assert_eq!(report["whole"], false, "{layout}: {report}");
 
     // The engine restarts (numbering from 0, cache empty): nothing held,
     // whole again.
     fault(&sim, json!({"restart": true})).await;
-    send(&b, &prompt("fifth", 3)).await;
+    served_by(&b, &prompt("fifth", 3)).await;
     let (report, _) = wait_blocks(&b, "the restart", |r, c| {
         n(&r["restarts"]) >= 1 && n(&c["blocks_gpu"]) == 3
     })
@@ -217,7 +207,7 @@ async fn a_balancer_that_restarts_gets_a_snapshot() {
     let (sim, publisher, _) = sim_with_events("tagged");
     let _agent = events_agent(&sim, &b, &publisher, None, &[]);
     b.wait_eligible(1).await;
-    send(&b, &prompt("kept", 5)).await;
+    served_by(&b, &prompt("kept", 5)).await;
     wait_blocks(&b, "5 blocks", |_, c| n(&c["blocks_gpu"]) == 5).await;
     let (inference, management) = (b.inference, b.management);
     drop(b);

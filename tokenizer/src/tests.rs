@@ -12,6 +12,16 @@ use minijinja::Value as Jinja;
 
 use super::*;
 
+/// A file under `golden/`.
+fn golden_file(path: &str) -> Vec<u8> {
+    std::fs::read(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("golden")
+            .join(path),
+    )
+    .unwrap()
+}
+
 fn golden(name: &str) -> ModelTokenizer {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("golden")
@@ -20,8 +30,7 @@ fn golden(name: &str) -> ModelTokenizer {
 }
 
 fn cases() -> Vec<Value> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("golden/cases.json");
-    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+    serde_json::from_slice(&golden_file("cases.json")).unwrap()
 }
 
 fn ids(t: &ModelTokenizer, body: &Value) -> Result<Vec<u32>, Unsupported> {
@@ -177,10 +186,7 @@ fn a_template_that_raises_or_is_missing_leaves_chats_to_the_engine() {
         Err(Unsupported::Render(why)) => assert!(why.contains("alternate"), "{why}"),
         other => panic!("{other:?}"),
     }
-    let tokenizer_json = std::fs::read(
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("golden/chatml/tokenizer.json"),
-    )
-    .unwrap();
+    let tokenizer_json = golden_file("chatml/tokenizer.json");
     let bare = ModelTokenizer::from_parts(&tokenizer_json, None, None).unwrap();
     assert!(bare.template_problem().is_some());
     let chat = json!({"messages": [{"role": "user", "content": "a"}]});
@@ -195,10 +201,7 @@ fn a_template_that_raises_or_is_missing_leaves_chats_to_the_engine() {
 fn files_that_are_not_a_tokenizer_are_refused_by_name() {
     let err = |r: Result<ModelTokenizer, LoadError>| r.err().expect("refused").to_string();
     assert!(err(ModelTokenizer::from_parts(b"{}", None, None)).starts_with("tokenizer.json"));
-    let tokenizer_json = std::fs::read(
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("golden/chatml/tokenizer.json"),
-    )
-    .unwrap();
+    let tokenizer_json = golden_file("chatml/tokenizer.json");
     assert!(err(ModelTokenizer::from_parts(
         &tokenizer_json,
         Some(b"[1]"),

@@ -87,12 +87,23 @@ impl Unsupported {
     }
 }
 
-/// A request's tokens, or a sign that it has more than the allowed bytes
-/// still to encode (see [`ModelTokenizer::tokens`]).
+/// A request's tokens, or its prompt rendered but not encoded: it has more
+/// than the allowed bytes still to encode (see [`ModelTokenizer::tokens`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Tokens {
     Ids(Vec<u32>),
-    TooMuchToEncode,
+    TooMuchToEncode(Unencoded),
+}
+
+/// A prompt's text as the engine encodes it (a chat's template rendered),
+/// left for [`ModelTokenizer::encode_all`] to encode: off the caller's
+/// event loop, without rendering it again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unencoded {
+    text: String,
+    /// Whether the post-processor's special tokens are added (a
+    /// completion's prompt; a chat's template writes its own).
+    specials: bool,
 }
 
 /// One model's tokenizer and chat template (module docs).
@@ -183,17 +194,31 @@ impl ModelTokenizer {
 
     /// The token ids of a request body's prompt (module docs), or
     /// [`Tokens::TooMuchToEncode`] when more than `max_unremembered` of
-    /// its bytes are not remembered from earlier prompts: the caller runs
-    /// that off its event loop (with `usize::MAX`).
+    /// its bytes are not remembered from earlier prompts: the caller
+    /// encodes that off its event loop ([`ModelTokenizer::encode_all`]).
     pub fn tokens(&self, body: &Value, max_unremembered: usize) -> Result<Tokens, Unsupported> {
-        if let Some(messages) = body.get("messages") {
-            let text = self.render(body, messages)?;
-            return self.encode(&text, false, max_unremembered);
+        let (text, specials) = if let Some(messages) = body.get("messages") {
+            (std::borrow::Cow::Owned(self.render(body, messages)?), false)
+        } else {
+            match body.get("prompt") {
+                Some(Value::String(prompt)) => (std::borrow::Cow::Borrowed(prompt.as_str()), true),
+                _ => return Err(Unsupported::NoPrompt),
+            }
+        };
+        match self.encode(&text, specials, max_unremembered)? {
+            Some(ids) => Ok(Tokens::Ids(ids)),
+            None => Ok(Tokens::TooMuchToEncode(Unencoded {
+                text: text.into_owned(),
+                specials,
+            })),
         }
-        match body.get("prompt") {
-            Some(Value::String(prompt)) => self.encode(prompt, true, max_unremembered),
-            _ => Err(Unsupported::NoPrompt),
-        }
+    }
+
+    /// The ids of a prompt [`ModelTokenizer::tokens`] left unencoded,
+    /// however much of it is new.
+    pub fn encode_all(&self, prompt: &Unencoded) -> Result<Vec<u32>, Unsupported> {
+        let ids = self.encode(&prompt.text, prompt.specials, usize::MAX)?;
+        Ok(ids.expect("no limit on what is encoded"))
     }
 
     /// The chat template rendered for a request, as vLLM renders it.
@@ -230,22 +255,29 @@ impl ModelTokenizer {
             .map_err(Unsupported::Render)
     }
 
-    fn encode(&self, text: &str, specials: bool, max: usize) -> Result<Tokens, Unsupported> {
+    /// `text`'s ids, or `None` when more than `max` of its bytes are not
+    /// remembered.
+    fn encode(
+        &self,
+        text: &str,
+        specials: bool,
+        max: usize,
+    ) -> Result<Option<Vec<u32>>, Unsupported> {
         let Some(ids) = self
             .pieces
             .encode(&self.tokenizer, &self.cutter, text, max)?
         else {
-            return Ok(Tokens::TooMuchToEncode);
+            return Ok(None);
         };
         if !specials {
-            return Ok(Tokens::Ids(ids));
+            return Ok(Some(ids));
         }
         let (before, after) = &self.around;
         let mut all = Vec::with_capacity(before.len() + ids.len() + after.len());
         all.extend_from_slice(before);
         all.extend_from_slice(&ids);
         all.extend_from_slice(after);
-        Ok(Tokens::Ids(all))
+        Ok(Some(all))
     }
 }
 

@@ -36,7 +36,7 @@ fn cases() -> Vec<Value> {
 fn ids(t: &ModelTokenizer, body: &Value) -> Result<Vec<u32>, Unsupported> {
     match t.tokens(body, usize::MAX)? {
         Tokens::Ids(ids) => Ok(ids),
-        Tokens::TooMuchToEncode => unreachable!("no limit"),
+        Tokens::TooMuchToEncode(_) => unreachable!("no limit"),
     }
 }
 
@@ -93,13 +93,32 @@ fn a_prompt_gets_what_the_post_processor_adds_a_chat_does_not() {
 }
 
 #[test]
+fn a_long_new_completion_prompt_left_unencoded_keeps_its_special_tokens() {
+    let t = golden("llama");
+    let body = json!({ "prompt": "the water and the farm ".repeat(200) });
+    let Tokens::TooMuchToEncode(unencoded) = t.tokens(&body, 100).unwrap() else {
+        panic!("more than 100 new bytes encoded");
+    };
+    // Encoded first off the loop, then from memory: the same ids, the
+    // post-processor's BOS first both times.
+    let off_loop = t.encode_all(&unencoded).unwrap();
+    assert_eq!(off_loop, ids(&t, &body).unwrap());
+    assert!(!t.around.0.is_empty(), "the llama tokenizer adds a BOS");
+    assert_eq!(off_loop[..t.around.0.len()], t.around.0[..]);
+}
+
+#[test]
 fn a_conversations_next_turn_encodes_only_what_it_added() {
     let t = golden("chatml");
     let long = "the water and the farm ".repeat(200);
     let mut messages = vec![json!({"role": "user", "content": long})];
     let first = json!({ "messages": messages });
-    assert_eq!(t.tokens(&first, 100).unwrap(), Tokens::TooMuchToEncode);
+    let Tokens::TooMuchToEncode(unencoded) = t.tokens(&first, 100).unwrap() else {
+        panic!("more than 100 new bytes encoded");
+    };
     let first_ids = ids(&t, &first).unwrap();
+    // What was left unencoded encodes as the whole prompt does.
+    assert_eq!(t.encode_all(&unencoded).unwrap(), first_ids);
     messages.push(json!({"role": "assistant", "content": "a star"}));
     messages.push(json!({"role": "user", "content": "and then?"}));
     let next = json!({ "messages": messages });

@@ -69,19 +69,20 @@ impl Tokenizers {
         let tokenizer = self.by_model.get(model).ok_or("no_tokenizer")?;
         match tokenizer.tokens(body, INLINE_BYTES) {
             Ok(Tokens::Ids(ids)) => Ok(ids),
-            Ok(Tokens::TooMuchToEncode) => {
+            Ok(Tokens::TooMuchToEncode(prompt)) => {
                 let Ok(turn) = Arc::clone(&self.off_loop).try_acquire_owned() else {
                     return Err("busy");
                 };
-                let (tokenizer, body) = (Arc::clone(tokenizer), body.clone());
+                // Rendered here once; only the encoding moves off the loop.
+                let tokenizer = Arc::clone(tokenizer);
                 let all = tokio::task::spawn_blocking(move || {
                     let _turn = turn;
-                    tokenizer.tokens(&body, usize::MAX)
+                    tokenizer.encode_all(&prompt)
                 });
                 match all.await {
-                    Ok(Ok(Tokens::Ids(ids))) => Ok(ids),
-                    Ok(Ok(Tokens::TooMuchToEncode)) | Err(_) => Err("encode"),
+                    Ok(Ok(ids)) => Ok(ids),
                     Ok(Err(why)) => Err(why.kind()),
+                    Err(_) => Err("encode"),
                 }
             }
             Err(why) => Err(why.kind()),

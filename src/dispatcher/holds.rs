@@ -98,7 +98,7 @@ impl<T> Dispatcher<T> {
             return;
         };
         waiting.held = Some(endpoint);
-        waits.add(endpoint);
+        waits.hold(ticket.seq(), endpoint);
     }
 
     /// Starts the spill clock of a request that would prefill cold what a

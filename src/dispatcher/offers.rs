@@ -146,11 +146,10 @@ impl<T> Dispatcher<T> {
             }
             entry.remove();
         }
-        // Requests held for each endpoint so far, in the offer and in the
-        // pass ([`Waits`]): the next one held for it waits behind them.
+        // Requests held for each endpoint so far in the pass ([`Waits`]):
+        // the next one held for it waits behind them.
         let mut waits = Waits::default();
         for offer in OFFERS {
-            waits.next_offer();
             self.run(offer, &mut waits, now, &mut out);
         }
         out
@@ -424,7 +423,7 @@ impl<T> Dispatcher<T> {
     /// placement decided: granted, it leaves the queues with its lease;
     /// held for a busy endpoint (or waiting out its spill delay beside
     /// one), its clock starts and the requests offered after it in this
-    /// offer wait behind it there (`waits`).
+    /// pass wait behind it there (`waits`).
     pub(super) fn offer(
         &mut self,
         ticket: Ticket,
@@ -433,6 +432,7 @@ impl<T> Dispatcher<T> {
         now: Instant,
         out: &mut Vec<Done<T>>,
     ) -> Offered {
+        waits.forget(ticket.seq());
         let Some(waiting) = self.queues.get(ticket) else {
             return Offered::Busy;
         };

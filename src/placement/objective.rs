@@ -207,10 +207,7 @@ pub(crate) fn busy_meeting(
         if !e.eligible(now) || e.takes(route, now, config) {
             continue;
         }
-        // Behind every request held for it in this pass, not only this
-        // offer's: many requests with objectives waiting for the same few
-        // fast servers would each count on a short wait.
-        let t = tails_behind(fleet, e, route, Load::of_pass(e, waits));
+        let t = tails_behind(fleet, e, route, Load::of(e, waits));
         if miss(route, t, now) <= 1.0 && best.is_none_or(|(ms, _)| t.ttft_ms < ms) {
             best = Some((t.ttft_ms, e.id));
         }

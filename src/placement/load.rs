@@ -15,10 +15,10 @@ use crate::endpoint::{Endpoint, EndpointId};
 /// queued for it, [`super::evening`]): a request held for an endpoint
 /// waits behind them. Every offer of the pass counts: the held offer
 /// gives an endpoint's next slot to the requests held for it before any
-/// later offer's (counting only the current offer's, a request first
-/// placed in the queues' order counted on a short wait behind a line it
-/// did not see; the open-loop sessions bench's TTFT p99 ×1.36–1.46,
-/// BENCHMARKS.md session 36). A request offered again later in the pass
+/// later offer's, so a request first placed in the queues' order waits
+/// behind them too (one count, where there were an offer's and a pass's:
+/// the sessions and objectives benches alike, BENCHMARKS.md session 36).
+/// A request offered again later in the pass
 /// is counted once, where it was held last, and never ahead of itself
 /// ([`Waits::forget`] before it is placed again). Few entries (holds per
 /// pass are bounded), so a list.

@@ -35,7 +35,9 @@
 //! 3. **Patience** ([`patience`]). With a free endpoint chosen, a request
 //!    placed from the queues waits for a saturated endpoint instead while
 //!    that is predicted to give it its first token sooner: its wait for a
-//!    slot there ([`load`]) plus the prefill of what that one does not
+//!    slot there ([`load`], behind every request held for it in the
+//!    dispatch pass; a session's turn weighs the wait for its own endpoint
+//!    one turn at a slot long) plus the prefill of what that one does not
 //!    cache, against the prefill of what the free one does not cache (plus
 //!    an adapter load where the adapter is not resident), on each engine's
 //!    learned costs. Going while a busy endpoint holds more of the prompt

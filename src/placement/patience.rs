@@ -12,7 +12,8 @@
 //!   the requests before it, held for it in this dispatch pass, queued for
 //!   it by their sessions and in its engine's queue, and foreign work),
 //!   plus the prefill of what it does not cache (nothing, for the
-//!   endpoint a session's conversation is on).
+//!   endpoint a session's conversation is on, whose wait is weighed
+//!   [`SESSION_WAIT_MARGIN_TURNS`] turn at a slot long).
 //!
 //! Every rate is the endpoint's own, learned from its answers
 //! ([`crate::endpoint::CostModel`]). So a long conversation waits for its
@@ -48,6 +49,18 @@ const BYTES_PER_TOKEN: u64 = 4;
 /// each then prefilled two or three groups' prompts cold), short against
 /// the prefill itself.
 const SPILL_PATIENCE: f64 = 0.01;
+
+/// A conversation's turn weighs its wait for its own busy endpoint this
+/// many turns at a slot ([`Load::turn_ms`]) longer than the predicted
+/// mean. The turns ahead of it there are other conversations' turns,
+/// whose answers and tool outputs vary in length, so that wait runs past
+/// its mean more often than a prefill elsewhere runs past its own; with
+/// conversations arriving at random (the open-loop sessions bench) its
+/// TTFT p99 ×0.93 (1.63–1.67 s against 1.73–1.81 s, three runs each),
+/// the closed-loop workloads unchanged (BENCHMARKS.md, session 36). Only
+/// the session's endpoint: weighed the same, a prompt's other holders made
+/// bursts of first turns prefill small groups twice.
+pub(super) const SESSION_WAIT_MARGIN_TURNS: f64 = 1.0;
 
 /// The longest spill delay: a prefill predicted absurdly long (a wrong
 /// rate) still goes within a minute (and within the affinity hold, which
@@ -157,7 +170,10 @@ pub(crate) fn wait_or_go(
     // The quickest saturated endpoint, if quicker than going.
     let mut best: Option<(f64, EndpointId)> = None;
     let mut consider = |e: &Endpoint, cached: u64| {
-        let ms = busy_ttft_ms(e, waits, prompt, cached, load_ms(e));
+        let mut ms = busy_ttft_ms(e, waits, prompt, cached, load_ms(e));
+        if Some(e.id) == bound {
+            ms += SESSION_WAIT_MARGIN_TURNS * Load::of(e, waits).turn_ms(e.service_ms());
+        }
         if best.is_none_or(|b| (ms, e.id) < b) {
             best = Some((ms, e.id));
         }
@@ -442,6 +458,28 @@ mod tests {
         assert_eq!(
             choice(&mut slow, &prompt(42, 0), &Waits::default(), now),
             GO_TO_B
+        );
+    }
+
+    #[test]
+    fn a_sessions_turn_weighs_its_wait_one_turn_long() {
+        let now = Instant::now();
+        let (mut ledger, on_a) = a_busy_with(0, now);
+        ledger.bind_session(7, on_a.addr, now);
+        // 1,000 ms for a's one slot (the default service time), weighed
+        // 2,000 ms: a turn of 1,800 tokens (1,800 ms of prefill on b)
+        // goes, one of 2,200 waits.
+        let turn = |tokens| Route {
+            session: Some(7),
+            ..prompt(0, tokens)
+        };
+        assert_eq!(
+            choice(&mut ledger, &turn(1_800), &Waits::default(), now),
+            GO_TO_B
+        );
+        assert_eq!(
+            choice(&mut ledger, &turn(2_200), &Waits::default(), now),
+            HOLD_FOR_A
         );
     }
 

@@ -13,7 +13,7 @@
 //! - **cold**: the whole prompt encoded, nothing remembered (done off the
 //!   event loop by the balancer past 2 KiB).
 //!
-//! Medians of 200 runs each.
+//! Medians of 200 runs each, on the balancer's allocator (mimalloc).
 
 use std::hint::black_box;
 use std::path::PathBuf;
@@ -21,6 +21,9 @@ use std::time::{Duration, Instant};
 
 use flowgate_tokenizer::{ModelTokenizer, Tokens};
 use serde_json::{json, Value};
+
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const WORDS: [&str; 16] = [
     "the", "water", "farm", "city", "tree", "learn", "study", "country", "answer", "school",

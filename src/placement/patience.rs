@@ -120,17 +120,25 @@ pub(crate) fn cached_tokens(fleet: &EndpointLedger, route: &Route, matched: usiz
     (matched as u64 * block_bytes / BYTES_PER_TOKEN).min(prompt_tokens(fleet, route))
 }
 
-/// Predicted time to a first token on saturated endpoint `e` of a request
-/// whose prompt has `cached` of its `prompt` tokens cached there, behind
-/// the requests `waits` holds for it; `load_ms`: its adapter's load there.
-pub(crate) fn busy_ttft_ms(
+/// Time to a first token on saturated endpoint `e`, as the rule weighs
+/// it, of a request whose prompt has `cached` of its `prompt` tokens
+/// cached there: its wait for a slot behind the requests `waits` holds
+/// for it, `margin_turns` turns at a slot longer than predicted; its
+/// prefill; `load_ms`, its adapter's load there.
+fn busy_ttft_ms(
     e: &Endpoint,
     waits: &Waits,
+    margin_turns: f64,
     prompt: u64,
     cached: u64,
     load_ms: f64,
 ) -> f64 {
-    Load::of(e, waits).wait_ms(e.service_ms()) + e.predicted_prefill_ms(prompt - cached) + load_ms
+    let load = Load::of(e, waits);
+    let service_ms = e.service_ms();
+    load.wait_ms(service_ms)
+        + margin_turns * load.turn_ms(service_ms)
+        + e.predicted_prefill_ms(prompt - cached)
+        + load_ms
 }
 
 /// Stage 3 (module docs): the saturated endpoint `route` should wait for
@@ -170,10 +178,12 @@ pub(crate) fn wait_or_go(
     // The quickest saturated endpoint, if quicker than going.
     let mut best: Option<(f64, EndpointId)> = None;
     let mut consider = |e: &Endpoint, cached: u64| {
-        let mut ms = busy_ttft_ms(e, waits, prompt, cached, load_ms(e));
-        if Some(e.id) == bound {
-            ms += SESSION_WAIT_MARGIN_TURNS * Load::of(e, waits).turn_ms(e.service_ms());
-        }
+        let margin = if Some(e.id) == bound {
+            SESSION_WAIT_MARGIN_TURNS
+        } else {
+            0.0
+        };
+        let ms = busy_ttft_ms(e, waits, margin, prompt, cached, load_ms(e));
         if best.is_none_or(|b| (ms, e.id) < b) {
             best = Some((ms, e.id));
         }

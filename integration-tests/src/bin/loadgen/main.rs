@@ -497,6 +497,7 @@ impl Sender {
             req = req.header("x-flowgate-debug", "scores");
         }
         let turn_messages = body["messages"].as_array().map_or(0, Vec::len);
+        let prompt_bytes = prompt_text.len();
         let sent = Instant::now();
         let mut went = (Value::Null, Value::Null);
         let outcome = match req.send().await {
@@ -528,6 +529,7 @@ impl Sender {
                 if self.trace {
                     let line = json!({"sent_s": (sent - self.start).as_secs_f64(), "ttft_s": ttft,
                         "total_s": total, "session": key, "messages": turn_messages,
+                        "prompt_bytes": prompt_bytes,
                         "endpoint": went.0, "wait_ms": went.1});
                     s.trace.push(line.to_string());
                 }

@@ -249,6 +249,7 @@ impl<T> Dispatcher<T> {
         if self.ledger.adapter_failed_everywhere(&request.route, now) {
             return Admission::Rejected(Reject::AdapterLoadFailed);
         }
+        self.ledger.note_objective(&request.route, now);
         let hold = self.config.scheduling.affinity_hold;
         if self.queues.is_empty() {
             let waits = Waits::default();

@@ -268,6 +268,9 @@ pub(crate) struct EndpointLedger {
     /// Until when some agent said it reports to other balancers too, or
     /// did not say ([`EndpointLedger::alone`]).
     shared_until: Option<Instant>,
+    /// By model, the hardest request with a TTFT objective lately
+    /// ([`models`]' `note_objective`).
+    objective_references: HashMap<Option<Arc<str>>, crate::placement::reserve::Reference>,
 }
 
 impl Default for EndpointLedger {
@@ -293,6 +296,7 @@ impl EndpointLedger {
             sessions: SessionTable::new(&scheduling.sessions),
             failing: 0,
             shared_until: None,
+            objective_references: HashMap::default(),
         }
     }
 

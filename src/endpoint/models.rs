@@ -5,7 +5,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::{Endpoint, EndpointLedger};
+use super::{Endpoint, EndpointLedger, Route};
+use crate::placement::reserve::Reference;
 
 impl EndpointLedger {
     /// Whether an eligible endpoint (it may be busy) serves `model`.
@@ -59,5 +60,52 @@ impl EndpointLedger {
         models.sort_unstable();
         models.dedup();
         models
+    }
+}
+
+/// Models whose hardest request with a TTFT objective the ledger
+/// remembers at most ([`EndpointLedger::note_objective`]): while no agent
+/// is registered any model name is accepted, so the names are bounded here.
+const MAX_REFERENCES: usize = 256;
+
+impl EndpointLedger {
+    /// A request with a TTFT objective came for `route`'s model
+    /// (`placement::reserve`): it becomes the model's reference if it is the
+    /// hardest lately.
+    pub(crate) fn note_objective(&mut self, route: &Route, now: Instant) {
+        let Some(ttft_ms) = route.objective.ttft_ms else {
+            return;
+        };
+        let seen = Reference {
+            tokens: route.tokens.prompt,
+            ttft_ms,
+            at: now,
+        };
+        let references = &mut self.objective_references;
+        if let Some(r) = references.get_mut(&route.model) {
+            if r.yields_to(&seen, now) {
+                *r = seen;
+            }
+            return;
+        }
+        if references.len() >= MAX_REFERENCES {
+            references.retain(|_, r| r.live(now));
+        }
+        if references.len() < MAX_REFERENCES {
+            references.insert(route.model.clone(), seen);
+        }
+    }
+
+    /// The hardest request with a TTFT objective for `route`'s model in the
+    /// last [`crate::placement::reserve::REFERENCE_WINDOW`], if any: none
+    /// (and no lookup) while no request has had one.
+    pub(crate) fn objective_reference(&self, route: &Route, now: Instant) -> Option<Reference> {
+        if self.objective_references.is_empty() {
+            return None;
+        }
+        self.objective_references
+            .get(&route.model)
+            .copied()
+            .filter(|r| r.live(now))
     }
 }

@@ -54,7 +54,10 @@ pub struct Route {
 impl Route {
     /// Whether two routes may go to the same endpoints.
     pub(crate) fn same_targets(&self, other: &Route) -> bool {
-        self.model == other.model && self.avoid == other.avoid && self.subset == other.subset
+        self.model == other.model
+            && self.avoid == other.avoid
+            && self.subset == other.subset
+            && self.objective.is_none() == other.objective.is_none()
     }
 
     /// Whether it waits for its session's endpoint until its TTL: in hard
@@ -69,6 +72,9 @@ impl Route {
             model: self.model.clone(),
             avoid: self.avoid,
             subset: self.subset.clone(),
+            // A request without an objective may leave a slot that one
+            // with an objective takes (`placement::reserve`).
+            objective: self.objective,
             ..Route::default()
         }
     }

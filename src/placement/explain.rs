@@ -43,7 +43,10 @@ pub struct Explanation {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub objective: Option<Objective>,
     /// How stage 2½ chose for it ([`super::objective`]): `meets`, `idle`,
-    /// `least-miss`, or `shed` (refused: sheddable, out of reach).
+    /// `least-miss`, or `shed` (refused: sheddable, out of reach); for a
+    /// request without an objective, `reserve` where it leaves the slot
+    /// kept for requests with one ([`super::reserve`]: it goes elsewhere,
+    /// or waits).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub objective_choice: Option<&'static str>,
     /// Those that can take it first, best score first.
@@ -167,6 +170,7 @@ pub(crate) fn explain(fleet: &EndpointLedger, route: &Route, now: Instant) -> Ex
         Outcome::Wait(_) | Outcome::Delay(..) => decision
             .objective
             .map(|c| c.id)
+            .or(decision.reserved.flatten())
             .or(decision.scored)
             .and_then(addr),
         Outcome::Busy | Outcome::Shed => None,
@@ -182,6 +186,7 @@ pub(crate) fn explain(fleet: &EndpointLedger, route: &Route, now: Instant) -> Ex
     let objective_choice = match (decision.outcome, decision.objective) {
         (Outcome::Shed, _) => Some("shed"),
         (_, Some(c)) => Some(c.met.as_str()),
+        _ if decision.reserved.is_some() => Some("reserve"),
         _ => None,
     };
     let more = candidates.len().saturating_sub(MAX_EXPLAINED);

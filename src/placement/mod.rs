@@ -32,6 +32,13 @@
 //!    else an idle one; else the one missing by least. A sheddable request
 //!    (priority below 0) none is predicted to serve in time is refused
 //!    instead. Knobs: `latencyObjectives.*` and the request's headers.
+//!
+//!    **A slot kept for objectives** ([`reserve`], stage 2½ for a request
+//!    without one): while requests with a TTFT objective come for the
+//!    model, it does not take the last free slot of the endpoints
+//!    predicted to serve the hardest of them in time; it goes to the
+//!    best-scored endpoint that leaves one, else it is busy (one slot at
+//!    most, only in a fleet of 4 slots or more). No knob.
 //! 3. **Patience** ([`patience`]). With a free endpoint chosen, a request
 //!    placed from the queues waits for a saturated endpoint instead while
 //!    that is predicted to give it its first token sooner: its wait for a
@@ -71,6 +78,7 @@ mod load;
 pub(crate) mod objective;
 mod patience;
 mod pin;
+pub(crate) mod reserve;
 mod score;
 
 pub(crate) use explain::explain;
@@ -118,6 +126,9 @@ pub(crate) struct Decision {
     /// Stage 2½: for a request with a latency objective, where it goes
     /// instead and how that was chosen.
     objective: Option<objective::Chosen>,
+    /// Stage 2½ for one without: the slot kept for objectives sent it
+    /// elsewhere (`Some(Some(id))`) or made it wait (`Some(None)`).
+    reserved: Option<Option<EndpointId>>,
     /// Stage 3: the wait-or-go verdict, if it was asked.
     patience: Option<WaitOrGo>,
 }
@@ -137,6 +148,7 @@ pub(crate) fn place(
         pin,
         scored: None,
         objective: None,
+        reserved: None,
         patience: None,
     };
     let bound = match pin {
@@ -152,6 +164,19 @@ pub(crate) fn place(
     let Some(mut go) = decision.scored else {
         return decision;
     };
+    if route.objective.is_none() {
+        match reserve::keep(fleet, route, wanted.as_ref(), go, now) {
+            Some(id) if id == go => {}
+            Some(id) => {
+                decision.reserved = Some(Some(id));
+                go = id;
+            }
+            None => {
+                decision.reserved = Some(None);
+                return decision;
+            }
+        }
+    }
     if !route.objective.is_none() {
         let chosen = objective::choose(fleet, route, wanted.as_ref(), go, now);
         go = chosen.id;

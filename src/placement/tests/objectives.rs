@@ -168,3 +168,95 @@ fn a_queued_request_no_free_server_serves_in_time_waits_for_a_busy_one_that_will
     r.release(lease, now);
     r.release(first, now);
 }
+
+/// A route of `tokens` prompt tokens with a TTFT objective of `ttft_ms`
+/// (`None`: without an objective).
+fn prompt_of(tokens: u64, ttft_ms: Option<u32>, now: Instant) -> Route {
+    let objective = Objective {
+        ttft_ms,
+        tpot_ms: None,
+    };
+    Route {
+        tokens: crate::tokens::TokenEstimate {
+            prompt: tokens,
+            ..Default::default()
+        },
+        ..with(objective, now)
+    }
+}
+
+/// Takes `n` slots on the endpoint at `port`.
+fn fill(r: &mut EndpointLedger, port: u16, n: usize, now: Instant) -> Vec<crate::endpoint::Lease> {
+    let addr = format!("127.0.0.1:{port}").parse().unwrap();
+    let id = r.endpoint_at(addr).unwrap().id;
+    (0..n).map(|_| r.book(&route(None, &[]), id, now)).collect()
+}
+
+#[test]
+fn work_without_an_objective_leaves_the_last_slot_that_meets_one_and_waits_rather_than_take_it() {
+    let t0 = Instant::now();
+    // Port 1 prefills a 4,000-token prompt in 400 ms (+20), port 2 in 800.
+    let mut r = servers(&[1, 2], 2, t0);
+    teach(&mut r, 1, 100, 10, 20);
+    teach(&mut r, 2, 200, 20, 20);
+    let _fast = fill(&mut r, 1, 1, t0);
+    let plain = || prompt_of(100, None, t0);
+    // No request with an objective yet: the fast endpoint's last slot is
+    // anyone's (it scores better: fewer taken).
+    let explained = crate::placement::explain(&r, &plain(), t0);
+    assert_eq!(explained.objective_choice, None);
+    // A request of 4,000 tokens due in 500 ms came: only port 1 meets it.
+    r.note_objective(&prompt_of(4_000, Some(500), t0), t0);
+    let _slow = fill(&mut r, 2, 1, t0);
+    // Port 1 has a slot, port 2 one: the plain request leaves port 1's.
+    let elsewhere = acquire(&mut r, &plain(), t0).unwrap();
+    assert_eq!(elsewhere.addr.port(), 2);
+    // Only port 1's slot is left: it waits rather than take it...
+    assert!(matches!(pick(&mut r, &plain(), t0, None), Pick::Busy));
+    let explained = crate::placement::explain(&r, &plain(), t0);
+    assert_eq!(
+        (explained.choice, explained.objective_choice),
+        (None, Some("reserve"))
+    );
+    // ... which a request with an objective takes.
+    let interactive = acquire(&mut r, &prompt_of(4_000, Some(500), t0), t0).unwrap();
+    assert_eq!(interactive.addr.port(), 1);
+    r.release(interactive, t0);
+    // Ten seconds with no request with an objective: no slot is kept.
+    let later = t0 + crate::placement::reserve::REFERENCE_WINDOW + Duration::from_millis(1);
+    for port in [1, 2] {
+        let (rep, a) = report_for(&format!("e{port}"), port, 2, &[]);
+        r.apply_report(rep, a, later);
+    }
+    let taken = acquire(&mut r, &prompt_of(100, None, later), later).unwrap();
+    assert_eq!(taken.addr.port(), 1);
+}
+
+#[test]
+fn no_slot_is_kept_for_an_objective_no_endpoint_could_meet() {
+    let t0 = Instant::now();
+    let mut r = servers(&[1, 2], 2, t0);
+    teach(&mut r, 1, 100, 10, 20);
+    teach(&mut r, 2, 200, 20, 20);
+    let _taken = [fill(&mut r, 1, 1, t0), fill(&mut r, 2, 2, t0)];
+    // 4,000 tokens in 100 ms: even idle, neither prefills it in time.
+    r.note_objective(&prompt_of(4_000, Some(100), t0), t0);
+    let plain = acquire(&mut r, &prompt_of(100, None, t0), t0).unwrap();
+    assert_eq!(plain.addr.port(), 1);
+}
+
+#[test]
+fn a_fleet_of_fewer_than_four_slots_keeps_none() {
+    let t0 = Instant::now();
+    let mut r = servers(&[1, 2], 1, t0);
+    teach(&mut r, 1, 100, 10, 20);
+    teach(&mut r, 2, 200, 20, 20);
+    let _slow = fill(&mut r, 2, 1, t0);
+    r.note_objective(&prompt_of(4_000, Some(500), t0), t0);
+    let plain = acquire(&mut r, &prompt_of(100, None, t0), t0).unwrap();
+    assert_eq!(
+        plain.addr.port(),
+        1,
+        "two slots in all: the last is anyone's"
+    );
+}

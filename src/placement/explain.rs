@@ -44,7 +44,7 @@ pub struct Explanation {
     pub objective: Option<Objective>,
     /// How stage 2½ chose for it ([`super::objective`]): `meets`, `idle`,
     /// `least-miss`, or `shed` (refused: sheddable, out of reach); for a
-    /// request without an objective, `reserve` where it leaves the slot
+    /// request without an objective, `reserve` where it leaves the slots
     /// kept for requests with one ([`super::reserve`]: it goes elsewhere,
     /// or waits).
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -33,12 +33,12 @@
 //!    (priority below 0) none is predicted to serve in time is refused
 //!    instead. Knobs: `latencyObjectives.*` and the request's headers.
 //!
-//!    **A slot kept for objectives** ([`reserve`], stage 2½ for a request
+//!    **Slots kept for objectives** ([`reserve`], stage 2½ for a request
 //!    without one): while requests with a TTFT objective come for the
-//!    model, it does not take the last free slot of the endpoints
-//!    predicted to serve the hardest of them in time; it goes to the
-//!    best-scored endpoint that leaves one, else it is busy (one slot at
-//!    most, only in a fleet of 4 slots or more). No knob.
+//!    model, it goes only where 3 free slots are left on the endpoints
+//!    predicted to serve the hardest of them in time (at most a quarter
+//!    of the model's slots): the best-scored such endpoint, else it is
+//!    busy. No knob.
 //! 3. **Patience** ([`patience`]). With a free endpoint chosen, a request
 //!    placed from the queues waits for a saturated endpoint instead while
 //!    that is predicted to give it its first token sooner: its wait for a
@@ -126,7 +126,7 @@ pub(crate) struct Decision {
     /// Stage 2½: for a request with a latency objective, where it goes
     /// instead and how that was chosen.
     objective: Option<objective::Chosen>,
-    /// Stage 2½ for one without: the slot kept for objectives sent it
+    /// Stage 2½ for one without: the slots kept for objectives sent it
     /// elsewhere (`Some(Some(id))`) or made it wait (`Some(None)`).
     reserved: Option<Option<EndpointId>>,
     /// Stage 3: the wait-or-go verdict, if it was asked.

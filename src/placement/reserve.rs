@@ -1,4 +1,4 @@
-//! Stage 2½ for a request without a latency objective: a free slot kept
+//! Stage 2½ for a request without a latency objective: free slots kept
 //! for the requests with one.
 //!
 //! A request with a tight TTFT objective and a long prompt is served in
@@ -8,18 +8,20 @@
 //! the fast endpoints full and waits or misses. So while requests with a
 //! TTFT objective come for the model ([`Reference`]: the hardest seen in
 //! the last [`REFERENCE_WINDOW`], the most prompt tokens per millisecond
-//! of objective), a request without one does not take the last free slot
-//! of the endpoints predicted to meet that reference (its prompt prefilled
-//! cold, at the endpoint's 90th-percentile time to first token): it goes
-//! to the best-scored endpoint that leaves one, else waits in the queues
-//! like any request no endpoint takes. One slot of the model's fleet is
-//! kept, never more; none where no endpoint could meet the reference even
-//! idle, and none in a fleet of fewer than [`RESERVE_MIN_SLOTS`] slots.
-//! Work without an objective keeps every other slot (the objectives
-//! bench: attainment of the interactive class at full load 0.843 and
-//! 0.896 against 0.791 and 0.809 without the kept slot, at 80 % 0.979
-//! against 0.938, the batch class's throughput ×0.99–1.01; BENCHMARKS.md,
-//! session 37).
+//! of objective), a request without one goes only where, once it took its
+//! slot, [`KEPT_SLOTS`] free slots are left on the endpoints predicted to
+//! serve that reference in time (its prompt prefilled cold, at the
+//! endpoint's 90th-percentile time to first token): the best-scored such
+//! endpoint, else it waits in the queues like any request no endpoint
+//! takes. While those slots are scarce it waits even where a slow endpoint
+//! is free: that slot serves the short interactive prompts, which would
+//! otherwise take the fast ones. At most a quarter of the model's slots is
+//! kept (none in a fleet of fewer than 4), none where no endpoint could
+//! meet the reference even idle, none once no request with a TTFT
+//! objective came for [`REFERENCE_WINDOW`]. Measured on the objectives
+//! bench: attainment of the interactive class at full load 0.93–0.94
+//! against 0.73–0.81 without, 1.000 at 80 %, the batch class's throughput
+//! ×0.98–1.00 (BENCHMARKS.md, session 37).
 
 use std::time::{Duration, Instant};
 
@@ -33,10 +35,12 @@ use crate::endpoint::{Endpoint, EndpointId, EndpointLedger, Route, Wanted};
 /// for, short against a class that stopped coming.
 pub(crate) const REFERENCE_WINDOW: Duration = Duration::from_secs(10);
 
-/// Slots the model's eligible endpoints must have in all for one to be
-/// kept: the kept slot is at most a quarter of the capacity, so a small
-/// fleet's work without objectives is never held back by much.
-pub(crate) const RESERVE_MIN_SLOTS: u32 = 4;
+/// Free slots kept for the reference, at most (and at most a quarter of
+/// the model's slots): on the objectives bench (16 slots, 8 of them fast
+/// enough) 1 gave attainment 0.84–0.90 at full load, 3 gave 0.93–0.94,
+/// 4 the same at ×0.95 the batch class's throughput (BENCHMARKS.md,
+/// session 37).
+const KEPT_SLOTS: u32 = 3;
 
 /// The hardest request with a TTFT objective seen lately for a model.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -69,22 +73,8 @@ impl Reference {
     }
 }
 
-/// Whether, with one more slot taken on `taking`, some endpoint for
-/// `route` still has a free slot and is predicted to meet `reference`.
-fn kept(
-    fleet: &EndpointLedger,
-    route: &Route,
-    reference: &Reference,
-    taking: EndpointId,
-    now: Instant,
-) -> bool {
-    candidates(fleet, route, now)
-        .take(OBJECTIVE_SCAN)
-        .any(|e| e.free_slots() > u32::from(e.id == taking) && reference.met_by(e))
-}
-
 /// Where `route`, without an objective, goes instead of stage 2's `go`
-/// (module docs): `go` itself while that keeps the slot, else the
+/// (module docs): `go` itself while that keeps the slots, else the
 /// best-scored endpoint that does; `None`: it waits.
 pub(super) fn keep(
     fleet: &EndpointLedger,
@@ -96,9 +86,6 @@ pub(super) fn keep(
     let Some(reference) = fleet.objective_reference(route, now) else {
         return Some(go);
     };
-    if kept(fleet, route, &reference, go, now) {
-        return Some(go);
-    }
     let (mut slots, mut reachable) = (0, false);
     for e in fleet.serving(route).take(OBJECTIVE_SCAN) {
         if e.eligible(now) {
@@ -106,12 +93,24 @@ pub(super) fn keep(
             reachable |= reference.met_by(e);
         }
     }
-    if slots < RESERVE_MIN_SLOTS || !reachable {
+    let kept = KEPT_SLOTS.min(slots / 4);
+    if kept == 0 || !reachable {
+        return Some(go);
+    }
+    // The free slots that would serve the reference in time, and what
+    // taking one on `e` leaves of them.
+    let free: u32 = candidates(fleet, route, now)
+        .take(OBJECTIVE_SCAN)
+        .filter(|e| reference.met_by(e))
+        .map(Endpoint::free_slots)
+        .sum();
+    let keeps = |e: &Endpoint| free.saturating_sub(u32::from(reference.met_by(e))) >= kept;
+    if fleet.endpoint(go).is_some_and(keeps) {
         return Some(go);
     }
     let mut best: Option<(f64, EndpointId)> = None;
     for e in candidates(fleet, route, now).take(OBJECTIVE_SCAN) {
-        if e.id != go && kept(fleet, route, &reference, e.id, now) {
+        if keeps(e) {
             let score = route_score(fleet, e, route, wanted);
             if best.is_none_or(|(b, _)| score > b) {
                 best = Some((score, e.id));

@@ -260,3 +260,30 @@ fn a_fleet_of_fewer_than_four_slots_keeps_none() {
         "two slots in all: the last is anyone's"
     );
 }
+
+#[test]
+fn while_fast_slots_are_scarce_work_without_an_objective_waits_even_beside_a_free_slow_one() {
+    let t0 = Instant::now();
+    // Ports 1 and 2 fast, 3 and 4 slow: eight slots, two of them kept.
+    let mut r = servers(&[1, 2, 3, 4], 2, t0);
+    for port in [1, 2] {
+        teach(&mut r, port, 100, 10, 20);
+    }
+    for port in [3, 4] {
+        teach(&mut r, port, 200, 20, 20);
+    }
+    r.note_objective(&prompt_of(4_000, Some(500), t0), t0);
+    let _fast = [fill(&mut r, 1, 1, t0), fill(&mut r, 2, 1, t0)];
+    // Two fast slots free: taking a slow one leaves both.
+    let plain = acquire(&mut r, &prompt_of(100, None, t0), t0).unwrap();
+    assert!(plain.addr.port() >= 3, "{plain:?}");
+    let _more = fill(&mut r, 1, 1, t0);
+    // One fast slot free, slow ones too: the slow slots serve the short
+    // interactive prompts meanwhile, so work without an objective waits.
+    assert!(matches!(
+        pick(&mut r, &prompt_of(100, None, t0), t0, None),
+        Pick::Busy
+    ));
+    let short = acquire(&mut r, &prompt_of(100, Some(500), t0), t0);
+    assert!(short.is_some());
+}

@@ -119,6 +119,40 @@ impl ObjectiveDefaults {
     }
 }
 
+/// How long the hardest request with a TTFT objective stays the reference
+/// after it came: past it, with none since, placement keeps no slot for
+/// objectives (`placement::reserve`). Long against
+/// the gaps between interactive requests at any load worth keeping a slot
+/// for, short against a class that stopped coming.
+pub const REFERENCE_WINDOW: Duration = Duration::from_secs(10);
+
+/// The hardest request with a TTFT objective seen lately for a model: what
+/// placement keeps free slots for (`placement::reserve`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Reference {
+    /// Its prompt tokens.
+    pub tokens: u64,
+    /// Its TTFT objective.
+    pub ttft_ms: u32,
+    /// When it came.
+    pub at: Instant,
+}
+
+impl Reference {
+    /// Whether it still counts at `now`.
+    pub fn live(&self, now: Instant) -> bool {
+        now.saturating_duration_since(self.at) <= REFERENCE_WINDOW
+    }
+
+    /// Whether `other` replaces it at `now`: it is over, or `other` asks
+    /// at least as many tokens per millisecond.
+    pub fn yields_to(&self, other: &Reference, now: Instant) -> bool {
+        !self.live(now)
+            || u128::from(other.tokens) * u128::from(self.ttft_ms)
+                >= u128::from(self.tokens) * u128::from(other.ttft_ms)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -203,5 +237,26 @@ mod tests {
         }
         .check()
         .is_err());
+    }
+
+    #[test]
+    fn the_reference_is_the_most_tokens_per_millisecond_until_it_is_over() {
+        let t0 = Instant::now();
+        let of = |tokens, ttft_ms, at| Reference {
+            tokens,
+            ttft_ms,
+            at,
+        };
+        let hard = of(4_000, 500, t0);
+        assert!(!hard.yields_to(&of(1_000, 500, t0), t0));
+        assert!(
+            !hard.yields_to(&of(8_000, 2_000, t0), t0),
+            "4 a ms against 8"
+        );
+        assert!(hard.yields_to(&of(2_000, 250, t0), t0), "as hard");
+        assert!(hard.yields_to(&of(u64::MAX, 1, t0), t0));
+        let over = t0 + REFERENCE_WINDOW + Duration::from_millis(1);
+        assert!(!hard.live(over));
+        assert!(hard.yields_to(&of(1, 3_600_000, over), over));
     }
 }

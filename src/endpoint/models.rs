@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::{Endpoint, EndpointLedger, Route};
-use crate::placement::reserve::Reference;
+use crate::objective::Reference;
 
 impl EndpointLedger {
     /// Whether an eligible endpoint (it may be busy) serves `model`.
@@ -97,7 +97,7 @@ impl EndpointLedger {
     }
 
     /// The hardest request with a TTFT objective for `route`'s model in the
-    /// last [`crate::placement::reserve::REFERENCE_WINDOW`], if any: none
+    /// last [`crate::objective::REFERENCE_WINDOW`], if any: none
     /// (and no lookup) while no request has had one.
     pub(crate) fn objective_reference(&self, route: &Route, now: Instant) -> Option<Reference> {
         if self.objective_references.is_empty() {

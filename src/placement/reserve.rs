@@ -7,8 +7,8 @@
 //! class) takes every slot the moment it frees, so such a request finds
 //! the fast endpoints full and waits or misses. So while requests with a
 //! TTFT objective come for the model ([`Reference`]: the hardest seen in
-//! the last [`REFERENCE_WINDOW`], the most prompt tokens per millisecond
-//! of objective), a request without one goes only where, once it took its
+//! the last [`crate::objective::REFERENCE_WINDOW`], the most prompt
+//! tokens per millisecond of objective), a request without one goes only where, once it took its
 //! slot, [`KEPT_SLOTS`] free slots are left on the endpoints predicted to
 //! serve that reference in time (its prompt prefilled cold, at the
 //! endpoint's 90th-percentile time to first token): the best-scored such
@@ -18,59 +18,29 @@
 //! otherwise take the fast ones. At most a quarter of the model's slots is
 //! kept (none in a fleet of fewer than 4), none where no endpoint could
 //! meet the reference even idle, none once no request with a TTFT
-//! objective came for [`REFERENCE_WINDOW`]. Measured on the objectives
-//! bench: attainment of the interactive class at full load 0.93–0.94
-//! against 0.73–0.81 without, 1.000 at 80 %, the batch class's throughput
-//! ×0.98–1.00 (BENCHMARKS.md, session 37).
+//! objective came for [`crate::objective::REFERENCE_WINDOW`]. Measured on
+//! the objectives bench: attainment of the interactive class at full load
+//! 0.86–0.94 against 0.73–0.81 without, 0.99–1.00 at 80 %, the batch
+//! class's throughput ×0.98–1.00 (BENCHMARKS.md, session 37).
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::objective::OBJECTIVE_SCAN;
 use super::score::{candidates, route_score};
 use crate::endpoint::{Endpoint, EndpointId, EndpointLedger, Route, Wanted};
-
-/// How long the hardest request with a TTFT objective stays the reference
-/// after it came: past it, with none since, no slot is kept. Long against
-/// the gaps between interactive requests at any load worth keeping a slot
-/// for, short against a class that stopped coming.
-pub(crate) const REFERENCE_WINDOW: Duration = Duration::from_secs(10);
+use crate::objective::Reference;
 
 /// Free slots kept for the reference, at most (and at most a quarter of
 /// the model's slots): on the objectives bench (16 slots, 8 of them fast
-/// enough) 1 gave attainment 0.84–0.90 at full load, 3 gave 0.93–0.94,
+/// enough) 1 gave attainment 0.84–0.90 at full load, 3 gave 0.86–0.94,
 /// 4 the same at ×0.95 the batch class's throughput (BENCHMARKS.md,
 /// session 37).
 const KEPT_SLOTS: u32 = 3;
 
-/// The hardest request with a TTFT objective seen lately for a model.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Reference {
-    /// Its prompt tokens.
-    pub tokens: u64,
-    /// Its TTFT objective.
-    pub ttft_ms: u32,
-    /// When it came.
-    pub at: Instant,
-}
-
-impl Reference {
-    /// Whether it still counts at `now`.
-    pub(crate) fn live(&self, now: Instant) -> bool {
-        now.saturating_duration_since(self.at) <= REFERENCE_WINDOW
-    }
-
-    /// Whether `other` replaces it at `now`: it is over, or `other` asks
-    /// at least as many tokens per millisecond.
-    pub(crate) fn yields_to(&self, other: &Reference, now: Instant) -> bool {
-        !self.live(now)
-            || u128::from(other.tokens) * u128::from(self.ttft_ms)
-                >= u128::from(self.tokens) * u128::from(other.ttft_ms)
-    }
-
-    /// Whether `e` is predicted to serve it in time from a free slot.
-    fn met_by(&self, e: &Endpoint) -> bool {
-        e.ttft_tail_ms(self.tokens) <= f64::from(self.ttft_ms)
-    }
+/// Whether `e` is predicted to serve `reference` in time from a free
+/// slot.
+fn met_by(reference: &Reference, e: &Endpoint) -> bool {
+    e.ttft_tail_ms(reference.tokens) <= f64::from(reference.ttft_ms)
 }
 
 /// Where `route`, without an objective, goes instead of stage 2's `go`
@@ -90,7 +60,7 @@ pub(super) fn keep(
     for e in fleet.serving(route).take(OBJECTIVE_SCAN) {
         if e.eligible(now) {
             slots += e.slots_total();
-            reachable |= reference.met_by(e);
+            reachable |= met_by(&reference, e);
         }
     }
     let kept = KEPT_SLOTS.min(slots / 4);
@@ -101,10 +71,10 @@ pub(super) fn keep(
     // taking one on `e` leaves of them.
     let free: u32 = candidates(fleet, route, now)
         .take(OBJECTIVE_SCAN)
-        .filter(|e| reference.met_by(e))
+        .filter(|e| met_by(&reference, e))
         .map(Endpoint::free_slots)
         .sum();
-    let keeps = |e: &Endpoint| free.saturating_sub(u32::from(reference.met_by(e))) >= kept;
+    let keeps = |e: &Endpoint| free.saturating_sub(u32::from(met_by(&reference, e))) >= kept;
     if fleet.endpoint(go).is_some_and(keeps) {
         return Some(go);
     }

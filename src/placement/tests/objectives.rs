@@ -223,7 +223,7 @@ fn work_without_an_objective_leaves_the_last_slot_that_meets_one_and_waits_rathe
     assert_eq!(interactive.addr.port(), 1);
     r.release(interactive, t0);
     // Ten seconds with no request with an objective: no slot is kept.
-    let later = t0 + crate::placement::reserve::REFERENCE_WINDOW + Duration::from_millis(1);
+    let later = t0 + crate::objective::REFERENCE_WINDOW + Duration::from_millis(1);
     for port in [1, 2] {
         let (rep, a) = report_for(&format!("e{port}"), port, 2, &[]);
         r.apply_report(rep, a, later);

@@ -287,3 +287,16 @@ fn while_fast_slots_are_scarce_work_without_an_objective_waits_even_beside_a_fre
     let short = acquire(&mut r, &prompt_of(100, Some(500), t0), t0);
     assert!(short.is_some());
 }
+
+#[test]
+fn no_slot_is_kept_for_an_objective_every_endpoint_meets() {
+    let t0 = Instant::now();
+    let mut r = servers(&[1, 2], 2, t0);
+    teach(&mut r, 1, 100, 10, 20);
+    teach(&mut r, 2, 200, 20, 20);
+    let _taken = [fill(&mut r, 1, 1, t0), fill(&mut r, 2, 2, t0)];
+    // An async job's deadline an hour away: any free slot serves it.
+    r.note_objective(&prompt_of(4_000, Some(3_600_000), t0), t0);
+    let plain = acquire(&mut r, &prompt_of(100, None, t0), t0).unwrap();
+    assert_eq!(plain.addr.port(), 1);
+}

@@ -185,6 +185,15 @@ fn prompt_of(tokens: u64, ttft_ms: Option<u32>, now: Instant) -> Route {
     }
 }
 
+/// Port 1, fast: a 4,000-token prompt prefilled in 400 ms (+20); port 2,
+/// slow: in 800 ms. `slots` each.
+fn fast_and_slow(slots: u32, now: Instant) -> EndpointLedger {
+    let mut r = servers(&[1, 2], slots, now);
+    teach(&mut r, 1, 100, 10, 20);
+    teach(&mut r, 2, 200, 20, 20);
+    r
+}
+
 /// Takes `n` slots on the endpoint at `port`.
 fn fill(r: &mut EndpointLedger, port: u16, n: usize, now: Instant) -> Vec<crate::endpoint::Lease> {
     let addr = format!("127.0.0.1:{port}").parse().unwrap();
@@ -195,10 +204,7 @@ fn fill(r: &mut EndpointLedger, port: u16, n: usize, now: Instant) -> Vec<crate:
 #[test]
 fn work_without_an_objective_leaves_the_last_slot_that_meets_one_and_waits_rather_than_take_it() {
     let t0 = Instant::now();
-    // Port 1 prefills a 4,000-token prompt in 400 ms (+20), port 2 in 800.
-    let mut r = servers(&[1, 2], 2, t0);
-    teach(&mut r, 1, 100, 10, 20);
-    teach(&mut r, 2, 200, 20, 20);
+    let mut r = fast_and_slow(2, t0);
     let _fast = fill(&mut r, 1, 1, t0);
     let plain = || prompt_of(100, None, t0);
     // No request with an objective yet: the fast endpoint's last slot is
@@ -235,9 +241,7 @@ fn work_without_an_objective_leaves_the_last_slot_that_meets_one_and_waits_rathe
 #[test]
 fn no_slot_is_kept_for_an_objective_no_endpoint_could_meet() {
     let t0 = Instant::now();
-    let mut r = servers(&[1, 2], 2, t0);
-    teach(&mut r, 1, 100, 10, 20);
-    teach(&mut r, 2, 200, 20, 20);
+    let mut r = fast_and_slow(2, t0);
     let _taken = [fill(&mut r, 1, 1, t0), fill(&mut r, 2, 2, t0)];
     // 4,000 tokens in 100 ms: even idle, neither prefills it in time.
     r.note_objective(&prompt_of(4_000, Some(100), t0), t0);
@@ -248,9 +252,7 @@ fn no_slot_is_kept_for_an_objective_no_endpoint_could_meet() {
 #[test]
 fn a_fleet_of_fewer_than_four_slots_keeps_none() {
     let t0 = Instant::now();
-    let mut r = servers(&[1, 2], 1, t0);
-    teach(&mut r, 1, 100, 10, 20);
-    teach(&mut r, 2, 200, 20, 20);
+    let mut r = fast_and_slow(1, t0);
     let _slow = fill(&mut r, 2, 1, t0);
     r.note_objective(&prompt_of(4_000, Some(500), t0), t0);
     let plain = acquire(&mut r, &prompt_of(100, None, t0), t0).unwrap();
@@ -291,9 +293,7 @@ fn while_fast_slots_are_scarce_work_without_an_objective_waits_even_beside_a_fre
 #[test]
 fn no_slot_is_kept_for_an_objective_every_endpoint_meets() {
     let t0 = Instant::now();
-    let mut r = servers(&[1, 2], 2, t0);
-    teach(&mut r, 1, 100, 10, 20);
-    teach(&mut r, 2, 200, 20, 20);
+    let mut r = fast_and_slow(2, t0);
     let _taken = [fill(&mut r, 1, 1, t0), fill(&mut r, 2, 2, t0)];
     // An async job's deadline an hour away: any free slot serves it.
     r.note_objective(&prompt_of(4_000, Some(3_600_000), t0), t0);

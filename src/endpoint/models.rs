@@ -97,12 +97,9 @@ impl EndpointLedger {
     }
 
     /// The hardest request with a TTFT objective for `route`'s model in the
-    /// last [`crate::objective::REFERENCE_WINDOW`], if any: none
-    /// (and no lookup) while no request has had one.
+    /// last [`crate::objective::REFERENCE_WINDOW`], if any (while no request
+    /// has had one, the empty map answers without hashing the model).
     pub(crate) fn objective_reference(&self, route: &Route, now: Instant) -> Option<Reference> {
-        if self.objective_references.is_empty() {
-            return None;
-        }
         self.objective_references
             .get(&route.model)
             .copied()

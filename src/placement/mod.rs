@@ -176,8 +176,7 @@ pub(crate) fn place(
                 return decision;
             }
         }
-    }
-    if !route.objective.is_none() {
+    } else {
         let chosen = objective::choose(fleet, route, wanted.as_ref(), go, now);
         go = chosen.id;
         decision.objective = Some(chosen);

@@ -8,26 +8,27 @@
 //! the fast endpoints full and waits or misses. So while requests with a
 //! TTFT objective come for the model ([`Reference`]: the hardest seen in
 //! the last [`crate::objective::REFERENCE_WINDOW`], the most prompt
-//! tokens per millisecond of objective), a request without one goes only where, once it took its
-//! slot, [`KEPT_SLOTS`] free slots are left on the endpoints predicted to
-//! serve that reference in time (its prompt prefilled cold, at the
-//! endpoint's 90th-percentile time to first token): the best-scored such
-//! endpoint, else it waits in the queues like any request no endpoint
-//! takes. While those slots are scarce it waits even where a slow endpoint
-//! is free: that slot serves the short interactive prompts, which would
-//! otherwise take the fast ones. At most a quarter of the model's slots is
-//! kept (none in a fleet of fewer than 4), none where no endpoint could
-//! meet the reference even idle or every one could (a loose objective,
-//! such as an async job's deadline: any free slot serves it), none once no request with a TTFT
-//! objective came for [`crate::objective::REFERENCE_WINDOW`]. Measured on
-//! the objectives bench: attainment of the interactive class at full load
-//! 0.86–0.94 against 0.73–0.81 without, 0.99–1.00 at 80 %, the batch
-//! class's throughput ×0.98–1.00 (BENCHMARKS.md, session 37).
+//! tokens per millisecond of objective), a request without one goes only
+//! where, once it took its slot, [`KEPT_SLOTS`] free slots are left on the
+//! endpoints predicted to serve that reference in time (its prompt
+//! prefilled cold, at the endpoint's 90th-percentile time to first
+//! token): the best-scored such endpoint, else it waits in the queues like
+//! any request no endpoint takes. While those slots are scarce it waits
+//! even where a slow endpoint is free: that slot serves the short
+//! interactive prompts, which would otherwise take the fast ones. At most
+//! a quarter of the model's slots is kept (none in a fleet of fewer than
+//! 4), none where no endpoint could meet the reference even idle or every
+//! one could (a loose objective, such as an async job's deadline: any free
+//! slot serves it), none once no request with a TTFT objective came for
+//! [`crate::objective::REFERENCE_WINDOW`]. Measured on the objectives
+//! bench: attainment of the interactive class at full load 0.86–0.94
+//! against 0.73–0.81 without, 0.99–1.00 at 80 %, the batch class's
+//! throughput ×0.98–1.00 (BENCHMARKS.md, session 37).
 
 use std::time::Instant;
 
 use super::objective::OBJECTIVE_SCAN;
-use super::score::{candidates, route_score};
+use super::score::{best_where, candidates};
 use crate::endpoint::{Endpoint, EndpointId, EndpointLedger, Route, Wanted};
 use crate::objective::Reference;
 
@@ -83,14 +84,5 @@ pub(super) fn keep(
     if fleet.endpoint(go).is_some_and(keeps) {
         return Some(go);
     }
-    let mut best: Option<(f64, EndpointId)> = None;
-    for e in candidates(fleet, route, now).take(OBJECTIVE_SCAN) {
-        if keeps(e) {
-            let score = route_score(fleet, e, route, wanted);
-            if best.is_none_or(|(b, _)| score > b) {
-                best = Some((score, e.id));
-            }
-        }
-    }
-    best.map(|(_, id)| id)
+    best_where(fleet, route, wanted, now, OBJECTIVE_SCAN, keeps)
 }

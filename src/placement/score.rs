@@ -116,6 +116,27 @@ pub(crate) fn candidates<'a>(
     }
 }
 
+/// The best-scored candidate for `route` now that `wanted_here` accepts,
+/// ties by stage 2's rule (turn order): for a stage that must leave some
+/// candidates out ([`super::reserve`]). Scans at most `scan` candidates.
+pub(crate) fn best_where(
+    fleet: &EndpointLedger,
+    route: &Route,
+    wanted: Option<&Wanted>,
+    now: Instant,
+    scan: usize,
+    mut wanted_here: impl FnMut(&Endpoint) -> bool,
+) -> Option<EndpointId> {
+    let in_turn = route.subset.is_none();
+    let mut best = Best::new();
+    for e in candidates(fleet, route, now).take(scan) {
+        if wanted_here(e) {
+            best.offer(fleet, e, route_score(fleet, e, route, wanted), in_turn);
+        }
+    }
+    best.id
+}
+
 /// The best endpoint that takes `route` now, if any (module docs);
 /// `wanted`: its adapter ([`EndpointLedger::adapter_wanted`]).
 pub(crate) fn best(

@@ -53,6 +53,13 @@ pub struct SloArgs {
     batch_tokens: u32,
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Write one JSON line per request to this file: its class, prompt
+    /// tokens, when it was sent (seconds into the run), its TTFT, TPOT and
+    /// whether it met its objective, or the status that refused it, and
+    /// where it went and how long it waited in the balancer (the request
+    /// asks `x-flowgate-debug: scores`; the balancer must allow it)
+    #[arg(long)]
+    trace: Option<std::path::PathBuf>,
 }
 
 #[derive(Default)]
@@ -66,11 +73,23 @@ struct Class {
 }
 
 /// What one streamed answer showed: TTFT, TPOT, completion tokens.
-async fn stream(req: reqwest::RequestBuilder) -> Result<(f64, f64, u64), u16> {
+async fn stream(
+    req: reqwest::RequestBuilder,
+    went: &mut serde_json::Value,
+) -> Result<(f64, f64, u64), u16> {
     let sent = Instant::now();
     let resp = req.send().await.map_err(|_| 0u16)?;
     if !resp.status().is_success() {
         return Err(resp.status().as_u16());
+    }
+    let header = |name| resp.headers().get(name).and_then(|v| v.to_str().ok());
+    if let Some(scores) = header("x-flowgate-scores") {
+        went["endpoint"] = serde_json::from_str::<serde_json::Value>(scores)
+            .map(|v| v["endpoint"].clone())
+            .unwrap_or_default();
+    }
+    if let Some(wait) = header("x-flowgate-wait-ms").and_then(|v| v.parse::<u64>().ok()) {
+        went["wait_ms"] = json!(wait);
     }
     let mut body = resp.bytes_stream();
     let (mut first, mut text) = (None, Vec::new());
@@ -99,6 +118,7 @@ pub async fn slo(args: SloArgs) {
         .expect("http client");
     let url = format!("{}/v1/chat/completions", args.target.trim_end_matches('/'));
     let classes: Arc<Mutex<[Class; 2]>> = Arc::default();
+    let trace: Arc<Mutex<Vec<String>>> = Arc::default();
     let start = Instant::now();
     let until = start + Duration::from_secs(args.seconds);
     let mut rng = Rng(args.seed.max(1));
@@ -142,21 +162,37 @@ pub async fn slo(args: SloArgs) {
                 .header("x-gateway-inference-fairness-id", "batch")
                 .header("x-gateway-inference-objective", "batch");
         }
+        if args.trace.is_some() {
+            req = req.header("x-flowgate-debug", "scores");
+        }
         let class = usize::from(!interactive);
         classes.lock().unwrap()[class].sent += 1;
-        let classes = Arc::clone(&classes);
+        let (classes, trace) = (Arc::clone(&classes), Arc::clone(&trace));
+        let (sent_s, tracing) = ((next - start).as_secs_f64(), args.trace.is_some());
         inflight.push(tokio::spawn(async move {
-            let outcome = stream(req).await;
+            let mut line = json!({"class": if interactive { "interactive" } else { "batch" },
+                "prompt_tokens": tokens, "sent_s": sent_s});
+            let outcome = stream(req, &mut line).await;
             let mut all = classes.lock().unwrap();
             let c = &mut all[class];
             match outcome {
                 Ok((ttft, tpot, tokens)) => {
+                    let met = ttft <= ttft_limit && tpot <= tpot_limit;
                     c.ok += 1;
                     c.completion_tokens += tokens;
                     c.ttft.push(ttft);
-                    c.met += u64::from(ttft <= ttft_limit && tpot <= tpot_limit);
+                    c.met += u64::from(met);
+                    line["ttft_s"] = json!(ttft);
+                    line["tpot_s"] = json!(tpot);
+                    line["met"] = json!(met);
                 }
-                Err(code) => *c.errors.entry(code).or_default() += 1,
+                Err(code) => {
+                    *c.errors.entry(code).or_default() += 1;
+                    line["status"] = json!(code);
+                }
+            }
+            if tracing {
+                trace.lock().unwrap().push(line.to_string());
             }
         }));
     }
@@ -166,6 +202,11 @@ pub async fn slo(args: SloArgs) {
         let _ = t.await;
     }
     let secs = start.elapsed().as_secs_f64();
+    if let Some(path) = &args.trace {
+        let lines = trace.lock().unwrap();
+        let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
+        std::fs::write(path, text).expect("write the trace");
+    }
     let all = classes.lock().unwrap();
     let report = |c: &Class| {
         let ttft = sorted(&c.ttft);

@@ -43,10 +43,10 @@ pub struct Explanation {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub objective: Option<Objective>,
     /// How stage 2½ chose for it ([`super::objective`]): `meets`, `idle`,
-    /// `least-miss`, or `shed` (refused: sheddable, out of reach); for a
-    /// request without an objective, `reserve` where it leaves the slots
-    /// kept for requests with one ([`super::reserve`]: it goes elsewhere,
-    /// or waits).
+    /// `least-miss`, or `shed` (refused: sheddable, out of reach);
+    /// `reserve` where it leaves the slots kept for objectives
+    /// ([`super::reserve`]: it goes elsewhere, where its own objective, if
+    /// any, is met too, or, without one, waits).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub objective_choice: Option<&'static str>,
     /// Those that can take it first, best score first.
@@ -185,8 +185,8 @@ pub(crate) fn explain(fleet: &EndpointLedger, route: &Route, now: Instant) -> Ex
     };
     let objective_choice = match (decision.outcome, decision.objective) {
         (Outcome::Shed, _) => Some("shed"),
-        (_, Some(c)) => Some(c.met.as_str()),
         _ if decision.reserved.is_some() => Some("reserve"),
+        (_, Some(c)) => Some(c.met.as_str()),
         _ => None,
     };
     let more = candidates.len().saturating_sub(MAX_EXPLAINED);

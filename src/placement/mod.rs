@@ -33,12 +33,14 @@
 //!    (priority below 0) none is predicted to serve in time is refused
 //!    instead. Knobs: `latencyObjectives.*` and the request's headers.
 //!
-//!    **Slots kept for objectives** ([`reserve`], stage 2½ for a request
-//!    without one): while requests with a TTFT objective come for the
-//!    model, it goes only where 3 free slots are left on the endpoints
-//!    predicted to serve the hardest of them in time (at most a quarter
-//!    of the model's slots): the best-scored such endpoint, else it is
-//!    busy. No knob.
+//!    **Slots kept for objectives** ([`reserve`]): while requests with a
+//!    TTFT objective come for the model, a request without one goes only
+//!    where 3 free slots are left on the endpoints predicted to serve the
+//!    hardest of them in time and 1 on the others (at most a quarter of
+//!    each's slots): the best-scored such endpoint, else it is busy. One
+//!    with an objective met by an endpoint that would not serve the
+//!    hardest in time goes there rather than take a kept fast slot. No
+//!    knob.
 //! 3. **Patience** ([`patience`]). With a free endpoint chosen, a request
 //!    placed from the queues waits for a saturated endpoint instead while
 //!    that is predicted to give it its first token sooner: its wait for a
@@ -70,7 +72,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::endpoint::{EndpointId, EndpointLedger, Lease, Route};
+use crate::endpoint::{Endpoint, EndpointId, EndpointLedger, Lease, Route};
 
 pub(crate) mod evening;
 mod explain;
@@ -126,8 +128,9 @@ pub(crate) struct Decision {
     /// Stage 2½: for a request with a latency objective, where it goes
     /// instead and how that was chosen.
     objective: Option<objective::Chosen>,
-    /// Stage 2½ for one without: the slots kept for objectives sent it
-    /// elsewhere (`Some(Some(id))`) or made it wait (`Some(None)`).
+    /// Stage 2½: the slots kept for objectives sent it elsewhere
+    /// (`Some(Some(id))`) or, without an objective, made it wait
+    /// (`Some(None)`).
     reserved: Option<Option<EndpointId>>,
     /// Stage 3: the wait-or-go verdict, if it was asked.
     patience: Option<WaitOrGo>,
@@ -165,7 +168,7 @@ pub(crate) fn place(
         return decision;
     };
     if route.objective.is_none() {
-        match reserve::keep(fleet, route, wanted.as_ref(), go, now) {
+        match reserve::keep(fleet, route, wanted.as_ref(), go, now, |_| true) {
             Some(id) if id == go => {}
             Some(id) => {
                 decision.reserved = Some(Some(id));
@@ -177,7 +180,20 @@ pub(crate) fn place(
             }
         }
     } else {
-        let chosen = objective::choose(fleet, route, wanted.as_ref(), go, now);
+        let mut chosen = objective::choose(fleet, route, wanted.as_ref(), go, now);
+        if chosen.met == objective::Met::Meets {
+            // Met elsewhere too: it leaves the slots kept for harder ones.
+            let meets = |e: &Endpoint| objective::meets(fleet, route, e, now);
+            let kept = reserve::keep(fleet, route, wanted.as_ref(), chosen.id, now, meets);
+            if let Some(e) = kept
+                .filter(|id| *id != chosen.id)
+                .and_then(|id| fleet.endpoint(id))
+            {
+                chosen.id = e.id;
+                chosen.tails = objective::tails(fleet, e, route);
+                decision.reserved = Some(Some(e.id));
+            }
+        }
         go = chosen.id;
         decision.objective = Some(chosen);
         if chosen.met != objective::Met::Meets {

@@ -103,6 +103,11 @@ pub(crate) fn miss(route: &Route, tails: Tails, now: Instant) -> f64 {
     ttft.max(tpot)
 }
 
+/// Whether `e`, free, is predicted to meet `route`'s objective at `now`.
+pub(crate) fn meets(fleet: &EndpointLedger, route: &Route, e: &Endpoint, now: Instant) -> bool {
+    miss(route, tails(fleet, e, route), now) <= 1.0
+}
+
 /// What stage 2½ chose.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Chosen {

@@ -253,7 +253,8 @@ fn a_fleet_of_fewer_than_four_slots_keeps_none() {
 }
 
 #[test]
-fn while_fast_slots_are_scarce_work_without_an_objective_waits_even_beside_a_free_slow_one() {
+fn while_fast_slots_are_scarce_work_without_an_objective_waits_and_short_interactive_work_takes_a_slow_slot(
+) {
     let t0 = Instant::now();
     // Ports 1 and 2 fast, 3 and 4 slow: eight slots, two of them kept.
     let mut r = servers(&[1, 2, 3, 4], 2, t0);
@@ -275,8 +276,62 @@ fn while_fast_slots_are_scarce_work_without_an_objective_waits_even_beside_a_fre
         pick(&mut r, &prompt_of(100, None, t0), t0, None),
         Pick::Busy
     ));
-    let short = acquire(&mut r, &prompt_of(100, Some(500), t0), t0);
-    assert!(short.is_some());
+    // A short interactive prompt, which a slow endpoint serves in time,
+    // leaves it too; a long one, which only a fast one does, takes it.
+    let short = acquire(&mut r, &prompt_of(100, Some(500), t0), t0).unwrap();
+    assert!(short.addr.port() >= 3, "{short:?}");
+    let long = acquire(&mut r, &prompt_of(4_000, Some(500), t0), t0).unwrap();
+    assert_eq!(long.addr.port(), 2);
+}
+
+/// Ports 1 and 2 fast, 3 and 4 slow, 2 slots each (eight: two fast ones
+/// kept, one slow one), with a request of 4,000 tokens due in 500 ms
+/// lately.
+fn two_fast_two_slow(t0: Instant) -> EndpointLedger {
+    let mut r = servers(&[1, 2, 3, 4], 2, t0);
+    for port in [1, 2] {
+        teach(&mut r, port, 100, 10, 20);
+    }
+    for port in [3, 4] {
+        teach(&mut r, port, 200, 20, 20);
+    }
+    r.note_objective(&prompt_of(4_000, Some(500), t0), t0);
+    r
+}
+
+#[test]
+fn work_without_an_objective_leaves_a_slow_slot_to_the_short_interactive_prompts() {
+    let t0 = Instant::now();
+    let mut r = two_fast_two_slow(t0);
+    // Both fast slots of port 2 free (the two kept), one slow slot.
+    let _taken = [fill(&mut r, 1, 2, t0), fill(&mut r, 4, 1, t0)];
+    let on_3 = fill(&mut r, 3, 2, t0);
+    let plain = || prompt_of(100, None, t0);
+    assert!(matches!(pick(&mut r, &plain(), t0, None), Pick::Busy));
+    // Port 2's free slots score best, but they are the kept ones: a short
+    // interactive prompt takes the slow slot, and says so.
+    let short = || prompt_of(100, Some(500), t0);
+    let explained = crate::placement::explain(&r, &short(), t0);
+    assert_eq!(
+        (
+            explained.choice.map(|a| a.port()),
+            explained.objective_choice
+        ),
+        (Some(4), Some("reserve"))
+    );
+    // Due in 55 ms, which only a fast endpoint meets (its prompt blocks
+    // prefilled in 26 ms + 20 against 51 + 20): it takes a kept slot.
+    let tight = crate::placement::explain(&r, &prompt_of(100, Some(55), t0), t0);
+    assert_eq!(
+        (tight.choice.map(|a| a.port()), tight.objective_choice),
+        (Some(2), Some("meets"))
+    );
+    assert_eq!(acquire(&mut r, &short(), t0).unwrap().addr.port(), 4);
+    // Two slow slots free: work without an objective takes one of them.
+    for lease in on_3 {
+        r.release(lease, t0);
+    }
+    assert_eq!(acquire(&mut r, &plain(), t0).unwrap().addr.port(), 3);
 }
 
 #[test]

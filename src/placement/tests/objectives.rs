@@ -252,11 +252,10 @@ fn a_fleet_of_fewer_than_four_slots_keeps_none() {
     );
 }
 
-#[test]
-fn while_fast_slots_are_scarce_work_without_an_objective_waits_and_short_interactive_work_takes_a_slow_slot(
-) {
-    let t0 = Instant::now();
-    // Ports 1 and 2 fast, 3 and 4 slow: eight slots, two of them kept.
+/// Ports 1 and 2 fast, 3 and 4 slow, 2 slots each (eight: two fast ones
+/// kept, one slow one), with a request of 4,000 tokens due in 500 ms
+/// lately.
+fn two_fast_two_slow(t0: Instant) -> EndpointLedger {
     let mut r = servers(&[1, 2, 3, 4], 2, t0);
     for port in [1, 2] {
         teach(&mut r, port, 100, 10, 20);
@@ -265,6 +264,14 @@ fn while_fast_slots_are_scarce_work_without_an_objective_waits_and_short_interac
         teach(&mut r, port, 200, 20, 20);
     }
     r.note_objective(&prompt_of(4_000, Some(500), t0), t0);
+    r
+}
+
+#[test]
+fn while_fast_slots_are_scarce_work_without_an_objective_waits_and_short_interactive_work_takes_a_slow_slot(
+) {
+    let t0 = Instant::now();
+    let mut r = two_fast_two_slow(t0);
     let _fast = [fill(&mut r, 1, 1, t0), fill(&mut r, 2, 1, t0)];
     // Two fast slots free: taking a slow one leaves both.
     let plain = acquire(&mut r, &prompt_of(100, None, t0), t0).unwrap();
@@ -282,21 +289,6 @@ fn while_fast_slots_are_scarce_work_without_an_objective_waits_and_short_interac
     assert!(short.addr.port() >= 3, "{short:?}");
     let long = acquire(&mut r, &prompt_of(4_000, Some(500), t0), t0).unwrap();
     assert_eq!(long.addr.port(), 2);
-}
-
-/// Ports 1 and 2 fast, 3 and 4 slow, 2 slots each (eight: two fast ones
-/// kept, one slow one), with a request of 4,000 tokens due in 500 ms
-/// lately.
-fn two_fast_two_slow(t0: Instant) -> EndpointLedger {
-    let mut r = servers(&[1, 2, 3, 4], 2, t0);
-    for port in [1, 2] {
-        teach(&mut r, port, 100, 10, 20);
-    }
-    for port in [3, 4] {
-        teach(&mut r, port, 200, 20, 20);
-    }
-    r.note_objective(&prompt_of(4_000, Some(500), t0), t0);
-    r
 }
 
 #[test]

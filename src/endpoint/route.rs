@@ -95,6 +95,10 @@ pub struct SchedulingConfig {
     /// Endpoints each LoRA adapter prefers where it is resident nowhere
     /// ([`crate::adapter::preferred`]); 0: none preferred.
     pub adapter_replicas: u32,
+    /// Free slots kept for requests with a TTFT objective on the endpoints
+    /// fast enough for the hardest of them ([`crate::placement`]'s stage
+    /// 2½); 0: none kept, anywhere.
+    pub kept_slots: u32,
 }
 
 impl Default for SchedulingConfig {
@@ -106,6 +110,7 @@ impl Default for SchedulingConfig {
             affinity_hold: Duration::from_secs(5),
             sessions: SessionConfig::default(),
             adapter_replicas: 1,
+            kept_slots: crate::placement::reserve::KEPT_SLOTS,
         }
     }
 }

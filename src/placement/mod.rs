@@ -39,8 +39,8 @@
 //!    hardest of them in time and 1 on the others (at most a quarter of
 //!    each's slots): the best-scored such endpoint, else it is busy. One
 //!    with an objective met by an endpoint that would not serve the
-//!    hardest in time goes there rather than take a kept fast slot. No
-//!    knob.
+//!    hardest in time goes there rather than take a kept fast slot. Knob:
+//!    `scheduling.keptSlots` (the 3; 0 keeps none).
 //! 3. **Patience** ([`patience`]). With a free endpoint chosen, a request
 //!    placed from the queues waits for a saturated endpoint instead while
 //!    that is predicted to give it its first token sooner: its wait for a

@@ -13,6 +13,10 @@ use super::flow::ConfigDuration;
 /// request, and more than a fleet's servers of one model says nothing.
 pub const MAX_ADAPTER_REPLICAS: u32 = 64;
 
+/// Most free slots that may be kept for requests with objectives: a
+/// quarter of the model's slots bounds them anyway.
+pub const MAX_KEPT_SLOTS: u32 = 1_024;
+
 /// Retries of a request whose endpoint failed before answering.
 pub const DEFAULT_RETRIES: u32 = 1;
 
@@ -36,6 +40,9 @@ pub struct SchedulingSection {
     /// Servers each LoRA adapter prefers where no server holds it loaded
     /// (rendezvous hashing: every balancer picks the same ones).
     pub adapter_replicas: Option<u32>,
+    /// Free slots kept for requests with a TTFT objective while they come
+    /// (README "Latency objectives"); 0: none.
+    pub kept_slots: Option<u32>,
     /// Who gets the `x-flowgate-scores` answer header.
     pub explain: Option<crate::rules::ExplainScores>,
 }
@@ -143,6 +150,14 @@ pub fn build(section: &SchedulingSection) -> Result<(SchedulingConfig, u32, Sess
             "scheduling.adapterReplicas must be at most {MAX_ADAPTER_REPLICAS}, not {adapter_replicas}"
         ));
     }
+    let kept_slots = section
+        .kept_slots
+        .unwrap_or(SchedulingConfig::default().kept_slots);
+    if kept_slots > MAX_KEPT_SLOTS {
+        return Err(format!(
+            "scheduling.keptSlots must be at most {MAX_KEPT_SLOTS}, not {kept_slots}"
+        ));
+    }
     Ok((
         SchedulingConfig {
             scorers,
@@ -151,6 +166,7 @@ pub fn build(section: &SchedulingSection) -> Result<(SchedulingConfig, u32, Sess
             affinity_hold,
             sessions,
             adapter_replicas,
+            kept_slots,
         },
         retries,
         session_rules,

@@ -337,6 +337,8 @@ fn bad_flow_control_config_names_the_field() {
         "scheduling:\n  adapterReplicas: 65\n",
         "scheduling.adapterReplicas",
     );
+    bad("scheduling:\n  keptSlots: 1025\n", "scheduling.keptSlots");
+    bad("scheduling:\n  keptSlots: -1\n", "keptSlots");
     bad(
         "scheduling:\n  scorers:\n    adapter: -2\n",
         "scheduling.scorers.adapter",
@@ -348,7 +350,7 @@ fn scheduling_section_is_read() {
     let file = FileConfig::parse(
         "scheduling:\n  scorers:\n    prefixCache: 5\n    queue: 0\n  prefixCache:\n    \
          blockBytes: 128\n    capacityBlocks: 100\n  retries: 0\n  circuitBreaker:\n    \
-         failures: 2\n    backoff: 1s\n  affinityHold: 50ms\n",
+         failures: 2\n    backoff: 1s\n  affinityHold: 50ms\n  keptSlots: 0\n",
     )
     .unwrap();
     let s = Settings::merge(cli(&[]), file).unwrap();
@@ -364,6 +366,7 @@ fn scheduling_section_is_read() {
     assert_eq!(sc.breaker.failures, 2);
     assert_eq!(sc.breaker.backoff, Duration::from_secs(1));
     assert_eq!(sc.affinity_hold, Duration::from_millis(50));
+    assert_eq!(sc.kept_slots, 0);
     assert_eq!(
         (sc.scorers.adapter, sc.adapter_replicas),
         (4.0, 1),
@@ -375,6 +378,7 @@ fn scheduling_section_is_read() {
         d.dispatcher.scheduling.affinity_hold,
         Duration::from_secs(5)
     );
+    assert_eq!(d.dispatcher.scheduling.kept_slots, 3);
 }
 
 #[test]

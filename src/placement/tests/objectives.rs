@@ -239,6 +239,22 @@ fn work_without_an_objective_leaves_the_last_slot_that_meets_one_and_waits_rathe
 }
 
 #[test]
+fn an_operator_who_keeps_no_slots_lets_work_without_an_objective_take_the_last_fast_one() {
+    let t0 = Instant::now();
+    let mut r = fast_and_slow(2, t0);
+    let saturation = *r.saturation();
+    let scheduling = crate::SchedulingConfig {
+        kept_slots: 0,
+        ..crate::SchedulingConfig::default()
+    };
+    r.reconfigure(saturation, scheduling);
+    let _taken = [fill(&mut r, 1, 1, t0), fill(&mut r, 2, 2, t0)];
+    r.note_objective(&prompt_of(4_000, Some(500), t0), t0);
+    let plain = acquire(&mut r, &prompt_of(100, None, t0), t0).unwrap();
+    assert_eq!(plain.addr.port(), 1, "scheduling.keptSlots 0: anyone's");
+}
+
+#[test]
 fn a_fleet_of_fewer_than_four_slots_keeps_none() {
     let t0 = Instant::now();
     let mut r = fast_and_slow(1, t0);

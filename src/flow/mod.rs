@@ -25,10 +25,11 @@
 //!   idle while ahead keeps its lead (its counter is remembered while it is
 //!   above the floor).
 //! - Inside a flow, requests with a latency objective go first, earliest
-//!   first token due first ([`crate::objective`]); the others in the order
-//!   its [`OrderingPolicy`] says: `fcfs` (arrival order) or `edf` (earliest
-//!   deadline first). Between flows fairness decides, as without
-//!   objectives.
+//!   first token due first ([`crate::objective`]), except that one already
+//!   overdue gives way to those still on time for a while ([`order`]); the
+//!   others in the order its [`OrderingPolicy`] says: `fcfs` (arrival
+//!   order) or `edf` (earliest deadline first). Between flows fairness
+//!   decides, as without objectives.
 //! - Capacity: `maxRequests` / `maxBytes` / `maxTokens` (estimated tokens,
 //!   [`crate::tokens`]) globally and per band. A band over
 //!   its own limit sheds the newcomer ([`Reject::Shed`], 429). When the whole
@@ -52,9 +53,11 @@ use std::time::Instant;
 use serde::Serialize;
 
 mod capacity;
+mod order;
 mod policy;
 mod token_fair;
 
+use order::OrderKey;
 pub use policy::{
     valid_fairness_id, BandConfig, FairnessPolicy, FlowControlConfig, FlowKey, OrderingPolicy,
     DEFAULT_FAIRNESS_ID, MAX_FAIRNESS_ID_LEN,
@@ -112,18 +115,6 @@ pub struct FlowSnapshot {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 struct FlowIdx(u32);
-
-/// Position inside a flow (and across the flows of a `global-strict`
-/// band): requests with a latency objective first, earliest first token
-/// due first; then the others by `rank`, their arrival (FCFS) or their
-/// deadline (EDF). `seq` breaks ties and makes every key unique.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-struct OrderKey {
-    /// No objective: after every request that has one.
-    unhurried: bool,
-    rank: Instant,
-    seq: u64,
-}
 
 #[derive(Debug)]
 struct Item<T> {
@@ -424,15 +415,17 @@ impl<T> FlowQueues<T> {
             .map(|(&priority, _)| priority)
     }
 
-    /// The request that goes next: highest band first, then the band's
-    /// fairness policy, then the flow's ordering policy.
-    pub fn peek(&mut self) -> Option<Ticket> {
-        self.peek_where(1, |_, _| true)
+    /// The request that goes next at `now`: highest band first, then the
+    /// band's fairness policy, then the order inside the flow
+    /// ([`order`]: objectives first, earliest due first, an overdue one
+    /// giving way a while; then the ordering policy).
+    pub fn peek(&mut self, now: Instant) -> Option<Ticket> {
+        self.peek_where(1, now, |_, _| true)
     }
 
     /// The first request, in [`FlowQueues::peek`] order, that satisfies
     /// `ready`, looking at the first `depth` requests of each flow (at least
-    /// its head): flows are offered in turn order, and within a flow its
+    /// one): flows are offered in turn order, and within a flow its
     /// requests in order, so a request passes the ones ahead of it in its
     /// flow only when those are not ready. Flows passed over keep their
     /// turn. Costs one call of `ready` per request offered before the
@@ -440,6 +433,7 @@ impl<T> FlowQueues<T> {
     pub fn peek_where(
         &mut self,
         depth: usize,
+        now: Instant,
         mut ready: impl FnMut(Ticket, &T) -> bool,
     ) -> Option<Ticket> {
         let depth = depth.max(1);
@@ -447,8 +441,7 @@ impl<T> FlowQueues<T> {
         // The first ready request of a flow among its first `depth`.
         let mut first_ready = |flow: FlowIdx| -> Option<Ticket> {
             let f = flows.get(flow.0 as usize)?.as_ref()?;
-            f.items
-                .iter()
+            order::in_order(&f.items, now)
                 .take(depth)
                 .map(|(&key, item)| (Ticket { flow, key }, &item.handle))
                 .find(|&(ticket, handle)| ready(ticket, handle))

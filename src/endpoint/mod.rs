@@ -47,7 +47,7 @@ pub use snapshot::EndpointSnapshot;
 
 pub(crate) use adapters::Wanted;
 pub use breaker::BreakerConfig;
-pub use route::{Route, SchedulingConfig};
+pub use route::{Route, SchedulingConfig, KEPT_SLOTS};
 pub use saturation::{Saturation, SaturationConfig};
 
 #[cfg(test)]

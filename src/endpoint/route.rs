@@ -101,6 +101,14 @@ pub struct SchedulingConfig {
     pub kept_slots: u32,
 }
 
+/// Free slots kept for requests with a TTFT objective, at most (and at
+/// most a quarter of the model's slots), by default
+/// (`scheduling.keptSlots`; [`crate::placement`]'s stage 2½): on the
+/// objectives bench (16 slots, 8 of them fast enough) 1 gave attainment
+/// 0.84–0.90 at full load, 3 gave 0.86–0.94, 4 the same at ×0.95 the
+/// batch class's throughput (BENCHMARKS.md, session 37).
+pub const KEPT_SLOTS: u32 = 3;
+
 impl Default for SchedulingConfig {
     fn default() -> Self {
         SchedulingConfig {
@@ -110,7 +118,7 @@ impl Default for SchedulingConfig {
             affinity_hold: Duration::from_secs(5),
             sessions: SessionConfig::default(),
             adapter_replicas: 1,
-            kept_slots: crate::placement::reserve::KEPT_SLOTS,
+            kept_slots: KEPT_SLOTS,
         }
     }
 }

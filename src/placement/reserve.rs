@@ -9,8 +9,8 @@
 //! TTFT objective come for the model ([`Reference`]: the hardest seen in
 //! the last [`crate::objective::REFERENCE_WINDOW`], the most prompt
 //! tokens per millisecond of objective), a request without one goes only
-//! where, once it took its slot, `scheduling.keptSlots` ([`KEPT_SLOTS`] by
-//! default) free slots are left on the
+//! where, once it took its slot, `scheduling.keptSlots`
+//! ([`crate::endpoint::KEPT_SLOTS`] by default) free slots are left on the
 //! endpoints predicted to serve that reference in time (its prompt
 //! prefilled cold, at the endpoint's 90th-percentile time to first
 //! token), and [`KEPT_ELSEWHERE`] free slot on the other endpoints: the
@@ -39,14 +39,6 @@ use super::objective::OBJECTIVE_SCAN;
 use super::score::{best_where, candidates};
 use crate::endpoint::{Endpoint, EndpointId, EndpointLedger, Route, Wanted};
 use crate::objective::Reference;
-
-/// Free slots kept for the reference, at most (and at most a quarter of
-/// the model's slots), by default (`scheduling.keptSlots`; 0 keeps none,
-/// on any endpoint): on the objectives bench (16 slots, 8 of them fast
-/// enough) 1 gave attainment 0.84–0.90 at full load, 3 gave 0.86–0.94,
-/// 4 the same at ×0.95 the batch class's throughput (BENCHMARKS.md,
-/// session 37).
-pub(crate) const KEPT_SLOTS: u32 = 3;
 
 /// Free slots kept besides on the endpoints that would not serve the
 /// reference in time (at most a quarter of theirs), while requests with

@@ -11,7 +11,7 @@
 //! due first), so under lasting overload it is served late, not starved to
 //! its TTL. The order is read at `now`; the keys do not change.
 
-use std::collections::BTreeMap;
+use std::collections::{btree_map, BTreeMap};
 use std::time::{Duration, Instant};
 
 /// Position inside a flow (and across the flows of a `global-strict` band,
@@ -45,8 +45,44 @@ fn due_from(at: Instant) -> OrderKey {
 
 /// `items` in the order they go at `now` (module docs): overdue past
 /// [`OVERDUE_GIVES_WAY`], on time, overdue lately, then those without an
-/// objective. O(log n) to start, then one step a request.
-pub(super) fn in_order<V>(
+/// objective. Overdue keys are the least, so while the first is not
+/// overdue the order is the keys' own (what every flow without objectives
+/// pays: one look at its first key). O(log n) to start, then one step a
+/// request.
+pub(super) fn in_order<V>(items: &BTreeMap<OrderKey, V>, now: Instant) -> InOrder<'_, V> {
+    let overdue = items
+        .keys()
+        .next()
+        .is_some_and(|k| !k.unhurried && k.rank < now);
+    if overdue {
+        InOrder::GivingWay(Box::new(giving_way(items, now)))
+    } else {
+        InOrder::Keyed(items.iter())
+    }
+}
+
+/// The iterator [`in_order`] returns.
+pub(super) enum InOrder<'a, V> {
+    /// Nothing overdue: the keys' order.
+    Keyed(btree_map::Iter<'a, OrderKey, V>),
+    /// Some request overdue (rare: a box is worth not paying the rule's
+    /// chain of ranges on every flow).
+    GivingWay(Box<dyn Iterator<Item = (&'a OrderKey, &'a V)> + 'a>),
+}
+
+impl<'a, V> Iterator for InOrder<'a, V> {
+    type Item = (&'a OrderKey, &'a V);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        match self {
+            InOrder::Keyed(it) => it.next(),
+            InOrder::GivingWay(it) => it.next(),
+        }
+    }
+}
+
+/// [`in_order`] where some request is overdue.
+fn giving_way<V>(
     items: &BTreeMap<OrderKey, V>,
     now: Instant,
 ) -> impl Iterator<Item = (&OrderKey, &V)> {

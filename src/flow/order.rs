@@ -28,10 +28,10 @@ pub(super) struct OrderKey {
 }
 
 /// How long an overdue request gives way to the requests of its flow
-/// still on time: the most this rule delays one. A burst of interactive
-/// requests on the objectives bench kept every slot busy for about 2 s
-/// (BENCHMARKS.md, session 39); a burst shorter than this is served
-/// freshest first where that is on time.
+/// still on time: the most this rule delays one. The bursts of
+/// interactive requests that missed on the objectives bench lasted about
+/// 2 s each (BENCHMARKS.md, session 39); a burst shorter than this is
+/// served freshest first where that is on time.
 pub(super) const OVERDUE_GIVES_WAY: Duration = Duration::from_secs(2);
 
 /// The first key of requests with an objective due at `at` or later.

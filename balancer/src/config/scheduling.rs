@@ -132,32 +132,24 @@ pub fn build(section: &SchedulingSection) -> Result<(SchedulingConfig, u32, Sess
             "scheduling.circuitBreaker.maxBackoff must not be shorter than its backoff".into(),
         );
     }
-    let retries = section.retries.unwrap_or(DEFAULT_RETRIES);
-    if retries > 5 {
-        return Err(format!(
-            "scheduling.retries must be at most 5, not {retries}"
-        ));
-    }
+    let retries = at_most("retries", section.retries, DEFAULT_RETRIES, 5)?;
     let affinity_hold = section
         .affinity_hold
         .map_or(SchedulingConfig::default().affinity_hold, |d| d.0);
     let (sessions, session_rules) = sessions(section.sessions.as_ref())?;
-    let adapter_replicas = section
-        .adapter_replicas
-        .unwrap_or(SchedulingConfig::default().adapter_replicas);
-    if adapter_replicas > MAX_ADAPTER_REPLICAS {
-        return Err(format!(
-            "scheduling.adapterReplicas must be at most {MAX_ADAPTER_REPLICAS}, not {adapter_replicas}"
-        ));
-    }
-    let kept_slots = section
-        .kept_slots
-        .unwrap_or(SchedulingConfig::default().kept_slots);
-    if kept_slots > MAX_KEPT_SLOTS {
-        return Err(format!(
-            "scheduling.keptSlots must be at most {MAX_KEPT_SLOTS}, not {kept_slots}"
-        ));
-    }
+    let d = SchedulingConfig::default();
+    let adapter_replicas = at_most(
+        "adapterReplicas",
+        section.adapter_replicas,
+        d.adapter_replicas,
+        MAX_ADAPTER_REPLICAS,
+    )?;
+    let kept_slots = at_most(
+        "keptSlots",
+        section.kept_slots,
+        d.kept_slots,
+        MAX_KEPT_SLOTS,
+    )?;
     Ok((
         SchedulingConfig {
             scorers,
@@ -171,6 +163,16 @@ pub fn build(section: &SchedulingSection) -> Result<(SchedulingConfig, u32, Sess
         retries,
         session_rules,
     ))
+}
+
+/// `scheduling.<name>`: its value, else `default`; more than `max` is an
+/// error naming it.
+fn at_most(name: &str, value: Option<u32>, default: u32, max: u32) -> Result<u32, String> {
+    let v = value.unwrap_or(default);
+    if v > max {
+        return Err(format!("scheduling.{name} must be at most {max}, not {v}"));
+    }
+    Ok(v)
 }
 
 /// The checked `scheduling.sessions`.

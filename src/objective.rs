@@ -120,36 +120,93 @@ impl ObjectiveDefaults {
 }
 
 /// How long the hardest request with a TTFT objective stays the reference
-/// after it came: past it, with none since, placement keeps no slot for
-/// objectives (`placement::reserve`). Long against
-/// the gaps between interactive requests at any load worth keeping a slot
-/// for, short against a class that stopped coming.
+/// after it came, at most (at least half of it): past it, with none since,
+/// placement keeps no slot for objectives (`placement::reserve`). Long
+/// against the gaps between interactive requests at any load worth keeping
+/// a slot for, short against a class that stopped coming.
 pub const REFERENCE_WINDOW: Duration = Duration::from_secs(10);
 
-/// The hardest request with a TTFT objective seen lately for a model: what
-/// placement keeps free slots for (`placement::reserve`).
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// A request with a TTFT objective, by how hard it is to serve in time:
+/// what placement keeps free slots for (`placement::reserve`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Reference {
     /// Its prompt tokens.
     pub tokens: u64,
     /// Its TTFT objective.
     pub ttft_ms: u32,
-    /// When it came.
-    pub at: Instant,
 }
 
 impl Reference {
-    /// Whether it still counts at `now`.
-    pub fn live(&self, now: Instant) -> bool {
-        now.saturating_duration_since(self.at) <= REFERENCE_WINDOW
+    /// Whether it asks at least as many prompt tokens per millisecond of
+    /// objective as `other`.
+    pub fn at_least_as_hard(&self, other: &Reference) -> bool {
+        u128::from(self.tokens) * u128::from(other.ttft_ms)
+            >= u128::from(other.tokens) * u128::from(self.ttft_ms)
+    }
+}
+
+/// The hardest request with a TTFT objective for a model lately: the
+/// hardest of the current half of [`REFERENCE_WINDOW`] and of the half
+/// before it, so of the last 5 to 10 s. One hardest request kept until it
+/// expired gave way, the moment it did, to whichever came next: often a
+/// short prompt that every endpoint serves in time, for which no slot is
+/// kept, so for a second or so in every ten, work without an objective
+/// took every fast slot as it freed (BENCHMARKS.md, session 40).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Hardest {
+    /// When the current half began.
+    since: Instant,
+    /// The hardest of the current half, and of the half before it.
+    current: Option<Reference>,
+    previous: Option<Reference>,
+}
+
+impl Hardest {
+    pub fn new(now: Instant) -> Self {
+        Hardest {
+            since: now,
+            current: None,
+            previous: None,
+        }
     }
 
-    /// Whether `other` replaces it at `now`: it is over, or `other` asks
-    /// at least as many tokens per millisecond.
-    pub fn yields_to(&self, other: &Reference, now: Instant) -> bool {
-        !self.live(now)
-            || u128::from(other.tokens) * u128::from(self.ttft_ms)
-                >= u128::from(self.tokens) * u128::from(other.ttft_ms)
+    /// A request `seen` came at `now` (times never go back).
+    pub fn note(&mut self, seen: Reference, now: Instant) {
+        let half = REFERENCE_WINDOW / 2;
+        let elapsed = now.saturating_duration_since(self.since);
+        if elapsed >= half {
+            self.previous = if elapsed < 2 * half {
+                self.current
+            } else {
+                None
+            };
+            self.current = None;
+            self.since = if elapsed < 2 * half {
+                self.since + half
+            } else {
+                now
+            };
+        }
+        if self.current.is_none_or(|c| seen.at_least_as_hard(&c)) {
+            self.current = Some(seen);
+        }
+    }
+
+    /// The hardest at `now`, if any came in the last half window at least.
+    pub fn get(&self, now: Instant) -> Option<Reference> {
+        let half = REFERENCE_WINDOW / 2;
+        let elapsed = now.saturating_duration_since(self.since);
+        let candidates = if elapsed < half {
+            [self.current, self.previous]
+        } else if elapsed < 2 * half {
+            [self.current, None]
+        } else {
+            [None, None]
+        };
+        candidates
+            .into_iter()
+            .flatten()
+            .reduce(|a, b| if a.at_least_as_hard(&b) { a } else { b })
     }
 }
 
@@ -240,23 +297,32 @@ mod tests {
     }
 
     #[test]
-    fn the_reference_is_the_most_tokens_per_millisecond_until_it_is_over() {
+    fn the_reference_is_the_hardest_of_the_last_five_to_ten_seconds() {
         let t0 = Instant::now();
-        let of = |tokens, ttft_ms, at| Reference {
-            tokens,
-            ttft_ms,
-            at,
-        };
-        let hard = of(4_000, 500, t0);
-        assert!(!hard.yields_to(&of(1_000, 500, t0), t0));
-        assert!(
-            !hard.yields_to(&of(8_000, 2_000, t0), t0),
-            "4 a ms against 8"
-        );
-        assert!(hard.yields_to(&of(2_000, 250, t0), t0), "as hard");
-        assert!(hard.yields_to(&of(u64::MAX, 1, t0), t0));
-        let over = t0 + REFERENCE_WINDOW + Duration::from_millis(1);
-        assert!(!hard.live(over));
-        assert!(hard.yields_to(&of(1, 3_600_000, over), over));
+        let of = |tokens, ttft_ms| Reference { tokens, ttft_ms };
+        let at = |ms| t0 + Duration::from_millis(ms);
+        assert!(of(2_000, 250).at_least_as_hard(&of(4_000, 500)), "as hard");
+        assert!(!of(8_000, 2_000).at_least_as_hard(&of(4_000, 500)));
+        assert!(of(u64::MAX, 1).at_least_as_hard(&of(4_000, 500)));
+        let mut hardest = Hardest::new(t0);
+        assert_eq!(hardest.get(t0), None);
+        hardest.note(of(4_000, 500), t0);
+        hardest.note(of(1_000, 500), at(1_000));
+        assert_eq!(hardest.get(at(1_000)), Some(of(4_000, 500)));
+        // Easier requests keep coming: the hard one stands until 10 s
+        // after it came, never falling to an easy one sooner...
+        for ms in [6_000, 9_000, 9_900] {
+            hardest.note(of(300, 500), at(ms));
+            assert_eq!(hardest.get(at(ms)), Some(of(4_000, 500)), "{ms} ms");
+        }
+        // ... then the hardest of the last five to ten seconds (here of
+        // the half that began at 5 s: the 1,000 tokens of 1 s are before).
+        assert_eq!(hardest.get(at(10_001)), Some(of(300, 500)));
+        hardest.note(of(200, 500), at(12_000));
+        assert_eq!(hardest.get(at(12_000)), Some(of(300, 500)));
+        // None for a whole window: none.
+        assert_eq!(hardest.get(at(25_000)), None);
+        hardest.note(of(100, 500), at(40_000));
+        assert_eq!(hardest.get(at(40_000)), Some(of(100, 500)));
     }
 }

@@ -270,7 +270,7 @@ pub(crate) struct EndpointLedger {
     shared_until: Option<Instant>,
     /// By model, the hardest request with a TTFT objective lately
     /// ([`models`]' `note_objective`).
-    objective_references: HashMap<Option<Arc<str>>, crate::objective::Reference>,
+    objective_references: HashMap<Option<Arc<str>>, crate::objective::Hardest>,
 }
 
 impl Default for EndpointLedger {

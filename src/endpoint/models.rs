@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use super::{Endpoint, EndpointLedger, Route};
-use crate::objective::Reference;
+use crate::objective::{Hardest, Reference};
 
 impl EndpointLedger {
     /// Whether an eligible endpoint (it may be busy) serves `model`.
@@ -79,30 +79,28 @@ impl EndpointLedger {
         let seen = Reference {
             tokens: route.tokens.prompt,
             ttft_ms,
-            at: now,
         };
         let references = &mut self.objective_references;
-        if let Some(r) = references.get_mut(&route.model) {
-            if r.yields_to(&seen, now) {
-                *r = seen;
-            }
+        if let Some(hardest) = references.get_mut(&route.model) {
+            hardest.note(seen, now);
             return;
         }
         if references.len() >= MAX_REFERENCES {
-            references.retain(|_, r| r.live(now));
+            references.retain(|_, h| h.get(now).is_some());
         }
         if references.len() < MAX_REFERENCES {
-            references.insert(route.model.clone(), seen);
+            let mut hardest = Hardest::new(now);
+            hardest.note(seen, now);
+            references.insert(route.model.clone(), hardest);
         }
     }
 
     /// The hardest request with a TTFT objective for `route`'s model in the
-    /// last [`crate::objective::REFERENCE_WINDOW`], if any (while no request
+    /// last 5 to 10 s ([`Hardest`]), if any (while no request
     /// has had one, the empty map answers without hashing the model).
     pub(crate) fn objective_reference(&self, route: &Route, now: Instant) -> Option<Reference> {
         self.objective_references
             .get(&route.model)
-            .copied()
-            .filter(|r| r.live(now))
+            .and_then(|h| h.get(now))
     }
 }

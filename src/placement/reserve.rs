@@ -7,7 +7,7 @@
 //! class) takes every slot the moment it frees, so such a request finds
 //! the fast endpoints full and waits or misses. So while requests with a
 //! TTFT objective come for the model ([`Reference`]: the hardest seen in
-//! the last [`crate::objective::REFERENCE_WINDOW`], the most prompt
+//! the last 5 to 10 s, [`crate::objective::Hardest`], the most prompt
 //! tokens per millisecond of objective), a request without one goes only
 //! where, once it took its slot, `scheduling.keptSlots`
 //! ([`crate::endpoint::KEPT_SLOTS`] by default) free slots are left on the
@@ -24,8 +24,8 @@
 //! ones' (none in a fleet of fewer than 4), none where no endpoint could
 //! meet the reference even idle or every one could (a loose objective,
 //! such as an async job's deadline: any free slot serves it), none once no
-//! request with a TTFT objective came for
-//! [`crate::objective::REFERENCE_WINDOW`]. Measured on the objectives
+//! request with a TTFT objective came for 5 to 10 s
+//! ([`crate::objective::REFERENCE_WINDOW`]). Measured on the objectives
 //! bench: attainment of the interactive class at full load 0.86–0.94
 //! against 0.73–0.81 without (session 37); with the slow slot kept and
 //! the short prompts sent there 0.91–0.98 (mean 0.943 over eleven runs)

@@ -239,6 +239,31 @@ fn work_without_an_objective_leaves_the_last_slot_that_meets_one_and_waits_rathe
 }
 
 #[test]
+fn the_kept_slot_stays_while_a_hard_request_came_lately_though_the_hardest_is_over() {
+    let t0 = Instant::now();
+    let mut r = fast_and_slow(2, t0);
+    let at = |ms| t0 + Duration::from_millis(ms);
+    // The hardest (4,000 tokens due in 500 ms) at 0 s, one nearly as hard
+    // (3,000: only the fast endpoint meets it) at 5.5 s, then a short one
+    // (every endpoint meets it) at 10.5 s, the hardest's ten seconds over.
+    r.note_objective(&prompt_of(4_000, Some(500), t0), t0);
+    r.note_objective(&prompt_of(3_000, Some(500), at(5_500)), at(5_500));
+    let now = at(10_500);
+    for port in [1, 2] {
+        let (rep, a) = report_for(&format!("e{port}"), port, 2, &[]);
+        r.apply_report(rep, a, now);
+    }
+    r.note_objective(&prompt_of(100, Some(500), now), now);
+    let _taken = [fill(&mut r, 1, 1, now), fill(&mut r, 2, 2, now)];
+    // The 3,000 tokens of 5.5 s are the reference, not the 100 of now: the
+    // fast endpoint's last slot is kept.
+    assert!(matches!(
+        pick(&mut r, &prompt_of(100, None, now), now, None),
+        Pick::Busy
+    ));
+}
+
+#[test]
 fn an_operator_who_keeps_no_slots_lets_work_without_an_objective_take_the_last_fast_one() {
     let t0 = Instant::now();
     let mut r = fast_and_slow(2, t0);

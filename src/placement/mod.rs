@@ -27,11 +27,14 @@
 //!    it is predicted to meet the objective (90th-percentile time to first
 //!    token for this request, and per output token, learned from the
 //!    engines' answers); else the best-scored candidate predicted to; else,
-//!    for a request from the queues, a saturated one predicted to meet it
-//!    after its wait for a slot (it waits there, as stage 3's waits do);
+//!    for a request from the queues, a saturated one that would meet it
+//!    were a slot to free now, the one predicted to meet it after its wait
+//!    for a slot first, else the one predicted to free a slot soonest (it
+//!    waits there, as stage 3's waits do, while that one still could);
 //!    else an idle one; else the one missing by least. A sheddable request
-//!    (priority below 0) none is predicted to serve in time is refused
-//!    instead. Knobs: `latencyObjectives.*` and the request's headers.
+//!    (priority below 0) none is predicted to serve in time, its wait
+//!    included, is refused instead. Knobs: `latencyObjectives.*` and the
+//!    request's headers.
 //!
 //!    **Slots kept for objectives** ([`reserve`]): while requests with a
 //!    TTFT objective come for the model, a request without one goes only
@@ -197,11 +200,12 @@ pub(crate) fn place(
         go = chosen.id;
         decision.objective = Some(chosen);
         if chosen.met != objective::Met::Meets {
-            // No free endpoint meets it: a busy one predicted to, wait for
-            // a slot included, is waited for (a request from the queues).
-            if let Some(at) = pass.and_then(|p| objective::busy_meeting(fleet, route, p.waits, now))
-            {
-                decision.outcome = Outcome::Wait(at);
+            // No free endpoint meets it: a busy one that still could is
+            // waited for (a request from the queues); by a sheddable
+            // request only where it is predicted to, its wait included.
+            let awaited = pass.and_then(|p| objective::awaited(fleet, route, p.waits, now));
+            if let Some(at) = awaited.filter(|a| a.in_time || !route.sheddable) {
+                decision.outcome = Outcome::Wait(at.id);
                 return decision;
             }
             if route.sheddable {

@@ -12,10 +12,11 @@
 //!
 //! Stage 2's choice stands when it is predicted to meet both parts; else
 //! the best-scored candidate predicted to; else, for a request from the
-//! queues, the saturated endpoint predicted to meet it soonest after its
-//! wait for a slot ([`busy_meeting`]: it waits for that one); else, none
-//! being, an idle one (nothing running there: the best a tail can be), the
-//! best scored first; else the one missing by least (the larger of its two overshoots, as a
+//! queues, a saturated endpoint that would still meet it were a slot to
+//! free now ([`awaited`]: it waits for that one, the one predicted to meet
+//! it soonest after its wait first); else, none being, an idle one
+//! (nothing running there: the best a tail can be), the best scored first;
+//! else the one missing by least (the larger of its two overshoots, as a
 //! ratio of the objective). A request without an objective skips the stage
 //! and costs nothing here.
 
@@ -196,28 +197,54 @@ pub(crate) fn waiting_misses(
     waiting > left && tails(fleet, go, route).ttft_ms <= left
 }
 
-/// The saturated endpoint predicted to meet `route`'s objective soonest,
-/// its wait for a slot (behind the requests `waits` holds for it)
-/// included, if any: where a request no free endpoint can serve in time
-/// waits.
-pub(crate) fn busy_meeting(
+/// A saturated endpoint a request no free endpoint serves in time waits
+/// for ([`awaited`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Awaited {
+    pub id: EndpointId,
+    /// Predicted to meet the objective after its wait for a slot there;
+    /// else only were a slot to free now.
+    pub in_time: bool,
+}
+
+/// The saturated endpoint a request no free endpoint serves in time waits
+/// for, if any: the one predicted to meet `route`'s objective soonest, its
+/// wait for a slot (behind the requests `waits` holds for it) included;
+/// else the one whose slot is predicted to free soonest among those that
+/// would still meet it were a slot to free now. The predicted wait is a
+/// mean (a service time per slot), and a slot often frees sooner; the
+/// request misses anyway where it goes now, so it waits while it still
+/// can meet its objective there (each dispatch pass asks again: once no
+/// busy endpoint could, it goes where it misses by least). Sent at once
+/// instead, a long prompt takes a slot of a slow server that a short one
+/// would have been served in time from. On the objectives bench's
+/// arrivals, modelled offline with exact prefill times, this wait raised
+/// attainment at full load from 0.953 to 0.994 (`scripts/bench/ceiling`;
+/// BENCHMARKS.md, session 40).
+pub(crate) fn awaited(
     fleet: &EndpointLedger,
     route: &Route,
     waits: &Waits,
     now: Instant,
-) -> Option<EndpointId> {
+) -> Option<Awaited> {
     let config = fleet.saturation();
-    let mut best: Option<(f64, EndpointId)> = None;
+    // (in time, −predicted TTFT behind its wait), the highest first.
+    let mut best: Option<((bool, f64), EndpointId)> = None;
     for e in fleet.serving(route).take(OBJECTIVE_SCAN) {
         if !e.eligible(now) || e.takes(route, now, config) {
             continue;
         }
-        let t = tails_behind(fleet, e, route, Load::of(e, waits));
-        if miss(route, t, now) <= 1.0 && best.is_none_or(|(ms, _)| t.ttft_ms < ms) {
-            best = Some((t.ttft_ms, e.id));
+        let mut t = tails(fleet, e, route);
+        if miss(route, t, now) > 1.0 {
+            continue;
+        }
+        t.ttft_ms += Load::of(e, waits).wait_ms(e.service_ms());
+        let key = (miss(route, t, now) <= 1.0, -t.ttft_ms);
+        if best.is_none_or(|(b, _)| key.partial_cmp(&b) == Some(std::cmp::Ordering::Greater)) {
+            best = Some((key, e.id));
         }
     }
-    best.map(|(_, id)| id)
+    best.map(|((in_time, _), id)| Awaited { id, in_time })
 }
 
 /// Whether any endpoint serving `route` is predicted to meet its objective

@@ -169,6 +169,39 @@ fn a_queued_request_no_free_server_serves_in_time_waits_for_a_busy_one_that_will
     r.release(first, now);
 }
 
+#[test]
+fn a_queued_request_waits_for_a_busy_server_while_a_slot_there_would_still_serve_it_in_time() {
+    use crate::placement::{place, Outcome, Pass, Waits};
+    let t0 = Instant::now();
+    let mut r = fast_and_slow(1, t0);
+    let _fast = fill(&mut r, 1, 1, t0);
+    let id = |port: u16| {
+        let addr = format!("127.0.0.1:{port}").parse().unwrap();
+        r.endpoint_at(addr).unwrap().id
+    };
+    let (fast, slow) = (id(1), id(2));
+    let waits = Waits::default();
+    let pass = Some(Pass {
+        waits: &waits,
+        may_spill: false,
+    });
+    // 4,000 tokens due in 500 ms: the free slow server misses (800 ms of
+    // prefill); the fast one's slot is predicted to free in a service time
+    // (1.1 s, too late), but were it to free now, 420 ms would meet it.
+    let long = prompt_of(4_000, Some(500), t0);
+    assert_eq!(place(&r, &long, pass, t0).outcome, Outcome::Wait(fast));
+    // Sheddable, it is refused: its wait there is predicted to miss.
+    let sheddable = Route {
+        sheddable: true,
+        ..long.clone()
+    };
+    assert_eq!(place(&r, &sheddable, pass, t0).outcome, Outcome::Shed);
+    // 100 ms later even a free fast slot would miss (420 ms of the 400
+    // left): it goes where it misses by least, the free server.
+    let later = t0 + Duration::from_millis(100);
+    assert_eq!(place(&r, &long, pass, later).outcome, Outcome::Go(slow));
+}
+
 /// A route of `tokens` prompt tokens with a TTFT objective of `ttft_ms`
 /// (`None`: without an objective).
 fn prompt_of(tokens: u64, ttft_ms: Option<u32>, now: Instant) -> Route {

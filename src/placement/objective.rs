@@ -217,10 +217,12 @@ pub(crate) struct Awaited {
 /// can meet its objective there (each dispatch pass asks again: once no
 /// busy endpoint could, it goes where it misses by least). Sent at once
 /// instead, a long prompt takes a slot of a slow server that a short one
-/// would have been served in time from. On the objectives bench's
-/// arrivals, modelled offline with exact prefill times, this wait raised
-/// attainment at full load from 0.953 to 0.994 (`scripts/bench/ceiling`;
-/// BENCHMARKS.md, session 40).
+/// would have been served in time from. On the objectives bench, in
+/// paired runs at full load, attainment +0.003 to +0.024 (six of six
+/// higher; at 120 % −0.002 and −0.015, within a run's spread), and in the
+/// offline model of that bench (`scripts/bench/ceiling`: exact prefill
+/// times) 0.988 against 0.985 at full load, 0.990 against 0.975 at 120 %
+/// (BENCHMARKS.md, session 40).
 pub(crate) fn awaited(
     fleet: &EndpointLedger,
     route: &Route,

@@ -31,7 +31,8 @@
 //! the short prompts sent there 0.91–0.98 (mean 0.943 over eleven runs)
 //! against 0.85–0.94 (mean 0.894), the batch class's throughput
 //! ×0.99–1.01 below 80 % and ×0.97–0.99 at full load (BENCHMARKS.md,
-//! session 38).
+//! session 38); with the reference the hardest of the last 5 to 10 s,
+//! 0.98–0.99 (session 40).
 
 use std::time::Instant;
 

@@ -205,6 +205,19 @@ function renderHistory(history) {
     { cls: "c0", values: points.map(p => p.wait_p50) },
     { cls: "c3", values: points.map(p => p.wait_p99) },
   ], " s");
+  // The share met per interval (none answered: nothing drawn), and over the
+  // window; the last interval's goodput on hover.
+  chart($("chart-objectives"), [
+    { cls: "c0", values: points.map(p => p.objectives_answered ? p.objectives_met / p.objectives_answered : null) },
+  ], "");
+  const answered = points.reduce((sum, p) => sum + p.objectives_answered, 0);
+  const met = points.reduce((sum, p) => sum + p.objectives_met, 0);
+  const last = points[points.length - 1];
+  const metLegend = $("legend-objectives");
+  metLegend.textContent = answered
+    ? "met " + met + " of " + answered + " (" + Math.round(100 * met / answered) + " %)"
+    : "none with an objective";
+  metLegend.title = "goodput (met a second), last interval: " + (last ? last.goodput.toFixed(2) : "0") + "/s";
   // Each outcome with its count over the whole window.
   const legend = history.outcomes.map((name, i) => {
     const total = points.reduce((sum, p) => sum + p.counts[i], 0);
@@ -214,7 +227,6 @@ function renderHistory(history) {
     return span;
   });
   $("legend-outcomes").replaceChildren(...legend);
-  const last = points[points.length - 1];
   $("tile-rate").textContent = last ? last.rates.reduce((a, b) => a + b, 0).toFixed(1) : "–";
 }
 

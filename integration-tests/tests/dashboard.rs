@@ -239,6 +239,12 @@ async fn the_dashboard_shows_agents_and_traffic_live_in_a_real_browser() {
         assert_eq!(resp.status(), 200);
         resp.bytes().await.expect("the whole stream");
     }
+    // Two with a latency objective each can meet (a minute to the first
+    // token).
+    for _ in 0..2 {
+        let r = chat(&b, &[("x-slo-ttft-ms", "60000")]).await;
+        assert_eq!(r.status(), 200);
+    }
     // A long prompt twice: the engine finds it cached the second time.
     let long = "a prompt the engine caches ".repeat(40);
     for _ in 0..2 {
@@ -300,7 +306,7 @@ async fn the_dashboard_shows_agents_and_traffic_live_in_a_real_browser() {
 
     // Outcomes counted over the window, and the TTFT chart drawn.
     browser
-        .wait_text("#legend-outcomes [data-outcome=\"200\"]", "200 (9)")
+        .wait_text("#legend-outcomes [data-outcome=\"200\"]", "200 (11)")
         .await;
     assert!(
         browser
@@ -310,12 +316,24 @@ async fn the_dashboard_shows_agents_and_traffic_live_in_a_real_browser() {
         "the TTFT chart has a line"
     );
 
-    // The tenants that spent the most: the nine answers above, sent with
+    // Both requests with an objective met it.
+    browser
+        .wait_text("#legend-objectives", "met 2 of 2 (100 %)")
+        .await;
+    assert!(
+        browser
+            .count("#chart-objectives polyline, #chart-objectives circle")
+            .await
+            >= 1,
+        "the objectives chart has a line"
+    );
+
+    // The tenants that spent the most: the eleven answers above, sent with
     // no fairness id.
     browser
         .wait_text(
             "tr[data-tenant=\"default\"] td[data-field=\"requests\"]",
-            "9",
+            "11",
         )
         .await;
 

@@ -1,5 +1,5 @@
-//! The last minutes of traffic, for the dashboard: request rates by outcome
-//! and TTFT / buffer-wait percentiles per interval.
+//! The last minutes of traffic, for the dashboard: request rates by outcome,
+//! TTFT / buffer-wait percentiles and latency objectives met per interval.
 //!
 //! Nothing is added to the request path: every [`INTERVAL`] the housekeeping
 //! task reads the cumulative Prometheus counters and histograms
@@ -27,6 +27,10 @@ pub const OUTCOMES: [&str; 5] = ["200", "429", "503", "504", "other"];
 pub struct Tallies {
     /// Finished requests per [`OUTCOMES`] class.
     pub outcomes: [u64; OUTCOMES.len()],
+    /// Answered requests with a latency objective, and those that met every
+    /// part of it.
+    pub objective_answered: u64,
+    pub objective_met: u64,
     /// Time to first token: cumulative count per bucket of [`Tallies::bounds`]
     /// (upper bounds, seconds), then the total (the `+Inf` bucket).
     pub ttft: Vec<u64>,
@@ -71,6 +75,12 @@ pub struct Point {
     /// Buffer wait of the requests that waited, seconds.
     pub wait_p50: Option<f64>,
     pub wait_p99: Option<f64>,
+    /// Requests with a latency objective answered in the interval, and
+    /// those that met every part of it.
+    pub objectives_answered: u64,
+    pub objectives_met: u64,
+    /// The latter a second: the goodput.
+    pub goodput: f64,
 }
 
 #[derive(Default)]
@@ -123,6 +133,14 @@ fn point(a: &Reading, b: &Reading) -> Point {
     let ttft = delta(&a.tallies.ttft, &b.tallies.ttft);
     let wait = delta(&a.tallies.wait, &b.tallies.wait);
     let bounds = &b.tallies.bounds;
+    let answered = b
+        .tallies
+        .objective_answered
+        .saturating_sub(a.tallies.objective_answered);
+    let met = b
+        .tallies
+        .objective_met
+        .saturating_sub(a.tallies.objective_met);
     Point {
         t: b.unix_ms,
         counts,
@@ -131,6 +149,9 @@ fn point(a: &Reading, b: &Reading) -> Point {
         ttft_p99: quantile(0.99, bounds, &ttft),
         wait_p50: quantile(0.5, bounds, &wait),
         wait_p99: quantile(0.99, bounds, &wait),
+        objectives_answered: answered,
+        objectives_met: met,
+        goodput: met as f64 / secs,
     }
 }
 
@@ -175,6 +196,8 @@ mod tests {
     fn tallies(outcomes: [u64; 5], ttft: [u64; 4], wait: [u64; 4]) -> Tallies {
         Tallies {
             outcomes,
+            objective_answered: 0,
+            objective_met: 0,
             ttft: ttft.to_vec(),
             wait: wait.to_vec(),
             bounds: BOUNDS.to_vec(),
@@ -224,6 +247,24 @@ mod tests {
         assert_eq!(points[1].ttft_p99, None, "no stream started");
         assert_eq!(points[1].wait_p50, Some(0.1));
         assert!(points[1].wait_p99.unwrap() > 0.1);
+    }
+
+    #[test]
+    fn objectives_met_are_counted_per_interval_with_their_rate() {
+        let history = History::default();
+        let t0 = Instant::now();
+        let with = |answered, met| Tallies {
+            objective_answered: answered,
+            objective_met: met,
+            ..Tallies::default()
+        };
+        history.record(t0, with(0, 0));
+        history.record(t0 + Duration::from_secs(2), with(10, 8));
+        history.record(t0 + Duration::from_secs(4), with(10, 8));
+        let points = history.points();
+        let of = |p: &Point| (p.objectives_answered, p.objectives_met, p.goodput);
+        assert_eq!(of(&points[0]), (10, 8, 4.0));
+        assert_eq!(of(&points[1]), (0, 0, 0.0), "only the interval's");
     }
 
     #[test]

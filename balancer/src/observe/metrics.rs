@@ -301,8 +301,11 @@ impl Metrics {
                 outcomes[Tallies::class(code)] += m.get_counter().get_value() as u64;
             }
         }
+        let (objective_answered, objective_met) = self.objectives.totals();
         Tallies {
             outcomes,
+            objective_answered,
+            objective_met,
             ttft: cumulative_buckets(&self.ttft.collect()),
             wait: cumulative_buckets(&self.buffer_wait.collect()),
             bounds: WAIT_BUCKETS.to_vec(),

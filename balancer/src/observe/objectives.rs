@@ -6,6 +6,7 @@
 //! count as [`flowgate::usage::OTHER`].
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -18,6 +19,10 @@ use flowgate::objective::Objective;
 pub struct ObjectiveMetrics {
     attainment: IntCounterVec,
     goodput: IntCounterVec,
+    /// Answered requests with an objective, and those that met every part
+    /// of it, over all models and tenants: the dashboard's history.
+    answered: AtomicU64,
+    met: AtomicU64,
     /// Tenants with series of their own.
     labelled: Mutex<HashSet<Box<str>>>,
 }
@@ -50,6 +55,8 @@ impl ObjectiveMetrics {
         ObjectiveMetrics {
             attainment,
             goodput,
+            answered: AtomicU64::new(0),
+            met: AtomicU64::new(0),
             labelled: Mutex::new(HashSet::new()),
         }
     }
@@ -89,9 +96,19 @@ impl ObjectiveMetrics {
                 .with_label_values(&[model, tenant, part, result])
                 .inc();
         }
+        self.answered.fetch_add(1, Ordering::Relaxed);
         if all_met {
             self.goodput.with_label_values(&[model, tenant]).inc();
+            self.met.fetch_add(1, Ordering::Relaxed);
         }
+    }
+
+    /// Answered requests with an objective so far, and those that met it.
+    pub fn totals(&self) -> (u64, u64) {
+        (
+            self.answered.load(Ordering::Relaxed),
+            self.met.load(Ordering::Relaxed),
+        )
     }
 
     /// `tenant`'s label: its own while the bound allows.

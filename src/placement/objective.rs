@@ -80,7 +80,12 @@ pub(crate) fn tails(fleet: &EndpointLedger, e: &Endpoint, route: &Route) -> Tail
 /// `route`'s predicted tails on saturated `e` carrying `load`: its wait
 /// for a slot there first.
 fn tails_behind(fleet: &EndpointLedger, e: &Endpoint, route: &Route, load: Load) -> Tails {
-    let mut t = tails(fleet, e, route);
+    behind(tails(fleet, e, route), e, load)
+}
+
+/// `t`, `route`'s tails on a free slot of `e`, after its wait for a slot
+/// there behind `load`.
+fn behind(mut t: Tails, e: &Endpoint, load: Load) -> Tails {
     t.ttft_ms += load.wait_ms(e.service_ms());
     t
 }
@@ -236,11 +241,11 @@ pub(crate) fn awaited(
         if !e.eligible(now) || e.takes(route, now, config) {
             continue;
         }
-        let mut t = tails(fleet, e, route);
-        if miss(route, t, now) > 1.0 {
+        let free = tails(fleet, e, route);
+        if miss(route, free, now) > 1.0 {
             continue;
         }
-        t.ttft_ms += Load::of(e, waits).wait_ms(e.service_ms());
+        let t = behind(free, e, Load::of(e, waits));
         let key = (miss(route, t, now) <= 1.0, -t.ttft_ms);
         if best.is_none_or(|(b, _)| key.partial_cmp(&b) == Some(std::cmp::Ordering::Greater)) {
             best = Some((key, e.id));

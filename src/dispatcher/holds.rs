@@ -33,7 +33,7 @@ impl<T> Dispatcher<T> {
         let mut work = QueuedWork::default();
         let mut looked = 0;
         let ledger = &self.ledger;
-        self.queues.peek_where(BEHIND_HOLDS, now, |_, w| {
+        self.queues.peek_where(BEHIND_HOLDS, |_, w| {
             if w.priority >= top {
                 match w.held.or_else(|| prompt_holder(ledger, &w.route, now)) {
                     Some(e) => work.by_endpoint.add(e),

@@ -324,7 +324,7 @@ impl<T> Dispatcher<T> {
                 ..
             } = round;
             let mut out_of_looks = false;
-            let next = self.queues.peek_where(round.depth, now, |ticket, w| {
+            let next = self.queues.peek_where(round.depth, |ticket, w| {
                 // Stops the scan; the request is not taken.
                 if *looks_left == 0 {
                     out_of_looks = true;
@@ -373,7 +373,7 @@ impl<T> Dispatcher<T> {
     fn next_in_fair_order(&mut self, round: &mut Round, now: Instant) -> Option<(Ticket, May)> {
         loop {
             let next = if round.stuck.is_empty() && round.passed.is_empty() {
-                self.queues.peek(now)
+                self.queues.peek()
             } else {
                 let Round {
                     passed,
@@ -381,7 +381,7 @@ impl<T> Dispatcher<T> {
                     floor,
                     ..
                 } = &*round;
-                self.queues.peek_where(round.depth, now, |ticket, w| {
+                self.queues.peek_where(round.depth, |ticket, w| {
                     w.priority >= *floor
                         && !passed.contains_key(&ticket)
                         && !stuck.iter().any(|r| r.same_targets(&w.route))

@@ -25,11 +25,10 @@
 //!   idle while ahead keeps its lead (its counter is remembered while it is
 //!   above the floor).
 //! - Inside a flow, requests with a latency objective go first, earliest
-//!   first token due first ([`crate::objective`]), except that one already
-//!   overdue gives way to those still on time for a while ([`order`]); the
-//!   others in the order its [`OrderingPolicy`] says: `fcfs` (arrival
-//!   order) or `edf` (earliest deadline first). Between flows fairness
-//!   decides, as without objectives.
+//!   first token due first ([`crate::objective`]); the others in the order
+//!   its [`OrderingPolicy`] says: `fcfs` (arrival order) or `edf` (earliest
+//!   deadline first). Between flows fairness decides, as without
+//!   objectives.
 //! - Capacity: `maxRequests` / `maxBytes` / `maxTokens` (estimated tokens,
 //!   [`crate::tokens`]) globally and per band. A band over
 //!   its own limit sheds the newcomer ([`Reject::Shed`], 429). When the whole
@@ -415,12 +414,11 @@ impl<T> FlowQueues<T> {
             .map(|(&priority, _)| priority)
     }
 
-    /// The request that goes next at `now`: highest band first, then the
-    /// band's fairness policy, then the order inside the flow
-    /// ([`order`]: objectives first, earliest due first, an overdue one
-    /// giving way a while; then the ordering policy).
-    pub fn peek(&mut self, now: Instant) -> Option<Ticket> {
-        self.peek_where(1, now, |_, _| true)
+    /// The request that goes next: highest band first, then the band's
+    /// fairness policy, then the order inside the flow ([`OrderKey`]:
+    /// objectives first, earliest due first; then the ordering policy).
+    pub fn peek(&mut self) -> Option<Ticket> {
+        self.peek_where(1, |_, _| true)
     }
 
     /// The first request, in [`FlowQueues::peek`] order, that satisfies
@@ -433,7 +431,6 @@ impl<T> FlowQueues<T> {
     pub fn peek_where(
         &mut self,
         depth: usize,
-        now: Instant,
         mut ready: impl FnMut(Ticket, &T) -> bool,
     ) -> Option<Ticket> {
         let depth = depth.max(1);
@@ -441,7 +438,8 @@ impl<T> FlowQueues<T> {
         // The first ready request of a flow among its first `depth`.
         let mut first_ready = |flow: FlowIdx| -> Option<Ticket> {
             let f = flows.get(flow.0 as usize)?.as_ref()?;
-            order::in_order(&f.items, now)
+            f.items
+                .iter()
                 .take(depth)
                 .map(|(&key, item)| (Ticket { flow, key }, &item.handle))
                 .find(|&(ticket, handle)| ready(ticket, handle))

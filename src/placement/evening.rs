@@ -93,13 +93,35 @@ pub(crate) fn spill_evens_out(
     queued: &QueuedWork,
     now: Instant,
 ) -> bool {
+    evens_out(
+        fleet,
+        route,
+        holder,
+        &queued.by_endpoint,
+        queued.unplaced,
+        now,
+    )
+}
+
+/// [`spill_evens_out`] with the requests `waits` holds for each endpoint
+/// and `unplaced` more. Stage 3 asks it too: a conversation's first turn
+/// does not wait for a busy endpoint where going evens out the work
+/// ([`super::patience`]).
+pub(crate) fn evens_out(
+    fleet: &EndpointLedger,
+    route: &Route,
+    holder: EndpointId,
+    waits: &Waits,
+    unplaced: u32,
+    now: Instant,
+) -> bool {
     let config = fleet.saturation();
-    let (mut requests, mut slots) = (u64::from(queued.unplaced), 0);
+    let (mut requests, mut slots) = (u64::from(unplaced), 0);
     let mut holder_load = None;
     // The least a free endpoint would carry with the spill.
     let mut least_free = f64::INFINITY;
     for e in fleet.serving(route).filter(|e| e.eligible(now)) {
-        let load = Load::of(e, &queued.by_endpoint);
+        let load = Load::of(e, waits);
         requests += load.requests();
         slots += load.slots();
         if e.id == holder {

@@ -54,7 +54,9 @@
 //!    an adapter load where the adapter is not resident), on each engine's
 //!    learned costs. Going while a busy endpoint holds more of the prompt
 //!    is a spill: it waits 1 % of its cold prefill first (a burst's other
-//!    groups take the free slot meanwhile). `scheduling.affinityHold`
+//!    groups take the free slot meanwhile). A conversation's first turn
+//!    does not wait where its going evens out the work (stage 4's rule):
+//!    its later turns will wait where it lands. `scheduling.affinityHold`
 //!    bounds any wait (0: never wait; hard sessions wait to their TTL),
 //!    and so does a TTFT objective: a request does not wait where that is
 //!    predicted to miss its deadline and going meets it.

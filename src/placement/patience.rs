@@ -25,6 +25,17 @@
 //! bound, was tried: it moved conversations away from their cache under
 //! load and cost throughput; see BENCHMARKS.md.)
 //!
+//! A conversation's first turn (a turn of a session its client named that
+//! no endpoint serves yet) starts the conversation where it goes: its
+//! later turns wait there. So it does not wait for a busy endpoint's cache
+//! where going evens out the work ([`super::evening`]'s rule: that one
+//! carries a request per slot more than the mean, a free one a request
+//! fewer): it spills. Weighing only its own turn, the 32 queued first turns
+//! of 64 conversations starting at once on four servers of 8 slots waited
+//! for their groups' prompts and put 24 conversations on one server and 8
+//! on another, whose turns then waited 570 and 40 ms for about 10 s (issue
+//! 34's workload: TTFT p99 ×0.73 with the rule; BENCHMARKS.md, session 41).
+//!
 //! Going while a saturated endpoint holds more of the prompt is a spill. A
 //! spill waits first [`SPILL_PATIENCE`] of the prefill it will pay
 //! ([`spill_delay`]); then the dispatcher lets it pass the requests that
@@ -33,6 +44,7 @@
 
 use std::time::{Duration, Instant};
 
+use super::evening::evens_out;
 use super::load::{Load, Waits};
 use crate::endpoint::{Endpoint, EndpointId, EndpointLedger, Route, Wanted};
 
@@ -175,6 +187,9 @@ pub(crate) fn wait_or_go(
     if go_ms <= 0.0 {
         return WaitOrGo::Go;
     }
+    // A conversation's first turn (module docs): where it goes, its later
+    // turns wait.
+    let starts = bound.is_none() && route.session.is_some() && !route.session_by_prompt;
     // The quickest saturated endpoint, if quicker than going.
     let mut best: Option<(f64, EndpointId)> = None;
     let mut consider = |e: &Endpoint, cached: u64| {
@@ -183,7 +198,12 @@ pub(crate) fn wait_or_go(
         } else {
             0.0
         };
-        let ms = busy_ttft_ms(e, waits, margin, prompt, cached, load_ms(e));
+        let ms = if starts && evens_out(fleet, route, e.id, waits, 0, now) {
+            // Not waited for: still the holder a spill leaves.
+            f64::INFINITY
+        } else {
+            busy_ttft_ms(e, waits, margin, prompt, cached, load_ms(e))
+        };
         if best.is_none_or(|b| (ms, e.id) < b) {
             best = Some((ms, e.id));
         }
@@ -290,10 +310,22 @@ mod tests {
     /// Endpoints `a` (port 1) and `b` (port 2), one slot each; `a` is busy
     /// with a prompt of `cached` blocks (64 tokens each), so it holds them.
     fn a_busy_with(cached: u64, now: Instant) -> (EndpointLedger, Lease) {
+        busy_a(cached, None, now)
+    }
+
+    /// As [`a_busy_with`], on a balancer alone in the fleet (a session's
+    /// first turn is placed by score, not at its rendezvous home).
+    fn alone_a_busy_with(cached: u64, now: Instant) -> (EndpointLedger, Lease) {
+        busy_a(cached, Some(1), now)
+    }
+
+    fn busy_a(cached: u64, balancers: Option<u32>, now: Instant) -> (EndpointLedger, Lease) {
         let mut ledger = EndpointLedger::default();
         for (id, port) in [("a", 1), ("b", 2)] {
             let addr = format!("127.0.0.1:{port}");
-            ledger.apply_report(report(id, &addr, 1), addr.parse().unwrap(), now);
+            let mut r = report(id, &addr, 1);
+            r.balancers = balancers;
+            ledger.apply_report(r, addr.parse().unwrap(), now);
         }
         let Pick::Lease(on_a) = pick(&mut ledger, &prompt(cached, 0), now, None) else {
             panic!("a free endpoint takes it");
@@ -398,21 +430,36 @@ mod tests {
     }
 
     #[test]
+    fn a_conversations_first_turn_spills_where_its_going_evens_out_the_work() {
+        let now = Instant::now();
+        let (mut ledger, on_a) = alone_a_busy_with(40, now);
+        learn(&mut ledger, &on_a, 1_000, 400);
+        let keyless = prompt(42, 0);
+        let mut first = prompt(42, 0);
+        first.session = Some(7);
+        // Nothing held for a: it carries one request a slot, the mean is
+        // a half; both wait for the cached prompt.
+        let none = Waits::default();
+        assert_eq!(choice(&mut ledger, &keyless, &none, now), HOLD_FOR_A);
+        assert_eq!(choice(&mut ledger, &first, &none, now), HOLD_FOR_A);
+        // One held for a: two there, the mean one, b one with the turn. A
+        // keyless request still waits (928 against 2,688 ms); the first
+        // turn of a conversation, whose later turns would wait on a, goes.
+        let mut one = Waits::default();
+        one.add(on_a.endpoint);
+        assert_eq!(choice(&mut ledger, &keyless, &one, now), HOLD_FOR_A);
+        assert_eq!(choice(&mut ledger, &first, &one, now), GO_TO_B);
+        // Its conversation's next turn, bound to a, waits for a again.
+        let mut next = first.clone();
+        next.session = Some(7);
+        ledger.bind_session(7, on_a.addr, now);
+        assert_eq!(choice(&mut ledger, &next, &one, now), HOLD_FOR_A);
+    }
+
+    #[test]
     fn a_spill_waits_one_percent_of_its_prefill_then_goes() {
         let now = Instant::now();
-        // As `a_busy_with`, on a balancer alone in the fleet (a session's
-        // first turn is placed by score, not at its rendezvous home).
-        let mut ledger = EndpointLedger::default();
-        for (id, port) in [("a", 1), ("b", 2)] {
-            let addr = format!("127.0.0.1:{port}");
-            let mut r = report(id, &addr, 1);
-            r.balancers = Some(1);
-            ledger.apply_report(r, addr.parse().unwrap(), now);
-        }
-        let Pick::Lease(on_a) = pick(&mut ledger, &prompt(40, 0), now, None) else {
-            panic!("a free endpoint takes it");
-        };
-        assert_eq!(on_a.addr.port(), 1);
+        let (mut ledger, on_a) = alone_a_busy_with(40, now);
         learn(&mut ledger, &on_a, 1_000, 400);
         // Six held for a before it: waiting (2,928 ms) costs more than
         // prefilling its 2,688 tokens on b.

@@ -9,7 +9,16 @@
 //! 2. **At home** ([`Dispatcher::next_at_home`]), while some request waits
 //!    for another endpoint: requests at home on a free endpoint (nothing
 //!    would serve them better by their cache) before requests that would
-//!    prefill their prompt there cold.
+//!    prefill their prompt there cold; of the turns of sessions, the one
+//!    that came first unless that passes a tenant behind unfairly.
+//!
+//! So an endpoint serves its conversations' turns in the order they came:
+//! taken in the queues' order (flow by flow, a few deep in each), a turn
+//! that came later often went first and the server's waits spread (issue
+//! 34's workload: about 1,300 such passes in 22 s where first come first
+//! served had none, TTFT p99 ×1.2; BENCHMARKS.md, session 41). Requests
+//! without a session keep the queues' order: taken first come first
+//! served, their conversations moved more often and lost hits.
 //! 3. **Fair order** ([`Dispatcher::next_in_fair_order`]): every request in
 //!    the queues' order (strict priority, tenant fairness, the band's
 //!    ordering), looking a few requests deep into each flow past the ones
@@ -67,6 +76,15 @@ pub(super) const BEHIND_HOLDS: usize = LOOK_AHEAD + MAX_HOLDS_PER_PASS;
 /// 36,000 (2.7 ms a request at 1,000 endpoints, `benches/scale.rs`). The
 /// slots this offer leaves go in the queues' order.
 pub(super) const HOME_SCAN: usize = MAX_HOLDS_PER_PASS;
+
+/// How many of a waiting request's own requests a turn that came before
+/// it may put its tenant ahead when the at-home offer serves turns first
+/// come first served ([`Dispatcher::earliest_fairly`]): well inside the
+/// fairness bound, so that bound seldom forces a waiting turn off its
+/// cache (at the bound itself, 8, issue 34's workload moved 21 to 53
+/// conversations in 30 s and lost 0.6 % of its hits; BENCHMARKS.md,
+/// session 41).
+const FIRST_COME_LEAD: u64 = 2;
 
 /// The offers of a dispatch pass (module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -305,7 +323,9 @@ impl<T> Dispatcher<T> {
     /// Offer 2, at home (while some request waits for another endpoint):
     /// the first request of the top priority, in the queues' order, at
     /// home on a free endpoint (no busy one holds more of its prompt; its
-    /// session's endpoint takes it). The request next in turn may be
+    /// session's endpoint takes it) — where that is a turn of a session,
+    /// the first to arrive of such turns among the first [`HOME_SCAN`]
+    /// ([`Dispatcher::earliest_fairly`]). The request next in turn may be
     /// cached elsewhere, and would take the slot to prefill its prompt
     /// there cold while they wait on (at saturation a server's own
     /// conversations wait in the queue, not held: no slot was free when
@@ -318,13 +338,18 @@ impl<T> Dispatcher<T> {
             let ledger = &self.ledger;
             let Round {
                 top,
-                passed,
                 stuck,
                 looks_left,
                 ..
             } = round;
             let mut out_of_looks = false;
-            let next = self.queues.peek_where(round.depth, |ticket, w| {
+            // The requests at home on a free endpoint among those looked
+            // at, in the queues' order; and those at home elsewhere.
+            let mut at_home: Vec<Ticket> = Vec::new();
+            let mut elsewhere: Vec<(Ticket, bool)> = Vec::new();
+            // A request the scan stops at to take it (or, out of looks,
+            // not to).
+            let taken = self.queues.peek_where(round.depth, |ticket, w| {
                 // Stops the scan; the request is not taken.
                 if *looks_left == 0 {
                     out_of_looks = true;
@@ -335,13 +360,21 @@ impl<T> Dispatcher<T> {
                     return false;
                 }
                 match placement::at_home(ledger, &w.route, now) {
-                    Home::Yes => true,
+                    // A turn of a session: the earliest of them goes.
+                    Home::Yes if w.route.session.is_some() => {
+                        at_home.push(ticket);
+                        false
+                    }
+                    // A request without one, first in turn: it goes (the
+                    // queues' order; taken so, keyless conversations kept
+                    // their hits, BENCHMARKS.md session 41).
+                    Home::Yes => at_home.is_empty(),
                     Home::Elsewhere { waits } => {
                         let over = w.hold_until.is_some_and(|end| end <= now);
                         if over && !w.route.waits_hard(hard) {
                             return true;
                         }
-                        *passed.entry(ticket).or_default() |= waits;
+                        elsewhere.push((ticket, waits));
                         false
                     }
                     Home::Busy => {
@@ -350,8 +383,23 @@ impl<T> Dispatcher<T> {
                     }
                 }
             });
-            // The slots left go in the queues' order, in the fair order.
-            if out_of_looks {
+            // The scan stopped at the one that goes: it passed every one
+            // looked at; else the earliest turn passes those before it.
+            let (next, stopped) = match taken.filter(|_| !out_of_looks) {
+                Some(ticket) => (Some(ticket), true),
+                None => (
+                    self.earliest_fairly(&at_home, &elsewhere, &round.passed),
+                    false,
+                ),
+            };
+            for &(ticket, waits) in &elsewhere {
+                if stopped || next.is_none_or(|n| ticket.seq() < n.seq()) {
+                    *round.passed.entry(ticket).or_default() |= waits;
+                }
+            }
+            // Out of looks: the slots left go in the queues' order, in
+            // the fair order.
+            if out_of_looks && next.is_none() {
                 return None;
             }
             match next {
@@ -363,6 +411,38 @@ impl<T> Dispatcher<T> {
                 None => return None,
             }
         }
+    }
+
+    /// Of the requests at home on a free endpoint (`at_home`, in the
+    /// queues' order), the earliest to arrive whose going puts its tenant
+    /// no more than [`FIRST_COME_LEAD`] requests ahead of any that came
+    /// before it and waits (those `passed` earlier in the round and those
+    /// at home `elsewhere`);
+    /// else the first in the queues' order. An endpoint serves its
+    /// conversations' turns in the order they came, within fairness.
+    fn earliest_fairly(
+        &self,
+        at_home: &[Ticket],
+        elsewhere: &[(Ticket, bool)],
+        passed: &HashMap<Ticket, bool>,
+    ) -> Option<Ticket> {
+        let mut by_arrival = at_home.to_vec();
+        by_arrival.sort_unstable_by_key(|t| t.seq());
+        let before = |t: Ticket| {
+            let earlier = move |p: &Ticket| p.seq() < t.seq();
+            passed
+                .keys()
+                .copied()
+                .filter(earlier)
+                .chain(elsewhere.iter().map(|(p, _)| *p).filter(earlier))
+        };
+        let fair = |t: Ticket| {
+            !before(t).any(|slow| self.queues.passing_is_unfair_by(slow, t, FIRST_COME_LEAD))
+        };
+        by_arrival
+            .into_iter()
+            .find(|&t| fair(t))
+            .or_else(|| at_home.first().copied())
     }
 
     /// Offer 3, fair order: the next request in the queues' order (strict

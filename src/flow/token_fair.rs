@@ -93,6 +93,12 @@ impl<T> FlowQueues<T> {
     /// waiting request takes the slot instead. False for other bands and
     /// policies (their turns do not count tokens) and unknown tickets.
     pub fn passing_is_unfair(&self, behind: Ticket, ahead: Ticket) -> bool {
+        self.passing_is_unfair_by(behind, ahead, PASSED_BY_AT_MOST)
+    }
+
+    /// [`FlowQueues::passing_is_unfair`] with `at_most` of `behind`'s
+    /// requests for the bound.
+    pub fn passing_is_unfair_by(&self, behind: Ticket, ahead: Ticket, at_most: u64) -> bool {
         let flow_of = |t: Ticket| self.flows.get(t.flow.0 as usize)?.as_ref();
         let (Some(slow), Some(fast)) = (flow_of(behind), flow_of(ahead)) else {
             return false;
@@ -117,8 +123,7 @@ impl<T> FlowQueues<T> {
         let after = fast
             .served
             .saturating_add(virtual_tokens(going.tokens, going.weight));
-        let allowance =
-            virtual_tokens(waiting.tokens, waiting.weight).saturating_mul(PASSED_BY_AT_MOST);
+        let allowance = virtual_tokens(waiting.tokens, waiting.weight).saturating_mul(at_most);
         token_fair && after.saturating_sub(slow.served) > allowance
     }
 }

@@ -592,3 +592,44 @@ fn a_request_of_no_session_is_not_passed_by_a_servers_conversations() {
         ["turn-1", "no-session", "turn-2", "turn-3"]
     );
 }
+
+/// A turn of `session` for `tenant` whose prompt is `tokens` long.
+fn turn_of(tenant: &str, session: u64, tokens: u64) -> RequestMeta {
+    let mut r = in_session(tenant, session);
+    r.route.tokens.prompt = tokens;
+    r
+}
+
+#[test]
+fn an_endpoint_serves_its_conversations_turns_in_the_order_they_came_within_fairness() {
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    // Conversations 1 (tenant x) and 2 (y) live on a, 3 (z) and 4 (y) on
+    // c; their first turns still run. Every later turn is long: none would
+    // prefill it cold elsewhere.
+    d.report(model_server("a", 1, 2, &[]), t0).unwrap();
+    let x1 = ready(d.submit(turn_of("x", 1, 8_000), "x-1", t0));
+    let y1 = ready(d.submit(turn_of("y", 2, 8_000), "y-1", t0));
+    d.report(model_server("c", 3, 2, &[]), t0).unwrap();
+    let z1 = ready(d.submit(turn_of("z", 3, 8_000), "z-1", t0));
+    let w1 = ready(d.submit(turn_of("y", 4, 8_000), "w-1", t0));
+    let ports = [&x1, &y1, &z1, &w1].map(|l| l.addr.port());
+    assert_eq!(ports, [1, 1, 3, 3]);
+    // c's next turns wait for it beside a free b, which x's request
+    // without a session takes: the queues' token fairness now has x ahead.
+    queued(d.submit(turn_of("z", 3, 8_000), "z-2", t0 + MS));
+    queued(d.submit(turn_of("y", 4, 8_000), "w-2", t0 + MS));
+    queued(d.submit(req("x", 0), "x-a", t0 + MS));
+    d.report(model_server("b", 2, 1, &[]), t0 + MS).unwrap();
+    assert_eq!(granted(&d.dispatch(t0 + MS)), ["x-a"]);
+    // x's next turn on a comes before y's.
+    queued(d.submit(turn_of("x", 1, 8_000), "x-2", t0 + 2 * MS));
+    queued(d.submit(turn_of("y", 2, 8_000), "y-2", t0 + 3 * MS));
+    // a frees a slot: the turn that came first takes it, though y is the
+    // tenant behind (one turn ahead is within fairness); then y's.
+    d.release(y1, t0 + 4 * MS);
+    let mut done = d.dispatch(t0 + 4 * MS);
+    assert_eq!(granted(&done), ["x-2"]);
+    d.release(done.pop().unwrap().result.unwrap(), t0 + 5 * MS);
+    assert_eq!(granted(&d.dispatch(t0 + 5 * MS)), ["y-2"]);
+}

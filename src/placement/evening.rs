@@ -93,46 +93,64 @@ pub(crate) fn spill_evens_out(
     queued: &QueuedWork,
     now: Instant,
 ) -> bool {
-    evens_out(
-        fleet,
-        route,
-        holder,
-        &queued.by_endpoint,
-        queued.unplaced,
-        now,
-    )
-}
-
-/// [`spill_evens_out`] with the requests `waits` holds for each endpoint
-/// and `unplaced` more. Stage 3 asks it too: a conversation's first turn
-/// does not wait for a busy endpoint where going evens out the work
-/// ([`super::patience`]).
-pub(crate) fn evens_out(
-    fleet: &EndpointLedger,
-    route: &Route,
-    holder: EndpointId,
-    waits: &Waits,
-    unplaced: u32,
-    now: Instant,
-) -> bool {
-    let config = fleet.saturation();
-    let (mut requests, mut slots) = (u64::from(unplaced), 0);
-    let mut holder_load = None;
-    // The least a free endpoint would carry with the spill.
-    let mut least_free = f64::INFINITY;
-    for e in fleet.serving(route).filter(|e| e.eligible(now)) {
-        let load = Load::of(e, waits);
-        requests += load.requests();
-        slots += load.slots();
-        if e.id == holder {
-            holder_load = Some(load);
-        } else if e.available(now, config) {
-            least_free = least_free.min(load.per_slot() + load.one_request());
-        }
-    }
-    let Some(h) = holder_load else {
+    let waits = &queued.by_endpoint;
+    let Some(h) = fleet
+        .serving(route)
+        .find(|e| e.id == holder && e.eligible(now))
+    else {
         return false;
     };
-    let mean = requests as f64 / slots as f64;
-    h.per_slot() - h.one_request() >= mean - EPSILON && least_free <= mean + EPSILON
+    Balance::of(fleet, route, waits, queued.unplaced, Some(holder), now)
+        .moving_evens_out(&Load::of(h, waits))
+}
+
+/// The work of the endpoints serving a route, as evening out weighs it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Balance {
+    /// Requests per slot over them all.
+    mean: f64,
+    /// The least a free endpoint would carry with one request more.
+    least_free: f64,
+}
+
+impl Balance {
+    /// Over the eligible endpoints serving `route`, with the requests
+    /// `waits` holds for each and `unplaced` more; `except` is not counted
+    /// as a free one. One pass over the endpoints: asked once per
+    /// decision, however many endpoints it weighs.
+    pub(crate) fn of(
+        fleet: &EndpointLedger,
+        route: &Route,
+        waits: &Waits,
+        unplaced: u32,
+        except: Option<EndpointId>,
+        now: Instant,
+    ) -> Balance {
+        let config = fleet.saturation();
+        let (mut requests, mut slots) = (u64::from(unplaced), 0);
+        let mut least_free = f64::INFINITY;
+        for e in fleet.serving(route).filter(|e| e.eligible(now)) {
+            let load = Load::of(e, waits);
+            requests += load.requests();
+            slots += load.slots();
+            if Some(e.id) != except && e.available(now, config) {
+                least_free = least_free.min(load.per_slot() + load.one_request());
+            }
+        }
+        Balance {
+            mean: requests as f64 / slots.max(1) as f64,
+            least_free,
+        }
+    }
+
+    /// Whether moving a request from an endpoint carrying `holder` to the
+    /// freest one evens out the work: it carries at least one request per
+    /// slot more than the mean, the free one with it no more than the
+    /// mean. Stage 3 asks it too: a conversation's first turn does not
+    /// wait for a busy endpoint where going evens out the work
+    /// ([`super::patience`]).
+    pub(crate) fn moving_evens_out(&self, holder: &Load) -> bool {
+        holder.per_slot() - holder.one_request() >= self.mean - EPSILON
+            && self.least_free <= self.mean + EPSILON
+    }
 }

@@ -44,7 +44,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::evening::evens_out;
+use super::evening::Balance;
 use super::load::{Load, Waits};
 use crate::endpoint::{Endpoint, EndpointId, EndpointLedger, Route, Wanted};
 
@@ -190,6 +190,7 @@ pub(crate) fn wait_or_go(
     // A conversation's first turn (module docs): where it goes, its later
     // turns wait.
     let starts = bound.is_none() && route.session.is_some() && !route.session_by_prompt;
+    let mut balance: Option<Balance> = None;
     // The quickest saturated endpoint, if quicker than going.
     let mut best: Option<(f64, EndpointId)> = None;
     let mut consider = |e: &Endpoint, cached: u64| {
@@ -198,7 +199,12 @@ pub(crate) fn wait_or_go(
         } else {
             0.0
         };
-        let ms = if starts && evens_out(fleet, route, e.id, waits, 0, now) {
+        let evens_out = starts && {
+            let balance =
+                balance.get_or_insert_with(|| Balance::of(fleet, route, waits, 0, None, now));
+            balance.moving_evens_out(&Load::of(e, waits))
+        };
+        let ms = if evens_out {
             // Not waited for: still the holder a spill leaves.
             f64::INFINITY
         } else {

@@ -93,15 +93,15 @@ pub(crate) fn spill_evens_out(
     queued: &QueuedWork,
     now: Instant,
 ) -> bool {
-    let waits = &queued.by_endpoint;
-    let Some(h) = fleet
-        .serving(route)
-        .find(|e| e.id == holder && e.eligible(now))
-    else {
-        return false;
-    };
-    Balance::of(fleet, route, waits, queued.unplaced, Some(holder), now)
-        .moving_evens_out(&Load::of(h, waits))
+    let balance = Balance::of(
+        fleet,
+        route,
+        &queued.by_endpoint,
+        queued.unplaced,
+        Some(holder),
+        now,
+    );
+    balance.holder.is_some_and(|h| balance.moving_evens_out(&h))
 }
 
 /// The work of the endpoints serving a route, as evening out weighs it.
@@ -111,35 +111,43 @@ pub(crate) struct Balance {
     mean: f64,
     /// The least a free endpoint would carry with one request more.
     least_free: f64,
+    /// The load of the holder [`Balance::of`] was asked about, if it is
+    /// one of them.
+    holder: Option<Load>,
 }
 
 impl Balance {
     /// Over the eligible endpoints serving `route`, with the requests
-    /// `waits` holds for each and `unplaced` more; `except` is not counted
-    /// as a free one. One pass over the endpoints: asked once per
-    /// decision, however many endpoints it weighs.
+    /// `waits` holds for each and `unplaced` more; `holder`, if one of
+    /// them, is not counted as a free one and its load is kept. One pass
+    /// over the endpoints: asked once per decision, however many endpoints
+    /// it weighs.
     pub(crate) fn of(
         fleet: &EndpointLedger,
         route: &Route,
         waits: &Waits,
         unplaced: u32,
-        except: Option<EndpointId>,
+        holder: Option<EndpointId>,
         now: Instant,
     ) -> Balance {
         let config = fleet.saturation();
         let (mut requests, mut slots) = (u64::from(unplaced), 0);
         let mut least_free = f64::INFINITY;
+        let mut holder_load = None;
         for e in fleet.serving(route).filter(|e| e.eligible(now)) {
             let load = Load::of(e, waits);
             requests += load.requests();
             slots += load.slots();
-            if Some(e.id) != except && e.available(now, config) {
+            if Some(e.id) == holder {
+                holder_load = Some(load);
+            } else if e.available(now, config) {
                 least_free = least_free.min(load.per_slot() + load.one_request());
             }
         }
         Balance {
             mean: requests as f64 / slots.max(1) as f64,
             least_free,
+            holder: holder_load,
         }
     }
 

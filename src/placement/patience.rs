@@ -34,7 +34,8 @@
 //! of 64 conversations starting at once on four servers of 8 slots waited
 //! for their groups' prompts and put 24 conversations on one server and 8
 //! on another, whose turns then waited 570 and 40 ms for about 10 s (issue
-//! 34's workload: TTFT p99 ×0.73 with the rule; BENCHMARKS.md, session 41).
+//! 34's workload); with the rule 16 to 18 first turns a server in the
+//! first 5 s (BENCHMARKS.md, session 41).
 //!
 //! Going while a saturated endpoint holds more of the prompt is a spill. A
 //! spill waits first [`SPILL_PATIENCE`] of the prefill it will pay

@@ -333,6 +333,40 @@ impl<T> Dispatcher<T> {
         route.waits_hard(self.config.scheduling.sessions.hard)
     }
 
+    /// Matches the queued requests' prompts again against the blocks the
+    /// engine at `addr` holds now (its agent's update changed them:
+    /// `matched` counts a prompt's leading keys in that copy), so that a
+    /// request placed after a wait weighs what the engines hold then, not
+    /// what they held when it came. Stops once `max_keys` keys were looked
+    /// up. Returns how many requests' match changed.
+    pub fn rematch(
+        &mut self,
+        addr: SocketAddr,
+        mut matched: impl FnMut(&[crate::kv_events::BlockKey]) -> crate::kv_events::Matched,
+        max_keys: usize,
+    ) -> usize {
+        let mut looked = 0;
+        let mut changed = 0;
+        for waiting in self.queues.handles_mut() {
+            if looked >= max_keys {
+                break;
+            }
+            let Some(held) = &waiting.route.engine_held else {
+                continue;
+            };
+            let mut counting = |keys: &[crate::kv_events::BlockKey]| {
+                let m = matched(keys);
+                looked += m.gpu + m.cpu + 1;
+                m
+            };
+            if let Some(fresh) = held.rematched(addr, &mut counting) {
+                waiting.route.engine_held = Some(Arc::new(fresh));
+                changed += 1;
+            }
+        }
+        changed
+    }
+
     /// Settles the token-fair charge of a request dispatched from the
     /// queues ([`Done::charge`]) once its answer ended: it used `actual`
     /// tokens.

@@ -234,7 +234,12 @@ impl Management {
             Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_blocks", &e.to_string()),
         };
         let (status, held) = match self.shared.blocks.apply(agent_id, &update) {
-            crate::gate::Applied::Now(held) => (StatusCode::OK, Some(held)),
+            crate::gate::Applied::Now(held) => {
+                if !update.is_empty() {
+                    self.shared.rematch_queued(agent_id);
+                }
+                (StatusCode::OK, Some(held))
+            }
             crate::gate::Applied::NotForIt(held) => (StatusCode::CONFLICT, held),
         };
         json_response(status, json!({ "held": held }).to_string().into_bytes())

@@ -266,12 +266,16 @@ async fn two_engines_with(b: &Balancer, extra: &[&str]) -> (Vec<Sim>, Vec<Proc>)
 
 /// Where the balancer sends `body`.
 async fn served_by(b: &Balancer, body: &Value) -> String {
-    let r = client()
-        .post(b.url("/v1/chat/completions"))
-        .json(body)
-        .send()
-        .await
-        .unwrap();
+    turn_via(b, None, body).await
+}
+
+/// Where `b` sends `body`, a turn of the conversation `session` names.
+async fn turn_via(b: &Balancer, session: Option<&str>, body: &Value) -> String {
+    let mut request = client().post(b.url("/v1/chat/completions"));
+    if let Some(session) = session {
+        request = request.header("x-session-id", session);
+    }
+    let r = request.json(body).send().await.unwrap();
     assert_eq!(r.status(), 200);
     r.headers()["x-sim-server"].to_str().unwrap().to_string()
 }
@@ -361,6 +365,66 @@ async fn two_balancers_agree_on_the_engines_blocks_without_a_shared_store() {
     }
     for balancer in [&a, &b, &a, &b] {
         assert_eq!(served_by(balancer, &p).await, sims[1].addr.to_string());
+    }
+}
+
+/// Conversations whose turns a front spreads over two balancers, no store
+/// shared between them, stay on the engine that holds them: a server joins
+/// after their first turns (on the only one there was), and each next turn
+/// that reaches the balancer that placed none of their turns goes where
+/// the engines' events say the conversation is, not to its rendezvous
+/// home (the new server for about half of them: six conversations would
+/// all stay by chance one time in 64).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversations_spread_over_two_balancers_stay_where_their_engine_holds_them() {
+    let a = Balancer::start(&[]).await;
+    let b = Balancer::start(&[]).await;
+    let both = format!("{},{}", a.management, b.management);
+    let also = ["--management-addr", both.as_str()];
+    let (first, publisher, replay) = sim_with_events("tagged");
+    let _first_agent = events_agent(&first, &a, &publisher, Some(&replay), &also);
+    a.wait_eligible(1).await;
+    b.wait_eligible(1).await;
+    let sessions: Vec<String> = (0..6).map(|i| format!("conversation-{i}")).collect();
+    let mut bodies = Vec::new();
+    for session in &sessions {
+        let body = prompt(session, 6);
+        assert_eq!(
+            turn_via(&a, Some(session.as_str()), &body).await,
+            first.addr.to_string()
+        );
+        bodies.push(body);
+    }
+    wait_for(
+        "the other balancer's copy",
+        Duration::from_secs(10),
+        || async { (copy_of(&b, &first).await >= 36).then_some(()) },
+    )
+    .await;
+    let (second, publisher, replay) = sim_with_events("tagged");
+    let _second_agent = events_agent(&second, &a, &publisher, Some(&replay), &also);
+    for balancer in [&a, &b] {
+        balancer.wait_eligible(2).await;
+        // Its slots are shared out: it takes requests (it would take a
+        // turn sent to its rendezvous home).
+        wait_for(
+            "the new server's slots",
+            Duration::from_secs(10),
+            || async {
+                let agents = balancer.agents().await;
+                (n(&endpoint_of(&agents, &second)["free_slots"]) > 0).then_some(())
+            },
+        )
+        .await;
+    }
+    for (turn, (via, then)) in [(&b, "and then?"), (&a, "go on")].into_iter().enumerate() {
+        for (session, body) in sessions.iter().zip(&mut bodies) {
+            let messages = body["messages"].as_array_mut().unwrap();
+            messages.push(json!({"role": "assistant", "content": format!("answer {turn}")}));
+            messages.push(json!({"role": "user", "content": then}));
+            let at = turn_via(via, Some(session.as_str()), body).await;
+            assert_eq!(at, first.addr.to_string(), "{session}, turn {}", turn + 2);
+        }
     }
 }
 

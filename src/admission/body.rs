@@ -217,6 +217,7 @@ pub fn body_facts(body: &[u8], prefix: &PrefixConfig) -> Result<BodyFacts, Strin
         route: Route {
             model: fields.model().map(Arc::from),
             prefix: blocks,
+            continues: length.last_answer_at.is_some(),
             ..Route::default()
         },
         stream: fields.stream == Some(PromptJson::True),

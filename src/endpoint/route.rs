@@ -36,6 +36,9 @@ pub struct Route {
     pub tokens: TokenEstimate,
     /// Its session, hashed and scoped to its tenant ([`crate::session`]).
     pub session: Option<u64>,
+    /// Its prompt carries an earlier answer (an assistant message): a
+    /// later turn of its conversation, not its first.
+    pub continues: bool,
     /// Its session was found by its prompt in the balancers' shared store
     /// ([`crate::turn`]), not named by its client: it is followed softly,
     /// even in hard mode.

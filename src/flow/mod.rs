@@ -571,6 +571,11 @@ impl<T> FlowQueues<T> {
         out
     }
 
+    /// Every queued request's handle, in no order.
+    pub fn handles_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        (self.flows.iter_mut().flatten()).flat_map(|f| f.items.values_mut().map(|i| &mut i.handle))
+    }
+
     /// Every request queued in `lane` (a requested model), for a sweep
     /// when that lane can never be served; costs a pass over the flows.
     pub fn tickets_in(&self, lane: &Lane) -> Vec<Ticket> {

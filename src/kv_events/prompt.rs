@@ -6,8 +6,10 @@
 //! guess.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 use super::copy::Matched;
+use super::key::BlockKey;
 
 /// A block offloaded to the CPU is worth this much of one on the GPU (it
 /// must be copied back before it is used).
@@ -20,6 +22,9 @@ pub struct EngineHeld {
     pub blocks: usize,
     /// Each endpoint with events (a whole index) and what it holds.
     pub by_endpoint: Vec<(SocketAddr, Matched)>,
+    /// The prompt's block keys, to match it again while it waits
+    /// ([`EngineHeld::rematched`]).
+    pub keys: Arc<[BlockKey]>,
 }
 
 impl EngineHeld {
@@ -32,6 +37,23 @@ impl EngineHeld {
         }
         let worth = m.gpu as f64 + CPU_BLOCK_WORTH * m.cpu as f64;
         Some((worth / self.blocks as f64).min(1.0))
+    }
+
+    /// The same with what `addr` holds matched again by `matched`; `None`
+    /// when `addr` is not among its endpoints or holds the same.
+    pub fn rematched(
+        &self,
+        addr: SocketAddr,
+        matched: &mut impl FnMut(&[BlockKey]) -> Matched,
+    ) -> Option<EngineHeld> {
+        let at = self.by_endpoint.iter().position(|(a, _)| *a == addr)?;
+        let now = matched(&self.keys);
+        if now == self.by_endpoint[at].1 {
+            return None;
+        }
+        let mut fresh = self.clone();
+        fresh.by_endpoint[at].1 = now;
+        Some(fresh)
     }
 }
 
@@ -46,6 +68,7 @@ mod tests {
         let held = EngineHeld {
             blocks: 4,
             by_endpoint: vec![(a, Matched { gpu: 2, cpu: 2 })],
+            ..EngineHeld::default()
         };
         assert_eq!(held.share(a), Some(0.75));
         assert_eq!(held.share(b), None, "no events: placement guesses");

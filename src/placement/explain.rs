@@ -13,7 +13,7 @@ use serde::Serialize;
 use super::load::{Load, Waits};
 use super::objective;
 use super::patience::{cached_tokens, prompt_tokens, WaitOrGo};
-use super::{place, Outcome, Pass};
+use super::{place, Outcome, Pass, Pin};
 use crate::endpoint::{Endpoint, EndpointLedger, Route};
 use crate::objective::Objective;
 use crate::scorer::ScoreTerms;
@@ -26,7 +26,9 @@ pub const MAX_EXPLAINED: usize = 16;
 pub struct Explanation {
     /// Leading prompt blocks hashed for prefix affinity.
     pub prompt_blocks: usize,
-    /// The endpoint the request's session was last served by, if any.
+    /// The endpoint stage 1 pinned the request's session to, if any: its
+    /// last turn's, or for a later turn not bound here (or bound where
+    /// its engine holds less) the engine holding the most of its prompt.
     pub session_endpoint: Option<SocketAddr>,
     /// Where it would go now ([`super::place`]: its session's endpoint or
     /// rendezvous home when that takes it, else the best score that can);
@@ -96,10 +98,25 @@ pub(crate) fn explain(fleet: &EndpointLedger, route: &Route, now: Instant) -> Ex
     let scheduling = fleet.scheduling();
     let weights = scheduling.scorers;
     let blocks = route.prefix.len();
-    let session_endpoint = route.session.and_then(|s| fleet.session_addr(s, now));
+    // As a request from the queues is placed (it may wait) when holds are
+    // on or its session is hard; as one that may not wait otherwise.
+    let may_wait =
+        !scheduling.affinity_hold.is_zero() || route.waits_hard(scheduling.sessions.hard);
+    let none = Waits::default();
+    let pass = Pass {
+        waits: &none,
+        may_spill: false,
+    };
+    let decision = place(fleet, route, may_wait.then_some(pass), now);
+    let addr = |id| fleet.endpoint(id).map(|e| e.addr);
+    // Where stage 1 pinned its session: its conversation counts as cached
+    // there, as stage 3 counts it.
+    let session_endpoint = match decision.pin {
+        Pin::Session(id) | Pin::SessionBusy(id) => addr(id),
+        Pin::Free | Pin::SessionGone | Pin::Home(_) => None,
+    };
     let wanted = fleet.adapter_wanted(route, now);
     let prompt = prompt_tokens(fleet, route);
-    let none = Waits::default();
     let score = |e: &Endpoint| {
         let prefix_matched = e.prefix_matched(route);
         let terms = e
@@ -153,18 +170,6 @@ pub(crate) fn explain(fleet: &EndpointLedger, route: &Route, now: Instant) -> Ex
             .then(b.score.total_cmp(&a.score))
             .then(a.addr.cmp(&b.addr))
     });
-    let session_endpoint =
-        session_endpoint.filter(|addr| candidates.iter().any(|c| c.addr == *addr));
-    // As a request from the queues is placed (it may wait) when holds are
-    // on or its session is hard; as one that may not wait otherwise.
-    let may_wait =
-        !scheduling.affinity_hold.is_zero() || route.waits_hard(scheduling.sessions.hard);
-    let pass = Pass {
-        waits: &none,
-        may_spill: false,
-    };
-    let decision = place(fleet, route, may_wait.then_some(pass), now);
-    let addr = |id| fleet.endpoint(id).map(|e| e.addr);
     let choice = match decision.outcome {
         Outcome::Go(id) => addr(id),
         Outcome::Wait(_) | Outcome::Delay(..) => decision

@@ -10,7 +10,11 @@
 //!    through the stages as any request, except that where other balancers
 //!    share the fleet it goes to its rendezvous home (the highest hash of
 //!    session and address) while that takes it, so every balancer finds
-//!    it there. Knobs: `scheduling.sessions.*`.
+//!    it there (not where every endpoint publishes its KV-cache events).
+//!    A later turn not bound here (another balancer placed the turns
+//!    before), or bound where its engine holds less of the prompt than
+//!    another engine, is pinned to the engine holding the most of it.
+//!    Knobs: `scheduling.sessions.*`.
 //! 2. **Score** ([`score`]). The candidates are the endpoints that serve
 //!    the model, are eligible (ready, not draining, reported lately,
 //!    circuit closed: `scheduling.circuitBreaker.*`), not saturated (free

@@ -262,6 +262,19 @@ fn busy_holding_more(
             f(e, matched);
         }
     };
+    // The engines with events say what they hold, whatever this
+    // balancer's own index guesses (another balancer or a client may have
+    // filled them): each that holds some of the prompt is looked at, and
+    // only the others by the guess.
+    let engines = route.engine_held.as_deref();
+    let by_guess = |e: &&Endpoint| engines.is_none_or(|h| h.share(e.addr).is_none());
+    if let Some(held) = engines {
+        (held.by_endpoint.iter())
+            .filter(|(_, m)| m.gpu + m.cpu > 0)
+            .filter_map(|(addr, _)| fleet.endpoint_at(*addr))
+            .filter(busy_here)
+            .for_each(&mut look);
+    }
     // Whoever holds more leading blocks holds the block right after the
     // first `than`: its holders are every endpoint to look at. When a
     // prompt many endpoints saw has more holders than the route has
@@ -276,9 +289,13 @@ fn busy_holding_more(
             .iter()
             .filter_map(|id| fleet.endpoint(*id))
             .filter(busy_here)
+            .filter(by_guess)
             .for_each(&mut look);
     } else {
-        fleet.serving(route).filter(busy_here).for_each(&mut look);
+        (fleet.serving(route))
+            .filter(busy_here)
+            .filter(by_guess)
+            .for_each(&mut look);
     }
 }
 

@@ -7,25 +7,33 @@
 //!   session its client named always waits, to its TTL). A binding to an
 //!   endpoint that is gone, draining or otherwise not eligible is released
 //!   and the turn placed anew (and bound where it goes).
-//! - The first turn of a session its client named (or a turn that reached
-//!   this balancer after another took the ones before) goes to its home,
-//!   the endpoint of its model with the highest rendezvous hash of
-//!   (session, address), while that takes it. Every balancer computes the
-//!   same home from the same fleet, so a conversation spread over several
-//!   balancers by a front load balancer lands on one endpoint without any
-//!   state shared between them. A saturated home is not waited for (no
-//!   cache is known there yet). A balancer alone in the fleet has no one
-//!   to agree with: it places the first turn as any request, beside its
-//!   group's cached prompt or on the freest endpoint, so groups that start
-//!   at once start apart rather than where their hashes meet (measured:
-//!   BENCHMARKS.md, sessions).
+//! - A later turn of a conversation (its prompt carries an answer) that
+//!   this balancer holds no binding of — another balancer behind the same
+//!   front placed the turns before, or the binding ended — goes where the
+//!   engines say (their KV-cache events, [`crate::kv_events`]) the most of
+//!   its prompt is cached, as if bound there: every balancer reads the
+//!   same engines, so they agree without sharing their bindings. So does
+//!   a soft session whose endpoint's engine holds less of the prompt than
+//!   another engine does (evicted there, the engine restarted, or another
+//!   balancer placed its last turn elsewhere). A session that waits hard
+//!   stays.
+//! - The first turn of a session its client named (or a later turn no
+//!   engine with events holds any of) goes to its home, the endpoint of
+//!   its model with the highest rendezvous hash of (session, address),
+//!   while that takes it. Every balancer computes the same home from the
+//!   same fleet, so a conversation spread over several balancers by a
+//!   front load balancer lands on one endpoint without any state shared
+//!   between them. A saturated home is not waited for (no cache is known
+//!   there yet). A balancer alone in the fleet has no one to agree with:
+//!   it places the first turn as any request, beside its group's cached
+//!   prompt or on the freest endpoint, so groups that start at once start
+//!   apart rather than where their hashes meet (measured: BENCHMARKS.md,
+//!   sessions). So does a balancer whose every endpoint that may serve the
+//!   request publishes its cache: the engines tell every balancer where
+//!   the later turns are, so there is nothing to agree on beforehand.
 //! - A conversation found by its prompt in the balancers' shared store
 //!   ([`crate::turn`]), no longer where it was, goes by its prompt as any
 //!   keyless request.
-//! - A soft session whose endpoint's engine says (its KV-cache events,
-//!   [`crate::kv_events`]) it holds none of the prompt, while another
-//!   engine holds some, goes by its prompt too: its cache is gone from
-//!   there.
 
 use std::time::Instant;
 
@@ -36,9 +44,11 @@ use crate::endpoint::{EndpointId, EndpointLedger, Route};
 pub(crate) enum Pin {
     /// No session, or none to go back to: placed by score.
     Free,
-    /// Its session's endpoint takes it: it goes there.
+    /// Its session's endpoint (where its last turn went, or for a later
+    /// turn not bound here the engine holding most of its prompt) takes
+    /// it: it goes there.
     Session(EndpointId),
-    /// Its session's endpoint is saturated: stage 3 weighs waiting for it.
+    /// That endpoint is saturated: stage 3 weighs waiting for it.
     SessionBusy(EndpointId),
     /// Its session's endpoint is gone: the binding is released, and it is
     /// placed by score.
@@ -69,7 +79,13 @@ pub(super) fn pin(fleet: &EndpointLedger, route: &Route, now: Instant) -> Pin {
         SessionPlace::Takes(id) => Pin::Session(id),
         SessionPlace::Saturated(id) => Pin::SessionBusy(id),
         place @ (SessionPlace::Gone | SessionPlace::None) => {
-            if !route.session_by_prompt {
+            if let Some(id) = engines_holder(fleet, route, now) {
+                return match fleet.endpoint(id) {
+                    Some(e) if e.takes(route, now, fleet.saturation()) => Pin::Session(id),
+                    _ => Pin::SessionBusy(id),
+                };
+            }
+            if !route.session_by_prompt && !engines_agree(fleet, route) {
                 if let Some(home) = goes_home(fleet, route, session, now) {
                     // Bound there when it goes: the old binding is
                     // replaced.
@@ -100,7 +116,7 @@ fn session_place(
     if !e.fits(route) {
         // Another model, or the endpoint a retry avoids.
         SessionPlace::None
-    } else if evicted_there(fleet, route, addr) {
+    } else if cached_elsewhere(fleet, route, addr) {
         SessionPlace::None
     } else if e.takes(route, now, fleet.saturation()) {
         SessionPlace::Takes(e.id)
@@ -109,21 +125,54 @@ fn session_place(
     }
 }
 
-/// Whether the engine at `addr` says (its KV-cache events) it holds none
-/// of the prompt while another engine holds some: the conversation's cache
-/// is gone from there (evicted, or the engine restarted), so a soft
-/// session follows the prompt instead. A session that waits hard stays.
-fn evicted_there(fleet: &EndpointLedger, route: &Route, addr: std::net::SocketAddr) -> bool {
+/// Whether the engine at `addr` says (its KV-cache events) it holds less
+/// of the prompt than another engine does: the conversation's cache is
+/// elsewhere now (evicted here, the engine restarted, or another balancer
+/// placed its last turn there), so a soft session follows the prompt. A
+/// session that waits hard stays.
+fn cached_elsewhere(fleet: &EndpointLedger, route: &Route, addr: std::net::SocketAddr) -> bool {
     let Some(held) = &route.engine_held else {
+        return false;
+    };
+    let Some(here) = held.share(addr) else {
         return false;
     };
     let hard = fleet.scheduling().sessions.hard;
     !route.waits_hard(hard)
-        && held.share(addr) == Some(0.0)
         && held
             .by_endpoint
             .iter()
-            .any(|(a, _)| held.share(*a) > Some(0.0))
+            .any(|(a, _)| held.share(*a) > Some(here))
+}
+
+/// For a later turn of a conversation this balancer holds no binding of
+/// (another balancer placed the turns before, or the binding ended), the
+/// endpoint whose engine says (its KV-cache events) it holds the most of
+/// the prompt: the conversation's cache, wherever the turns before went.
+fn engines_holder(fleet: &EndpointLedger, route: &Route, now: Instant) -> Option<EndpointId> {
+    if !route.continues {
+        return None;
+    }
+    let held = route.engine_held.as_ref()?;
+    let (_, addr) = held
+        .by_endpoint
+        .iter()
+        .filter_map(|(addr, _)| Some((held.share(*addr)?, *addr)))
+        .filter(|(share, _)| *share > 0.0)
+        .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)))?;
+    let e = fleet.endpoint_at(addr)?;
+    (e.eligible(now) && e.fits(route)).then_some(e.id)
+}
+
+/// Whether every endpoint that may serve `route` publishes its cache (its
+/// KV-cache events matched the prompt): then every balancer finds a
+/// conversation's later turns where the engines hold them, and its first
+/// turn needs no rendezvous home to agree on.
+fn engines_agree(fleet: &EndpointLedger, route: &Route) -> bool {
+    route
+        .engine_held
+        .as_ref()
+        .is_some_and(|held| fleet.serving(route).all(|e| held.share(e.addr).is_some()))
 }
 
 /// `session`'s rendezvous home for `route`, when it takes the request now.

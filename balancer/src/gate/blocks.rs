@@ -149,7 +149,15 @@ impl EngineBlocks {
         EngineHeld {
             blocks: keys.len(),
             by_endpoint,
+            keys: keys.into(),
         }
+    }
+
+    /// `agent`'s engine address and its copy, to read after a change.
+    pub fn copy_of(&self, agent: &str) -> Option<(SocketAddr, Arc<RwLock<BlocksCopy>>)> {
+        let read = self.by_agent.read().unwrap_or_else(PoisonError::into_inner);
+        let a = read.get(agent)?;
+        Some((a.engine.addr?, Arc::clone(&a.copy)))
     }
 
     /// Applies `update` from `agent` (the caller checked it is registered).

@@ -529,3 +529,74 @@ mod properties {
         }
     }
 }
+
+/// A request held for the busy server whose engine says (its KV-cache
+/// events) it holds the prompt is matched again when that engine's blocks
+/// change: once they are evicted, it no longer waits for them and takes
+/// the free server.
+#[test]
+fn a_request_held_for_an_engines_blocks_goes_once_the_engine_evicts_them() {
+    use crate::kv_events::{EngineHeld, Matched};
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    let (home, other) = two_busy_endpoints(&mut d, t0);
+    let (cached, free) = (home.addr, other.addr);
+    let mut turn = with_prompt("t", 0, &[50]);
+    turn.route.tokens.prompt = 8_000;
+    turn.route.engine_held = Some(Arc::new(EngineHeld {
+        blocks: 8,
+        by_endpoint: vec![
+            (cached, Matched { gpu: 8, cpu: 0 }),
+            (free, Matched::default()),
+        ],
+        keys: (1..=8).collect(),
+    }));
+    queued(d.submit(turn, "turn-2", t0));
+    d.release(other, t0);
+    assert!(d.dispatch(t0 + 10 * MS).is_empty(), "held for its blocks");
+    // Another engine's change, or one that leaves the prompt held, changes
+    // nothing.
+    assert_eq!(d.rematch(free, |_| Matched::default(), usize::MAX), 0);
+    let all = |keys: &[u64]| Matched {
+        gpu: keys.len(),
+        cpu: 0,
+    };
+    assert_eq!(d.rematch(cached, all, usize::MAX), 0);
+    assert!(d.dispatch(t0 + 20 * MS).is_empty(), "still held");
+    // The engine evicted the prompt's blocks.
+    assert_eq!(d.rematch(cached, |_| Matched::default(), usize::MAX), 1);
+    let done = d.dispatch(t0 + 30 * MS);
+    assert_eq!(granted(&done), ["turn-2"]);
+    assert_eq!(done[0].result.as_ref().unwrap().addr, free);
+    d.release(home, t0);
+}
+
+#[test]
+fn matching_again_stops_at_its_bound_of_keys_looked_up() {
+    use crate::kv_events::{EngineHeld, Matched};
+    let t0 = Instant::now();
+    let mut d = dispatcher(30);
+    let (_home, _other) = two_busy_endpoints(&mut d, t0);
+    let cached = _home.addr;
+    for i in 0..10 {
+        let mut turn = with_prompt("t", 0, &[60 + i]);
+        turn.route.engine_held = Some(Arc::new(EngineHeld {
+            blocks: 8,
+            by_endpoint: vec![(cached, Matched { gpu: 8, cpu: 0 })],
+            keys: (1..=8).collect(),
+        }));
+        queued(d.submit(turn, "turn", t0));
+    }
+    // Each request looks up one key (it holds none: the first misses): a
+    // bound of 3 keys matches 3 of them again.
+    let mut asked = 0;
+    let changed = d.rematch(
+        cached,
+        |_| {
+            asked += 1;
+            Matched::default()
+        },
+        3,
+    );
+    assert_eq!((changed, asked), (3, 3));
+}

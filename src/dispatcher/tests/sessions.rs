@@ -633,3 +633,93 @@ fn an_endpoint_serves_its_conversations_turns_in_the_order_they_came_within_fair
     d.release(done.pop().unwrap().result.unwrap(), t0 + 5 * MS);
     assert_eq!(granted(&d.dispatch(t0 + 5 * MS)), ["y-2"]);
 }
+
+/// What the engines with events hold of a prompt of 8 blocks: all of it
+/// on the endpoint at `port`, none on the others of `ports`.
+fn held_at(port: u16, ports: &[u16]) -> Arc<crate::kv_events::EngineHeld> {
+    use crate::kv_events::{EngineHeld, Matched};
+    let at = |p: u16| std::net::SocketAddr::from(([127, 0, 0, 1], p));
+    Arc::new(EngineHeld {
+        blocks: 8,
+        by_endpoint: (ports.iter())
+            .map(|&p| {
+                let gpu = if p == port { 8 } else { 0 };
+                (at(p), Matched { gpu, cpu: 0 })
+            })
+            .collect(),
+        keys: (1..=8).collect(),
+    })
+}
+
+/// Two balancers behind a front take turns at a conversation, neither
+/// sharing its bindings: a later turn this balancer placed none of the
+/// turns before of goes where the engines say its conversation is cached,
+/// not to its rendezvous home, and waits for that endpoint while it is
+/// busy. A first turn goes home while an endpoint publishes no events
+/// (its later turns could not be found there), and by the stages, beside
+/// the cache, once all do.
+#[test]
+fn with_others_a_later_turn_follows_the_engine_holding_its_conversation() {
+    let t0 = Instant::now();
+    let ports = [1, 2, 3, 4];
+    let mut d = dispatcher(30);
+    four_servers_of(&mut d, 2, t0);
+    let session = 11;
+    let home = (ports.iter())
+        .map(|&p| std::net::SocketAddr::from(([127, 0, 0, 1], p)))
+        .max_by_key(|&addr| crate::session::rendezvous(session, addr))
+        .unwrap()
+        .port();
+    let cached = ports.into_iter().find(|&p| p != home).unwrap();
+    let plain = ports
+        .into_iter()
+        .find(|&p| p != home && p != cached)
+        .unwrap();
+    let with_events: Vec<u16> = ports.into_iter().filter(|&p| p != plain).collect();
+    let mut turn = in_session("t", session);
+    turn.route.prefix = vec![1, 2, 3, 4];
+    turn.route.engine_held = Some(held_at(cached, &with_events));
+    let place = |d: &mut Dispatcher<&'static str>, turn: &RequestMeta| {
+        let lease = ready(d.submit(turn.clone(), "turn", t0));
+        let port = lease.addr.port();
+        d.release(lease, t0);
+        d.ledger.release_session(session);
+        port
+    };
+    assert_eq!(
+        place(&mut d, &turn),
+        home,
+        "a first turn, one endpoint without events"
+    );
+    turn.route.continues = true;
+    assert_eq!(place(&mut d, &turn), cached, "a later turn");
+    turn.route.continues = false;
+    turn.route.engine_held = Some(held_at(cached, &ports));
+    assert_eq!(
+        place(&mut d, &turn),
+        cached,
+        "a first turn, all with events"
+    );
+    // Busy there: a later turn waits for it, though three endpoints are
+    // free.
+    turn.route.continues = true;
+    let there = std::net::SocketAddr::from(([127, 0, 0, 1], cached));
+    let fill: Vec<Lease> = (0..4)
+        .map(|_| {
+            let mut other = anon();
+            other.route.subset = Some(Arc::from([there]));
+            ready(d.submit(other, "other", t0))
+        })
+        .collect();
+    assert!(matches!(
+        d.submit(turn, "later", t0),
+        Admission::Queued { .. }
+    ));
+    assert!(d.dispatch(t0 + MS).is_empty(), "held for its cache");
+    let mut fill = fill.into_iter();
+    d.release(fill.next().unwrap(), t0 + 2 * MS);
+    let done = d.dispatch(t0 + 2 * MS);
+    assert_eq!(granted(&done), ["later"]);
+    let lease = done.into_iter().next().unwrap().result.unwrap();
+    assert_eq!(lease.addr.port(), cached);
+}

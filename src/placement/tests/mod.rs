@@ -95,6 +95,7 @@ fn what_an_engine_says_it_holds_outweighs_the_guess_and_only_for_it() {
             (guessed, Matched::default()),
             (holder, Matched { gpu: 16, cpu: 0 }),
         ],
+        ..EngineHeld::default()
     }));
     assert_eq!(acquire_and_release(&mut r, &prompt, now), holder);
     // An endpoint without events keeps its guess: listed for none but
@@ -103,6 +104,7 @@ fn what_an_engine_says_it_holds_outweighs_the_guess_and_only_for_it() {
     prompt.engine_held = Some(Arc::new(EngineHeld {
         blocks: 16,
         by_endpoint: vec![(holder, Matched { gpu: 4, cpu: 0 })],
+        ..EngineHeld::default()
     }));
     assert_eq!(acquire_and_release(&mut r, &prompt, now), guessed);
 }
@@ -125,6 +127,7 @@ fn a_soft_session_follows_its_prompt_once_its_engine_says_the_cache_is_gone() {
     let gone = Arc::new(EngineHeld {
         blocks: 8,
         by_endpoint: vec![(a, Matched::default()), (b, Matched { gpu: 8, cpu: 0 })],
+        ..EngineHeld::default()
     });
     turn.engine_held = Some(Arc::clone(&gone));
     assert_eq!(
@@ -137,6 +140,7 @@ fn a_soft_session_follows_its_prompt_once_its_engine_says_the_cache_is_gone() {
     turn.engine_held = Some(Arc::new(EngineHeld {
         blocks: 8,
         by_endpoint: vec![(a, Matched::default()), (b, Matched::default())],
+        ..EngineHeld::default()
     }));
     assert_eq!(acquire_and_release(&mut r, &turn, now), b);
 }
@@ -167,11 +171,13 @@ fn a_queued_requests_holder_is_the_engine_that_says_it_holds_its_prompt() {
             (guessed, Matched::default()),
             (other, Matched { gpu: 3, cpu: 0 }),
         ],
+        ..EngineHeld::default()
     }));
     assert_eq!(holder(&r, &prompt), Some(other), "the engine's word");
     prompt.engine_held = Some(Arc::new(EngineHeld {
         blocks: 4,
         by_endpoint: vec![(guessed, Matched::default()), (other, Matched::default())],
+        ..EngineHeld::default()
     }));
     assert_eq!(holder(&r, &prompt), None, "both say they hold none");
 }

@@ -159,6 +159,7 @@ fn engines_holder(fleet: &EndpointLedger, route: &Route, now: Instant) -> Option
         .iter()
         .filter_map(|(addr, _)| Some((held.share(*addr)?, *addr)))
         .filter(|(share, _)| *share > 0.0)
+        // Equal shares: the lowest address, the same on every balancer.
         .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)))?;
     let e = fleet.endpoint_at(addr)?;
     (e.eligible(now) && e.fits(route)).then_some(e.id)

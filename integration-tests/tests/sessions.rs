@@ -270,7 +270,16 @@ async fn why_this_endpoint_is_told_only_to_whom_it_is_allowed() {
     );
 
     // The probe scores a body against the live fleet and books nothing.
-    let before = b.agents().await;
+    // (The answers above end before their slots are given back: wait.)
+    let before = wait_for(
+        "the answered requests' slots back",
+        Duration::from_secs(5),
+        || async {
+            let agents = b.agents().await;
+            (agents["in_flight_requests"] == 0).then_some(agents)
+        },
+    )
+    .await;
     let probe = |body: String| {
         let c = c.clone();
         let url = b.mgmt("/api/v1/route/probe");

@@ -32,11 +32,20 @@ impl EngineHeld {
     /// [`CPU_BLOCK_WORTH`]); `None` for an endpoint without events.
     pub fn share(&self, addr: SocketAddr) -> Option<f64> {
         let (_, m) = self.by_endpoint.iter().find(|(a, _)| *a == addr)?;
+        Some(self.share_of(m))
+    }
+
+    /// Each endpoint with events and the share of the prompt it holds.
+    pub fn shares(&self) -> impl Iterator<Item = (SocketAddr, f64)> + '_ {
+        (self.by_endpoint.iter()).map(|(addr, m)| (*addr, self.share_of(m)))
+    }
+
+    fn share_of(&self, m: &Matched) -> f64 {
         if self.blocks == 0 {
-            return Some(0.0);
+            return 0.0;
         }
         let worth = m.gpu as f64 + CPU_BLOCK_WORTH * m.cpu as f64;
-        Some((worth / self.blocks as f64).min(1.0))
+        (worth / self.blocks as f64).min(1.0)
     }
 
     /// The same with what `addr` holds matched again by `matched`; `None`

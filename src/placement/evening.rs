@@ -53,18 +53,8 @@ pub(crate) fn prompt_holder(
         return None;
     }
     let usable = |e: &&Endpoint| e.fits(route) && e.eligible(now);
-    // The engines that say what they hold (KV-cache events): the one
-    // holding the most of the prompt.
-    let engine = route.engine_held.as_ref().and_then(|held| {
-        held.by_endpoint
-            .iter()
-            .filter_map(|(addr, _)| Some((held.share(*addr)?, fleet.endpoint_at(*addr)?)))
-            .filter(|(share, e)| *share > 0.0 && usable(e))
-            .max_by(|a, b| a.0.total_cmp(&b.0))
-            .map(|(_, e)| e.id)
-    });
-    if engine.is_some() {
-        return engine;
+    if let Some(e) = engines_holder(fleet, route, now) {
+        return Some(e.id);
     }
     // Else the guess, for the endpoints without events.
     let guessed = |e: &&Endpoint| {
@@ -80,6 +70,24 @@ pub(crate) fn prompt_holder(
         .filter_map(|id| fleet.endpoint(*id))
         .find(|e| usable(e) && guessed(e))
         .map(|e| e.id)
+}
+
+/// Of the endpoints serving `route` (eligible) whose engines say what they
+/// hold (KV-cache events), the one holding the largest share of its
+/// prompt, if one holds any; equal shares: the lowest address, the same on
+/// every balancer.
+pub(crate) fn engines_holder<'f>(
+    fleet: &'f EndpointLedger,
+    route: &Route,
+    now: Instant,
+) -> Option<&'f Endpoint> {
+    let held = route.engine_held.as_ref()?;
+    held.shares()
+        .filter(|(_, share)| *share > 0.0)
+        .filter_map(|(addr, share)| Some((share, fleet.endpoint_at(addr)?)))
+        .filter(|(_, e)| e.fits(route) && e.eligible(now))
+        .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.addr.cmp(&a.1.addr)))
+        .map(|(_, e)| e)
 }
 
 /// Whether a spill of `route` from `holder` evens out the work (module

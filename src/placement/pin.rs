@@ -37,7 +37,7 @@
 
 use std::time::Instant;
 
-use crate::endpoint::{EndpointId, EndpointLedger, Route};
+use crate::endpoint::{Endpoint, EndpointId, EndpointLedger, Route};
 
 /// What stage 1 found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -79,10 +79,11 @@ pub(super) fn pin(fleet: &EndpointLedger, route: &Route, now: Instant) -> Pin {
         SessionPlace::Takes(id) => Pin::Session(id),
         SessionPlace::Saturated(id) => Pin::SessionBusy(id),
         place @ (SessionPlace::Gone | SessionPlace::None) => {
-            if let Some(id) = engines_holder(fleet, route, now) {
-                return match fleet.endpoint(id) {
-                    Some(e) if e.takes(route, now, fleet.saturation()) => Pin::Session(id),
-                    _ => Pin::SessionBusy(id),
+            if let Some(e) = conversation_holder(fleet, route, now) {
+                return if e.takes(route, now, fleet.saturation()) {
+                    Pin::Session(e.id)
+                } else {
+                    Pin::SessionBusy(e.id)
                 };
             }
             if !route.session_by_prompt && !engines_agree(fleet, route) {
@@ -138,31 +139,22 @@ fn cached_elsewhere(fleet: &EndpointLedger, route: &Route, addr: std::net::Socke
         return false;
     };
     let hard = fleet.scheduling().sessions.hard;
-    !route.waits_hard(hard)
-        && held
-            .by_endpoint
-            .iter()
-            .any(|(a, _)| held.share(*a) > Some(here))
+    !route.waits_hard(hard) && held.shares().any(|(_, share)| share > here)
 }
 
 /// For a later turn of a conversation this balancer holds no binding of
 /// (another balancer placed the turns before, or the binding ended), the
 /// endpoint whose engine says (its KV-cache events) it holds the most of
 /// the prompt: the conversation's cache, wherever the turns before went.
-fn engines_holder(fleet: &EndpointLedger, route: &Route, now: Instant) -> Option<EndpointId> {
+fn conversation_holder<'f>(
+    fleet: &'f EndpointLedger,
+    route: &Route,
+    now: Instant,
+) -> Option<&'f Endpoint> {
     if !route.continues {
         return None;
     }
-    let held = route.engine_held.as_ref()?;
-    let (_, addr) = held
-        .by_endpoint
-        .iter()
-        .filter_map(|(addr, _)| Some((held.share(*addr)?, *addr)))
-        .filter(|(share, _)| *share > 0.0)
-        // Equal shares: the lowest address, the same on every balancer.
-        .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)))?;
-    let e = fleet.endpoint_at(addr)?;
-    (e.eligible(now) && e.fits(route)).then_some(e.id)
+    super::evening::engines_holder(fleet, route, now)
 }
 
 /// Whether every endpoint that may serve `route` publishes its cache (its

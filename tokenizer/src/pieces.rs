@@ -25,6 +25,7 @@ use std::sync::{Mutex, PoisonError};
 use aho_corasick::{AhoCorasick, MatchKind};
 use tokenizers::{AddedToken, Tokenizer};
 
+use crate::words::Words;
 use crate::Unsupported;
 
 /// The most ids a text is counted to: more than any engine's prefix cache
@@ -145,7 +146,7 @@ impl Pieces {
             };
             if text.len() > MAX_PIECE_BYTES {
                 let cut = char_floor(text, MAX_PIECE_BYTES);
-                if let Some(mut new) = encode_piece(tokenizer, &text[..cut], behind)? {
+                if let Some(mut new) = encode_piece(tokenizer, cutter, &text[..cut], behind)? {
                     new.truncate(new.len().saturating_sub(CUT_WORD_IDS));
                     ids.extend_from_slice(&new);
                 }
@@ -155,7 +156,7 @@ impl Pieces {
                 ids.extend_from_slice(known);
                 continue;
             }
-            match encode_piece(tokenizer, text, behind)? {
+            match encode_piece(tokenizer, cutter, text, behind)? {
                 Some(new) => {
                     ids.extend_from_slice(&new);
                     self.generations().insert(k, new.into_boxed_slice());
@@ -194,26 +195,34 @@ pub struct Cutter {
     search: Option<AhoCorasick>,
     /// Per pattern: its id, and whether the text is cut there.
     tokens: Vec<(u32, bool)>,
+    /// A piece's words without `tokenizers`' pipeline, where that gives
+    /// its ids ([`Words`]): only if no added token can be left inside a
+    /// piece.
+    words: Option<Words>,
 }
 
 impl Cutter {
     pub fn new(tokenizer: &Tokenizer) -> Result<Self, String> {
         let vocabulary = tokenizer.get_added_vocabulary();
         let as_text = tokenizer.get_encode_special_tokens();
-        let mut added: Vec<(u32, &AddedToken)> = vocabulary
-            .get_added_tokens_decoder()
+        let all_added = vocabulary.get_added_tokens_decoder();
+        let mut added: Vec<(u32, &AddedToken)> = all_added
             .iter()
             .filter(|(_, t)| !t.normalized && !t.content.is_empty())
             .map(|(id, t)| (*id, t))
             .collect();
         added.sort_by_key(|(id, _)| *id);
-        let tokens = added
+        let tokens: Vec<(u32, bool)> = added
             .iter()
             .map(|(id, t)| {
                 let exact = !(t.lstrip || t.rstrip || t.single_word || (as_text && t.special));
                 (*id, exact)
             })
             .collect();
+        let every_one_cut = added.len()
+            == all_added.values().filter(|t| !t.content.is_empty()).count()
+            && tokens.iter().all(|(_, exact)| *exact);
+        let words = every_one_cut.then(|| Words::of(tokenizer)).flatten();
         let search = if added.is_empty() {
             None
         } else {
@@ -225,7 +234,11 @@ impl Cutter {
                     .map_err(|e| e.to_string())?,
             )
         };
-        Ok(Cutter { search, tokens })
+        Ok(Cutter {
+            search,
+            tokens,
+            words,
+        })
     }
 
     /// `text` cut at its added tokens, as the tokenizer cuts it.
@@ -263,9 +276,17 @@ impl Cutter {
 /// behind its added token does not give that token's id first.
 fn encode_piece(
     tokenizer: &Tokenizer,
+    cutter: &Cutter,
     text: &str,
     behind: Option<(&str, u32)>,
 ) -> Result<Option<Vec<u32>>, Unsupported> {
+    // A byte-level tokenizer's piece encodes the same wherever it stands.
+    if let Some(ids) = cutter
+        .words
+        .and_then(|words| words.encode(tokenizer.get_model(), text))
+    {
+        return ids.map(Some).map_err(Unsupported::Encode);
+    }
     let Some((added, id)) = behind else {
         return encode_whole(tokenizer, text).map(Some);
     };

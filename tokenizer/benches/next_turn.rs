@@ -19,7 +19,7 @@ use std::hint::black_box;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use flowgate_tokenizer::{ModelTokenizer, Tokens};
+use flowgate_tokenizer::{ModelTokenizer, Request, Tokens};
 use serde_json::{json, Value};
 
 #[global_allocator]
@@ -58,8 +58,9 @@ fn median(mut runs: Vec<Duration>) -> Duration {
     runs[runs.len() / 2]
 }
 
-fn ids(t: &ModelTokenizer, body: &Value) -> usize {
-    match t.tokens(body, usize::MAX).expect("supported") {
+fn ids(t: &ModelTokenizer, body: &[u8]) -> usize {
+    let request = Request::parse(body).expect("a request");
+    match t.tokens(&request, usize::MAX).expect("supported") {
         Tokens::Ids(ids) => black_box(ids).len(),
         Tokens::TooMuchToEncode(_) => unreachable!(),
     }
@@ -71,7 +72,7 @@ fn main() {
     let t = ModelTokenizer::from_dir(&dir).expect("the golden tokenizer");
     println!("load: {:?}", load.elapsed());
     let messages = conversation(16, 1_000);
-    let before = json!({"model": "m", "messages": messages});
+    let before = serde_json::to_vec(&json!({"model": "m", "messages": messages})).unwrap();
     // The next request: the answer (new to the balancer) and a short
     // user turn added.
     let mut messages = messages;
@@ -83,17 +84,38 @@ fn main() {
         .iter()
         .map(|m| m["content"].as_str().unwrap().len())
         .sum();
-    let count = ids(&t, &body);
+    let count = ids(&t, &sent);
     println!(
         "prompt: {} messages, {text_bytes} bytes of text, {count} ids",
         messages.len()
     );
 
+    if let Ok(what) = std::env::var("ONLY") {
+        let request = Request::parse(&sent).unwrap();
+        for _ in 0..std::env::var("N").map_or(20000, |n| n.parse().unwrap()) {
+            match what.as_str() {
+                "render" => {
+                    black_box(t.render(&request).unwrap());
+                }
+                "parse" => {
+                    black_box(Request::parse(&sent).unwrap());
+                }
+                "value" => {
+                    black_box(serde_json::from_slice::<Value>(&sent).unwrap());
+                }
+                "again" => {
+                    ids(&t, &sent);
+                }
+                _ => {}
+            }
+        }
+        return;
+    }
     let cold: Vec<Duration> = (0..200)
         .map(|_| {
             let fresh = ModelTokenizer::from_dir(&dir).unwrap();
             let at = Instant::now();
-            ids(&fresh, &body);
+            ids(&fresh, &sent);
             at.elapsed()
         })
         .collect();
@@ -102,22 +124,22 @@ fn main() {
             let fresh = ModelTokenizer::from_dir(&dir).unwrap();
             ids(&fresh, &before);
             let at = Instant::now();
-            let body: Value = serde_json::from_slice(&sent).unwrap();
-            ids(&fresh, &body);
+            ids(&fresh, &sent);
             at.elapsed()
         })
         .collect();
     let again: Vec<Duration> = (0..200)
         .map(|_| {
             let at = Instant::now();
-            ids(&t, &body);
+            ids(&t, &sent);
             at.elapsed()
         })
         .collect();
+    let request = Request::parse(&sent).unwrap();
     let render: Vec<Duration> = (0..200)
         .map(|_| {
             let at = Instant::now();
-            black_box(t.render(&body, &body["messages"]).unwrap());
+            black_box(t.render(&request).unwrap());
             at.elapsed()
         })
         .collect();

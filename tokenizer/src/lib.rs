@@ -34,9 +34,12 @@
 //! piece is cut into words here and only the words go to its BPE model
 //! ([`words`]: five times faster than `tokenizers`' whole pipeline).
 
+mod memo;
 mod pieces;
+mod request;
 mod strftime;
 mod template;
+mod texts;
 mod words;
 
 use std::path::Path;
@@ -46,7 +49,9 @@ use tokenizers::{Encoding, Token, Tokenizer};
 
 use pieces::{Cutter, Pieces};
 pub use pieces::{MAX_IDS, MAX_PIECE_BYTES};
+pub use request::Request;
 use template::ChatTemplate;
+use texts::Texts;
 
 /// Why a model's files cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -118,15 +123,8 @@ pub struct ModelTokenizer {
     around: (Vec<u32>, Vec<u32>),
     cutter: Cutter,
     pieces: Pieces,
+    texts: Texts,
 }
-
-/// Request fields that make vLLM render a chat in ways left to it.
-const ENGINE_RENDERED: [&str; 4] = [
-    "tools",
-    "documents",
-    "chat_template",
-    "continue_final_message",
-];
 
 impl ModelTokenizer {
     /// Reads a Hugging Face snapshot directory: `tokenizer.json` (needed),
@@ -186,6 +184,7 @@ impl ModelTokenizer {
             around,
             cutter,
             pieces: Pieces::default(),
+            texts: Texts::default(),
         })
     }
 
@@ -195,17 +194,21 @@ impl ModelTokenizer {
         self.template.as_ref().err().map(String::as_str)
     }
 
-    /// The token ids of a request body's prompt (module docs), or
+    /// The token ids of a request's prompt (module docs), or
     /// [`Tokens::TooMuchToEncode`] when more than `max_unremembered` of
     /// its bytes are not remembered from earlier prompts: the caller
     /// encodes that off its event loop ([`ModelTokenizer::encode_all`]).
-    pub fn tokens(&self, body: &Value, max_unremembered: usize) -> Result<Tokens, Unsupported> {
-        let (text, specials) = if let Some(messages) = body.get("messages") {
-            (std::borrow::Cow::Owned(self.render(body, messages)?), false)
+    pub fn tokens(
+        &self,
+        request: &Request,
+        max_unremembered: usize,
+    ) -> Result<Tokens, Unsupported> {
+        let (text, specials) = if request.is_chat() {
+            (std::borrow::Cow::Owned(self.render(request)?), false)
         } else {
-            match body.get("prompt") {
-                Some(Value::String(prompt)) => (std::borrow::Cow::Borrowed(prompt.as_str()), true),
-                _ => return Err(Unsupported::NoPrompt),
+            match request.prompt() {
+                Some(prompt) => (std::borrow::Cow::Borrowed(prompt), true),
+                None => return Err(Unsupported::NoPrompt),
             }
         };
         match self.encode(&text, specials, max_unremembered)? {
@@ -225,36 +228,24 @@ impl ModelTokenizer {
     }
 
     /// The chat template rendered for a request, as vLLM renders it.
-    pub fn render(&self, body: &Value, messages: &Value) -> Result<String, Unsupported> {
-        // Absent, null, false or an empty list: rendered as never sent.
-        let sent = |v: &Value| match v {
-            Value::Null | Value::Bool(false) => false,
-            Value::Array(a) => !a.is_empty(),
-            _ => true,
-        };
-        if let Some(field) = ENGINE_RENDERED
-            .into_iter()
-            .find(|f| body.get(*f).is_some_and(sent))
-        {
+    pub fn render(&self, request: &Request) -> Result<String, Unsupported> {
+        if let Some(field) = request.engine_rendered() {
             return Err(Unsupported::Field(field));
         }
         let template = self
             .template
             .as_ref()
             .map_err(|_| Unsupported::NoTemplate)?;
-        let messages = template::plain_messages(messages)?;
-        let generation_prompt = body
-            .get("add_generation_prompt")
-            .and_then(Value::as_bool)
-            .unwrap_or(true);
+        let messages = request.plain_messages(&self.texts)?;
         let empty = Map::new();
-        let kwargs = match body.get("chat_template_kwargs") {
-            Some(Value::Object(m)) => m,
-            None | Some(Value::Null) => &empty,
-            Some(_) => return Err(Unsupported::Field("chat_template_kwargs that is no object")),
-        };
+        let kwargs = request.chat_template_kwargs()?.unwrap_or(&empty);
         template
-            .render(messages, generation_prompt, kwargs)
+            .render(
+                messages,
+                request.generation_prompt(),
+                kwargs,
+                request.messages_len(),
+            )
             .map_err(Unsupported::Render)
     }
 

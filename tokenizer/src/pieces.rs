@@ -11,20 +11,17 @@
 //! precedes it (exactly as it stood) and that token's id taken off again;
 //! if it is not found there, the whole text is encoded at once instead.
 //!
-//! Remembered: up to [`IDS_PER_GENERATION`] ids in a young and an old
-//! generation; a piece found in the old one moves to the young one, and
-//! when the young one is full the old one is dropped (a bounded cache with
-//! no per-entry bookkeeping). Keys are a seeded 64-bit hash of (the
-//! preceding added token, the piece's bytes) — a collision costs a request
-//! its prefix match, nothing more.
+//! Remembered: up to [`IDS_PER_GENERATION`] ids in each of two
+//! generations ([`crate::memo`]), keyed by a seeded hash of (the preceding
+//! added token, the piece's bytes).
 
-use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::{Mutex, PoisonError};
 
 use aho_corasick::{AhoCorasick, MatchKind};
 use tokenizers::{AddedToken, Tokenizer};
 
+use crate::memo::Generations;
 use crate::words::Words;
 use crate::Unsupported;
 
@@ -45,40 +42,16 @@ const CUT_WORD_IDS: usize = 16;
 pub const IDS_PER_GENERATION: usize = 1 << 20;
 
 /// Pieces' ids remembered (module docs).
-#[derive(Default)]
 pub struct Pieces {
     hasher: foldhash::quality::RandomState,
-    generations: Mutex<Generations>,
+    generations: Mutex<Generations<Box<[u32]>>>,
 }
 
-#[derive(Default)]
-struct Generations {
-    young: HashMap<u64, Box<[u32]>, foldhash::fast::FixedState>,
-    old: HashMap<u64, Box<[u32]>, foldhash::fast::FixedState>,
-    young_ids: usize,
-}
-
-impl Generations {
-    fn get(&mut self, key: u64) -> Option<&[u32]> {
-        if !self.young.contains_key(&key) {
-            let ids = self.old.remove(&key)?;
-            self.insert(key, ids);
-        }
-        self.young.get(&key).map(|ids| &ids[..])
-    }
-
-    fn contains(&self, key: u64) -> bool {
-        self.young.contains_key(&key) || self.old.contains_key(&key)
-    }
-
-    fn insert(&mut self, key: u64, ids: Box<[u32]>) {
-        if self.young_ids + ids.len() > IDS_PER_GENERATION {
-            self.old = std::mem::take(&mut self.young);
-            self.young_ids = 0;
-        }
-        self.young_ids += ids.len();
-        if let Some(before) = self.young.insert(key, ids) {
-            self.young_ids -= before.len();
+impl Default for Pieces {
+    fn default() -> Self {
+        Pieces {
+            hasher: Default::default(),
+            generations: Mutex::new(Generations::new(IDS_PER_GENERATION)),
         }
     }
 }
@@ -178,7 +151,7 @@ impl Pieces {
         Ok(Some(ids))
     }
 
-    fn generations(&self) -> std::sync::MutexGuard<'_, Generations> {
+    fn generations(&self) -> std::sync::MutexGuard<'_, Generations<Box<[u32]>>> {
         self.generations
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -311,40 +284,4 @@ fn encode_whole(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, Unsupport
         .encode_fast(text, false)
         .map(|e| e.get_ids().to_vec())
         .map_err(|e| Unsupported::Encode(e.to_string()))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn remembered_ids_stay_within_two_generations_and_a_used_piece_survives() {
-        let mut g = Generations::default();
-        let piece = IDS_PER_GENERATION / 4;
-        g.insert(0, vec![7; piece].into());
-        for key in 1..=3 {
-            g.insert(key, vec![1; piece].into());
-        }
-        // The young generation is full: the next piece starts a new one.
-        g.insert(4, vec![1; piece].into());
-        assert!(g.contains(0) && g.young.len() == 1);
-        // Read from the old generation, piece 0 moves to the young one...
-        assert_eq!(g.get(0).map(<[u32]>::len), Some(piece));
-        for key in 5..=7 {
-            g.insert(key, vec![1; piece].into());
-        }
-        // ...so it outlives the old generation's end, which 1 does not.
-        assert!(g.contains(0) && !g.contains(1));
-        let held: usize = g
-            .young
-            .values()
-            .chain(g.old.values())
-            .map(|ids| ids.len())
-            .sum();
-        assert!(held <= 2 * IDS_PER_GENERATION);
-        // The same piece again counts once.
-        let before = g.young_ids;
-        g.insert(7, vec![1; piece].into());
-        assert_eq!(g.young_ids, before);
-    }
 }

@@ -14,8 +14,6 @@ use minijinja::value::{Kwargs, Serde};
 use minijinja::{Environment, Error, ErrorKind, Value as Jinja};
 use serde_json::{Map, Value};
 
-use crate::Unsupported;
-
 /// The template's name in its environment.
 const NAME: &str = "chat";
 /// The special tokens a template reads by name (`transformers`' special
@@ -82,11 +80,15 @@ impl ChatTemplate {
         })
     }
 
+    /// The template rendered; `expected_len`: about how long the text will
+    /// be (written into a buffer that long from the start: growing one
+    /// to a conversation's 33 KB cost a tenth of the render).
     pub fn render(
         &self,
         messages: Jinja,
         add_generation_prompt: bool,
         kwargs: &Map<String, Value>,
+        expected_len: usize,
     ) -> Result<String, String> {
         let mut context: BTreeMap<String, Jinja> = BTreeMap::new();
         for (name, token) in &self.special_tokens {
@@ -103,61 +105,12 @@ impl ChatTemplate {
             Jinja::from(add_generation_prompt),
         );
         let template = self.env.get_template(NAME).map_err(|e| e.to_string())?;
-        template.render(context).map_err(|e| e.to_string())
+        let mut text = Vec::with_capacity(expected_len);
+        template
+            .render_captured_to(context, &mut text)
+            .map_err(|e| e.to_string())?;
+        String::from_utf8(text).map_err(|e| e.to_string())
     }
-}
-
-/// The messages as the template is given them, when they are plain (see
-/// the crate's docs): a `role`, a `content` (text parts joined by
-/// newlines) and a `name`.
-pub fn plain_messages(messages: &Value) -> Result<Jinja, Unsupported> {
-    let Value::Array(messages) = messages else {
-        return Err(Unsupported::Message("a list that is no list"));
-    };
-    messages
-        .iter()
-        .map(|m| {
-            let Value::Object(m) = m else {
-                return Err(Unsupported::Message("no object"));
-            };
-            let mut plain = Vec::with_capacity(m.len());
-            for (key, v) in m {
-                let v = match (key.as_str(), v) {
-                    ("role" | "name", Value::String(s)) => Jinja::from(s.as_str()),
-                    ("content", Value::String(s)) => Jinja::from(s.as_str()),
-                    ("content", Value::Array(parts)) => Jinja::from(text_parts(parts)?),
-                    ("role", _) => return Err(Unsupported::Message("no role")),
-                    ("content", _) => return Err(Unsupported::Message("no content")),
-                    _ => {
-                        return Err(Unsupported::Message(
-                            "fields other than role, content and name",
-                        ))
-                    }
-                };
-                plain.push((key.as_str(), v));
-            }
-            if !m.contains_key("role") {
-                return Err(Unsupported::Message("no role"));
-            }
-            if !m.contains_key("content") {
-                return Err(Unsupported::Message("no content"));
-            }
-            Ok(Jinja::from_pairs(plain))
-        })
-        .collect()
-}
-
-fn text_parts(parts: &[Value]) -> Result<String, Unsupported> {
-    let texts = parts
-        .iter()
-        .map(
-            |p| match (p.get("type").and_then(Value::as_str), p.get("text")) {
-                (Some("text"), Some(Value::String(t))) => Ok(t.as_str()),
-                _ => Err(Unsupported::Message("a part that is not text")),
-            },
-        )
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(texts.join("\n"))
 }
 
 /// `tojson`, as `transformers` defines it: `json.dumps(x,

@@ -33,8 +33,19 @@ fn cases() -> Vec<Value> {
     serde_json::from_slice(&golden_file("cases.json")).unwrap()
 }
 
+/// `body`'s tokens, read from its bytes as the balancer reads them.
+fn tokens(t: &ModelTokenizer, body: &Value, max: usize) -> Result<Tokens, Unsupported> {
+    let bytes = serde_json::to_vec(body).unwrap();
+    t.tokens(&Request::parse(&bytes).unwrap(), max)
+}
+
+fn render(t: &ModelTokenizer, body: &Value) -> String {
+    let bytes = serde_json::to_vec(body).unwrap();
+    t.render(&Request::parse(&bytes).unwrap()).unwrap()
+}
+
 fn ids(t: &ModelTokenizer, body: &Value) -> Result<Vec<u32>, Unsupported> {
-    match t.tokens(body, usize::MAX)? {
+    match tokens(t, body, usize::MAX)? {
         Tokens::Ids(ids) => Ok(ids),
         Tokens::TooMuchToEncode(_) => unreachable!("no limit"),
     }
@@ -96,7 +107,7 @@ fn a_prompt_gets_what_the_post_processor_adds_a_chat_does_not() {
 fn a_long_new_completion_prompt_left_unencoded_keeps_its_special_tokens() {
     let t = golden("llama");
     let body = json!({ "prompt": "the water and the farm ".repeat(200) });
-    let Tokens::TooMuchToEncode(unencoded) = t.tokens(&body, 100).unwrap() else {
+    let Tokens::TooMuchToEncode(unencoded) = tokens(&t, &body, 100).unwrap() else {
         panic!("more than 100 new bytes encoded");
     };
     // Encoded first off the loop, then from memory: the same ids, the
@@ -113,7 +124,7 @@ fn a_conversations_next_turn_encodes_only_what_it_added() {
     let long = "the water and the farm ".repeat(200);
     let mut messages = vec![json!({"role": "user", "content": long})];
     let first = json!({ "messages": messages });
-    let Tokens::TooMuchToEncode(unencoded) = t.tokens(&first, 100).unwrap() else {
+    let Tokens::TooMuchToEncode(unencoded) = tokens(&t, &first, 100).unwrap() else {
         panic!("more than 100 new bytes encoded");
     };
     let first_ids = ids(&t, &first).unwrap();
@@ -123,13 +134,13 @@ fn a_conversations_next_turn_encodes_only_what_it_added() {
     messages.push(json!({"role": "user", "content": "and then?"}));
     let next = json!({ "messages": messages });
     // Only the two new turns are encoded (well under 100 bytes).
-    let Tokens::Ids(next_ids) = t.tokens(&next, 100).unwrap() else {
+    let Tokens::Ids(next_ids) = tokens(&t, &next, 100).unwrap() else {
         panic!("the first turn was not remembered");
     };
     assert_eq!(
         next_ids,
         t.tokenizer
-            .encode_fast(t.render(&next, &next["messages"]).unwrap(), false)
+            .encode_fast(render(&t, &next), false)
             .unwrap()
             .get_ids()
     );
@@ -145,7 +156,7 @@ fn what_the_engine_renders_its_own_way_is_left_to_it() {
     let with = |field: &str, v: Value| {
         let mut body = json!({ "messages": user });
         body[field] = v;
-        t.tokens(&body, usize::MAX).unwrap_err()
+        tokens(&t, &body, usize::MAX).unwrap_err()
     };
     assert_eq!(
         with("tools", json!([{"type": "function"}])),
@@ -168,10 +179,7 @@ fn what_the_engine_renders_its_own_way_is_left_to_it() {
     let absent =
         json!({"messages": user, "tools": [], "documents": null, "continue_final_message": false});
     assert_eq!(ids(&t, &absent).unwrap(), plain);
-    let message = |m: Value| {
-        t.tokens(&json!({ "messages": [m] }), usize::MAX)
-            .unwrap_err()
-    };
+    let message = |m: Value| tokens(&t, &json!({ "messages": [m] }), usize::MAX).unwrap_err();
     assert!(matches!(
         message(json!({"role": "assistant", "content": null, "tool_calls": []})),
         Unsupported::Message(_)
@@ -187,11 +195,11 @@ fn what_the_engine_renders_its_own_way_is_left_to_it() {
         Unsupported::Message(_)
     ));
     assert_eq!(
-        t.tokens(&json!({"prompt": [1, 2, 3]}), 0).unwrap_err(),
+        tokens(&t, &json!({"prompt": [1, 2, 3]}), 0).unwrap_err(),
         Unsupported::NoPrompt
     );
     assert_eq!(
-        t.tokens(&json!({"input": "x"}), 0).unwrap_err(),
+        tokens(&t, &json!({"input": "x"}), 0).unwrap_err(),
         Unsupported::NoPrompt
     );
 }
@@ -201,7 +209,7 @@ fn a_template_that_raises_or_is_missing_leaves_chats_to_the_engine() {
     let llama = golden("llama");
     let twice =
         json!({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]});
-    match llama.tokens(&twice, usize::MAX) {
+    match tokens(&llama, &twice, usize::MAX) {
         Err(Unsupported::Render(why)) => assert!(why.contains("alternate"), "{why}"),
         other => panic!("{other:?}"),
     }
@@ -209,7 +217,10 @@ fn a_template_that_raises_or_is_missing_leaves_chats_to_the_engine() {
     let bare = ModelTokenizer::from_parts(&tokenizer_json, None, None).unwrap();
     assert!(bare.template_problem().is_some());
     let chat = json!({"messages": [{"role": "user", "content": "a"}]});
-    assert_eq!(bare.tokens(&chat, 0).unwrap_err(), Unsupported::NoTemplate);
+    assert_eq!(
+        tokens(&bare, &chat, 0).unwrap_err(),
+        Unsupported::NoTemplate
+    );
     assert!(ids(&bare, &json!({"prompt": "still encoded"})).is_ok());
     let unreadable =
         ModelTokenizer::from_parts(&tokenizer_json, None, Some("{% generation %}".into())).unwrap();
@@ -246,7 +257,7 @@ fn python_json_spacing_and_non_ascii_are_kept() {
     let mut kwargs = serde_json::Map::new();
     kwargs.insert("x".into(), json!({"a": [1, "é\n"], "b": {}}));
     assert_eq!(
-        t.render(Jinja::from(Vec::<Jinja>::new()), false, &kwargs).unwrap(),
+        t.render(Jinja::from(Vec::<Jinja>::new()), false, &kwargs, 0).unwrap(),
         "{\"a\": [1, \"é\\n\"], \"b\": {}}|{\n  \"a\": [\n    1,\n    \"é\\n\"\n  ],\n  \"b\": {}\n}"
     );
 }
@@ -286,7 +297,7 @@ fn a_huge_message_is_encoded_to_a_bound_its_ids_a_prefix_of_the_whole() {
     let t = golden("chatml");
     let huge = "the water é ".repeat(MAX_PIECE_BYTES / 10);
     assert!(huge.len() > MAX_PIECE_BYTES);
-    let Tokens::Ids(ids) = t.tokens(&json!({ "prompt": huge }), usize::MAX).unwrap() else {
+    let Tokens::Ids(ids) = tokens(&t, &json!({ "prompt": huge }), usize::MAX).unwrap() else {
         unreachable!()
     };
     assert!(ids.len() <= MAX_IDS);

@@ -520,29 +520,35 @@ impl FleetGate {
         body: &[u8],
         (addr, block_size): (SocketAddr, u32),
     ) -> Option<Arc<EngineHeld>> {
-        let body: serde_json::Value = serde_json::from_slice(body).ok()?;
-        let tokens: Arc<[u32]> = match self.tokenizers.tokens(model, &body).await {
-            Ok(ids) => {
-                self.metrics.prompt_tokenized("tokenizer", "");
-                ids.into()
-            }
-            Err(why) => match self.engine_tokens.of(addr, &body).await {
-                Some(tokens) => {
-                    self.metrics.prompt_tokenized("engine", why);
-                    tokens
+        let (tokens, salt): (Arc<[u32]>, Option<String>) =
+            match self.tokenizers.tokens(model, body).await {
+                Ok((ids, salt)) => {
+                    self.metrics.prompt_tokenized("tokenizer", "");
+                    (ids.into(), salt)
                 }
-                None => {
-                    self.metrics.prompt_tokenized("none", why);
-                    return None;
+                Err(why) => {
+                    let body: serde_json::Value = serde_json::from_slice(body).ok()?;
+                    let salt = body.get("cache_salt").and_then(serde_json::Value::as_str);
+                    let salt = salt.map(str::to_string);
+                    match self.engine_tokens.of(addr, &body).await {
+                        Some(tokens) => {
+                            self.metrics.prompt_tokenized("engine", why);
+                            (tokens, salt)
+                        }
+                        None => {
+                            self.metrics.prompt_tokenized("none", why);
+                            return None;
+                        }
+                    }
                 }
-            },
-        };
-        let salt = body.get("cache_salt").and_then(serde_json::Value::as_str);
+            };
         // A prompt shorter than a block matches nothing anywhere.
         if tokens.len() < block_size as usize {
             return None;
         }
-        let held = self.blocks.held_of(model, &tokens, block_size, salt);
+        let held = self
+            .blocks
+            .held_of(model, &tokens, block_size, salt.as_deref());
         Some(Arc::new(held))
     }
 

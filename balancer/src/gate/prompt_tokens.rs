@@ -10,8 +10,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use flowgate_tokenizer::{ModelTokenizer, Tokens};
-use serde_json::Value;
+use flowgate_tokenizer::{ModelTokenizer, Request, Tokens};
 
 /// Bytes of a prompt not yet remembered that are encoded on the event
 /// loop (about 500 tokens: well under a millisecond); a request with more
@@ -62,12 +61,27 @@ impl Tokenizers {
         })
     }
 
-    /// The tokens of the prompt in `body`, or why the balancer cannot
-    /// count them (a label of `flowgate_prompt_tokenizations_total`).
-    /// At most [`flowgate_tokenizer::MAX_IDS`], as of an engine's answer.
-    pub async fn tokens(&self, model: &str, body: &Value) -> Result<Vec<u32>, &'static str> {
+    /// The tokens of the prompt in the request `body`, and its
+    /// `cache_salt`; or why the balancer cannot count them (a label of
+    /// `flowgate_prompt_tokenizations_total`). At most
+    /// [`flowgate_tokenizer::MAX_IDS`], as of an engine's answer.
+    pub async fn tokens(
+        &self,
+        model: &str,
+        body: &[u8],
+    ) -> Result<(Vec<u32>, Option<String>), &'static str> {
         let tokenizer = self.by_model.get(model).ok_or("no_tokenizer")?;
-        match tokenizer.tokens(body, INLINE_BYTES) {
+        let request = Request::parse(body).map_err(|_| "body")?;
+        let salt = request.cache_salt().map(str::to_string);
+        self.ids(tokenizer, &request).await.map(|ids| (ids, salt))
+    }
+
+    async fn ids(
+        &self,
+        tokenizer: &Arc<ModelTokenizer>,
+        request: &Request<'_>,
+    ) -> Result<Vec<u32>, &'static str> {
+        match tokenizer.tokens(request, INLINE_BYTES) {
             Ok(Tokens::Ids(ids)) => Ok(ids),
             Ok(Tokens::TooMuchToEncode(prompt)) => {
                 let Ok(turn) = Arc::clone(&self.off_loop).try_acquire_owned() else {
@@ -93,7 +107,7 @@ impl Tokenizers {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::{json, Value};
 
     fn chatml() -> Tokenizers {
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tokenizer/golden/chatml");
@@ -103,19 +117,28 @@ mod tests {
     #[tokio::test]
     async fn long_new_prompts_go_off_the_loop_while_a_turn_is_free_else_to_the_engine() {
         let mut t = chatml();
-        let long = json!({"messages": [{"role": "user", "content": "the farm ".repeat(1_000)}]});
-        let short = json!({"messages": [{"role": "user", "content": "hi"}]});
+        let json = |v: Value| serde_json::to_vec(&v).unwrap();
+        let long =
+            json(json!({"messages": [{"role": "user", "content": "the farm ".repeat(1_000)}]}));
+        let short = json(json!({"messages": [{"role": "user", "content": "hi"}]}));
         assert_eq!(t.tokens("other", &short).await, Err("no_tokenizer"));
         t.off_loop = Arc::new(tokio::sync::Semaphore::new(0));
         // Short enough for the event loop: no turn needed.
         assert!(t.tokens("m", &short).await.is_ok());
         assert_eq!(t.tokens("m", &long).await, Err("busy"));
         t.off_loop.add_permits(1);
-        let ids = t.tokens("m", &long).await.unwrap();
+        let (ids, _) = t.tokens("m", &long).await.unwrap();
         assert!(ids.len() > 1_000);
         // The turn is given back.
         assert_eq!(t.off_loop.available_permits(), 1);
-        let tools = json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{}]});
+        let tools = json(json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}));
         assert_eq!(t.tokens("m", &tools).await, Err("field"));
+        // The salt comes with the ids; a body that is no request is refused.
+        let salted = json(json!({"prompt": "hi", "cache_salt": "s"}));
+        assert_eq!(
+            t.tokens("m", &salted).await.unwrap().1.as_deref(),
+            Some("s")
+        );
+        assert_eq!(t.tokens("m", b"[1]").await, Err("body"));
     }
 }

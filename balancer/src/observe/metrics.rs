@@ -240,8 +240,8 @@ impl Metrics {
                         "Prompts matched against the blocks engines report, by who counted \
                      their tokens (tokenizer: the balancer's own, engine: the engine's \
                      /tokenize, none: neither in time) and why the balancer's own did not \
-                     (no_tokenizer, no_template, field, message, no_prompt, render, encode, busy: \
-                     its encodes off the event loop all taken)",
+                     (no_tokenizer, body: no request object, no_template, field, message, \
+                     no_prompt, render, encode, busy: its encodes off the event loop all taken)",
                     ),
                     &["by", "reason"],
                 ),

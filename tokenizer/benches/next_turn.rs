@@ -90,27 +90,6 @@ fn main() {
         messages.len()
     );
 
-    if let Ok(what) = std::env::var("ONLY") {
-        let request = Request::parse(&sent).unwrap();
-        for _ in 0..std::env::var("N").map_or(20000, |n| n.parse().unwrap()) {
-            match what.as_str() {
-                "render" => {
-                    black_box(t.render(&request).unwrap());
-                }
-                "parse" => {
-                    black_box(Request::parse(&sent).unwrap());
-                }
-                "value" => {
-                    black_box(serde_json::from_slice::<Value>(&sent).unwrap());
-                }
-                "again" => {
-                    ids(&t, &sent);
-                }
-                _ => {}
-            }
-        }
-        return;
-    }
     let cold: Vec<Duration> = (0..200)
         .map(|_| {
             let fresh = ModelTokenizer::from_dir(&dir).unwrap();

@@ -22,6 +22,9 @@ use crate::Unsupported;
 pub const TEXT_BYTES_PER_GENERATION: usize = 8 << 20;
 /// Contents shorter than this are read again rather than looked up.
 const REMEMBERED_FROM: usize = 256;
+/// Nor is a content longer than this remembered: one huge message would
+/// push every conversation's turns out of the memo.
+const REMEMBERED_TO: usize = TEXT_BYTES_PER_GENERATION / 16;
 
 impl Weight for Jinja {
     fn weight(&self) -> usize {
@@ -54,7 +57,7 @@ impl Texts {
             Some(b'[') => return text_parts(json),
             _ => return Err(Unsupported::Message("no content")),
         }
-        if json.len() < REMEMBERED_FROM {
+        if !(REMEMBERED_FROM..=REMEMBERED_TO).contains(&json.len()) {
             return string(json);
         }
         let key = self.hasher.hash_one(json.as_bytes());
@@ -115,9 +118,12 @@ mod tests {
         // Found again: the same text, nothing more remembered.
         assert_eq!(texts.content(&long).unwrap(), first);
         assert_eq!(texts.generations().held(), 1);
-        // A short one is read each time, never remembered.
+        // A short one is read each time, never remembered; nor a huge one.
         let short = texts.content(&raw(serde_json::json!("hi"))).unwrap();
         assert_eq!(short.as_str(), Some("hi"));
+        let huge = "x".repeat(REMEMBERED_TO + 1);
+        let read = texts.content(&raw(serde_json::json!(huge))).unwrap();
+        assert_eq!(read.as_str().map(str::len), Some(huge.len()));
         assert_eq!(texts.generations().held(), 1);
         assert_eq!(
             texts.content(&raw(serde_json::json!(3))),

@@ -113,7 +113,9 @@ pub(crate) fn prompt_bytes(
 ) -> Vec<u8> {
     let bytes = serde_json::to_vec(body).unwrap_or_default();
     let request = flowgate_tokenizer::Request::parse(&bytes);
-    let counted = tokenizer.zip(request.ok()).map(|(t, r)| t.tokens(&r, usize::MAX));
+    let counted = tokenizer
+        .zip(request.ok())
+        .map(|(t, r)| t.tokens(&r, usize::MAX));
     match counted {
         Some(Ok(flowgate_tokenizer::Tokens::Ids(ids))) => {
             ids.iter().flat_map(|id| id.to_le_bytes()).collect()

@@ -106,6 +106,10 @@ impl Pieces {
             }
         }
         let mut ids = Vec::with_capacity((whole.len() / 3).min(MAX_IDS));
+        // Held while pieces are found, let go while one is encoded: a
+        // conversation's next turn takes the lock a few times, not once a
+        // piece.
+        let mut held = Some(self.generations());
         for (piece, &k) in pieces.iter().zip(&keys) {
             if ids.len() >= MAX_IDS {
                 break;
@@ -118,6 +122,7 @@ impl Pieces {
                 Piece::Text { text, behind } => (text, behind),
             };
             if text.len() > MAX_PIECE_BYTES {
+                drop(held.take());
                 let cut = char_floor(text, MAX_PIECE_BYTES);
                 if let Some(mut new) = encode_piece(tokenizer, cutter, &text[..cut], behind)? {
                     new.truncate(new.len().saturating_sub(CUT_WORD_IDS));
@@ -125,14 +130,17 @@ impl Pieces {
                 }
                 break;
             }
-            if let Some(known) = self.generations().get(k) {
+            let generations = held.get_or_insert_with(|| self.generations());
+            if let Some(known) = generations.get(k) {
                 ids.extend_from_slice(known);
                 continue;
             }
+            drop(held.take());
             match encode_piece(tokenizer, cutter, text, behind)? {
                 Some(new) => {
                     ids.extend_from_slice(&new);
-                    self.generations().insert(k, new.into_boxed_slice());
+                    let generations = held.insert(self.generations());
+                    generations.insert(k, new.into_boxed_slice());
                 }
                 // The piece does not encode on its own as it does in the
                 // text (module docs): the whole text, remembering nothing.

@@ -23,7 +23,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
-use crate::texts::Texts;
+use crate::texts::{Reader, Texts};
 use crate::Unsupported;
 
 /// What a request body says of its prompt.
@@ -117,7 +117,8 @@ impl<'a> Request<'a> {
     /// `role`, a `content` (text parts joined by newlines) and a `name`.
     pub(crate) fn plain_messages(&self, texts: &Texts) -> Result<Jinja, Unsupported> {
         let messages = self.messages.as_deref().unwrap_or_default();
-        messages.iter().map(|m| m.plain(texts)).collect()
+        let mut reader = texts.reader();
+        messages.iter().map(|m| m.plain(&mut reader)).collect()
     }
 }
 
@@ -230,7 +231,7 @@ struct Message<'a> {
 }
 
 impl Message<'_> {
-    fn plain(&self, texts: &Texts) -> Result<Jinja, Unsupported> {
+    fn plain(&self, texts: &mut Reader) -> Result<Jinja, Unsupported> {
         if let Some(why) = self.not_plain {
             return Err(Unsupported::Message(why));
         }

@@ -8,7 +8,7 @@
 //! two generations per model).
 
 use std::hash::BuildHasher;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use minijinja::Value as Jinja;
 use serde_json::value::RawValue;
@@ -48,9 +48,32 @@ impl Default for Texts {
 }
 
 impl Texts {
+    /// Reads a request's contents one after another, taking the memo's
+    /// lock once for all of them (let go only while a new one is read).
+    pub fn reader(&self) -> Reader<'_> {
+        Reader {
+            texts: self,
+            held: None,
+        }
+    }
+
+    fn generations(&self) -> MutexGuard<'_, Generations<Jinja>> {
+        self.generations
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// See [`Texts::reader`].
+pub struct Reader<'t> {
+    texts: &'t Texts,
+    held: Option<MutexGuard<'t, Generations<Jinja>>>,
+}
+
+impl Reader<'_> {
     /// A message's `content` as the template reads it: a string, or text
     /// parts joined by newlines (vLLM's "string" content format).
-    pub fn content(&self, raw: &RawValue) -> Result<Jinja, Unsupported> {
+    pub fn content(&mut self, raw: &RawValue) -> Result<Jinja, Unsupported> {
         let json = raw.get();
         match json.as_bytes().first() {
             Some(b'"') => {}
@@ -60,19 +83,17 @@ impl Texts {
         if !(REMEMBERED_FROM..=REMEMBERED_TO).contains(&json.len()) {
             return string(json);
         }
-        let key = self.hasher.hash_one(json.as_bytes());
-        if let Some(known) = self.generations().get(key) {
+        let texts = self.texts;
+        let key = texts.hasher.hash_one(json.as_bytes());
+        let generations = self.held.get_or_insert_with(|| texts.generations());
+        if let Some(known) = generations.get(key) {
             return Ok(known.clone());
         }
+        drop(self.held.take());
         let text = string(json)?;
-        self.generations().insert(key, text.clone());
+        let generations = self.held.insert(texts.generations());
+        generations.insert(key, text.clone());
         Ok(text)
-    }
-
-    fn generations(&self) -> std::sync::MutexGuard<'_, Generations<Jinja>> {
-        self.generations
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -108,25 +129,26 @@ mod tests {
     #[test]
     fn a_long_content_is_read_once_and_its_text_shared_after() {
         let texts = Texts::default();
+        let read = |raw: &RawValue| texts.reader().content(raw);
         let long = raw(serde_json::json!("a line\n\"quoted\" é ".repeat(20)));
-        let first = texts.content(&long).unwrap();
+        let first = read(&long).unwrap();
         assert_eq!(
             first.as_str(),
             Some("a line\n\"quoted\" é ".repeat(20).as_str())
         );
         assert_eq!(texts.generations().held(), 1);
         // Found again: the same text, nothing more remembered.
-        assert_eq!(texts.content(&long).unwrap(), first);
+        assert_eq!(read(&long).unwrap(), first);
         assert_eq!(texts.generations().held(), 1);
         // A short one is read each time, never remembered; nor a huge one.
-        let short = texts.content(&raw(serde_json::json!("hi"))).unwrap();
+        let short = read(&raw(serde_json::json!("hi"))).unwrap();
         assert_eq!(short.as_str(), Some("hi"));
         let huge = "x".repeat(REMEMBERED_TO + 1);
-        let read = texts.content(&raw(serde_json::json!(huge))).unwrap();
-        assert_eq!(read.as_str().map(str::len), Some(huge.len()));
+        let whole = read(&raw(serde_json::json!(huge))).unwrap();
+        assert_eq!(whole.as_str().map(str::len), Some(huge.len()));
         assert_eq!(texts.generations().held(), 1);
         assert_eq!(
-            texts.content(&raw(serde_json::json!(3))),
+            read(&raw(serde_json::json!(3))),
             Err(Unsupported::Message("no content"))
         );
     }

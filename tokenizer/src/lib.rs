@@ -108,7 +108,8 @@ pub enum Tokens {
 /// event loop, without rendering it again.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Unencoded {
-    text: String,
+    /// UTF-8, checked where encoded.
+    text: Vec<u8>,
     /// Whether the post-processor's special tokens are added (a
     /// completion's prompt; a chat's template writes its own).
     specials: bool,
@@ -204,10 +205,10 @@ impl ModelTokenizer {
         max_unremembered: usize,
     ) -> Result<Tokens, Unsupported> {
         let (text, specials) = if request.is_chat() {
-            (std::borrow::Cow::Owned(self.render(request)?), false)
+            (std::borrow::Cow::Owned(self.rendered(request)?), false)
         } else {
             match request.prompt() {
-                Some(prompt) => (std::borrow::Cow::Borrowed(prompt), true),
+                Some(prompt) => (std::borrow::Cow::Borrowed(prompt.as_bytes()), true),
                 None => return Err(Unsupported::NoPrompt),
             }
         };
@@ -229,6 +230,11 @@ impl ModelTokenizer {
 
     /// The chat template rendered for a request, as vLLM renders it.
     pub fn render(&self, request: &Request) -> Result<String, Unsupported> {
+        String::from_utf8(self.rendered(request)?).map_err(|e| Unsupported::Render(e.to_string()))
+    }
+
+    /// [`ModelTokenizer::render`]'s text as UTF-8 bytes, not checked.
+    fn rendered(&self, request: &Request) -> Result<Vec<u8>, Unsupported> {
         if let Some(field) = request.engine_rendered() {
             return Err(Unsupported::Field(field));
         }
@@ -253,7 +259,7 @@ impl ModelTokenizer {
     /// remembered.
     fn encode(
         &self,
-        text: &str,
+        text: &[u8],
         specials: bool,
         max: usize,
     ) -> Result<Option<Vec<u32>>, Unsupported> {

@@ -63,8 +63,8 @@ enum Piece<'t> {
     /// Text between added tokens; `behind`: the added token before it
     /// (`None` for the text's first piece).
     Text {
-        text: &'t str,
-        behind: Option<(&'t str, u32)>,
+        text: &'t [u8],
+        behind: Option<(&'t [u8], u32)>,
     },
 }
 
@@ -75,7 +75,7 @@ impl Pieces {
         &self,
         tokenizer: &Tokenizer,
         cutter: &Cutter,
-        whole: &str,
+        whole: &[u8],
         max: usize,
     ) -> Result<Option<Vec<u32>>, Unsupported> {
         let pieces = cutter.cut(whole);
@@ -85,7 +85,7 @@ impl Pieces {
             .map(|p| match p {
                 Piece::Text { text, behind } => self
                     .hasher
-                    .hash_one((behind.map_or(u32::MAX, |(_, id)| id), text.as_bytes())),
+                    .hash_one((behind.map_or(u32::MAX, |(_, id)| id), text)),
                 Piece::Added(_) => 0,
             })
             .collect();
@@ -146,7 +146,7 @@ impl Pieces {
                 // text (module docs): the whole text, remembering nothing.
                 None => {
                     let end = char_floor(whole, MAX_PIECE_BYTES);
-                    let mut ids = encode_whole(tokenizer, &whole[..end])?;
+                    let mut ids = encode_whole(tokenizer, utf8(&whole[..end])?)?;
                     if end < whole.len() {
                         ids.truncate(ids.len().saturating_sub(CUT_WORD_IDS));
                     }
@@ -223,7 +223,7 @@ impl Cutter {
     }
 
     /// `text` cut at its added tokens, as the tokenizer cuts it.
-    fn cut<'t>(&self, text: &'t str) -> Vec<Piece<'t>> {
+    fn cut<'t>(&self, text: &'t [u8]) -> Vec<Piece<'t>> {
         let mut pieces = Vec::new();
         let mut behind = None;
         let mut from = 0;
@@ -258,9 +258,10 @@ impl Cutter {
 fn encode_piece(
     tokenizer: &Tokenizer,
     cutter: &Cutter,
-    text: &str,
-    behind: Option<(&str, u32)>,
+    text: &[u8],
+    behind: Option<(&[u8], u32)>,
 ) -> Result<Option<Vec<u32>>, Unsupported> {
+    let text = utf8(text)?;
     // A byte-level tokenizer's piece encodes the same wherever it stands.
     if let Some(ids) = cutter
         .words
@@ -271,20 +272,28 @@ fn encode_piece(
     let Some((added, id)) = behind else {
         return encode_whole(tokenizer, text).map(Some);
     };
-    let ids = encode_whole(tokenizer, &format!("{added}{text}"))?;
+    let ids = encode_whole(tokenizer, &format!("{}{text}", utf8(added)?))?;
     Ok(match ids.split_first() {
         Some((first, rest)) if *first == id => Some(rest.to_vec()),
         _ => None,
     })
 }
 
-/// The last char boundary of `text` at or before `at`.
-fn char_floor(text: &str, at: usize) -> usize {
+/// The last char boundary of UTF-8 `text` at or before `at`: not inside
+/// a character's continuation bytes.
+fn char_floor(text: &[u8], at: usize) -> usize {
     let mut at = at.min(text.len());
-    while !text.is_char_boundary(at) {
+    while at < text.len() && (0x80..0xc0).contains(&text[at]) {
         at -= 1;
     }
     at
+}
+
+/// A piece as text. The texts cut here are a template's output or a
+/// request's prompt, UTF-8 both; they are checked only where encoded, so
+/// that a conversation's remembered turns are never read twice.
+fn utf8(text: &[u8]) -> Result<&str, Unsupported> {
+    std::str::from_utf8(text).map_err(|e| Unsupported::Encode(e.to_string()))
 }
 
 fn encode_whole(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, Unsupported> {

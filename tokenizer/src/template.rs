@@ -80,16 +80,18 @@ impl ChatTemplate {
         })
     }
 
-    /// The template rendered; `expected_len`: about how long the text will
-    /// be (written into a buffer that long from the start: growing one
-    /// to a conversation's 33 KB cost a tenth of the render).
+    /// The template rendered, as UTF-8 (minijinja writes only text; it is
+    /// checked where it is encoded, [`crate::pieces`]); `expected_len`:
+    /// about how long the text will be (written into a buffer that long
+    /// from the start: growing one to a conversation's 33 KB cost a tenth
+    /// of the render).
     pub fn render(
         &self,
         messages: Jinja,
         add_generation_prompt: bool,
         kwargs: &Map<String, Value>,
         expected_len: usize,
-    ) -> Result<String, String> {
+    ) -> Result<Vec<u8>, String> {
         let mut context: BTreeMap<String, Jinja> = BTreeMap::new();
         for (name, token) in &self.special_tokens {
             context.insert((*name).to_string(), Jinja::from(token.as_str()));
@@ -109,7 +111,7 @@ impl ChatTemplate {
         template
             .render_captured_to(context, &mut text)
             .map_err(|e| e.to_string())?;
-        String::from_utf8(text).map_err(|e| e.to_string())
+        Ok(text)
     }
 }
 

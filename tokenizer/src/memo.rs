@@ -5,6 +5,8 @@
 //! collision costs a request its prefix match, nothing more.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasher, Hash};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 /// What a value costs the memo's budget.
 pub trait Weight {
@@ -14,6 +16,70 @@ pub trait Weight {
 impl Weight for Box<[u32]> {
     fn weight(&self) -> usize {
         self.len()
+    }
+}
+
+/// A memo: its generations behind a lock, and the seed of its keys.
+pub struct Memo<V> {
+    hasher: foldhash::quality::RandomState,
+    generations: Mutex<Generations<V>>,
+}
+
+impl<V: Weight> Memo<V> {
+    /// A memo holding up to `budget` weight in each generation.
+    pub fn new(budget: usize) -> Self {
+        Memo {
+            hasher: Default::default(),
+            generations: Mutex::new(Generations::new(budget)),
+        }
+    }
+
+    /// The key of a value made from `of`.
+    pub fn key(&self, of: impl Hash) -> u64 {
+        self.hasher.hash_one(of)
+    }
+
+    pub fn lock(&self) -> MutexGuard<'_, Generations<V>> {
+        self.generations
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Lookups of one request, which take the lock once for all of them
+    /// and let go of it only while a value not found is made: a
+    /// conversation's next turn takes it a few times, not once a piece.
+    pub fn held(&self) -> Held<'_, V> {
+        Held {
+            memo: self,
+            guard: None,
+        }
+    }
+}
+
+/// See [`Memo::held`].
+pub struct Held<'m, V> {
+    memo: &'m Memo<V>,
+    guard: Option<MutexGuard<'m, Generations<V>>>,
+}
+
+impl<V: Weight> Held<'_, V> {
+    pub fn key(&self, of: impl Hash) -> u64 {
+        self.memo.key(of)
+    }
+
+    pub fn get(&mut self, key: u64) -> Option<&V> {
+        let memo = self.memo;
+        self.guard.get_or_insert_with(|| memo.lock()).get(key)
+    }
+
+    /// Lets go of the lock, before a value not found is made.
+    pub fn release(&mut self) {
+        self.guard = None;
+    }
+
+    pub fn insert(&mut self, key: u64, v: V) {
+        let memo = self.memo;
+        self.guard.get_or_insert_with(|| memo.lock()).insert(key, v);
     }
 }
 

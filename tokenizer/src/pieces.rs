@@ -15,13 +15,10 @@
 //! generations ([`crate::memo`]), keyed by a seeded hash of (the preceding
 //! added token, the piece's bytes).
 
-use std::hash::BuildHasher;
-use std::sync::{Mutex, PoisonError};
-
 use aho_corasick::{AhoCorasick, MatchKind};
 use tokenizers::{AddedToken, Tokenizer};
 
-use crate::memo::Generations;
+use crate::memo::Memo;
 use crate::words::Words;
 use crate::Unsupported;
 
@@ -43,15 +40,13 @@ pub const IDS_PER_GENERATION: usize = 1 << 20;
 
 /// Pieces' ids remembered (module docs).
 pub struct Pieces {
-    hasher: foldhash::quality::RandomState,
-    generations: Mutex<Generations<Box<[u32]>>>,
+    memo: Memo<Box<[u32]>>,
 }
 
 impl Default for Pieces {
     fn default() -> Self {
         Pieces {
-            hasher: Default::default(),
-            generations: Mutex::new(Generations::new(IDS_PER_GENERATION)),
+            memo: Memo::new(IDS_PER_GENERATION),
         }
     }
 }
@@ -83,14 +78,14 @@ impl Pieces {
         let keys: Vec<u64> = pieces
             .iter()
             .map(|p| match p {
-                Piece::Text { text, behind } => self
-                    .hasher
-                    .hash_one((behind.map_or(u32::MAX, |(_, id)| id), text)),
+                Piece::Text { text, behind } => {
+                    (self.memo).key((behind.map_or(u32::MAX, |(_, id)| id), text))
+                }
                 Piece::Added(_) => 0,
             })
             .collect();
         if max < usize::MAX {
-            let generations = self.generations();
+            let generations = self.memo.lock();
             let unremembered: usize = pieces
                 .iter()
                 .zip(&keys)
@@ -106,10 +101,7 @@ impl Pieces {
             }
         }
         let mut ids = Vec::with_capacity((whole.len() / 3).min(MAX_IDS));
-        // Held while pieces are found, let go while one is encoded: a
-        // conversation's next turn takes the lock a few times, not once a
-        // piece.
-        let mut held = Some(self.generations());
+        let mut held = self.memo.held();
         for (piece, &k) in pieces.iter().zip(&keys) {
             if ids.len() >= MAX_IDS {
                 break;
@@ -122,7 +114,7 @@ impl Pieces {
                 Piece::Text { text, behind } => (text, behind),
             };
             if text.len() > MAX_PIECE_BYTES {
-                drop(held.take());
+                held.release();
                 let cut = char_floor(text, MAX_PIECE_BYTES);
                 if let Some(mut new) = encode_piece(tokenizer, cutter, &text[..cut], behind)? {
                     new.truncate(new.len().saturating_sub(CUT_WORD_IDS));
@@ -130,17 +122,15 @@ impl Pieces {
                 }
                 break;
             }
-            let generations = held.get_or_insert_with(|| self.generations());
-            if let Some(known) = generations.get(k) {
+            if let Some(known) = held.get(k) {
                 ids.extend_from_slice(known);
                 continue;
             }
-            drop(held.take());
+            held.release();
             match encode_piece(tokenizer, cutter, text, behind)? {
                 Some(new) => {
                     ids.extend_from_slice(&new);
-                    let generations = held.insert(self.generations());
-                    generations.insert(k, new.into_boxed_slice());
+                    held.insert(k, new.into_boxed_slice());
                 }
                 // The piece does not encode on its own as it does in the
                 // text (module docs): the whole text, remembering nothing.
@@ -157,12 +147,6 @@ impl Pieces {
         }
         ids.truncate(MAX_IDS);
         Ok(Some(ids))
-    }
-
-    fn generations(&self) -> std::sync::MutexGuard<'_, Generations<Box<[u32]>>> {
-        self.generations
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
     }
 }
 

@@ -7,14 +7,11 @@
 //! ([`crate::memo`]: up to [`TEXT_BYTES_PER_GENERATION`] bytes in each of
 //! two generations per model).
 
-use std::hash::BuildHasher;
-use std::sync::{Mutex, MutexGuard, PoisonError};
-
 use minijinja::Value as Jinja;
 use serde_json::value::RawValue;
 use serde_json::Value;
 
-use crate::memo::{Generations, Weight};
+use crate::memo::{Held, Memo, Weight};
 use crate::Unsupported;
 
 /// Text remembered per generation: a few hundred conversations of 8k
@@ -34,15 +31,13 @@ impl Weight for Jinja {
 
 /// Contents remembered (module docs).
 pub struct Texts {
-    hasher: foldhash::quality::RandomState,
-    generations: Mutex<Generations<Jinja>>,
+    memo: Memo<Jinja>,
 }
 
 impl Default for Texts {
     fn default() -> Self {
         Texts {
-            hasher: Default::default(),
-            generations: Mutex::new(Generations::new(TEXT_BYTES_PER_GENERATION)),
+            memo: Memo::new(TEXT_BYTES_PER_GENERATION),
         }
     }
 }
@@ -51,24 +46,12 @@ impl Texts {
     /// Reads a request's contents one after another, taking the memo's
     /// lock once for all of them (let go only while a new one is read).
     pub fn reader(&self) -> Reader<'_> {
-        Reader {
-            texts: self,
-            held: None,
-        }
-    }
-
-    fn generations(&self) -> MutexGuard<'_, Generations<Jinja>> {
-        self.generations
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+        Reader(self.memo.held())
     }
 }
 
 /// See [`Texts::reader`].
-pub struct Reader<'t> {
-    texts: &'t Texts,
-    held: Option<MutexGuard<'t, Generations<Jinja>>>,
-}
+pub struct Reader<'t>(Held<'t, Jinja>);
 
 impl Reader<'_> {
     /// A message's `content` as the template reads it: a string, or text
@@ -83,16 +66,14 @@ impl Reader<'_> {
         if !(REMEMBERED_FROM..=REMEMBERED_TO).contains(&json.len()) {
             return string(json);
         }
-        let texts = self.texts;
-        let key = texts.hasher.hash_one(json.as_bytes());
-        let generations = self.held.get_or_insert_with(|| texts.generations());
-        if let Some(known) = generations.get(key) {
+        let held = &mut self.0;
+        let key = held.key(json.as_bytes());
+        if let Some(known) = held.get(key) {
             return Ok(known.clone());
         }
-        drop(self.held.take());
+        held.release();
         let text = string(json)?;
-        let generations = self.held.insert(texts.generations());
-        generations.insert(key, text.clone());
+        held.insert(key, text.clone());
         Ok(text)
     }
 }
@@ -136,17 +117,17 @@ mod tests {
             first.as_str(),
             Some("a line\n\"quoted\" é ".repeat(20).as_str())
         );
-        assert_eq!(texts.generations().held(), 1);
+        assert_eq!(texts.memo.lock().held(), 1);
         // Found again: the same text, nothing more remembered.
         assert_eq!(read(&long).unwrap(), first);
-        assert_eq!(texts.generations().held(), 1);
+        assert_eq!(texts.memo.lock().held(), 1);
         // A short one is read each time, never remembered; nor a huge one.
         let short = read(&raw(serde_json::json!("hi"))).unwrap();
         assert_eq!(short.as_str(), Some("hi"));
         let huge = "x".repeat(REMEMBERED_TO + 1);
         let whole = read(&raw(serde_json::json!(huge))).unwrap();
         assert_eq!(whole.as_str().map(str::len), Some(huge.len()));
-        assert_eq!(texts.generations().held(), 1);
+        assert_eq!(texts.memo.lock().held(), 1);
         assert_eq!(
             read(&raw(serde_json::json!(3))),
             Err(Unsupported::Message("no content"))

@@ -27,7 +27,7 @@ use crate::texts::{Reader, Texts};
 use crate::Unsupported;
 
 /// What a request body says of its prompt.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Deserialize)]
 pub struct Request<'a> {
     #[serde(borrow, default)]
     messages: Option<Vec<Message<'a>>>,
@@ -274,21 +274,14 @@ impl<'de> Visitor<'de> for MessageVisitor {
         let mut m = Message::default();
         while let Some(key) = map.next_key::<Cow<'de, str>>()? {
             match &*key {
-                "role" | "name" => {
-                    let Loose::Text(text) = map.next_value::<Loose<'de>>()? else {
-                        m.refuse(if key == "role" {
-                            "no role"
-                        } else {
-                            "fields other than role, content and name"
-                        });
-                        continue;
-                    };
-                    *(if key == "role" {
-                        &mut m.role
-                    } else {
-                        &mut m.name
-                    }) = Some(text);
-                }
+                "role" => match map.next_value()? {
+                    Loose::Text(role) => m.role = Some(role),
+                    Loose::Other => m.refuse("no role"),
+                },
+                "name" => match map.next_value()? {
+                    Loose::Text(name) => m.name = Some(name),
+                    Loose::Other => m.refuse("fields other than role, content and name"),
+                },
                 "content" => m.content = Some(map.next_value()?),
                 _ => {
                     map.next_value::<IgnoredAny>()?;

@@ -576,8 +576,8 @@ fn matching_again_stops_at_its_bound_of_keys_looked_up() {
     use crate::kv_events::{EngineHeld, Matched};
     let t0 = Instant::now();
     let mut d = dispatcher(30);
-    let (_home, _other) = two_busy_endpoints(&mut d, t0);
-    let cached = _home.addr;
+    let (home, _other) = two_busy_endpoints(&mut d, t0);
+    let cached = home.addr;
     for i in 0..10 {
         let mut turn = with_prompt("t", 0, &[60 + i]);
         turn.route.engine_held = Some(Arc::new(EngineHeld {
